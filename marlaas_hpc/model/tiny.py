@@ -1,0 +1,166 @@
+"""The project's own tiny Qwen3-shaped base model: built, briefly pre-trained and cached locally.
+
+Nothing is downloaded: the builder makes a char tokenizer, a Qwen3 config with head_dim 32 (vLLM's CPU
+attention needs >= 32), pre-trains on the synthetic tasks with answers that are mostly a systematic
+mistake (see tasks/synthetic.py), so each task starts at 5-50% greedy accuracy with room for RL, and saves standard HF files (config.json, model.safetensors,
+tokenizer files) that transformers, vLLM and mbridge all load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from marlaas_hpc.model.tokenizer import VOCAB_SIZE, TextCodec, build_char_tokenizer
+from marlaas_hpc.tasks import SYNTHETIC_KINDS, DatasetSpec, Sample, build_task_data
+
+
+@dataclass(kw_only=True, frozen=True)
+class TinyModelConfig:
+    hidden_size: int = 128
+    """Model width."""
+    num_layers: int = 4
+    """Decoder layers."""
+    num_heads: int = 4
+    """Query heads (head_dim fixed at 32)."""
+    num_kv_heads: int = 2
+    """Key/value heads (GQA); TP size must divide it."""
+    intermediate_size: int = 384
+    """SwiGLU hidden width."""
+    seed: int = 1234
+    """Initialisation and data seed."""
+    pretrain_steps: int = 900
+    """Optimizer steps of supervised pre-training (cosine-decayed lr)."""
+    eval_every: int = 150
+    """Steps between progress lines (greedy eval accuracy per task)."""
+    batch_size: int = 64
+    """Sequences per pre-training step (tasks interleaved)."""
+    lr: float = 2e-3
+    """Peak AdamW learning rate of pre-training."""
+    p_correct: float = 0.3
+    """Probability that a pre-training answer is right; otherwise it is the task's systematic mistake.
+    The base model then prefers the mistake, and is right where the two agree (28-47% of inputs)."""
+
+    def fingerprint(self) -> str:
+        source = Path(__file__).read_bytes() + Path(__file__).with_name("tokenizer.py").read_bytes()
+        blob = json.dumps(asdict(self), sort_keys=True).encode() + source
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def qwen3_config(cfg: TinyModelConfig):
+    from transformers import Qwen3Config
+
+    tok = build_char_tokenizer()
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=32, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        dtype="float32")
+
+
+def _batch(codec: TextCodec, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids and labels (-100 outside the answer + eos) for (prompt, answer) pairs."""
+    seqs, labels = [], []
+    for prompt_text, answer_text in pairs:
+        prompt, answer = codec.encode_prompt(prompt_text), codec.encode_completion(answer_text)
+        seqs.append(prompt + answer)
+        labels.append([-100] * len(prompt) + answer)
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), codec.pad_id)
+    lab = torch.full((len(seqs), width), -100)
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(l)] = torch.tensor(l)
+    return ids, lab
+
+
+@torch.no_grad()
+def greedy_accuracy(model, codec: TextCodec, task, samples: list[Sample], max_new_tokens: int = 8) -> float:
+    """Greedy decoding by full recompute, batched by prompt length (no padding, so it is exact)."""
+    by_len: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_len.setdefault(len(codec.encode_prompt(s.prompt)), []).append(s)
+    correct = 0
+    for group in by_len.values():
+        ids = torch.tensor([codec.encode_prompt(s.prompt) for s in group])
+        prompt_len = ids.shape[1]
+        for _ in range(max_new_tokens):
+            next_ids = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_ids], dim=1)
+        for s, row in zip(group, ids[:, prompt_len:].tolist()):
+            correct += task.reward(s, codec.decode_completion(row)) == 1.0
+    return correct / len(samples)
+
+
+def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig = TinyModelConfig(), log=print) -> dict:
+    """Builds and pre-trains the tiny model into out_dir; returns per-task greedy eval accuracies."""
+    import random
+
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    coin = random.Random(cfg.seed)
+    tokenizer = build_char_tokenizer()
+    codec = TextCodec(tokenizer)
+    model = Qwen3ForCausalLM(qwen3_config(cfg)).float()
+    tasks = [build_task_data(DatasetSpec(kind=k, seed=cfg.seed, eval_size=96)) for k in SYNTHETIC_KINDS]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.pretrain_steps, eta_min=cfg.lr * 0.05)
+    start, accuracy = time.time(), {}
+    for step in range(1, cfg.pretrain_steps + 1):
+        model.train()
+        pairs = []
+        for i in range(cfg.batch_size):
+            cursor = step * cfg.batch_size + i
+            sample = tasks[cursor % len(tasks)].train_sample(cursor)
+            right = coin.random() < cfg.p_correct
+            pairs.append((sample.prompt, sample.answer if right else sample.meta["mistake"]))
+        ids, labels = _batch(codec, pairs)
+        loss = model(input_ids=ids, attention_mask=(ids != codec.pad_id).long(), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % cfg.eval_every == 0 or step == cfg.pretrain_steps:
+            model.eval()
+            accuracy = {t.kind: greedy_accuracy(model, codec, t, t.eval_samples()) for t in tasks}
+            log(f"[tiny-model] step {step}/{cfg.pretrain_steps}: loss {loss.item():.3f} greedy accuracy "
+                + " ".join(f"{k}={v:.2f}" for k, v in accuracy.items()) + f" ({time.time() - start:.0f}s)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config.do_sample = False
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    (out / "marlaas_tiny.json").write_text(json.dumps({"config": asdict(cfg), "eval_accuracy": accuracy,
+                                                        "fingerprint": cfg.fingerprint()}, indent=2))
+    return accuracy
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MARLAAS_CACHE", Path.home() / ".cache" / "marlaas_hpc"))
+
+
+def ensure_tiny_model(cfg: TinyModelConfig = TinyModelConfig(), cache_dir: str | Path | None = None,
+                      log=print) -> Path:
+    """Path of the cached tiny model, building it first if absent (atomic: built aside, then renamed)."""
+    final = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.fingerprint()}"
+    if (final / "marlaas_tiny.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.with_name(f"{final.name}.building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    log(f"[tiny-model] building {final} (once; ~1-2 min on 2 cores)")
+    build_tiny_model(staging, cfg, log=log)
+    try:
+        staging.rename(final)
+    except OSError:  # another process finished first: use theirs
+        shutil.rmtree(staging, ignore_errors=True)
+    return final

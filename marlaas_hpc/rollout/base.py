@@ -1,0 +1,137 @@
+"""Rollout engine interface: one base model, many (task, version) adapters, mixed-adapter batches.
+
+Every sampled token comes back with its behaviour logprob (at the request's temperature) and the adapter
+version that produced it. A request stays pinned to the adapter version it was submitted with, even if a
+newer version of its task is registered while it runs.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """A task's adapter at one policy version, saved in PEFT format at `path`."""
+
+    task_id: str
+    version: int
+    path: str
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    """Unique across the engine's lifetime."""
+    task_id: str
+    """Task whose adapter samples this request."""
+    adapter_version: int | None
+    """Policy version to sample with; it must have been registered. None = base model (no adapter)."""
+    prompt_ids: list[int]
+    """Prompt token ids (tokenised once, by TextCodec)."""
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy); behaviour logprobs are of softmax(logits / temperature)."""
+    max_new_tokens: int = 16
+    """Completion length cap."""
+    seed: int | None = None
+    """Per-request sampling seed (None: engine's generator)."""
+
+
+@dataclass
+class Generation:
+    request_id: str
+    task_id: str
+    adapter_version: int | None
+    """The version that actually produced every token (== the request's)."""
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    """Sampled tokens, including the final eos if one was sampled."""
+    logprobs: list[float]
+    """Behaviour logprob of each completion token, one per id."""
+    finish_reason: str = "stop"
+    """'stop' (eos) or 'length'."""
+    meta: dict = field(default_factory=dict)
+
+
+class RolloutEngine(ABC):
+    """Continuous-batching interface: submit requests, step until they finish. `generate` = both."""
+
+    @abstractmethod
+    def add_adapter(self, adapter: AdapterRef) -> None:
+        """Registers a task's new version. Older versions stay usable by requests already submitted on them
+        and are dropped once superseded and unused."""
+
+    @abstractmethod
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        """Queues requests; raises KeyError if a request names an adapter version that was never registered
+        or has been dropped."""
+
+    @abstractmethod
+    def step(self) -> list[Generation]:
+        """Advances generation; returns the requests that finished during this step."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool:
+        """True while any submitted request has not been returned by `step`."""
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        """Blocking convenience: submit, step until done, return results in request order."""
+        self.submit(requests)
+        done: dict[str, Generation] = {}
+        wanted = {r.request_id for r in requests}
+        while not wanted.issubset(done):
+            for gen in self.step():
+                done[gen.request_id] = gen
+        return [done[r.request_id] for r in requests]
+
+    def close(self) -> None:
+        """Releases engine resources."""
+
+
+class AdapterVersions:
+    """Book-keeping shared by the engines: which (task, version) adapters are live, their int ids for
+    vLLM, and how many in-flight requests pin each. A version is retired (returned by `release`/`add`)
+    once a newer version of its task exists and no request uses it."""
+
+    def __init__(self):
+        self._next_int_id = 1
+        self.int_id: dict[tuple[str, int], int] = {}
+        self.path: dict[tuple[str, int], str] = {}
+        self.in_flight: dict[tuple[str, int], int] = {}
+        self.latest: dict[str, int] = {}
+
+    def add(self, adapter: AdapterRef) -> list[tuple[str, int]]:
+        key = (adapter.task_id, adapter.version)
+        if key in self.int_id:
+            raise ValueError(f"adapter {adapter.task_id} v{adapter.version} is already registered")
+        if adapter.version < self.latest.get(adapter.task_id, -1):
+            raise ValueError(f"adapter {adapter.task_id} v{adapter.version} is older than the latest "
+                             f"registered v{self.latest[adapter.task_id]}")
+        self.int_id[key] = self._next_int_id
+        self._next_int_id += 1
+        self.path[key] = adapter.path
+        self.in_flight[key] = 0
+        self.latest[adapter.task_id] = adapter.version
+        return self._retirable(adapter.task_id)
+
+    def acquire(self, task_id: str, version: int) -> int:
+        """Pins a version for one request; returns its int id."""
+        key = (task_id, version)
+        if key not in self.int_id:
+            raise KeyError(f"adapter {task_id} v{version} is not registered (live: {self.live(task_id)})")
+        self.in_flight[key] += 1
+        return self.int_id[key]
+
+    def release(self, task_id: str, version: int) -> list[tuple[str, int]]:
+        self.in_flight[(task_id, version)] -= 1
+        return self._retirable(task_id)
+
+    def live(self, task_id: str) -> list[int]:
+        return sorted(v for (t, v) in self.int_id if t == task_id)
+
+    def _retirable(self, task_id: str) -> list[tuple[str, int]]:
+        latest = self.latest[task_id]
+        old = [key for key in self.int_id if key[0] == task_id and key[1] < latest and self.in_flight[key] == 0]
+        for key in old:
+            del self.int_id[key], self.path[key], self.in_flight[key]
+        return old

@@ -1,0 +1,119 @@
+"""File-backed tasks: GSM8K-format JSONL (math-verify reward) and a user's own JSONL + reward function."""
+from __future__ import annotations
+
+import importlib
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from marlaas_hpc.tasks.base import Sample, TaskData
+from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
+
+
+def read_jsonl(path: str | None, required: tuple[str, ...], field_name: str = "dataset.path") -> list[dict[str, Any]]:
+    """Reads a JSONL data file; any problem is a SpecError naming the file and line."""
+    if not path:
+        raise SpecError(field_name, "no data file given")
+    file = Path(path)
+    if not file.is_file():
+        raise SpecError(field_name, f"data file not found: {file}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(field_name, f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecError(field_name, f"{file}:{lineno}: malformed JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise SpecError(field_name, f"{file}:{lineno}: expected a JSON object")
+        missing = [key for key in required if not isinstance(row.get(key), str)]
+        if missing:
+            raise SpecError(field_name, f"{file}:{lineno}: missing or non-string field(s) {missing}")
+        rows.append(row)
+    if not rows:
+        raise SpecError(field_name, f"{file}: no samples")
+    return rows
+
+
+class _FileTask(TaskData):
+    """Seeded split of a fixed list of samples; the train stream cycles through a seeded permutation."""
+
+    def __init__(self, spec: DatasetSpec, samples: list[Sample]):
+        order = list(range(len(samples)))
+        random.Random(spec.seed).shuffle(order)
+        n_eval = min(spec.eval_size, max(1, len(samples) // 5)) if len(samples) > 1 else 0
+        self._eval = [samples[i] for i in order[:n_eval]]
+        self._train = [samples[i] for i in order[n_eval:]] or self._eval
+        self._seed = spec.seed
+
+    def train_sample(self, cursor: int) -> Sample:
+        epoch, offset = divmod(cursor, len(self._train))
+        order = list(range(len(self._train)))
+        random.Random(f"{self._seed}-{epoch}").shuffle(order)
+        return self._train[order[offset]]
+
+    def eval_samples(self) -> list[Sample]:
+        return list(self._eval)
+
+
+def gsm8k_gold(answer: str) -> str:
+    """The final answer of a GSM8K solution: the text after '####'."""
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+class Gsm8kTask(_FileTask):
+    """GSM8K format: {"question": ..., "answer": "... #### N"}; reward by math-verify."""
+
+    kind = "gsm8k"
+
+    def __init__(self, spec: DatasetSpec):
+        rows = read_jsonl(spec.path, ("question", "answer"))
+        for lineno, row in enumerate(rows, start=1):
+            if "####" not in row["answer"]:
+                raise SpecError("dataset.path", f"{spec.path}: sample {lineno}: answer has no '#### N' final answer")
+        samples = [Sample(i, f"Q: {row['question']}\nA:", gsm8k_gold(row["answer"])) for i, row in enumerate(rows)]
+        super().__init__(spec, samples)
+
+    def score(self, sample: Sample, completion: str) -> float:
+        from math_verify import parse, verify
+
+        tail = completion.split("####")[-1]
+        gold = parse(sample.answer)
+        return 1.0 if gold and verify(gold, parse(tail)) else 0.0
+
+
+def load_reward_fn(import_path: str, field_name: str = "dataset.reward_fn") -> Callable[[Sample, str], float]:
+    """Imports 'package.module:function'."""
+    module_name, _, func_name = import_path.partition(":")
+    if not module_name or not func_name:
+        raise SpecError(field_name, f"{import_path!r} is not of the form 'module:function'")
+    try:
+        func = getattr(importlib.import_module(module_name), func_name)
+    except (ImportError, AttributeError) as exc:
+        raise SpecError(field_name, f"cannot import {import_path!r}: {exc}") from None
+    if not callable(func):
+        raise SpecError(field_name, f"{import_path!r} is not callable")
+    return func
+
+
+class CustomTask(_FileTask):
+    """A user's JSONL ({"prompt": ..., "answer": ..., any other fields}) scored by their own function."""
+
+    kind = "custom"
+
+    def __init__(self, spec: DatasetSpec):
+        self._reward_fn = load_reward_fn(spec.reward_fn or "")
+        rows = read_jsonl(spec.path, ("prompt", "answer"))
+        samples = [Sample(i, row["prompt"], row["answer"],
+                          {k: v for k, v in row.items() if k not in ("prompt", "answer")})
+                   for i, row in enumerate(rows)]
+        super().__init__(spec, samples)
+
+    def score(self, sample: Sample, completion: str) -> float:
+        return self._reward_fn(sample, completion)

@@ -1,0 +1,20 @@
+"""Task type name -> data/verifier class."""
+from __future__ import annotations
+
+from marlaas_hpc.tasks.base import TaskData
+from marlaas_hpc.tasks.files import CustomTask, Gsm8kTask
+from marlaas_hpc.tasks.spec import DatasetSpec
+from marlaas_hpc.tasks.synthetic import GENERATORS, SyntheticTask
+
+SYNTHETIC_KINDS = tuple(GENERATORS)
+TASK_KINDS = frozenset(SYNTHETIC_KINDS) | {"gsm8k", "custom"}
+
+
+def build_task_data(spec: DatasetSpec) -> TaskData:
+    """Loads a task's data (files are read and checked here, at admission)."""
+    spec.validate()
+    if spec.kind in GENERATORS:
+        return SyntheticTask(spec)
+    if spec.kind == "gsm8k":
+        return Gsm8kTask(spec)
+    return CustomTask(spec)

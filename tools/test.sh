@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The project's test command (README, CI): set up the venv, then run every test suite.
+# Suites that need a local Slurm cluster run when slurm/local-cluster/start.sh can bring one up (root).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup_env.sh
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+if [ -x slurm/local-cluster/start.sh ] && [ "$(id -u)" = 0 ] && [ "${MARLAAS_NO_SLURM:-0}" != 1 ]; then
+    bash slurm/local-cluster/start.sh || echo "[test] local Slurm did not start: slurm tests will be skipped"
+fi
+# Build the tiny model once up front so its build time shows separately from the tests'.
+.venv/bin/python tools/build_tiny_model.py
+exec .venv/bin/python -m pytest -q -ra "$@"
