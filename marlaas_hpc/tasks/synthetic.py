@@ -20,8 +20,9 @@ _LETTERS = "abcdef"
 
 
 def _addition(rng: random.Random) -> tuple[str, str, str]:
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
-    no_carry = int("".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:02d}", f"{b:02d}")))
+    # two digits plus one: small enough for the tiny model; the mistake forgets the carry into the tens
+    a, b = rng.randint(10, 99), rng.randint(2, 9)
+    no_carry = (a // 10) * 10 + (a % 10 + b) % 10
     return f"{a}+{b}=", str(a + b), str(no_carry)
 
 

@@ -1,0 +1,86 @@
+"""Per-task and per-group book-keeping of the scheduler (pure data, no MPI)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marlaas_hpc.tasks.spec import TaskSpec
+
+QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+
+
+@dataclass
+class Group:
+    """G completions of one prompt: the unit the scheduler routes, trains or drops."""
+
+    group_id: str
+    task_id: str
+    prompt_index: int
+    """Cursor into the task's training stream."""
+    version: int
+    """Adapter version the rollout rank was told to sample with (the behaviour version)."""
+    rollout_rank: int
+    env_rank: int
+    issued_at: float
+    reward_mean: float | None = None
+
+
+@dataclass
+class TaskState:
+    spec: TaskSpec
+    status: str = QUEUED
+    version: int = 0
+    """Optimizer steps applied to the adapter (the trainer's version)."""
+    next_prompt: int = 0
+    """Next cursor of the task's training stream to hand out."""
+    generating: dict[str, Group] = field(default_factory=dict)
+    """Issued, not yet generated."""
+    scoring: dict[str, Group] = field(default_factory=dict)
+    """Generated, being scored on an env rank."""
+    ready: list[Group] = field(default_factory=list)
+    """Scored and buffered at the trainer, oldest first."""
+    training: list[Group] | None = None
+    """Groups of the step in flight, if any."""
+    trained_groups: int = 0
+    dropped_groups: int = 0
+    max_trained_staleness: int = 0
+    submitted_at: float = 0.0
+    admitted_at: float | None = None
+    step_times: list[float] = field(default_factory=list)
+    """Time of each completed optimizer step (TTFS, TPTS)."""
+    error: str | None = None
+    cancel_requested: bool = False
+    """Cancel arrived while a step was in flight: end the task when that step lands."""
+    reward_history: list[float] = field(default_factory=list)
+
+    @property
+    def task_id(self) -> str:
+        return self.spec.task_id
+
+    @property
+    def batch(self) -> int:
+        return self.spec.algo.batch_prompts
+
+    @property
+    def bound(self) -> int:
+        return self.spec.max_staleness
+
+    def outstanding(self) -> int:
+        """Groups generated or in flight beyond what the trainer has consumed (admission control)."""
+        return len(self.generating) + len(self.scoring) + len(self.ready) + len(self.training or [])
+
+    def finished_issuing(self) -> bool:
+        """True when the groups already issued suffice for the remaining steps (no more are needed)."""
+        steps_left = self.spec.total_steps - self.version - (1 if self.training else 0)
+        return self.outstanding() - len(self.training or []) >= steps_left * self.batch
+
+    @property
+    def active(self) -> bool:
+        return self.status == RUNNING
+
+    def ttfs(self) -> float | None:
+        return self.step_times[0] - self.submitted_at if self.step_times else None
+
+    def tpts(self) -> float | None:
+        if len(self.step_times) < 2:
+            return None
+        return (self.step_times[-1] - self.step_times[0]) / (len(self.step_times) - 1)

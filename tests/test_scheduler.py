@@ -1,0 +1,160 @@
+"""The scheduler as a pure state machine: staleness bound for every trained group, no starvation, modes."""
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from marlaas_hpc.scheduler import (CANCELLED, DONE, Cancel, Scheduler, SchedulerConfig, Submit, Generate, Train,
+                                   Admit, StepDone, Generated, Scored)
+from marlaas_hpc.scheduler.simloop import SimLoop
+from marlaas_hpc.tasks import TaskSpec
+
+
+class RandomDurations:
+    """Long-tailed generation, variable scoring and training times, seeded."""
+
+    def __init__(self, seed: int, tail: float = 1.0):
+        self.rng = random.Random(seed)
+        self.tail = tail
+
+    def generate(self, task_id, group_id):
+        return self.rng.lognormvariate(0.0, self.tail)
+
+    def score(self, task_id, group_id):
+        return self.rng.uniform(0.01, 0.5)
+
+    def train(self, task_id, n_groups):
+        return self.rng.uniform(0.1, 1.0)
+
+    def publish(self, task_id):
+        return 0.05
+
+
+def spec(task_id, k, steps=5, batch=2, priority=0):
+    return TaskSpec.from_dict({"task_id": task_id, "max_staleness": k, "total_steps": steps, "priority": priority,
+                               "algo": {"batch_prompts": batch, "group_size": 2}})
+
+
+def simulate(specs, mode="async", seed=0, rollout_ranks=2, slots=3, order="fair", tail=1.0, max_active=8):
+    loop = SimLoop.__new__(SimLoop)
+    config = SchedulerConfig(mode=mode, order=order, rollout_ranks=tuple(range(1, rollout_ranks + 1)),
+                             env_ranks=(99,), rollout_slots=slots, max_active_tasks=max_active)
+    scheduler = Scheduler(config, clock=lambda: loop.now)
+    SimLoop.__init__(loop, scheduler, RandomDurations(seed, tail))
+    for s in specs:
+        loop.submit(s)
+    return scheduler, loop.run()
+
+
+def assert_bound_and_progress(scheduler, result, specs):
+    assert result.ended == {s.task_id: DONE for s in specs}, "every task finishes (no starvation)"
+    for s in specs:
+        records = [r for r in scheduler.audit if r.task_id == s.task_id]
+        assert len(records) == s.total_steps * s.algo.batch_prompts
+        for record in records:
+            assert record.behaviour_version >= record.trained_into - 1 - s.max_staleness, record
+            assert record.behaviour_version <= record.trained_into - 1
+        versions = sorted({r.trained_into for r in records})
+        assert versions == list(range(1, s.total_steps + 1)), "each version trained exactly once"
+        state = scheduler.tasks[s.task_id]
+        assert state.max_trained_staleness <= s.max_staleness
+        assert state.version == s.total_steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), bounds=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+       mode=st.sampled_from(["async", "sync", "sequential"]), ranks=st.integers(1, 3), slots=st.integers(1, 5),
+       batch=st.integers(1, 4), tail=st.floats(0.1, 2.0))
+def test_property_no_trained_sample_exceeds_bound_and_no_starvation(seed, bounds, mode, ranks, slots, batch, tail):
+    specs = [spec(f"t{i}", k, steps=4, batch=batch) for i, k in enumerate(bounds)]
+    scheduler, result = simulate(specs, mode=mode, seed=seed, rollout_ranks=ranks, slots=slots, tail=tail)
+    assert_bound_and_progress(scheduler, result, specs)
+
+
+def test_on_policy_k0_trains_only_current_version():
+    specs = [spec("a", 0, steps=6), spec("b", 0, steps=6)]
+    scheduler, result = simulate(specs, seed=3)
+    assert_bound_and_progress(scheduler, result, specs)
+    assert all(r.staleness == 0 for r in scheduler.audit)
+
+
+def test_larger_bound_is_used():
+    specs = [spec(f"t{i}", 2, steps=8, batch=2) for i in range(4)]
+    scheduler, result = simulate(specs, seed=5, slots=4)
+    assert_bound_and_progress(scheduler, result, specs)
+    assert max(r.staleness for r in scheduler.audit) >= 1  # off-policy samples actually trained
+
+
+def test_admission_control_limits_outstanding_groups():
+    loop_now = [0.0]
+    sched = Scheduler(SchedulerConfig(rollout_ranks=(1, 2), env_ranks=(3,), rollout_slots=50),
+                      clock=lambda: loop_now[0])
+    commands = sched.handle(Submit(spec("a", 1, steps=10, batch=3)))
+    assert [type(c) for c in commands] == [Admit]
+    commands = sched.handle(StepDone("a", 0))
+    issued = sum(len(c.groups) for c in commands if isinstance(c, Generate))
+    assert issued == (1 + 1) * 3  # (k+1)·B
+    assert sched.tasks["a"].outstanding() == 6
+
+
+def test_stale_groups_are_dropped_not_trained():
+    now = [0.0]
+    sched = Scheduler(SchedulerConfig(rollout_ranks=(1,), env_ranks=(2,), rollout_slots=10), clock=lambda: now[0])
+    sched.handle(Submit(spec("a", 0, steps=3, batch=1)))
+    cmds = sched.handle(StepDone("a", 0))
+    (gen,) = [c for c in cmds if isinstance(c, Generate)]
+    (gid,) = [g for g, _ in gen.groups]
+    # k=0, B=1: one group at v0 outstanding; train it, then pretend a late v0 group arrives after v1
+    cmds = sched.handle(Generated(1, (gid,))) + sched.handle(Scored(gid, 1.0))
+    (train,) = [c for c in cmds if isinstance(c, Train)]
+    assert train.behaviour_versions == (0,)
+    late = sched.tasks["a"]
+    from marlaas_hpc.scheduler.state import Group
+    ghost = Group("a/ghost", "a", 99, 0, 1, 2, 0.0)
+    sched._group_of[ghost.group_id] = ghost
+    late.scoring[ghost.group_id] = ghost
+    sched.env_load[2] += 1
+    sched.handle(Scored(ghost.group_id, 0.0))
+    cmds = sched.handle(StepDone("a", 1))
+    assert late.dropped_groups == 1
+    assert all(r.group_id != "a/ghost" for r in sched.audit)
+
+
+def test_sync_mode_is_lockstep():
+    specs = [spec(f"t{i}", 2, steps=4) for i in range(3)]
+    scheduler, result = simulate(specs, mode="sync", seed=1)
+    assert_bound_and_progress(scheduler, result, specs)
+    assert all(r.staleness == 0 for r in scheduler.audit)
+
+
+def test_sequential_runs_one_task_at_a_time():
+    specs = [spec(f"t{i}", 2, steps=3) for i in range(3)]
+    scheduler, result = simulate(specs, mode="sequential", seed=2)
+    assert_bound_and_progress(scheduler, result, specs)
+    spans = sorted((scheduler.tasks[s.task_id].step_times[0], scheduler.tasks[s.task_id].step_times[-1])
+                   for s in specs)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "task steps do not interleave"
+
+
+def test_async_beats_sync_and_sequential_with_long_tails():
+    specs = [spec(f"t{i}", 1, steps=6, batch=2) for i in range(6)]
+    ends = {m: simulate(specs, mode=m, seed=7, rollout_ranks=2, slots=4, tail=1.5)[1].end_time
+            for m in ("async", "sync", "sequential")}
+    assert ends["async"] < ends["sync"] < ends["sequential"], ends
+
+
+def test_cancel_at_step_boundary_and_queue_admission():
+    specs = [spec("a", 1, steps=50), spec("b", 1, steps=3), spec("c", 1, steps=3)]
+    loop = SimLoop.__new__(SimLoop)
+    sched = Scheduler(SchedulerConfig(rollout_ranks=(1,), env_ranks=(2,), max_active_tasks=2),
+                      clock=lambda: loop.now)
+    SimLoop.__init__(loop, sched, RandomDurations(0))
+    for s in specs:
+        loop.submit(s)
+    loop.at(5.0, Cancel("a"))
+    result = loop.run()
+    assert result.ended == {"a": CANCELLED, "b": DONE, "c": DONE}
+    assert sched.tasks["c"].admitted_at >= sched.tasks["a"].step_times[-1] or \
+        sched.tasks["c"].admitted_at >= sched.tasks["b"].step_times[-1]
+    assert 0 < sched.tasks["a"].version < 50
