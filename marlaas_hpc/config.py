@@ -8,10 +8,12 @@ from typing import Any
 
 import yaml
 
+from marlaas_hpc.launch.layout import JobLayout
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec
 
 ENGINES = ("vllm", "hf")
 MODES = ("async", "sync", "sequential")
+ORDERS = ("fair", "priority", "fifo")
 
 
 @dataclass(kw_only=True)
@@ -29,15 +31,31 @@ class JobConfig:
     max_lora_rank: int = 16
     """Largest LoRA rank any task may use (sizes vLLM's LoRA slots)."""
     max_adapters: int = 8
-    """Adapter slots: tasks served at once by a rollout engine."""
+    """Adapter slots: tasks running at once (each rollout engine serves that many LoRAs); more wait queued."""
+    order: str = "fair"
+    """Which ready task goes first: 'fair' (least recently served), 'priority' (TaskSpec.priority), 'fifo'."""
+    rollout_slots: int = 4
+    """Prompt groups one rollout rank generates concurrently (its continuous batch, in groups)."""
+    layout: JobLayout = field(default_factory=JobLayout)
+    """Ranks per role (env, rollout, trainer TP x DP) and, under Slurm, each component's resources."""
     tasks: list[TaskSpec] = field(default_factory=list)
-    """The tasks admitted at start."""
+    """The tasks submitted at start."""
 
     def validate(self) -> "JobConfig":
         if self.engine not in ENGINES:
             raise SpecError("engine", f"unknown engine {self.engine!r}; known: {list(ENGINES)}")
         if self.mode not in MODES:
             raise SpecError("mode", f"unknown mode {self.mode!r}; known: {list(MODES)}")
+        if self.order not in ORDERS:
+            raise SpecError("order", f"unknown order {self.order!r}; known: {list(ORDERS)}")
+        for name in ("max_adapters", "rollout_slots", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(name, f"must be an integer >= 1, got {value!r}")
+        self.layout.validate()
+        if self.layout.trainer_dp != 1:
+            raise SpecError("layout.trainer_dp", "data-parallel trainer replicas are not implemented yet; "
+                                                 "use trainer_dp: 1 (scale with trainer_tp)")
         if self.model != "tiny" and not Path(self.model, "config.json").is_file():
             raise SpecError("model", f"{self.model!r} is neither 'tiny' nor an HF checkpoint dir with config.json")
         seen: set[str] = set()
@@ -61,6 +79,10 @@ class JobConfig:
         if unknown:
             raise SpecError(unknown[0], f"unknown field (known: {sorted(known)})")
         kwargs = dict(data)
+        try:
+            kwargs["layout"] = JobLayout.from_dict(kwargs.get("layout") or {})
+        except SpecError as exc:
+            raise SpecError(f"layout.{exc.field}", str(exc).split(": ", 1)[1]) from None
         tasks = []
         for i, task in enumerate(kwargs.pop("tasks", []) or []):
             try:

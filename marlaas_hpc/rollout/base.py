@@ -100,13 +100,20 @@ class AdapterVersions:
         self.in_flight: dict[tuple[str, int], int] = {}
         self.latest: dict[str, int] = {}
 
-    def add(self, adapter: AdapterRef) -> list[tuple[str, int]]:
+    def check_new(self, adapter: AdapterRef) -> int:
+        """Raises ValueError where `add(adapter)` would; else returns the int id `add` will give it. Engines
+        call it before loading the adapter so that a failed load leaves the book-keeping untouched."""
         key = (adapter.task_id, adapter.version)
         if key in self.int_id:
             raise ValueError(f"adapter {adapter.task_id} v{adapter.version} is already registered")
         if adapter.version < self.latest.get(adapter.task_id, -1):
             raise ValueError(f"adapter {adapter.task_id} v{adapter.version} is older than the latest "
                              f"registered v{self.latest[adapter.task_id]}")
+        return self._next_int_id
+
+    def add(self, adapter: AdapterRef) -> list[tuple[str, int]]:
+        key = (adapter.task_id, adapter.version)
+        self.check_new(adapter)
         self.int_id[key] = self._next_int_id
         self._next_int_id += 1
         self.path[key] = adapter.path
@@ -118,7 +125,8 @@ class AdapterVersions:
         """Pins a version for one request; returns its int id."""
         key = (task_id, version)
         if key not in self.int_id:
-            raise KeyError(f"adapter {task_id} v{version} is not registered (live: {self.live(task_id)})")
+            raise KeyError(f"adapter {task_id} v{version} is not registered (never added, or retired once "
+                           f"superseded and unused); live versions of {task_id!r}: {self.live(task_id)}")
         self.in_flight[key] += 1
         return self.int_id[key]
 

@@ -39,6 +39,9 @@ class Cancel:
 class Generated:
     rollout_rank: int
     group_ids: tuple[str, ...]
+    versions: tuple[int | None, ...] = ()
+    """Adapter version each group was actually sampled with (a rollout rank may use a newer version than
+    the one asked for if the older one is gone; never an older one). Empty: as issued."""
 
 
 @dataclass(frozen=True)
@@ -185,11 +188,16 @@ class Scheduler:
 
     def _generated(self, event: Generated) -> list:
         out = []
-        for gid in event.group_ids:
+        versions = event.versions or (None,) * len(event.group_ids)
+        for gid, version in zip(event.group_ids, versions):
             self.rollout_load[event.rollout_rank] -= 1
             group = self._group_of.get(gid)
             if group is None:
                 continue
+            if version is not None:
+                if version < group.version:
+                    raise RuntimeError(f"{gid}: sampled with v{version}, older than the v{group.version} issued")
+                group.version = version
             task = self.tasks[group.task_id]
             task.generating.pop(gid, None)
             if not task.active:

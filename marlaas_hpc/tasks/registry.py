@@ -7,7 +7,9 @@ from marlaas_hpc.tasks.spec import DatasetSpec
 from marlaas_hpc.tasks.synthetic import GENERATORS, SyntheticTask
 
 SYNTHETIC_KINDS = tuple(GENERATORS)
-TASK_KINDS = frozenset(SYNTHETIC_KINDS) | {"gsm8k", "custom"}
+ENV_TASK_KINDS = ("gsm8k_tool", "gsm8k_plain", "hotpotqa", "lookup")
+"""Tool / multi-turn workloads (marlaas_hpc.env): episodes of several model turns with tool observations."""
+TASK_KINDS = frozenset(SYNTHETIC_KINDS) | {"gsm8k", "custom"} | frozenset(ENV_TASK_KINDS)
 
 
 def build_task_data(spec: DatasetSpec) -> TaskData:
@@ -15,6 +17,10 @@ def build_task_data(spec: DatasetSpec) -> TaskData:
     spec.validate()
     if spec.kind in GENERATORS:
         return SyntheticTask(spec)
+    if spec.kind in ENV_TASK_KINDS:
+        from marlaas_hpc.env.workloads import build_env_task  # lazy: env workers stay light
+
+        return build_env_task(spec)
     if spec.kind == "gsm8k":
         return Gsm8kTask(spec)
     return CustomTask(spec)

@@ -67,8 +67,8 @@ class AlgoSpec:
     """Sampling temperature of rollouts; behaviour and trainer logprobs are taken at this temperature."""
     max_new_tokens: int = 16
     """Longest completion sampled, in tokens."""
-    normalize_adv_std: bool = False
-    """Divide group-relative advantages by the group's std (GRPO original) instead of only centring."""
+    normalize_adv_std: bool = True
+    """Divide group-relative advantages by the group's std (GRPO original); False only centres them."""
     grad_clip: float = 1.0
     """Max global grad norm of the adapter; 0 disables clipping."""
 
@@ -98,6 +98,12 @@ class DatasetSpec:
     """Seed of the train/eval split and of synthetic generation."""
     eval_size: int = 128
     """Held-out samples used for eval accuracy."""
+    corpus: str | None = None
+    """Search corpus JSONL for tool workloads (hotpotqa); None: the data file's own context documents."""
+    metric: str | None = None
+    """QA reward: 'f1' (default) or 'em' (exact match)."""
+    syntax: str | None = None
+    """Tool-call syntax of the lookup workload: 'compact' (default, for the tiny model) or 'xml'."""
 
     def validate(self, prefix: str = "dataset") -> None:
         from marlaas_hpc.tasks.registry import TASK_KINDS
@@ -105,7 +111,11 @@ class DatasetSpec:
         if self.kind not in TASK_KINDS:
             raise SpecError(f"{prefix}.kind", f"unknown task type {self.kind!r}; known: {sorted(TASK_KINDS)}")
         _int_at_least(self.eval_size, 1, f"{prefix}.eval_size")
-        if self.kind in ("gsm8k", "custom") and not self.path:
+        if self.metric not in (None, "f1", "em"):
+            raise SpecError(f"{prefix}.metric", f"must be 'f1' or 'em', got {self.metric!r}")
+        if self.syntax not in (None, "compact", "xml"):
+            raise SpecError(f"{prefix}.syntax", f"must be 'compact' or 'xml', got {self.syntax!r}")
+        if self.kind in ("gsm8k", "custom", "gsm8k_tool", "gsm8k_plain", "hotpotqa") and not self.path:
             raise SpecError(f"{prefix}.path", f"task type {self.kind!r} needs a data file")
         if self.kind == "custom" and not self.reward_fn:
             raise SpecError(f"{prefix}.reward_fn", "custom tasks name a reward function as 'module:function'")

@@ -57,7 +57,7 @@ def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torc
         delta = base_logp - logp
         kl = torch.exp(delta) - delta - 1.0  # k3 estimator of KL(pi_theta || pi_base), >= 0
         per_token = per_token + kl_beta * kl
-        stats["kl"] = float((kl * mask).sum() / n_tokens)
+        stats["kl"] = float((kl * mask).sum().detach() / n_tokens)
     loss = (per_token * mask).sum() / n_tokens
     with torch.no_grad():
         clipped = ((ratio - 1).abs() > clip_eps).to(logp.dtype)

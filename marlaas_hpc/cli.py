@@ -1,0 +1,68 @@
+"""`marlaas` command line: run a job locally (or under MPI/Slurm), and the per-component tools."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from marlaas_hpc.tasks.spec import SpecError
+
+
+def _under_mpi() -> bool:
+    """Started by mpirun/srun as one of several ranks: run the rank directly."""
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        if int(os.environ.get(name, "1") or 1) > 1:
+            return True
+    return int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_STEP_ID" in os.environ
+
+
+def mpirun_command(job, config: str, run_dir: str, mode: str) -> list[str]:
+    """Local mode: one MPI world of the layout's size on this machine."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise SystemExit("marlaas: mpirun not found (Debian: apt-get install openmpi-bin libopenmpi-dev)")
+    return [mpirun, "-np", str(job.layout.world_size), "--oversubscribe", "--bind-to", "none",
+            "--mca", "mpi_yield_when_idle", "1",
+            sys.executable, "-m", "marlaas_hpc.runtime.main", config, "--run-dir", run_dir, "--mode", mode]
+
+
+def cmd_run(args) -> int:
+    from marlaas_hpc.runtime.main import load_job
+    from marlaas_hpc.runtime import main as runtime_main
+
+    if _under_mpi():
+        argv = [args.config] + (["--run-dir", args.run_dir] if args.run_dir else []) + \
+               (["--mode", args.mode] if args.mode else [])
+        return runtime_main.main(argv)
+    try:
+        job = load_job(args.config, args.run_dir, args.mode)  # refuse a bad config before any process starts
+    except SpecError as exc:
+        print(f"marlaas: invalid config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    job.model_path()  # build the tiny model once here, not in every rank
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    command = mpirun_command(job, args.config, job.run_dir, job.mode)
+    print(f"[marlaas] local mode: {job.layout.world_size} ranks ({job.layout.env_ranks} env, "
+          f"{job.layout.rollout_ranks} rollout, {job.layout.trainer_ranks} trainer), {len(job.tasks)} tasks, "
+          f"mode {job.mode}, run dir {job.run_dir}", flush=True)
+    os.execvpe(command[0], command, env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="marlaas", description="Multi-task asynchronous RL fine-tuning (MARLaaS).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a job: local mode (launches mpirun) or as a rank under MPI/Slurm")
+    run.add_argument("config", help="job config YAML (see configs/)")
+    run.add_argument("--run-dir", help="output directory (default: the config's run_dir)")
+    run.add_argument("--mode", choices=["async", "sync", "sequential"], help="override the config's mode")
+    run.set_defaults(func=cmd_run)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

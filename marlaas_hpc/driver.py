@@ -1,0 +1,142 @@
+"""Single-process driver: rollout -> reward -> train for one or more tasks, in one Python process.
+
+Used by tests, by the benchmark of the learning core, and as the reference semantics of the distributed
+runtime (one on-policy GRPO step per task per round). Outputs follow DESIGN.md §8:
+RUN_DIR/tasks/<tenant>/<task_id>/{adapters/v0000,..., metrics.jsonl}.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from marlaas_hpc.model import TextCodec
+from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest, RolloutEngine
+from marlaas_hpc.tasks import Sample, TaskData, TaskSpec, build_task_data
+from marlaas_hpc.trainer.grpo import assign_advantages
+from marlaas_hpc.trajectory import Trajectory
+
+
+def task_dir(run_dir: str | Path, spec: TaskSpec) -> Path:
+    """Everything a task writes lives here (tenant isolation)."""
+    return Path(run_dir) / "tasks" / spec.tenant / spec.task_id
+
+
+def adapter_dir(run_dir: str | Path, spec: TaskSpec, version: int) -> Path:
+    return task_dir(run_dir, spec) / "adapters" / f"v{version:04d}"
+
+
+@dataclass
+class TaskState:
+    spec: TaskSpec
+    data: TaskData
+    cursor: int = 0
+    """Index of the next training prompt in the task's stream."""
+    history: list[dict] = field(default_factory=list)
+
+
+def to_trajectories(task: TaskState, samples: list[Sample], gens: list[Generation], codec: TextCodec,
+                    group_size: int) -> list[Trajectory]:
+    """Scores generations (grouped G per sample, in order) and sets group-relative advantages."""
+    trajectories = []
+    for i, gen in enumerate(gens):
+        sample = samples[i // group_size]
+        reward = task.data.reward(sample, codec.decode_completion(gen.completion_ids))
+        trajectories.append(Trajectory(
+            task_id=task.spec.task_id, group_id=f"{task.spec.task_id}/{sample.index}", prompt_ids=gen.prompt_ids,
+            completion_ids=gen.completion_ids, behaviour_logprobs=gen.logprobs,
+            behaviour_version=gen.adapter_version if gen.adapter_version is not None else 0, reward=reward))
+    assign_advantages(trajectories, task.spec.algo.normalize_adv_std)
+    return trajectories
+
+
+class LocalDriver:
+    """Holds one rollout engine and one trainer in-process and moves tasks through both."""
+
+    def __init__(self, engine: RolloutEngine, trainer, codec: TextCodec, run_dir: str | Path, seed: int = 0,
+                 log=print):
+        self.engine, self.trainer, self.codec = engine, trainer, codec
+        self.run_dir, self.seed, self.log = Path(run_dir), seed, log
+        self.tasks: dict[str, TaskState] = {}
+        self._request_counter = 0
+
+    def add_task(self, spec: TaskSpec) -> None:
+        """Admits a task: loads its data (errors name the field), creates its adapter, publishes v0."""
+        data = build_task_data(spec.dataset)
+        self.trainer.add_task(spec.task_id, spec.lora, spec.algo)
+        self.tasks[spec.task_id] = TaskState(spec, data)
+        task_dir(self.run_dir, spec).mkdir(parents=True, exist_ok=True)
+        self._publish(spec.task_id)
+
+    def _publish(self, task_id: str) -> None:
+        spec = self.tasks[task_id].spec
+        version = self.trainer.version(task_id)
+        path = adapter_dir(self.run_dir, spec, version)
+        self.trainer.export_adapter(task_id, path)
+        self.engine.add_adapter(AdapterRef(task_id, version, str(path)))
+
+    def _requests(self, task_id: str, prompts: list[str], copies: int, temperature: float,
+                  max_new_tokens: int, version: int | None) -> list[GenerationRequest]:
+        requests = []
+        for prompt in prompts:
+            ids = self.codec.encode_prompt(prompt)
+            for _ in range(copies):
+                self._request_counter += 1
+                requests.append(GenerationRequest(
+                    request_id=f"r{self._request_counter}", task_id=task_id, adapter_version=version,
+                    prompt_ids=ids, temperature=temperature, max_new_tokens=max_new_tokens,
+                    seed=self.seed * 1_000_003 + self._request_counter))
+        return requests
+
+    def rollout(self, task_id: str) -> list[Trajectory]:
+        """One batch of B prompts x G samples at the task's current version, scored, with advantages."""
+        state = self.tasks[task_id]
+        algo = state.spec.algo
+        samples = [state.data.train_sample(state.cursor + i) for i in range(algo.batch_prompts)]
+        state.cursor += algo.batch_prompts
+        requests = self._requests(task_id, [s.prompt for s in samples], algo.group_size, algo.temperature,
+                                  algo.max_new_tokens, self.trainer.version(task_id))
+        gens = self.engine.generate(requests)
+        return to_trajectories(state, samples, gens, self.codec, algo.group_size)
+
+    def train(self, task_id: str, trajectories: list[Trajectory]) -> dict:
+        """One optimizer step of the task; publishes the new version to the rollout engine."""
+        start = time.perf_counter()
+        metrics = self.trainer.train_step(task_id, trajectories)
+        self._publish(task_id)
+        state = self.tasks[task_id]
+        record = {"task_id": task_id, "version": self.trainer.version(task_id),
+                  "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
+                  "train_s": time.perf_counter() - start, "time": time.time(), **metrics}
+        state.history.append(record)
+        with open(task_dir(self.run_dir, state.spec) / "metrics.jsonl", "a") as sink:
+            sink.write(json.dumps(record) + "\n")
+        return record
+
+    def evaluate(self, task_id: str, use_adapter: bool = True) -> float:
+        """Greedy accuracy on the task's eval split at its current version (or the base model)."""
+        state = self.tasks[task_id]
+        samples = state.data.eval_samples()
+        version = self.trainer.version(task_id) if use_adapter else None
+        requests = self._requests(task_id, [s.prompt for s in samples], 1, 0.0,
+                                  state.spec.algo.max_new_tokens, version)
+        gens = self.engine.generate(requests)
+        rewards = [state.data.reward(s, self.codec.decode_completion(g.completion_ids)) for s, g in zip(samples, gens)]
+        return sum(r == 1.0 for r in rewards) / len(rewards)
+
+    def run(self, steps: int | None = None) -> dict[str, dict]:
+        """Round-robin: each unfinished task does rollout + one train step per round, until total_steps."""
+        before = {tid: self.evaluate(tid) for tid in self.tasks}
+        while True:
+            pending = [tid for tid, st in self.tasks.items()
+                       if self.trainer.version(tid) < (steps or st.spec.total_steps)]
+            if not pending:
+                break
+            for tid in pending:
+                record = self.train(tid, self.rollout(tid))
+                self.log(f"[{tid}] v{record['version']} reward {record['reward_mean']:.3f} "
+                         f"loss {record['loss']:+.4f}")
+        after = {tid: self.evaluate(tid) for tid in self.tasks}
+        return {tid: {"eval_before": before[tid], "eval_after": after[tid],
+                      "version": self.trainer.version(tid)} for tid in self.tasks}

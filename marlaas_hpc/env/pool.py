@@ -1,0 +1,363 @@
+"""Env worker pool: runs many episodes' env steps at once, with per-call timeouts and per-stage timings.
+
+Modes (`EnvPoolConfig.mode`):
+- ``thread``: worker threads in this process. Right for tools that wait on subprocesses (python) or I/O and
+  for light verifiers. A call past its timeout is reported as failed and its thread is replaced; the stuck
+  thread cannot be interrupted and is abandoned (its late result is dropped).
+- ``process``: one subprocess per worker (spawn start method: entry scripts need a ``__main__`` guard).
+  Each task is pickled once and shipped to a worker on first use (then its optional ``warm_up()`` runs, outside
+  any step's timeout); an env step ships the small per-episode
+  env (without its task) and gets it back. A call past its timeout, or a worker that dies, kills and
+  replaces that worker only. Right for CPU-heavy or untrusted reward functions.
+- ``inline``: run in the caller's thread (debugging; no timeout).
+
+A call never raises into the caller: `StepOutcome.error` carries an `EnvError` (a RewardError) naming the task
+when its verifier raised / returned NaN or out-of-range, when its env raised, timed out or killed the worker.
+The caller marks that task failed; other tasks are unaffected.
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import pickle
+import queue
+import statistics
+import threading
+import time
+import traceback
+from collections import defaultdict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from marlaas_hpc.env.protocol import Environment, StepResult
+from marlaas_hpc.tasks.base import RewardError, TaskData
+
+MODES = ("thread", "process", "inline")
+_STARTUP_TIMEOUT_S = 120.0  # spawn + imports + unpickling a task (a BM25 index) on a busy node
+
+
+@dataclass(kw_only=True, frozen=True)
+class EnvPoolConfig:
+    mode: str = "thread"
+    """'thread', 'process' or 'inline' (see module docstring)."""
+    workers: int = 4
+    """Concurrent env steps."""
+    step_timeout_s: float = 30.0
+    """Per env.step wall-clock limit (a tool's own limits, e.g. the python sandbox's, are shorter)."""
+    max_samples_per_stage: int = 100_000
+    """Timing samples kept per stage for the stats (oldest dropped)."""
+
+    def validate(self) -> "EnvPoolConfig":
+        if self.mode not in MODES:
+            raise ValueError(f"env_pool.mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"env_pool.workers must be an integer >= 1, got {self.workers!r}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"env_pool.step_timeout_s must be > 0, got {self.step_timeout_s!r}")
+        return self
+
+
+class EnvError(RewardError):
+    """An env step of task `task_key` failed: cause is 'reward' (verifier raised / NaN / out of range),
+    'env' (the env raised), 'timeout' or 'crash' (the worker process died)."""
+
+    def __init__(self, task_key: str, cause: str, message: str):
+        self.task_key, self.cause = task_key, cause
+        super().__init__(f"task {task_key!r}: {message}")
+
+    def __reduce__(self):
+        return EnvError, (self.task_key, self.cause, str(self).split(": ", 1)[-1])
+
+
+@dataclass
+class StepOutcome:
+    task_key: str
+    env: Environment
+    """The env after the step (in process mode a new object with the task re-attached)."""
+    result: StepResult | None
+    error: EnvError | None
+    queued_s: float
+    run_s: float
+
+
+@dataclass
+class _Call:
+    task_key: str
+    env: Environment
+    text: str
+    future: Future
+    submitted: float
+    started: float = 0.0
+    abandoned: bool = False
+
+
+class EnvPool:
+    def __init__(self, config: EnvPoolConfig = EnvPoolConfig()):
+        self.config = config.validate()
+        self._tasks: dict[str, TaskData] = {}
+        self._blobs: dict[str, bytes] = {}
+        self._queue: queue.Queue[_Call | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._stages: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=config.max_samples_per_stage))
+        self._counts: dict[str, int] = defaultdict(int)
+        self._errors: dict[str, list[str]] = defaultdict(list)
+        self._busy_s = 0.0
+        self._opened = time.monotonic()
+        self._closed = False
+        self._running: dict[int, _Call] = {}
+        self._abandoned: set[int] = set()
+        self._thread_ids = itertools.count()
+        self._threads: list[threading.Thread] = []
+        if config.mode != "inline":
+            for _ in range(config.workers):
+                self._start_thread()
+        if config.mode == "thread":
+            threading.Thread(target=self._watchdog, name="env-pool-watchdog", daemon=True).start()
+
+    # ------------------------------------------------------------ public API
+    def add_task(self, task_key: str, task: TaskData) -> None:
+        """Makes a task's steps runnable (process mode: the task must pickle; checked here)."""
+        self._tasks[task_key] = task
+        if self.config.mode == "process":
+            try:
+                self._blobs[task_key] = pickle.dumps(task)
+            except Exception as exc:
+                raise ValueError(f"task {task_key!r} cannot be sent to env worker processes: {exc}") from exc
+
+    def add_task_once(self, task_key: str, task: TaskData) -> None:
+        """add_task unless the key is known."""
+        if task_key not in self._tasks:
+            self.add_task(task_key, task)
+
+    def submit(self, task_key: str, env: Environment, text: str) -> Future:
+        """Queues env.step(text); the Future's result is a StepOutcome (never an exception)."""
+        if task_key not in self._tasks:
+            raise KeyError(f"task {task_key!r} was not added to the env pool")
+        if self._closed:
+            raise RuntimeError("env pool is closed")
+        call = _Call(task_key, env, text, Future(), time.monotonic())
+        if self.config.mode == "inline":
+            self._run_here(call)
+        else:
+            self._queue.put(call)
+        return call.future
+
+    def step(self, task_key: str, env: Environment, text: str) -> StepOutcome:
+        return self.submit(task_key, env, text).result()
+
+    def stats(self) -> dict:
+        """Calls, errors and per-stage time summaries ('queue', 'step', 'reward', 'tool:<name>', per task
+        'task:<key>'), plus the workers' busy fraction since the pool opened."""
+        with self._lock:
+            wall = max(time.monotonic() - self._opened, 1e-9)
+            return {"mode": self.config.mode, "workers": self.config.workers, "calls": dict(self._counts),
+                    "errors": {k: list(v) for k, v in self._errors.items()},
+                    "busy_fraction": self._busy_s / (wall * self.config.workers),
+                    "stages": {stage: summarize(list(v)) for stage, v in self._stages.items()}}
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stages.clear()
+            self._counts.clear()
+            self._errors.clear()
+            self._busy_s, self._opened = 0.0, time.monotonic()
+
+    def close(self) -> None:
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + 5.0
+        for thread in self._threads:  # abandoned (stuck) threads are daemons and are not waited for
+            if thread.ident not in self._abandoned:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> "EnvPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ workers
+    def _start_thread(self) -> None:
+        target = self._process_loop if self.config.mode == "process" else self._thread_loop
+        thread = threading.Thread(target=target, name=f"env-worker-{next(self._thread_ids)}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _thread_loop(self) -> None:
+        ident = threading.get_ident()
+        while (call := self._queue.get()) is not None:
+            with self._lock:
+                call.started = time.monotonic()
+                self._running[ident] = call
+            self._run_here(call)
+            with self._lock:
+                self._running.pop(ident, None)
+                if call.abandoned:  # the watchdog replaced this thread while it was stuck
+                    return
+
+    def _run_here(self, call: _Call) -> None:
+        call.started = call.started or time.monotonic()
+        try:
+            result, error = call.env.step(call.text), None
+        except RewardError as exc:
+            result, error = None, EnvError(call.task_key, "reward", str(exc))
+        except BaseException as exc:  # SystemExit from user code must not kill the worker thread silently
+            result, error = None, EnvError(call.task_key, "env", _describe(exc))
+        self._finish(call, call.env, result, error, time.monotonic() - call.started)
+
+    def _watchdog(self) -> None:
+        while not self._closed:
+            time.sleep(0.05)
+            now, late = time.monotonic(), []
+            with self._lock:
+                for ident, call in list(self._running.items()):
+                    if now - call.started > self.config.step_timeout_s and not call.abandoned:
+                        call.abandoned = True
+                        self._abandoned.add(ident)
+                        late.append(call)
+            for call in late:
+                self._finish(call, call.env, None, EnvError(call.task_key, "timeout",
+                             f"env step exceeded {self.config.step_timeout_s:g} s"), now - call.started)
+                self._start_thread()
+
+    def _process_loop(self) -> None:
+        worker = _ProcessWorker()
+        try:
+            while (call := self._queue.get()) is not None:
+                call.started = time.monotonic()
+                env, result, error = worker.step(call, self._blobs[call.task_key], self.config.step_timeout_s)
+                if env is not call.env:
+                    env.task = self._tasks[call.task_key]
+                self._finish(call, env, result, error, time.monotonic() - call.started)
+        finally:
+            worker.stop(graceful=True)
+
+    def _finish(self, call: _Call, env: Environment, result: StepResult | None, error: EnvError | None,
+                run_s: float) -> None:
+        if call.future.done():  # a late result of an abandoned call
+            return
+        queued_s = max(0.0, call.started - call.submitted)
+        with self._lock:
+            self._busy_s += run_s
+            self._counts[call.task_key] += 1
+            self._stages["queue"].append(queued_s)
+            self._stages["step"].append(run_s)
+            self._stages[f"task:{call.task_key}"].append(run_s)
+            for stage, seconds in (result.timings.items() if result is not None else ()):
+                self._stages[stage].append(seconds)
+            if error is not None:
+                self._errors[call.task_key].append(str(error))
+        call.future.set_result(StepOutcome(call.task_key, env, result, error, queued_s, run_s))
+
+
+def _describe(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)[-1:]
+    where = f" at {frames[0].filename}:{frames[0].lineno}" if frames else ""
+    return f"env raised {type(exc).__name__}: {exc}{where}"
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"count": 0}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"count": len(values), "total": sum(values), "mean": statistics.fmean(values), "p50": pick(0.5),
+            "p90": pick(0.9), "p99": pick(0.99), "max": ordered[-1]}
+
+
+# ---------------------------------------------------------------- process mode
+class _ProcessWorker:
+    """One worker subprocess, owned by one pool thread; replaced after a timeout or a crash."""
+
+    def __init__(self):
+        self._ctx = multiprocessing.get_context("spawn")
+        self._process = None
+        self._conn = None
+        self._loaded: set[str] = set()
+
+    def _ensure(self) -> None:
+        if self._process is None or not self._process.is_alive():
+            self.stop()
+            parent, child = self._ctx.Pipe()
+            self._process = self._ctx.Process(target=_worker_main, args=(child,), daemon=True, name="env-worker")
+            self._process.start()
+            child.close()
+            self._conn, self._loaded = parent, set()
+            self._expect("ready", _STARTUP_TIMEOUT_S, "start")
+
+    def _expect(self, what: str, timeout_s: float, doing: str) -> None:
+        """Waits for a handshake message; worker start-up and task loading do not count as step time."""
+        if not self._conn.poll(timeout_s):
+            self.stop()
+            raise TimeoutError(f"env worker did not {doing} within {timeout_s:g} s")
+        reply = self._conn.recv()
+        if reply[0] != what:
+            self.stop()
+            raise RuntimeError(f"env worker could not {doing}: {reply[-1]}")
+
+    def step(self, call: _Call, blob: bytes, timeout_s: float):
+        try:
+            self._ensure()
+            if call.task_key not in self._loaded:
+                self._conn.send(("task", call.task_key, blob))
+                self._expect("loaded", _STARTUP_TIMEOUT_S, f"load task {call.task_key!r}")
+                self._loaded.add(call.task_key)
+            self._conn.send(("step", call.task_key, call.env, call.text))
+            if not self._conn.poll(timeout_s):
+                self.stop()
+                return call.env, None, EnvError(call.task_key, "timeout", f"env step exceeded {timeout_s:g} s")
+            status, *payload = self._conn.recv()
+        except (TimeoutError, RuntimeError) as exc:
+            return call.env, None, EnvError(call.task_key, "crash", str(exc))
+        except (EOFError, OSError, pickle.PicklingError) as exc:
+            if self._process is not None:
+                self._process.join(timeout=2)  # reap it, so its exit code is known
+            code = self._process.exitcode if self._process is not None else None
+            self.stop()
+            return call.env, None, EnvError(call.task_key, "crash",
+                                            f"env worker died ({type(exc).__name__}, exit code {code})")
+        if status == "ok":
+            env, result = payload
+            return env, result, None
+        return call.env, None, EnvError(call.task_key, status, payload[0])
+
+    def stop(self, graceful: bool = False) -> None:
+        """Kills the worker (graceful: closes its pipe first so it can exit and release its resources)."""
+        if self._conn is not None:
+            self._conn.close()
+        if self._process is not None:
+            if graceful:
+                self._process.join(timeout=2)
+            if self._process.is_alive():
+                self._process.kill()
+            self._process.join(timeout=5)
+        self._process, self._conn = None, None
+
+
+def _worker_main(conn) -> None:
+    tasks: dict[str, TaskData] = {}
+    conn.send(("ready",))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message[0] == "task":
+            try:
+                task = tasks[message[1]] = pickle.loads(message[2])
+                if callable(getattr(task, "warm_up", None)):
+                    task.warm_up()  # heavy imports now, not inside the first (timed) step
+                conn.send(("loaded",))
+            except Exception as exc:
+                conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+            continue
+        _, task_key, env, text = message
+        env.task = tasks[task_key]
+        try:
+            reply = ("ok", env, env.step(text))
+        except RewardError as exc:
+            reply = ("reward", str(exc))
+        except BaseException as exc:
+            reply = ("env", _describe(exc))
+        conn.send(reply)

@@ -1,0 +1,318 @@
+"""Env workloads: GSM8K math (with/without a calculator), HotpotQA-style search QA, and the tool-only task.
+
+Kinds (see `ENV_TASK_KINDS`, built by `build_env_task(spec)`):
+- ``gsm8k_tool``: GSM8K JSONL ({"question", "answer": "... #### N"}); the model may call
+  ``<tool name="calculator">expr</tool>``; the final turn is scored by math-verify on the text after '####'.
+- ``gsm8k_plain``: the same data and verifier, single turn, no tool (a thread-safe twin of ``gsm8k``).
+- ``hotpotqa``: JSONL {"question", "answer", optional "context"} where context is HotpotQA's
+  [[title, [sentence, ...]], ...] or [{"title", "text"}, ...]. The search corpus is the JSONL file named by
+  ``spec.corpus`` ({"title"?, "text"} or {"contents"} per line) or, without one, every context document of the
+  data file. The model calls ``<tool name="search">query</tool>`` and answers with ``<answer>…</answer>``
+  (or plain text); reward token F1 (``spec.metric = "em"``: exact match) after SQuAD normalisation.
+- ``lookup``: synthetic, for the tiny char model: prompt ``c4+17=`` where c4's value (0-99) is drawn per
+  sample and only the ``lookup`` tool knows it. Compact syntax (default): the turn ``?`` (or ``?c4``) looks the
+  prompt's key up and the observation restates the sum with the value, ``23+17=``; the next turn answers
+  ``40``. Without the tool the model can only guess (~1%). ``spec.syntax = "xml"`` uses the tag protocol.
+
+Data files are read and checked at construction (task admission): a missing file or field, a non-UTF-8 line,
+malformed JSON or an empty corpus raises SpecError naming the file and line.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from marlaas_hpc.env.protocol import Environment, SingleTurnEnv
+from marlaas_hpc.env.tools import (SYNTAXES, Bm25Index, Calculator, Document, Lookup, Search, ToolBox, ToolOutcome,
+                                   ToolTask)
+from marlaas_hpc.tasks.base import Sample
+from marlaas_hpc.tasks.files import _FileTask, gsm8k_gold
+from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
+
+
+# ---------------------------------------------------------------- data files
+def read_jsonl_rows(path: str | None, required: tuple[str, ...] = (), field_name: str = "dataset.path",
+                    what: str = "no samples") -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line; any problem is a SpecError naming file and line."""
+    if not path:
+        raise SpecError(field_name, "no data file given")
+    file = Path(path)
+    if not file.is_file():
+        raise SpecError(field_name, f"data file not found: {file}")
+    rows = []
+    for lineno, raw in enumerate(file.read_bytes().split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SpecError(field_name, f"{file}:{lineno}: not UTF-8 text ({exc.reason} at column {exc.start + 1})"
+                            ) from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecError(field_name, f"{file}:{lineno}: malformed JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise SpecError(field_name, f"{file}:{lineno}: expected a JSON object")
+        missing = [key for key in required if not isinstance(row.get(key), str) or not row[key].strip()]
+        if missing:
+            raise SpecError(field_name, f"{file}:{lineno}: missing, empty or non-string field(s) {missing}")
+        rows.append((lineno, row))
+    if not rows:
+        raise SpecError(field_name, f"{file}: {what} (no non-blank line)")
+    return rows
+
+
+def load_corpus(path: str, field_name: str = "dataset.corpus") -> list[Document]:
+    """A search corpus: JSONL with {"text", optional "title"} or {"contents": "title\\ntext"} per line."""
+    documents = []
+    for lineno, row in read_jsonl_rows(path, (), field_name, what="empty corpus"):
+        text, title = row.get("text"), row.get("title", "")
+        if text is None and isinstance(row.get("contents"), str):
+            title, _, text = row["contents"].partition("\n")
+            title = title.strip().strip('"')
+        if not isinstance(text, str) or not text.strip() or not isinstance(title, str):
+            raise SpecError(field_name, f"{path}:{lineno}: a corpus line needs a non-empty string 'text' "
+                                        "(or 'contents') and an optional string 'title'")
+        documents.append(Document(title, text))
+    return documents
+
+
+def context_documents(context: Any, where: str, field_name: str = "dataset.path") -> list[Document]:
+    """HotpotQA 'context': [[title, [sentences]], ...] or [{"title", "text"}, ...]."""
+    if not isinstance(context, list):
+        raise SpecError(field_name, f"{where}: 'context' must be a list of documents")
+    documents = []
+    for item in context:
+        if isinstance(item, dict) and isinstance(item.get("text"), str) and isinstance(item.get("title", ""), str):
+            documents.append(Document(item.get("title", ""), item["text"]))
+        elif isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list) \
+                and all(isinstance(s, str) for s in item[1]):
+            documents.append(Document(item[0], "".join(item[1])))
+        else:
+            raise SpecError(field_name, f"{where}: a 'context' document must be [title, [sentences]] "
+                                        "or {\"title\", \"text\"}")
+    return documents
+
+
+# ---------------------------------------------------------------- verifiers
+_main_thread_lock = threading.Lock()
+
+
+def math_verify_reward(gold: str, completion: str) -> float:
+    """1.0 if the text after the last '####' (or the whole turn) equals `gold` by math-verify, else 0.0.
+
+    math-verify's own timeouts use SIGALRM, which only works on the main thread; elsewhere they are off and
+    the env pool's per-call timeout bounds the call instead."""
+    from math_verify import parse, verify
+
+    on_main = threading.current_thread() is threading.main_thread()
+    timeout = 5 if on_main else None
+    tail = completion.split("####")[-1]
+    gold_parsed = parse(gold, parsing_timeout=timeout)
+    if not gold_parsed:
+        return 0.0
+    return 1.0 if verify(gold_parsed, parse(tail, parsing_timeout=timeout), timeout_seconds=timeout) else 0.0
+
+
+_PUNCTUATION = frozenset(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.S)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD / HotpotQA normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def f1_score(prediction: str, gold: str) -> float:
+    pred, ref = normalize_answer(prediction), normalize_answer(gold)
+    if (pred in ("yes", "no", "noanswer") or ref in ("yes", "no", "noanswer")) and pred != ref:
+        return 0.0
+    pred_tokens, ref_tokens = pred.split(), ref.split()
+    common = sum((Counter(pred_tokens) & Counter(ref_tokens)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred_tokens), common / len(ref_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def extract_answer(turn: str) -> str:
+    match = _ANSWER.search(turn)
+    return (match.group(1) if match else turn).strip()
+
+
+# ---------------------------------------------------------------- GSM8K
+GSM8K_TOOL_HINT = 'Use <tool name="calculator">expression</tool> for arithmetic. End with #### and the number.'
+
+
+class Gsm8kEnvTask(_FileTask, ToolTask):
+    """GSM8K-format math, reward by math-verify; with `calculator=True` a multi-turn calculator episode."""
+
+    def __init__(self, spec: DatasetSpec, calculator: bool):
+        self.kind = "gsm8k_tool" if calculator else "gsm8k_plain"
+        self.calculator = calculator
+        self.tools = ToolBox([Calculator()] if calculator else [])
+        samples = []
+        for lineno, row in read_jsonl_rows(spec.path, ("question", "answer")):
+            if "####" not in row["answer"]:
+                raise SpecError("dataset.path", f"{spec.path}:{lineno}: answer has no '#### N' final answer")
+            hint = f"\n{GSM8K_TOOL_HINT}" if calculator else ""
+            samples.append(Sample(len(samples), f"Q: {row['question']}{hint}\nA:", gsm8k_gold(row["answer"])))
+        super().__init__(spec, samples)
+
+    def new_env(self) -> Environment:
+        return super().new_env() if self.calculator else SingleTurnEnv(self)
+
+    def score(self, sample: Sample, completion: str) -> float:
+        return math_verify_reward(sample.answer, completion)
+
+    def warm_up(self) -> None:
+        """Imports math-verify / sympy / latex2sympy (seconds) before the first timed reward."""
+        math_verify_reward("1", "1")
+
+
+# ---------------------------------------------------------------- HotpotQA-style search QA
+HOTPOT_HINT = 'Search with <tool name="search">query</tool>. Give the final answer as <answer>...</answer>.'
+
+
+class HotpotQATask(_FileTask, ToolTask):
+    """Multi-hop QA over a local corpus with BM25 search; reward token F1 or exact match."""
+
+    kind = "hotpotqa"
+
+    def __init__(self, spec: DatasetSpec, corpus: str | None = None, metric: str = "f1", top_k: int = 3):
+        if metric not in ("f1", "em"):
+            raise SpecError("dataset.metric", f"must be 'f1' or 'em', got {metric!r}")
+        self.metric = metric
+        rows = read_jsonl_rows(spec.path, ("question", "answer"))
+        if corpus:
+            documents = load_corpus(corpus)
+        else:
+            documents, seen = [], set()
+            for lineno, row in rows:
+                for doc in context_documents(row.get("context", []), f"{spec.path}:{lineno}"):
+                    if (doc.title, doc.text) not in seen:
+                        seen.add((doc.title, doc.text))
+                        documents.append(doc)
+            if not documents:
+                raise SpecError("dataset.corpus", f"{spec.path}: empty corpus: no 'context' documents and no "
+                                                  "corpus file given")
+        self.tools = ToolBox([Search(Bm25Index(documents), k=top_k)])
+        samples = [Sample(i, f"Question: {row['question']}\n{HOTPOT_HINT}\n", row["answer"])
+                   for i, (_, row) in enumerate(rows)]
+        super().__init__(spec, samples)
+
+    def score(self, sample: Sample, completion: str) -> float:
+        answer = extract_answer(completion)
+        return exact_match(answer, sample.answer) if self.metric == "em" else f1_score(answer, sample.answer)
+
+
+# ---------------------------------------------------------------- lookup: learnable only with the tool
+_KEY_LETTERS = "abcdef"
+
+
+class LookupTask(ToolTask):
+    """'c4+17=' where c4 is drawn per sample and only the lookup tool knows it. Exact-match reward."""
+
+    kind = "lookup"
+    compact_tool = "lookup"
+
+    def __init__(self, spec: DatasetSpec, syntax: str = "compact"):
+        if syntax not in SYNTAXES:
+            raise SpecError("dataset.syntax", f"must be one of {SYNTAXES}, got {syntax!r}")
+        self.syntax = syntax
+        self.tools = ToolBox([Lookup()])
+        self._seed = spec.seed
+        rng = random.Random(f"lookup-eval-{spec.seed}")
+        self._eval: list[Sample] = []
+        seen: set[str] = set()
+        for _ in range(spec.eval_size * 20):
+            if len(self._eval) == spec.eval_size:
+                break
+            sample = self._make(rng, len(self._eval))
+            if sample.prompt not in seen:
+                seen.add(sample.prompt)
+                self._eval.append(sample)
+        self._eval_prompts = frozenset(seen)
+
+    def _make(self, rng: random.Random, index: int) -> Sample:
+        key = rng.choice(_KEY_LETTERS) + str(rng.randint(0, 9))
+        value, addend = rng.randint(0, 99), rng.randint(0, 99)
+        prompt = f"{key}+{addend}="
+        if self.syntax == "xml":
+            prompt += f' look {key} up: <tool name="lookup">{key}</tool>\n'
+        return Sample(index, prompt, str(value + addend), {"table": {key: value}, "key": key, "addend": addend})
+
+    def train_sample(self, cursor: int) -> Sample:
+        rng = random.Random(f"lookup-train-{self._seed}-{cursor}")
+        while True:
+            sample = self._make(rng, cursor)
+            if sample.prompt not in self._eval_prompts:
+                return sample
+
+    def eval_samples(self) -> list[Sample]:
+        return list(self._eval)
+
+    def default_argument(self, sample: Sample) -> str:
+        return sample.meta["key"]
+
+    def observation(self, sample: Sample, outcomes: list[ToolOutcome]) -> str:
+        if self.syntax != "compact":
+            return super().observation(sample, outcomes)
+        outcome = outcomes[0]
+        return f"{outcome.text}+{sample.meta['addend']}=" if outcome.ok else f"{outcome.text}\n"
+
+    def score(self, sample: Sample, completion: str) -> float:
+        text = completion.strip()
+        if self.syntax == "xml":
+            text = extract_answer(text)
+        return 1.0 if text == sample.answer else 0.0
+
+    def demonstration(self, sample: Sample, use_tool: bool) -> list[tuple[str, bool]]:
+        """A correct episode as (text, is_model_turn) segments, for supervised warm-up of a base model
+        (each model segment is followed by eos): ['?', '23+17=', '40'] or ['40'] in compact syntax."""
+        if not use_tool:
+            return [(sample.answer, True)]
+        observation = self.observation(sample, [ToolOutcome("lookup", sample.meta["key"],
+                                                            str(sample.meta["table"][sample.meta["key"]]), True, 0.0)])
+        call = "?" if self.syntax == "compact" else f'<tool name="lookup">{sample.meta["key"]}</tool>'
+        answer = sample.answer if self.syntax == "compact" else f"<answer>{sample.answer}</answer>"
+        return [(call, True), (observation, False), (answer, True)]
+
+    def demonstration_ids(self, codec, sample: Sample, use_tool: bool) -> tuple[list[int], list[int], list[int]]:
+        """(prompt_ids, completion_ids, loss_mask) of a demonstration, tokenised exactly as the episode runner
+        does (model segments end with eos and are masked in; observations are masked out)."""
+        completion, mask = [], []
+        for text, is_model in self.demonstration(sample, use_tool):
+            ids = codec.encode_completion(text) if is_model else codec.tokenizer.encode(text, add_special_tokens=False)
+            completion += ids
+            mask += [int(is_model)] * len(ids)
+        return codec.encode_prompt(sample.prompt), completion, mask
+
+
+# ---------------------------------------------------------------- kinds
+ENV_TASK_KINDS = ("gsm8k_tool", "gsm8k_plain", "hotpotqa", "lookup")
+
+
+def build_env_task(spec: DatasetSpec) -> ToolTask:
+    """Builds an env workload; optional spec fields (read if the DatasetSpec has them): corpus, metric,
+    syntax."""
+    if spec.kind in ("gsm8k_tool", "gsm8k_plain"):
+        return Gsm8kEnvTask(spec, calculator=spec.kind == "gsm8k_tool")
+    if spec.kind == "hotpotqa":
+        return HotpotQATask(spec, corpus=getattr(spec, "corpus", None), metric=getattr(spec, "metric", None) or "f1")
+    if spec.kind == "lookup":
+        return LookupTask(spec, syntax=getattr(spec, "syntax", None) or "compact")
+    raise SpecError("dataset.kind", f"not an env workload: {spec.kind!r}; env kinds: {list(ENV_TASK_KINDS)}")

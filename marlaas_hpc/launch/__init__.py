@@ -1,0 +1,8 @@
+"""Launching a job: role layout, Slurm environment, sbatch rendering, submitit het jobs (DESIGN.md §2)."""
+from marlaas_hpc.launch.layout import (COMPONENTS, ROLE_KINDS, ComponentResources, JobLayout, LayoutError, Role,
+                                       assign_role, ranks_of, require_world_size, world_size_matches)
+from marlaas_hpc.launch.slurm_env import SlurmPlacement, expand_hostlist, placement_from_env
+
+__all__ = ["COMPONENTS", "ROLE_KINDS", "ComponentResources", "JobLayout", "LayoutError", "Role", "SlurmPlacement",
+           "assign_role", "expand_hostlist", "placement_from_env", "ranks_of", "require_world_size",
+           "world_size_matches"]

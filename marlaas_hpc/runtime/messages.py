@@ -1,0 +1,106 @@
+"""What travels between ranks (pickled by mpi4py). Control plane: small, to/from rank 0.
+Data plane: token arrays worker -> worker (rollout -> env -> trainer), never through rank 0."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marlaas_hpc.trajectory import Trajectory
+
+TAG_CMD = 11
+"""rank 0 -> workers: scheduler commands, Shutdown."""
+TAG_EVENT = 12
+"""workers -> rank 0: scheduler events, EvalDone, RankStats."""
+TAG_DATA = 13
+"""worker -> worker: GroupData (rollout -> env), ScoredGroup (env -> trainer), EvalData (rollout -> env)."""
+TAG_DELTA = 14
+"""trainer leader -> rollout ranks: DeltaAnnounce, followed by a torch.distributed broadcast."""
+TAG_TRAINER = 15
+"""trainer leader -> other TP ranks: the operation all trainer ranks execute together."""
+
+
+@dataclass
+class PromptGroup:
+    group_id: str
+    prompt_index: int
+    prompt_ids: list[int]
+
+
+@dataclass
+class GenerateWork:
+    """A Generate command with the prompts filled in by rank 0 (it owns the task data)."""
+
+    task_id: str
+    version: int | None
+    env_rank: int
+    groups: list[PromptGroup]
+    group_size: int
+    temperature: float
+    max_new_tokens: int
+    eval: bool = False
+    """Greedy eval pass: one sample per prompt, scored into an accuracy (EvalDone), never trained."""
+
+
+@dataclass
+class GroupData:
+    """G generations of one prompt, rollout -> env."""
+
+    task_id: str
+    group_id: str
+    prompt_index: int
+    version: int | None
+    prompt_ids: list[int]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    eval: bool = False
+
+
+@dataclass
+class ScoredGroup:
+    """Scored trajectories of one group with their advantages, env -> trainer leader."""
+
+    group_id: str
+    trajectories: list[Trajectory]
+
+
+@dataclass
+class EvalDone:
+    task_id: str
+    version: int | None
+    accuracy: float
+    n: int
+
+
+@dataclass
+class RankStats:
+    rank: int
+    kind: str
+    busy_s: float
+    wall_s: float
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class DeltaAnnounce:
+    """Task `task_id`'s adapter at `version` follows as one flat fp32 broadcast of these tensors."""
+
+    task_id: str
+    version: int
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    lora: object
+    """The task's LoraSpec (rank, alpha, targets) for the PEFT config."""
+
+
+@dataclass
+class Shutdown:
+    reason: str = "all tasks ended"
+
+
+@dataclass
+class TrainerOp:
+    """Leader -> every TP rank: run the same trainer call in the same order."""
+
+    kind: str
+    """'admit', 'train', 'remove', 'shutdown'."""
+    task_id: str = ""
+    payload: object = None

@@ -1,0 +1,58 @@
+"""Job outputs under the run dir: summary.json (per task and job level) and audit.jsonl (per sample)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_audit(run_dir: Path, scheduler) -> Path:
+    """One line per trained sample: task, group, sample, behaviour version, version trained into, bound."""
+    lines = []
+    for record in scheduler.audit:
+        group_size = scheduler.tasks[record.task_id].spec.algo.group_size
+        for sample in range(group_size):
+            lines.append(json.dumps({"task_id": record.task_id, "group_id": record.group_id, "sample": sample,
+                                     "behaviour_version": record.behaviour_version,
+                                     "trained_into": record.trained_into, "bound": record.bound}))
+    path = Path(run_dir) / "audit.jsonl"
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
+    return path
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_s: float,
+                  rejected: dict[str, str]) -> dict:
+    tasks = {}
+    for task_id, task in scheduler.tasks.items():
+        group_size = task.spec.algo.group_size
+        tasks[task_id] = {
+            "tenant": task.spec.tenant, "kind": task.spec.dataset.kind, "status": task.status,
+            "error": task.error, "steps_done": max(task.version, 0), "total_steps": task.spec.total_steps,
+            "staleness_bound": task.bound, "max_staleness_trained": task.max_trained_staleness,
+            "dropped_groups": task.dropped_groups, "dropped_samples": task.dropped_groups * group_size,
+            "trained_samples": task.trained_groups * group_size,
+            "eval_accuracy_before": _mean(evals.get((task_id, "before"), [])),
+            "eval_accuracy_after": _mean(evals.get((task_id, "after"), [])),
+            "reward_first": task.reward_history[0] if task.reward_history else None,
+            "reward_last": task.reward_history[-1] if task.reward_history else None,
+            "ttfs_s": task.ttfs(), "tpts_s": task.tpts(),
+        }
+    busy: dict[str, list[float]] = {}
+    for stat in stats:
+        busy.setdefault(stat.kind, []).append(stat.busy_s / max(wall_s, 1e-9))
+    summary = {"mode": job.mode, "wall_time_s": wall_s, "model": job.model, "engine": job.engine,
+               "busy_fraction": {kind: _mean(values) for kind, values in sorted(busy.items())},
+               "tasks": tasks, "rejected": rejected}
+    atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,135 @@
+"""World rank 0: the Scheduler state machine behind a thin MPI loop. It owns the task data (prompts go out
+with Generate commands), routes commands, prints progress, runs evals and writes the job's summary."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from marlaas_hpc.model import TextCodec
+from marlaas_hpc.runtime.comm import Outbox, poll
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, EvalDone, GenerateWork, PromptGroup, RankStats,
+                                          Shutdown)
+from marlaas_hpc.runtime.outputs import write_audit, write_summary
+from marlaas_hpc.scheduler import (Admit, Discard, Generate, Scheduler, SchedulerConfig, StepDone, Submit,
+                                   TaskEnded, Train)
+from marlaas_hpc.tasks import SpecError, build_task_data
+from marlaas_hpc.tasks.registry import ENV_TASK_KINDS
+
+
+class SchedulerRank:
+    def __init__(self, comm, job, roles: dict[str, list[int]], codec: TextCodec, run_dir: Path, log=print):
+        self.comm, self.job, self.roles, self.codec = comm, job, roles, codec
+        self.run_dir, self.log = Path(run_dir), log
+        self.outbox = Outbox(comm)
+        self.start = time.time()
+        self.scheduler = Scheduler(SchedulerConfig(
+            mode=job.mode, order=job.order, rollout_ranks=tuple(roles["rollout"]), env_ranks=tuple(roles["env"]),
+            rollout_slots=job.rollout_slots, max_active_tasks=job.max_adapters), clock=time.time)
+        self.data: dict = {}
+        self.rejected: dict[str, str] = {}
+        self.evals: dict[tuple[str, str], list[float]] = {}
+        self.pending_evals: dict[tuple[str, str], int] = {}
+        self.stats: list[RankStats] = []
+        self._eval_turn = 0
+
+    # ---- intake ----
+    def submit(self, spec) -> list:
+        """Admission check of a spec (its data must load); a bad one is refused and never disturbs others."""
+        try:
+            if spec.dataset.kind in ENV_TASK_KINDS:
+                raise SpecError("dataset.kind", f"{spec.dataset.kind!r} is a multi-turn tool workload; the "
+                                "distributed runtime scores single-turn tasks only so far (run it with "
+                                "marlaas_hpc.env.episode.EpisodeRunner)")
+            if spec.base_model not in (None, self.job.model):
+                raise SpecError("base_model", f"{spec.base_model!r} differs from the job's base model {self.job.model!r}")
+            self.data[spec.task_id] = build_task_data(spec.dataset)
+            return self.scheduler.handle(Submit(spec))
+        except (SpecError, ValueError) as exc:
+            self.rejected[spec.task_id] = str(exc)
+            self.log(f"[intake] task {spec.task_id!r} refused: {exc}")
+            return []
+
+    # ---- loop ----
+    def run(self) -> dict:
+        for spec in self.job.tasks:
+            self._execute(self.submit(spec))
+        while not (self.scheduler.finished() and not self.pending_evals):
+            self.outbox.progress()
+            event, _ = poll(self.comm, TAG_EVENT)
+            if event is None:
+                time.sleep(0.002)
+                continue
+            self._event(event)
+        for rank in range(1, self.comm.Get_size()):
+            self.outbox.send(Shutdown(), rank, TAG_CMD)
+        workers = self.comm.Get_size() - 1 - len(self.roles["trainer"]) + 1  # one stats message per trainer group
+        while len(self.stats) < workers:
+            event, _ = poll(self.comm, TAG_EVENT)
+            if isinstance(event, RankStats):
+                self.stats.append(event)
+            elif event is None:
+                time.sleep(0.005)
+        self.outbox.flush()
+        wall = time.time() - self.start
+        write_audit(self.run_dir, self.scheduler)
+        return write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats, wall, self.rejected)
+
+    def _event(self, event) -> None:
+        if isinstance(event, EvalDone):
+            key = (event.task_id, "before" if event.version is None else "after")
+            self.evals.setdefault(key, []).append(event.accuracy)
+            self.pending_evals[key] -= 1
+            if self.pending_evals[key] == 0:
+                del self.pending_evals[key]
+                scores = self.evals[key]
+                self.log(f"[{event.task_id}] eval {key[1]}: greedy accuracy {sum(scores) / len(scores):.3f}")
+            return
+        if isinstance(event, RankStats):
+            self.stats.append(event)
+            return
+        commands = self.scheduler.handle(event)
+        if isinstance(event, StepDone) and event.version > 0:
+            task = self.scheduler.tasks[event.task_id]
+            self.log(f"[{event.task_id}] v{event.version}/{task.spec.total_steps} reward "
+                     f"{event.metrics.get('reward_mean', 0):.3f} staleness<={event.metrics.get('staleness_max', 0)} "
+                     f"(k={task.bound}) loss {event.metrics.get('loss', 0):+.4f}")
+        self._execute(commands)
+
+    # ---- commands ----
+    def _execute(self, commands: list) -> None:
+        leader = self.roles["trainer"][0]
+        for command in commands:
+            if isinstance(command, Admit):
+                for rank in self.roles["env"] + [leader]:
+                    self.outbox.send(command, rank, TAG_CMD)
+                self._eval(command.spec.task_id, None)
+            elif isinstance(command, Generate):
+                self.outbox.send(self._work(command), command.rollout_rank, TAG_CMD)
+            elif isinstance(command, (Train, Discard)):
+                self.outbox.send(command, leader, TAG_CMD)
+            elif isinstance(command, TaskEnded):
+                task = self.scheduler.tasks[command.task_id]
+                self.log(f"[{command.task_id}] {command.status} at v{max(task.version, 0)}"
+                         + (f": {command.error}" if command.error else ""))
+                if task.version > 0 and command.status != "failed":
+                    self._eval(command.task_id, task.version)
+                self.outbox.send(command, leader, TAG_CMD)
+
+    def _work(self, command: Generate) -> GenerateWork:
+        data, algo = self.data[command.task_id], self.scheduler.tasks[command.task_id].spec.algo
+        groups = [PromptGroup(gid, index, self.codec.encode_prompt(data.train_sample(index).prompt))
+                  for gid, index in command.groups]
+        return GenerateWork(command.task_id, command.version, command.env_rank, groups, algo.group_size,
+                            algo.temperature, algo.max_new_tokens)
+
+    def _eval(self, task_id: str, version: int | None) -> None:
+        """Greedy accuracy on the eval split: base model (before) or the task's final version (after)."""
+        samples = self.data[task_id].eval_samples()
+        spec = self.scheduler.tasks[task_id].spec
+        rollout = self.roles["rollout"][self._eval_turn % len(self.roles["rollout"])]
+        env = self.roles["env"][self._eval_turn % len(self.roles["env"])]
+        self._eval_turn += 1
+        groups = [PromptGroup(f"{task_id}/eval{s.index}", s.index, self.codec.encode_prompt(s.prompt)) for s in samples]
+        self.pending_evals[(task_id, "before" if version is None else "after")] = len(groups)
+        self.outbox.send(GenerateWork(task_id, version, env, groups, 1, 0.0, spec.algo.max_new_tokens, eval=True),
+                         rollout, TAG_CMD)

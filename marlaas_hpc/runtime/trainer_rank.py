@@ -1,0 +1,148 @@
+"""Trainer ranks (TP group): the leader buffers scored groups from env ranks, runs each Train order once all
+its groups are here, re-checks the staleness bound, and publishes the new adapter version: a PEFT checkpoint
+in the task's directory and a broadcast to every rollout rank. Other TP ranks mirror the leader's calls."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from marlaas_hpc.driver import adapter_dir, task_dir
+from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_TRAINER, RankStats, ScoredGroup,
+                                          Shutdown, TrainerOp)
+from marlaas_hpc.scheduler import Admit, Discard, StepDone, TaskEnded, TaskFailed, Train
+
+
+class StalenessViolation(RuntimeError):
+    """A Train order carried a sample older than its task's bound: never trained."""
+
+
+def check_bound(order: Train, trajectories, trainer_version: int) -> None:
+    if trainer_version != order.from_version:
+        raise StalenessViolation(f"{order.task_id}: order for v{order.from_version} but trainer is at "
+                                 f"v{trainer_version}")
+    oldest = order.from_version - order.bound
+    for traj in trajectories:
+        if traj.behaviour_version < oldest or traj.behaviour_version > order.from_version:
+            raise StalenessViolation(f"{order.task_id}: sample of v{traj.behaviour_version} in the step from "
+                                     f"v{order.from_version} (bound k={order.bound})")
+
+
+class TrainerRank:
+    def __init__(self, comm, trainer, run_dir: Path, leader: int, followers: list[int], delta_group=None):
+        self.comm, self.trainer, self.run_dir = comm, trainer, Path(run_dir)
+        self.rank = comm.Get_rank()
+        self.leader, self.followers, self.delta = leader, followers, delta_group
+        self.specs: dict = {}
+        self.buffer: dict[str, list] = {}
+        self.discarded: set[str] = set()
+        self.orders: list[Train] = []
+        self.clock = BusyClock()
+        self.outbox = Outbox(comm)
+
+    # ---- every TP rank executes the same ops in the same order ----
+    def execute(self, op: TrainerOp):
+        if op.kind == "admit":
+            spec = op.payload
+            self.specs[spec.task_id] = spec
+            self.trainer.add_task(spec.task_id, spec.lora, spec.algo)
+            return self._publish(spec.task_id)
+        if op.kind == "train":
+            order, trajectories = op.payload
+            check_bound(order, trajectories, self.trainer.version(order.task_id))
+            metrics = self.trainer.train_step(order.task_id, trajectories)
+            if not math.isfinite(metrics.get("loss", 0.0)):
+                raise FloatingPointError(f"{order.task_id}: non-finite loss {metrics['loss']}")
+            self._publish(order.task_id)
+            return metrics
+        if op.kind == "remove":
+            if op.task_id in self.trainer.tasks:
+                self.trainer.remove_task(op.task_id)
+            return None
+        raise ValueError(f"unknown trainer op {op.kind!r}")
+
+    def _publish(self, task_id: str):
+        spec = self.specs[task_id]
+        version = self.trainer.version(task_id)
+        self.trainer.export_adapter(task_id, adapter_dir(self.run_dir, spec, version))
+        tensors = self.trainer.adapter_tensors(task_id)
+        if self.rank == self.leader:
+            self.delta.send(task_id, version, tensors, spec.lora)
+        return version
+
+    def _everyone(self, op: TrainerOp):
+        for rank in self.followers:
+            self.comm.send(op, dest=rank, tag=TAG_TRAINER)
+        return self.execute(op)
+
+    # ---- loops ----
+    def run_follower(self) -> None:
+        while True:
+            op, _ = recv_wait(self.comm, TAG_TRAINER, source=self.leader)
+            if op.kind == "shutdown":
+                break
+            with self.clock.track(op.kind):
+                try:
+                    self.execute(op)
+                except Exception:
+                    pass  # the leader hits the same error in the same op and reports it
+
+    def run_leader(self) -> None:
+        while True:
+            self.outbox.progress()
+            command, _ = poll(self.comm, TAG_CMD, source=0)
+            if isinstance(command, Shutdown):
+                for rank in self.followers:
+                    self.comm.send(TrainerOp("shutdown"), dest=rank, tag=TAG_TRAINER)
+                break
+            self._command(command)
+            data, _ = poll(self.comm, TAG_DATA)
+            if isinstance(data, ScoredGroup):
+                if data.group_id in self.discarded:
+                    self.discarded.discard(data.group_id)
+                else:
+                    self.buffer[data.group_id] = data.trajectories
+            ran = self._run_ready_order()
+            if command is None and data is None and not ran:
+                time.sleep(0.002)
+        self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
+        self.outbox.flush()
+
+    def _command(self, command) -> None:
+        if isinstance(command, Admit):
+            with self.clock.track(command.spec.task_id):
+                version = self._everyone(TrainerOp("admit", command.spec.task_id, command.spec))
+            self.outbox.send(StepDone(command.spec.task_id, version), 0, TAG_EVENT)
+        elif isinstance(command, Train):
+            self.orders.append(command)
+        elif isinstance(command, Discard):
+            for gid in command.group_ids:
+                if self.buffer.pop(gid, None) is None:
+                    self.discarded.add(gid)  # its data is still on the way: drop it on arrival
+        elif isinstance(command, TaskEnded):
+            self.orders = [o for o in self.orders if o.task_id != command.task_id]
+            self._everyone(TrainerOp("remove", command.task_id))
+
+    def _run_ready_order(self) -> bool:
+        if not self.orders or not all(g in self.buffer for g in self.orders[0].group_ids):
+            return False
+        order = self.orders.pop(0)
+        trajectories = [t for gid in order.group_ids for t in self.buffer.pop(gid)]
+        start = time.time()
+        try:
+            with self.clock.track(order.task_id):
+                metrics = self._everyone(TrainerOp("train", order.task_id, (order, trajectories)))
+        except Exception as exc:
+            self.outbox.send(TaskFailed(order.task_id, f"trainer: {type(exc).__name__}: {exc}"), 0, TAG_EVENT)
+            return True
+        version = order.from_version + 1
+        record = {"version": version, "time": time.time(), "train_s": time.time() - start,
+                  "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
+                  "staleness_max": max(order.from_version - v for v in order.behaviour_versions),
+                  "samples": len(trajectories), **metrics}
+        with open(task_dir(self.run_dir, self.specs[order.task_id]) / "metrics.jsonl", "a") as sink:
+            sink.write(json.dumps(record) + "\n")
+        self.outbox.send(StepDone(order.task_id, version, record), 0, TAG_EVENT)
+        return True

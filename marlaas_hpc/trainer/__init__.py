@@ -1,0 +1,12 @@
+"""Trainer ranks: GRPO on many LoRA adapters over one frozen megatron-core base (DESIGN.md §4, §6).
+
+    grpo.py        advantages and the clipped token-level loss (pure tensors)
+    cpu_shims.py   the four CUDA-only megatron-core call sites redirected on CPU (no-op with CUDA)
+    model.py       process groups + GPTModel (local spec) loaded from an HF Qwen3 checkpoint via mbridge
+    lora.py        TP-aware multi-LoRA sites on Column/RowParallelLinear, per-row adapters (LoraContext)
+    peft_io.py     PEFT adapter directories in and out (atomic)
+    trainer.py     TrainerConfig + MultiLoraTrainer (tasks, logprobs, train_step, export/import, resume)
+    launch_local.py  N local gloo processes for tests and CPU TP checks
+
+Nothing here imports megatron-core at module import time; it is loaded when a trainer is built.
+"""

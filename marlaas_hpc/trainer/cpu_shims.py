@@ -1,0 +1,97 @@
+"""CPU redirections of the four CUDA-only call sites megatron-core 0.16.1 hits on a GPTModel forward/backward.
+
+On a machine with CUDA every function here is left untouched (`apply_cpu_shims` is a no-op). On CPU:
+
+1. `tensor_parallel.random`: the CUDA RNG get/set used by `CudaRNGStatesTracker.fork` (always entered by
+   DotProductAttention) and `.add` (model_parallel_cuda_manual_seed) work on CPU generator states instead;
+2. `RotaryEmbedding.get_emb` no longer moves `inv_freq` to `torch.cuda.current_device()`;
+3. `utils.GlobalMemoryBuffer.get_tensor` allocates on the CPU;
+4. `transformer.utils.get_default_causal_mask` (also imported into `fusions.fused_softmax`) builds the mask on
+   the CPU (the trainer passes an explicit mask anyway).
+"""
+from __future__ import annotations
+
+import operator
+from contextlib import nullcontext
+from functools import reduce
+
+import torch
+
+_APPLIED = False
+
+
+def apply_cpu_shims() -> bool:
+    """Redirects megatron-core's CUDA-only calls to the CPU; returns True when shims are (now) active.
+
+    Idempotent; a no-op returning False when `torch.cuda.is_available()`.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+
+    from megatron.core import utils as mcore_utils
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer import utils as transformer_utils
+
+    # 1. RNG tracker: CPU generator states stand in for CUDA ones.
+    def _get_rng_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def _set_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    def _tracker_add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        self.states_[name] = generator.get_state()
+
+    mcore_random._get_cuda_rng_state = _get_rng_state
+    mcore_random._set_cuda_rng_state = _set_rng_state
+    mcore_random.CudaRNGStatesTracker.add = _tracker_add
+
+    # 2. RoPE: keep inv_freq where the model lives.
+    rotary_cls = rotary_pos_embedding.RotaryEmbedding
+
+    def _get_emb(self, max_seq_len: int, offset: int = 0):
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+    rotary_cls.get_emb = _get_emb
+    # `forward` is lru_cached over get_emb's result; clear anything computed before the shim.
+    if hasattr(rotary_cls.forward, "cache_clear"):
+        rotary_cls.forward.cache_clear()
+
+    # 3. Global memory buffer on the CPU.
+    def _get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        required_len = reduce(operator.mul, tensor_shape, 1)
+        if self.buffer.get((name, dtype), None) is None or self.buffer[(name, dtype)].numel() < required_len:
+            with (mem_alloc_context or nullcontext)():
+                self.buffer[(name, dtype)] = torch.empty(required_len, dtype=dtype, device="cpu",
+                                                         requires_grad=False)
+        return self.buffer[(name, dtype)][0:required_len].view(*tensor_shape)
+
+    mcore_utils.GlobalMemoryBuffer.get_tensor = _get_tensor
+
+    # 4. Default causal mask on the CPU (True = masked out, as megatron expects).
+    def _get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    transformer_utils.get_default_causal_mask = _get_default_causal_mask
+    fused_softmax.get_default_causal_mask = _get_default_causal_mask
+
+    _APPLIED = True
+    return True

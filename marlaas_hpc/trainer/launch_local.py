@@ -1,0 +1,89 @@
+"""Runs a function on N local processes joined in a gloo default process group (tests, CPU TP checks).
+
+`run_local(fn, world_size, *args)` spawns N processes (spawn start method, 1 intra-op thread each), sets the
+torchrun-style env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), initialises the default group and
+calls `fn(rank, *args)`; returns the list of per-rank results (picklable via torch.save) or raises with the
+failing rank's traceback. `fn` must be importable by module path (defined at module level).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _save(torch, record: dict, path: Path) -> None:
+    staging = path.with_suffix(".tmp")
+    torch.save(record, staging)
+    os.replace(staging, path)
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    import torch
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    result_path = Path(out_dir) / f"rank{rank}.pt"
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, *args)
+    except BaseException:
+        _save(torch, {"ok": False, "error": traceback.format_exc()}, result_path)
+        os._exit(1)  # peers may be blocked in a collective: no orderly group teardown
+    _save(torch, {"ok": True, "result": result}, result_path)
+    dist.destroy_process_group()
+
+
+def run_local(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+    """fn(rank, *args) on `world_size` spawned gloo processes; returns [result of rank 0, ...]."""
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="marlaas-local-") as out_dir:
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(rank, world_size, port, out_dir, fn, args), daemon=False)
+                 for rank in range(world_size)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        try:
+            # poll: a rank that fails leaves its peers blocked in a collective, so stop them all
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.05)
+        finally:
+            alive = [p for p in procs if p.is_alive()]
+            for proc in alive:
+                proc.kill()
+                proc.join()
+        results, errors = [], []
+        for rank in range(world_size):
+            path = Path(out_dir) / f"rank{rank}.pt"
+            if not path.exists():
+                errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode}"
+                              f"{', timed out' if procs[rank] in alive else ''})")
+                results.append(None)
+                continue
+            record = torch.load(path, weights_only=False)
+            if record["ok"]:
+                results.append(record["result"])
+            else:
+                errors.append(f"rank {rank}:\n{record['error']}")
+                results.append(None)
+        if errors:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        return results

@@ -1,0 +1,392 @@
+"""Tensor-parallel multi-LoRA on megatron-core's ColumnParallelLinear / RowParallelLinear (DESIGN.md §6).
+
+Every decoder layer has four adapter *sites*, one per megatron linear:
+
+    site   megatron module                 parallel  HF modules (parts)
+    qkv    self_attention.linear_qkv       column    q_proj, k_proj, v_proj (fused, per query group)
+    proj   self_attention.linear_proj      row       o_proj
+    fc1    mlp.linear_fc1                  column    gate_proj, up_proj (fused, [gate; up] per TP shard)
+    fc2    mlp.linear_fc2                  row       down_proj
+
+A site holds N named adapters (one per task), each with its own rank r and scaling alpha / r (as PEFT):
+
+* column-parallel: A [r, in] replicated on every TP rank, B [out/tp, r] sharded exactly like W's rows. The
+  low-rank hidden A·x goes through `copy_to_tensor_model_parallel_region` (identity forward, all-reduce
+  backward), so A's gradient and the input gradient of the LoRA path are summed over the TP ranks.
+* row-parallel: A [r, in/tp] sharded on W's input columns, B [out, r] replicated; the partial hidden A·x goes
+  through `reduce_from_tensor_model_parallel_region` (all-reduce forward, identity backward).
+
+A fused site has one A and one B; B rows of parts (q/k/v, gate/up) the task does not target are multiplied by
+a 0/1 mask, so they stay zero and get no gradient. A shared A exports as identical lora_A of every targeted part
+(exact: each part's update is B_part · A · x).
+
+Per-row adapter choice: a `LoraContext` (held by the wrappers, not a module global) carries one adapter name
+per batch row for the current forward (megatron activations are [seq, batch, hidden]); None = base only.
+The adapters are not registered in the GPTModel, so the base model's parameters and state dict are untouched.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from marlaas_hpc.tasks.spec import QWEN3_LORA_TARGETS, LoraSpec
+
+SITE_PARTS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "proj": ("o_proj",),
+    "fc1": ("gate_proj", "up_proj"),
+    "fc2": ("down_proj",),
+}
+SITE_MODULES = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
+                "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
+HF_PREFIX = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def peft_key(layer: int, part: str, which: str) -> str:
+    """The key PEFT's save_pretrained writes, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
+    return f"base_model.model.model.layers.{layer}.{HF_PREFIX[part]}.{part}.lora_{which}.weight"
+
+
+class LoraContext:
+    """Which adapter each batch row uses during the current forward (None: base only)."""
+
+    def __init__(self):
+        self._rows: tuple[str | None, ...] | None = None
+        self._groups: dict[torch.device, list[tuple[str, torch.Tensor | None]]] = {}
+
+    @property
+    def rows(self) -> tuple[str | None, ...] | None:
+        return self._rows
+
+    @contextmanager
+    def use(self, rows: Sequence[str | None] | str | None, batch: int | None = None) -> Iterator[None]:
+        """Sets the adapters for the forwards inside the block; a single name (or None) applies to `batch` rows."""
+        if rows is None or isinstance(rows, str):
+            if batch is None:
+                raise ValueError("a single adapter name needs the batch size")
+            rows = [rows] * batch
+        previous = (self._rows, self._groups)
+        self._rows, self._groups = tuple(rows), {}
+        try:
+            yield
+        finally:
+            self._rows, self._groups = previous
+
+    def groups(self, device: torch.device) -> list[tuple[str, torch.Tensor | None]]:
+        """[(adapter name, batch-row indices or None for 'every row')] for the adapters in use."""
+        if not self._rows:
+            return []
+        if device not in self._groups:
+            names = [n for n in dict.fromkeys(self._rows) if n is not None]
+            if len(names) == 1 and all(r == names[0] for r in self._rows):
+                self._groups[device] = [(names[0], None)]
+            else:
+                self._groups[device] = [
+                    (n, torch.tensor([i for i, r in enumerate(self._rows) if r == n], dtype=torch.long,
+                                     device=device)) for n in names]
+        return self._groups[device]
+
+
+def _seed_for(*parts) -> int:
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def kaiming_uniform_a(rank: int, fan_in: int, seed: int) -> torch.Tensor:
+    """PEFT's lora_A init (kaiming_uniform_ with a=sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))), seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(fan_in)
+    return (torch.rand(rank, fan_in, generator=generator, dtype=torch.float64) * 2 - 1).mul_(bound).float()
+
+
+class LoraAdapter(torch.nn.Module):
+    """One task's A/B pair at one site (this rank's shards)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, scaling: float, mask: torch.Tensor | None,
+                 a_sharded: bool, b_sharded: bool):
+        super().__init__()
+        self.lora_A = torch.nn.Parameter(a)
+        self.lora_B = torch.nn.Parameter(b)
+        self.lora_A.tp_sharded = a_sharded
+        self.lora_B.tp_sharded = b_sharded
+        self.scaling = float(scaling)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def effective_b(self) -> torch.Tensor:
+        return self.lora_B if self.mask is None else self.lora_B * self.mask
+
+
+class LoraSite:
+    """The adapters of one megatron linear, applied by a forward hook (base module left as is)."""
+
+    def __init__(self, module: torch.nn.Module, layer: int, site: str, ctx: LoraContext, tp_group):
+        self.module, self.layer, self.site, self.ctx, self.tp_group = module, layer, site, ctx, tp_group
+        self.parts = SITE_PARTS[site]
+        self.column = site in ("qkv", "fc1")
+        self.tp_size = dist.get_world_size(tp_group)
+        self.tp_rank = dist.get_rank(tp_group)
+        out_local, in_local = module.weight.shape
+        self.out_local, self.in_local = out_local, in_local
+        self.out_full = out_local * self.tp_size if self.column else out_local
+        self.in_full = in_local if self.column else in_local * self.tp_size
+        self.adapters: dict[str, LoraAdapter] = {}
+        self._handle = module.register_forward_hook(self._hook, with_kwargs=True)
+
+    # -- layout -------------------------------------------------------------------------------------------
+    def part_ids(self, full: bool) -> torch.Tensor:
+        """Part index (into self.parts) of each B row, for this rank's shard or the TP-gathered B."""
+        if self.site == "qkv":
+            cfg = self.module.config
+            head_dim = cfg.kv_channels
+            groups = cfg.num_query_groups
+            q_rows = head_dim * cfg.num_attention_heads // groups
+            per_group = torch.tensor([0] * q_rows + [1] * head_dim + [2] * head_dim)
+            n_groups = groups if full else groups // self.tp_size
+            return per_group.repeat(n_groups)
+        if self.site == "fc1":
+            half = self.out_local // 2
+            per_shard = torch.tensor([0] * half + [1] * half)
+            return per_shard.repeat(self.tp_size if full else 1)
+        return torch.zeros(self.out_full if full else self.out_local, dtype=torch.long)
+
+    # -- adapters -----------------------------------------------------------------------------------------
+    def add(self, name: str, spec: LoraSpec, seed: int) -> LoraAdapter | None:
+        targeted = [i for i, p in enumerate(self.parts) if p in spec.target_modules]
+        if not targeted:
+            return None
+        weight = self.module.weight
+        a_full = kaiming_uniform_a(spec.rank, self.in_full, _seed_for(seed, name, self.layer, self.site))
+        if self.column:
+            a = a_full
+        else:
+            a = a_full.chunk(self.tp_size, dim=1)[self.tp_rank].contiguous()
+        b = torch.zeros(self.out_local if self.column else self.out_full, spec.rank)
+        mask = None
+        if len(targeted) < len(self.parts):
+            mask = torch.isin(self.part_ids(full=False), torch.tensor(targeted)).float().unsqueeze(1)
+            mask = mask.to(device=weight.device, dtype=weight.dtype)
+        adapter = LoraAdapter(a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype),
+                              spec.scaling, mask, a_sharded=not self.column, b_sharded=self.column)
+        self.adapters[name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
+    def close(self) -> None:
+        self._handle.remove()
+        self.adapters.clear()
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def _delta(self, adapter: LoraAdapter, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                                   reduce_from_tensor_model_parallel_region)
+
+        hidden = F.linear(x, adapter.lora_A)
+        if self.column:
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
+        else:
+            hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.tp_group)
+        return F.linear(hidden, adapter.effective_b()) * adapter.scaling
+
+    def _hook(self, module, args, kwargs, output):
+        if not self.adapters:
+            return output
+        groups = self.ctx.groups(module.weight.device)
+        if not groups:
+            return output
+        x = args[0] if args else kwargs["input_"]
+        out, bias = output
+        for name, rows in groups:
+            adapter = self.adapters.get(name)
+            if adapter is None:
+                continue
+            if rows is None:
+                out = out + self._delta(adapter, x)
+            else:
+                out = out.index_add(1, rows, self._delta(adapter, x.index_select(1, rows)))
+        return out, bias
+
+    # -- HF layout ----------------------------------------------------------------------------------------
+    def _gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.tp_size == 1:
+            return tensor.detach().clone()
+        pieces = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+        dist.all_gather(pieces, tensor.detach().contiguous(), group=self.tp_group)
+        return torch.cat(pieces, dim=dim)
+
+    def to_hf(self, name: str, spec: LoraSpec, grads: bool = False) -> dict[str, torch.Tensor]:
+        """{peft key: full tensor} of adapter `name` (collective over TP: every rank must call it)."""
+        adapter = self.adapters[name]
+
+        def value(p):
+            if not grads:
+                return p.data
+            return p.grad if p.grad is not None else torch.zeros_like(p)
+
+        a = value(adapter.lora_A)
+        b = value(adapter.lora_B)
+        a_full = a.detach().clone() if self.column else self._gather(a, dim=1)
+        b_full = self._gather(b, dim=0) if self.column else b.detach().clone()
+        part_ids = self.part_ids(full=True).to(b_full.device)
+        out = {}
+        for index, part in enumerate(self.parts):
+            if part in spec.target_modules:
+                out[peft_key(self.layer, part, "A")] = a_full.cpu().clone()  # own storage per part
+                out[peft_key(self.layer, part, "B")] = b_full[part_ids == index].cpu().contiguous()
+        return out
+
+    @torch.no_grad()
+    def from_hf(self, name: str, spec: LoraSpec, tensors: dict[str, torch.Tensor]) -> None:
+        """Loads adapter `name` from full PEFT-layout tensors (every rank holds them all; no communication)."""
+        adapter = self.adapters[name]
+        targeted = [(i, p) for i, p in enumerate(self.parts) if p in spec.target_modules]
+        a_list = [tensors[peft_key(self.layer, p, "A")] for _, p in targeted]
+        for other in a_list[1:]:
+            if not torch.equal(other, a_list[0]):
+                raise ValueError(f"layer {self.layer}: lora_A of {[p for _, p in targeted]} differ; the fused "
+                                 f"megatron site '{self.site}' shares one A across them")
+        a_full = a_list[0]
+        part_ids = self.part_ids(full=True)
+        b_full = torch.zeros(len(part_ids), spec.rank, dtype=a_full.dtype)
+        for index, part in targeted:
+            b_full[part_ids == index] = tensors[peft_key(self.layer, part, "B")].to(b_full.dtype)
+        if self.column:
+            a_local, b_local = a_full, b_full.chunk(self.tp_size, dim=0)[self.tp_rank]
+        else:
+            a_local, b_local = a_full.chunk(self.tp_size, dim=1)[self.tp_rank], b_full
+        if a_local.shape != adapter.lora_A.shape or b_local.shape != adapter.lora_B.shape:
+            raise ValueError(f"layer {self.layer} site {self.site}: shapes {tuple(a_local.shape)}, "
+                             f"{tuple(b_local.shape)} do not fit {tuple(adapter.lora_A.shape)}, "
+                             f"{tuple(adapter.lora_B.shape)}")
+        adapter.lora_A.copy_(a_local)
+        adapter.lora_B.copy_(b_local)
+
+
+@dataclass
+class _AdapterInfo:
+    spec: LoraSpec
+    seed: int
+
+
+class MultiLora:
+    """N named LoRA adapters over one (frozen) megatron GPTModel; forwards pick adapters per row via `ctx`."""
+
+    def __init__(self, model: torch.nn.Module, ctx: LoraContext | None = None, tp_group=None):
+        from megatron.core import parallel_state
+
+        self.ctx = ctx or LoraContext()
+        self.tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
+        self.sites: list[LoraSite] = []
+        self.adapters: dict[str, _AdapterInfo] = {}
+        for layer_module in model.decoder.layers:
+            layer = layer_module.layer_number - 1
+            for site, path in SITE_MODULES.items():
+                module = layer_module.get_submodule(path)
+                self.sites.append(LoraSite(module, layer, site, self.ctx, self.tp_group))
+
+    def add_adapter(self, name: str, spec: LoraSpec, seed: int = 0) -> list[torch.nn.Parameter]:
+        """Creates adapter `name` (A: seeded kaiming-uniform, identical on every TP rank; B: zeros)."""
+        if name in self.adapters:
+            raise KeyError(f"adapter {name!r} already exists")
+        spec.validate()
+        unknown = set(spec.target_modules) - set(QWEN3_LORA_TARGETS)
+        if unknown:
+            raise ValueError(f"unknown target modules {sorted(unknown)}")
+        for site in self.sites:
+            site.add(name, spec, seed)
+        self.adapters[name] = _AdapterInfo(spec=spec, seed=seed)
+        return self.parameters(name)
+
+    def remove_adapter(self, name: str) -> None:
+        for site in self.sites:
+            site.remove(name)
+        self.adapters.pop(name, None)
+
+    def spec(self, name: str) -> LoraSpec:
+        return self.adapters[name].spec
+
+    def named_parameters(self, name: str) -> list[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters of adapter `name`, with stable names (layer.site.lora_A / lora_B)."""
+        out = []
+        for site in self.sites:
+            adapter = site.adapters.get(name)
+            if adapter is not None:
+                out.append((f"{site.layer}.{site.site}.lora_A", adapter.lora_A))
+                out.append((f"{site.layer}.{site.site}.lora_B", adapter.lora_B))
+        return out
+
+    def parameters(self, name: str) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.named_parameters(name)]
+
+    def local_state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        """This rank's shards of adapter `name` (for resume at the same TP size)."""
+        return {k: p.detach().clone() for k, p in self.named_parameters(name)}
+
+    @torch.no_grad()
+    def load_local_state_dict(self, name: str, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.named_parameters(name))
+        if set(params) != set(state):
+            raise KeyError(f"adapter {name!r}: state keys differ from the adapter's parameters")
+        for key, param in params.items():
+            if state[key].shape != param.shape:
+                raise ValueError(f"adapter {name!r}: {key} has shape {tuple(state[key].shape)}, "
+                                 f"expected {tuple(param.shape)} (same TP size?)")
+            param.copy_(state[key])
+
+    def hf_state_dict(self, name: str, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full (TP-gathered) PEFT-layout tensors of adapter `name` (or of its grads). Collective over TP."""
+        spec = self.adapters[name].spec
+        out: dict[str, torch.Tensor] = {}
+        for site in self.sites:
+            if name in site.adapters:
+                out.update(site.to_hf(name, spec, grads=grads))
+        return out
+
+    def load_hf_state_dict(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Loads adapter `name` from full PEFT-layout tensors (keys as `peft_key`)."""
+        spec = self.adapters[name].spec
+        expected = {peft_key(s.layer, p, w) for s in self.sites if name in s.adapters
+                    for p in s.parts if p in spec.target_modules for w in "AB"}
+        missing, extra = expected - set(tensors), set(tensors) - expected
+        if missing or extra:
+            raise KeyError(f"adapter {name!r}: missing {sorted(missing)[:4]} unexpected {sorted(extra)[:4]}")
+        for site in self.sites:
+            if name in site.adapters:
+                site.from_hf(name, spec, tensors)
+
+    def grad_norm(self, name: str) -> torch.Tensor:
+        """Global L2 norm of adapter `name`'s gradients over all TP shards (collective over TP)."""
+        sharded = replicated = None
+        for site in self.sites:
+            adapter = site.adapters.get(name)
+            if adapter is None:
+                continue
+            for p in (adapter.lora_A, adapter.lora_B):
+                if p.grad is None:
+                    continue
+                sq = p.grad.detach().double().pow(2).sum()
+                if p.tp_sharded:
+                    sharded = sq if sharded is None else sharded + sq
+                else:
+                    replicated = sq if replicated is None else replicated + sq
+        device = self.sites[0].module.weight.device
+        sharded = sharded if sharded is not None else torch.zeros((), dtype=torch.float64, device=device)
+        replicated = replicated if replicated is not None else torch.zeros((), dtype=torch.float64,
+                                                                            device=device)
+        if dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        return (sharded + replicated).sqrt()
+
+    def close(self) -> None:
+        for site in self.sites:
+            site.close()
+        self.adapters.clear()

@@ -1,0 +1,167 @@
+"""The trainer's base network: a megatron-core GPTModel (local layer spec) loaded from an HF Qwen3 checkpoint.
+
+mbridge maps HF names <-> megatron names and splits weights over tensor-parallel ranks. Its Qwen3 bridge targets
+the Transformer Engine spec (fused `linear_qkv.layer_norm_weight`); here it is pointed at the local spec, whose
+norms are separate modules (`input_layernorm`, `pre_mlp_layernorm`). `bridge.get_model()` is not used (it calls
+`.cuda()`): the GPTModel is built directly and the bridge only loads weights.
+
+Process groups (DESIGN.md §6): tensor parallelism spans the default torch.distributed group (gloo on CPU, nccl
+on GPU); `init_distributed` creates it from the torchrun environment, or a single-process group for TP=1.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from marlaas_hpc.trainer.cpu_shims import apply_cpu_shims
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_single_process_group(backend: str | None = None) -> None:
+    """Initialises a world-size-1 default process group in this process (no network, no env vars)."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend or default_backend(), store=dist.HashStore(), rank=0, world_size=1)
+
+
+def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = None) -> None:
+    """Default process group (from torchrun env vars, else single-process) + megatron's TP groups + RNG.
+
+    The default group must span exactly the trainer ranks; its size must equal `tensor_parallel`
+    (data parallelism is not implemented). Idempotent when already initialised with the same TP size.
+    """
+    from megatron.core import parallel_state, tensor_parallel as mcore_tp
+
+    apply_cpu_shims()
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend or default_backend())
+        elif tensor_parallel == 1:
+            init_single_process_group(backend)
+        else:
+            raise RuntimeError(f"tensor_parallel={tensor_parallel} needs an initialised default process group "
+                               "(torchrun / init_process_group) of that size")
+    world = dist.get_world_size()
+    if world != tensor_parallel:
+        raise ValueError(f"the default process group has {world} ranks but tensor_parallel={tensor_parallel}; "
+                         "the trainer's world must be exactly its TP group")
+    if parallel_state.model_parallel_is_initialized():
+        have = parallel_state.get_tensor_model_parallel_world_size()
+        if have != tensor_parallel:
+            raise ValueError(f"megatron parallel state already initialised with TP={have}")
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    tracker = mcore_tp.get_cuda_rng_tracker()
+    if "model-parallel-rng" not in tracker.get_states():
+        mcore_tp.model_parallel_cuda_manual_seed(seed)
+
+
+def _local_qwen3_bridge_cls():
+    from mbridge.models.qwen3 import Qwen3Bridge
+
+    class LocalSpecQwen3Bridge(Qwen3Bridge):
+        """Qwen3 bridge for the local (non-TE) layer spec: separate input / pre-MLP RMSNorm modules."""
+
+        def __init__(self, *args, **kwargs):
+            # per-instance copies: mbridge mutates these class dicts for tied embeddings
+            self._DIRECT_MAPPING = dict(Qwen3Bridge._DIRECT_MAPPING)
+            self._ATTENTION_MAPPING = {k: v for k, v in Qwen3Bridge._ATTENTION_MAPPING.items()
+                                       if k != "self_attention.linear_qkv.layer_norm_weight"}
+            self._MLP_MAPPING = {k: v for k, v in Qwen3Bridge._MLP_MAPPING.items()
+                                 if k != "mlp.linear_fc1.layer_norm_weight"}
+            self._MLP_MAPPING["pre_mlp_layernorm.weight"] = [
+                "model.layers.{layer_number}.post_attention_layernorm.weight"]
+            self._OTHER_MAPPING = {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+            super().__init__(*args, **kwargs)
+
+        def _get_transformer_layer_spec(self, vp_stage=None):
+            return local_layer_spec()
+
+        def _get_gptmodel_args(self) -> dict:
+            return dict(vocab_size=self.hf_config.vocab_size,
+                        max_sequence_length=self.hf_config.max_position_embeddings,
+                        position_embedding_type="rope", rotary_base=rope_theta(self.hf_config))
+
+    return LocalSpecQwen3Bridge
+
+
+def local_layer_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+
+
+def rope_theta(hf_config) -> float:
+    """RoPE base: transformers 5 keeps it in `rope_parameters`, older versions in `rope_theta`."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        if params.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported by the trainer")
+        return float(params["rope_theta"])
+    return float(hf_config.rope_theta)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    """megatron-core GPTModel (this rank's TP shard), base parameters frozen."""
+    hf_config: object
+    """The checkpoint's transformers config."""
+    bridge: object
+    """mbridge bridge (HF <-> megatron weight mapping)."""
+
+
+def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu") -> LoadedModel:
+    """Builds the GPTModel for this rank's TP shard and loads the HF checkpoint into it (fp32, frozen).
+
+    Needs `init_distributed` first (all TP ranks call this together: weights are scattered from TP rank 0).
+    """
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from transformers import AutoConfig
+
+    apply_cpu_shims()
+    hf_config = AutoConfig.from_pretrained(str(model_path))
+    if hf_config.model_type != "qwen3":
+        raise NotImplementedError(f"trainer supports Qwen3 checkpoints, got model_type={hf_config.model_type!r}")
+    if getattr(hf_config, "tie_word_embeddings", False):
+        raise NotImplementedError("tied input/output embeddings are not supported")
+    bridge = _local_qwen3_bridge_cls()(hf_config, dtype=torch.float32)
+    bridge.set_extra_args(
+        sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
+        attention_softmax_in_fp32=True, variable_seq_lengths=True)
+    tp = bridge.mpu.tp_size
+    for name, value in (("num_key_value_heads", hf_config.num_key_value_heads),
+                        ("num_attention_heads", hf_config.num_attention_heads),
+                        ("intermediate_size", hf_config.intermediate_size), ("vocab_size", hf_config.vocab_size)):
+        if value % tp:
+            raise ValueError(f"tensor_parallel={tp} must divide {name}={value}")
+    model = GPTModel(config=bridge.config, transformer_layer_spec=local_layer_spec(),
+                     share_embeddings_and_output_weights=False, pre_process=True, post_process=True,
+                     **bridge._get_gptmodel_args())
+    bridge.vocab_size = bridge.padded_vocab_size = hf_config.vocab_size
+    with torch.no_grad():
+        bridge.load_weights([model], str(model_path))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.eval()  # dropout is 0 anyway; no train-mode-only paths
+    model.to(device)
+    return LoadedModel(model=model, hf_config=hf_config, bridge=bridge)
+
+
+def causal_mask(batch: int, seq: int, device=None) -> torch.Tensor:
+    """Explicit megatron attention mask [b, 1, s, s], True = masked out (future positions)."""
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)
+    return mask.view(1, 1, seq, seq).expand(batch, 1, seq, seq)

@@ -1,0 +1,346 @@
+"""MultiLoraTrainer: many tasks' LoRA adapters trained with GRPO on one frozen megatron-core base (DESIGN.md §4, §6).
+
+Every TP rank of the trainer's world constructs the trainer and calls the same methods with the same arguments
+(the methods are collective over the TP group). Each task owns its adapter (one per `MultiLora` site), its own
+`torch.optim.AdamW` over this rank's shards of it, and its version (= optimizer steps applied). A training step
+may fuse several tasks' batches: the base forward is shared, rows pick their task's adapter.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec, SpecError
+from marlaas_hpc.trainer.grpo import grpo_loss
+from marlaas_hpc.trainer.lora import MultiLora
+from marlaas_hpc.trainer.model import build_gpt_model, causal_mask, init_distributed
+from marlaas_hpc.trainer.peft_io import read_peft_adapter, write_peft_adapter
+from marlaas_hpc.trajectory import Trajectory
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    model_path: str
+    """Local HF Qwen3 checkpoint directory (config.json + *.safetensors) of the shared base model."""
+    tensor_parallel: int = 1
+    """TP size; must equal the size of the default torch.distributed group (the trainer ranks)."""
+    seed: int = 0
+    """Seeds megatron's RNG tracker and (with the task id) every adapter's lora_A init."""
+    micro_batch_size: int = 0
+    """Rows per forward/backward pass (gradients accumulate to one optimizer step); 0 = whole batch at once."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (cuda when available)."""
+
+    def validate(self) -> "TrainerConfig":
+        if not isinstance(self.model_path, (str, Path)) or not Path(self.model_path, "config.json").is_file():
+            raise SpecError("model_path", f"{self.model_path!r} is not an HF checkpoint directory")
+        for name, low in (("tensor_parallel", 1), ("micro_batch_size", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise SpecError(name, f"must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise SpecError("seed", f"must be an integer, got {self.seed!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise SpecError("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise SpecError("device", "cuda requested but no CUDA device is available")
+        return self
+
+
+@dataclass
+class _Task:
+    lora: LoraSpec
+    algo: AlgoSpec
+    optimizer: torch.optim.Optimizer
+    version: int = 0
+
+
+def _scale(temperature: float) -> float:
+    return temperature if temperature > 0 else 1.0
+
+
+class MultiLoraTrainer:
+    """GRPO trainer of many LoRA tasks over one frozen megatron-core GPTModel (tensor parallel)."""
+
+    def __init__(self, config: TrainerConfig):
+        from megatron.core import parallel_state
+
+        self.config = config.validate()
+        init_distributed(config.tensor_parallel, seed=config.seed)
+        use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        loaded = build_gpt_model(config.model_path, device=self.device)
+        self.model, self.hf_config = loaded.model, loaded.hf_config
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.vocab_size = int(self.hf_config.vocab_size)
+        pad = getattr(self.hf_config, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else 0
+        self.lora = MultiLora(self.model, tp_group=self.tp_group)
+        self.tasks: dict[str, _Task] = {}
+
+    # -- tasks --------------------------------------------------------------------------------------------
+    def add_task(self, task_id: str, lora: LoraSpec, algo: AlgoSpec) -> None:
+        """Creates the task's adapter (B = 0: starts as the base model) and its AdamW (lr from algo)."""
+        if task_id in self.tasks:
+            raise KeyError(f"task {task_id!r} already exists")
+        lora.validate()
+        algo.validate()
+        params = self.lora.add_adapter(task_id, lora, seed=self.config.seed)
+        self.tasks[task_id] = _Task(lora=lora, algo=algo, optimizer=self._make_optimizer(params, algo))
+
+    def remove_task(self, task_id: str) -> None:
+        self._task(task_id)
+        self.lora.remove_adapter(task_id)
+        del self.tasks[task_id]
+
+    def version(self, task_id: str) -> int:
+        """Optimizer steps applied to the task's adapter."""
+        return self._task(task_id).version
+
+    def task_ids(self) -> list[str]:
+        return list(self.tasks)
+
+    def _task(self, task_id: str) -> _Task:
+        if task_id not in self.tasks:
+            raise KeyError(f"unknown task {task_id!r}")
+        return self.tasks[task_id]
+
+    @staticmethod
+    def _make_optimizer(params, algo: AlgoSpec) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=algo.lr, weight_decay=algo.weight_decay)
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def _forward(self, rows: Sequence[str | None], input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel logits [b, s, V/tp] with one adapter (or None) per row."""
+        batch, seq = input_ids.shape
+        positions = torch.arange(seq, device=self.device).unsqueeze(0).expand(batch, seq)
+        with self.lora.ctx.use(rows):
+            return self.model(input_ids, positions, causal_mask(batch, seq, self.device))
+
+    def _token_logprobs(self, vp_logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+        """log softmax(logits / T)[label] over the vocab-parallel logits (no full-vocab gather)."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        scaled = vp_logits.float() / _scale(temperature)
+        return -vocab_parallel_cross_entropy(scaled, labels)
+
+    def _rows(self, task: str | None | Sequence[str | None], batch: int) -> list[str | None]:
+        rows = [task] * batch if task is None or isinstance(task, str) else list(task)
+        if len(rows) != batch:
+            raise ValueError(f"{len(rows)} adapter names for {batch} rows")
+        for name in rows:
+            if name is not None:
+                self._task(name)
+        return rows
+
+    @torch.no_grad()
+    def logits(self, task_id: str | None | Sequence[str | None], input_ids) -> torch.Tensor:
+        """Full-vocab logits [b, s, V] (gathered over TP) of `input_ids` [b, s] with the task's adapter
+        (None: base model; a list: one adapter per row)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
+        if ids.dim() != 2:
+            raise ValueError("input_ids must be [batch, seq]")
+        vp = self._forward(self._rows(task_id, ids.shape[0]), ids).contiguous()
+        if self.tp_size > 1:  # megatron's gather allocates on CUDA; a plain all_gather works on any backend
+            shards = [torch.empty_like(vp) for _ in range(self.tp_size)]
+            dist.all_gather(shards, vp, group=self.tp_group)
+            vp = torch.cat(shards, dim=-1)
+        return vp[..., : self.vocab_size]
+
+    def _micro_batches(self, items: list) -> list[list]:
+        size = self.config.micro_batch_size or len(items) or 1
+        return [items[i: i + size] for i in range(0, len(items), size)]
+
+    def _collate(self, trajectories: Sequence[Trajectory]) -> dict[str, Any]:
+        """Right-padded prompt+completion ids; per-position (label space, length s-1) targets and masks."""
+        lengths = []
+        for traj in trajectories:
+            traj.check()
+            if not traj.prompt_ids:
+                raise ValueError(f"trajectory of {traj.task_id}: empty prompt")
+            lengths.append(len(traj.prompt_ids) + len(traj.completion_ids))
+        batch, seq = len(trajectories), max(max(lengths), 2)
+        ids = torch.full((batch, seq), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(batch, seq - 1)
+        behaviour = torch.zeros(batch, seq - 1)
+        spans = []
+        for i, traj in enumerate(trajectories):
+            tokens = list(traj.prompt_ids) + list(traj.completion_ids)
+            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            start, n = len(traj.prompt_ids) - 1, len(traj.completion_ids)
+            if n:
+                mask[i, start: start + n] = torch.tensor(traj.mask(), dtype=torch.float32)
+                behaviour[i, start: start + n] = torch.tensor(traj.behaviour_logprobs, dtype=torch.float32)
+            spans.append((start, n))
+        advantages = torch.tensor([float(t.advantage) for t in trajectories])
+        to = dict(device=self.device)
+        return dict(ids=ids.to(**to), labels=ids[:, 1:].contiguous().to(**to), mask=mask.to(**to),
+                    behaviour=behaviour.to(**to), advantages=advantages.to(**to), spans=spans)
+
+    @torch.no_grad()
+    def logprobs(self, task_id: str | None, trajectories: Sequence[Trajectory],
+                 temperature: float = 1.0) -> list[list[float]]:
+        """Per-trajectory logprobs of the completion tokens at `temperature` (no grad); task None = base."""
+        out: list[list[float]] = []
+        for chunk in self._micro_batches(list(trajectories)):
+            batch = self._collate(chunk)
+            vp = self._forward(self._rows(task_id, len(chunk)), batch["ids"])[:, :-1]
+            logp = self._token_logprobs(vp, batch["labels"], temperature).cpu()
+            out.extend(logp[i, s: s + n].tolist() for i, (s, n) in enumerate(batch["spans"]))
+        return out
+
+    # -- training -----------------------------------------------------------------------------------------
+    def train_step(self, task_id: str, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """One GRPO optimizer step of one task; returns its metrics (loss, clip_frac, ..., version)."""
+        return self.train_steps({task_id: trajectories})[task_id]
+
+    def train_steps(self, batches: dict[str, Sequence[Trajectory]]) -> dict[str, dict[str, float]]:
+        """One optimizer step for each task in `batches`, sharing the base forward of the fused batch.
+
+        Each task's loss is its token mean over its whole batch, whatever the micro-batching: a micro-batch's
+        token-mean loss is weighted by its share of the task's trained tokens before backward.
+        """
+        for task_id, trajs in batches.items():
+            self._task(task_id)
+            for traj in trajs:
+                if traj.task_id != task_id:
+                    raise ValueError(f"trajectory of task {traj.task_id!r} in the batch of {task_id!r}")
+        totals = {t: sum(sum(traj.mask()) for traj in trajs) for t, trajs in batches.items()}
+        stats: dict[str, dict[str, float]] = {t: {} for t in batches}
+        for task_id in batches:
+            self.tasks[task_id].optimizer.zero_grad(set_to_none=True)
+        items = [(task_id, traj) for task_id, trajs in batches.items() for traj in trajs]
+        for chunk in self._micro_batches(items):
+            self._accumulate_gradients(chunk, totals, stats)
+        return {task_id: self._optimizer_step(task_id, trajs, totals[task_id], stats[task_id])
+                for task_id, trajs in batches.items()}
+
+    def _base_logprobs(self, rows: list[str], batch: dict[str, Any]) -> dict[float, torch.Tensor]:
+        """Base-model (adapter off) logprobs at each temperature a KL-regularised task of the batch uses."""
+        temperatures = {self.tasks[t].algo.temperature for t in set(rows) if self.tasks[t].algo.kl_beta > 0}
+        if not temperatures:
+            return {}
+        with torch.no_grad():
+            vp_base = self._forward([None] * len(rows), batch["ids"])[:, :-1]
+            return {temp: self._token_logprobs(vp_base, batch["labels"], temp) for temp in temperatures}
+
+    def _accumulate_gradients(self, chunk: list[tuple[str, Trajectory]], totals: dict[str, int],
+                              stats: dict[str, dict[str, float]]) -> None:
+        rows = [t for t, _ in chunk]
+        batch = self._collate([traj for _, traj in chunk])
+        base_logp = self._base_logprobs(rows, batch)
+        vp = self._forward(rows, batch["ids"])[:, :-1]
+        total_loss = None
+        for task_id in dict.fromkeys(rows):
+            algo = self.tasks[task_id].algo
+            idx = torch.tensor([i for i, t in enumerate(rows) if t == task_id], device=self.device)
+            mask, behaviour = batch["mask"][idx], batch["behaviour"][idx]
+            n_tokens = float(mask.sum())
+            if n_tokens == 0:
+                continue
+            logp = self._token_logprobs(vp.index_select(0, idx), batch["labels"][idx], algo.temperature)
+            base = base_logp[algo.temperature][idx] if algo.kl_beta > 0 else None
+            loss, mb_stats = grpo_loss(logp, behaviour, batch["advantages"][idx], mask, clip_eps=algo.clip_eps,
+                                       kl_beta=algo.kl_beta, base_logp=base)
+            weight = n_tokens / totals[task_id]
+            total_loss = loss * weight if total_loss is None else total_loss + loss * weight
+            acc = stats[task_id]
+            for key, value in mb_stats.items():
+                if key != "tokens":
+                    acc[key] = acc.get(key, 0.0) + value * weight
+            with torch.no_grad():  # distance to the behaviour policy: ~0 on-policy at equal version
+                diff = float(((logp - behaviour).abs() * mask).sum()) / totals[task_id]
+            acc["logp_diff_abs"] = acc.get("logp_diff_abs", 0.0) + diff
+        if total_loss is not None:
+            total_loss.backward()
+
+    def _optimizer_step(self, task_id: str, trajs: Sequence[Trajectory], tokens: int,
+                        stats: dict[str, float]) -> dict[str, float]:
+        task = self.tasks[task_id]
+        grad_norm = float(self.lora.grad_norm(task_id))
+        if task.algo.grad_clip > 0 and grad_norm > task.algo.grad_clip:
+            coef = task.algo.grad_clip / (grad_norm + 1e-6)
+            for param in self.lora.parameters(task_id):
+                if param.grad is not None:
+                    param.grad.mul_(coef)
+        task.optimizer.step()
+        task.version += 1
+        metrics = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "logp_diff_abs": 0.0, **stats}
+        metrics.update(tokens=float(tokens), trajectories=float(len(trajs)), grad_norm=grad_norm,
+                       lr=float(task.algo.lr), version=float(task.version),
+                       reward_mean=sum(t.reward for t in trajs) / max(len(trajs), 1))
+        return metrics
+
+    def adapter_tensors(self, task_id: str, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full PEFT-layout tensors of the task's adapter (or of its latest gradients). Collective over TP."""
+        self._task(task_id)
+        return self.lora.hf_state_dict(task_id, grads=grads)
+
+    # -- adapter files ------------------------------------------------------------------------------------
+    def export_adapter(self, task_id: str, out_dir: str | Path) -> Path:
+        """Writes the task's adapter as a PEFT directory (TP rank 0 writes; every TP rank must call this)."""
+        task = self._task(task_id)
+        tensors = self.lora.hf_state_dict(task_id)
+        if self.tp_rank == 0:
+            write_peft_adapter(out_dir, tensors, task.lora, base_model_name_or_path=str(self.config.model_path))
+        if self.tp_size > 1:
+            dist.barrier(group=self.tp_group)
+        return Path(out_dir)
+
+    def load_adapter(self, task_id: str, path: str | Path, algo: AlgoSpec | None = None,
+                     version: int | None = None) -> None:
+        """Loads a PEFT adapter into the task (created from the adapter's config and `algo` if absent).
+
+        The task's optimizer state is reset; `version` (if given) sets its version.
+        """
+        spec, tensors = read_peft_adapter(path)
+        if task_id not in self.tasks:
+            self.add_task(task_id, spec, algo or AlgoSpec())
+        task = self.tasks[task_id]
+        have = (task.lora.rank, float(task.lora.alpha), set(task.lora.target_modules))
+        if have != (spec.rank, float(spec.alpha), set(spec.target_modules)):
+            raise ValueError(f"adapter at {path} (r={spec.rank}, alpha={spec.alpha}, "
+                             f"targets={sorted(spec.target_modules)}) does not fit task {task_id!r} "
+                             f"(r={task.lora.rank}, alpha={task.lora.alpha}, "
+                             f"targets={sorted(task.lora.target_modules)})")
+        self.lora.load_hf_state_dict(task_id, tensors)  # CPU tensors; copied onto the params' device
+        task.optimizer = self._make_optimizer(self.lora.parameters(task_id), task.algo)
+        if version is not None:
+            task.version = int(version)
+
+    # -- resume -------------------------------------------------------------------------------------------
+    def state_dict(self, task_id: str) -> dict[str, Any]:
+        """This rank's resumable state of a task: adapter shards, optimizer state, version, specs."""
+        task = self._task(task_id)
+        return {"lora": dataclasses.asdict(task.lora), "algo": dataclasses.asdict(task.algo),
+                "adapter": self.lora.local_state_dict(task_id), "optimizer": copy.deepcopy(task.optimizer.state_dict()),  # the live dict aliases Adam moments
+                "version": task.version, "tensor_parallel": self.tp_size, "tp_rank": self.tp_rank}
+
+    def load_state_dict(self, task_id: str, state: dict[str, Any]) -> None:
+        """Restores a task saved by `state_dict` on the same TP rank of a trainer with the same TP size."""
+        if state["tensor_parallel"] != self.tp_size or state["tp_rank"] != self.tp_rank:
+            raise ValueError(f"state saved at TP rank {state['tp_rank']}/{state['tensor_parallel']}, "
+                             f"this is rank {self.tp_rank}/{self.tp_size}; use export/load_adapter to reshard")
+        lora = dict(state["lora"])
+        lora["target_modules"] = tuple(lora["target_modules"])
+        spec, algo = LoraSpec(**lora), AlgoSpec(**state["algo"])
+        if task_id in self.tasks:
+            self.remove_task(task_id)
+        self.add_task(task_id, spec, algo)
+        task = self.tasks[task_id]
+        self.lora.load_local_state_dict(task_id, state["adapter"])
+        task.optimizer.load_state_dict(state["optimizer"])
+        task.version = int(state["version"])
+
+    def close(self) -> None:
+        """Removes the LoRA hooks (the process groups stay up: they belong to the process)."""
+        self.lora.close()
+        self.tasks.clear()

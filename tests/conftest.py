@@ -1,0 +1,86 @@
+"""Shared fixtures: the tiny model (built once into the cache) and per-process thread limits."""
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path():
+    from marlaas_hpc.model import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+# --- rollout engines: LoRA adapters with non-zero weights and an independent HF+PEFT reference -------------
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="session")
+def make_lora_adapter(tiny_model_path, tmp_path_factory):
+    """make_lora_adapter(name, seed=0, r=8) -> path of a PEFT LoRA adapter with random non-zero weights on all
+    seven Qwen3 projections of the tiny model (cached per (name, seed, r) for the session)."""
+    made = {}
+    root = tmp_path_factory.mktemp("lora_adapters")
+
+    def make(name, seed=0, r=8):
+        key = (name, seed, r)
+        if key not in made:
+            import torch
+            from peft import LoraConfig, get_peft_model
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(seed)
+            base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
+            config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=LORA_TARGETS, init_lora_weights=False)
+            out = root / f"{name}-s{seed}-r{r}"
+            get_peft_model(base, config).save_pretrained(str(out))
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def peft_reference(tiny_model_path):
+    """Independent transformers+PEFT reference, one unpadded row at a time, full recompute (no KV cache):
+    `.greedy(adapter_path|None, prompt_ids, max_new_tokens) -> ids` (stops after eos) and
+    `.logprobs(adapter_path|None, prompt_ids, completion_ids, temperature) -> list[float]`
+    (teacher-forced log_softmax(logits / T) of the completion tokens; T = 0 reads as 1)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(str(tiny_model_path)).eos_token_id
+    models = {}
+
+    def model_for(adapter_path):
+        key = None if adapter_path is None else str(adapter_path)
+        if key not in models:
+            base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
+            models[key] = base if key is None else PeftModel.from_pretrained(base, key).eval()
+        return models[key]
+
+    class Reference:
+        @staticmethod
+        @torch.no_grad()
+        def greedy(adapter_path, prompt_ids, max_new_tokens):
+            model, ids, out = model_for(adapter_path), list(prompt_ids), []
+            for _ in range(max_new_tokens):
+                tok = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+                ids.append(tok)
+                out.append(tok)
+                if tok == eos:
+                    break
+            return out
+
+        @staticmethod
+        @torch.no_grad()
+        def logprobs(adapter_path, prompt_ids, completion_ids, temperature):
+            ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+            logits = model_for(adapter_path)(input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
+            logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+            return logp.gather(1, torch.tensor(list(completion_ids))[:, None])[:, 0].tolist()
+
+    return Reference()

