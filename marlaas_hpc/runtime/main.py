@@ -75,8 +75,11 @@ def run_rank(comm, job: JobConfig, log=print) -> dict | None:
         from marlaas_hpc.runtime.rollout_rank import RolloutRank
 
         work = run_dir / "rollout" / f"rank{rank}"
-        kwargs = {"work_dir": work, "max_loras": job.max_adapters, "max_lora_rank": job.max_lora_rank} \
-            if job.engine == "vllm" else {}
+        from marlaas_hpc.model.tiny import default_cache_dir
+
+        # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
+        kwargs = {"work_dir": work, "cache_dir": default_cache_dir() / "vllm", "max_loras": job.max_adapters,
+                  "max_lora_rank": job.max_lora_rank} if job.engine == "vllm" else {}
         engine = make_engine(job.engine, model_path, seed=job.seed + rank, **kwargs)
         delta = DeltaGroup(comm, leader, roles["rollout"])
         RolloutRank(comm, engine, delta, work / "adapters", seed=job.seed).run()

@@ -77,6 +77,8 @@ class SchedulerRank:
     def _event(self, event) -> None:
         if isinstance(event, EvalDone):
             key = (event.task_id, "before" if event.version is None else "after")
+            if key not in self.pending_evals:
+                return  # the task failed meanwhile
             self.evals.setdefault(key, []).append(event.accuracy)
             self.pending_evals[key] -= 1
             if self.pending_evals[key] == 0:
@@ -109,6 +111,9 @@ class SchedulerRank:
                 self.outbox.send(command, leader, TAG_CMD)
             elif isinstance(command, TaskEnded):
                 task = self.scheduler.tasks[command.task_id]
+                if command.status == "failed":  # its env rank scores nothing more of it, evals included
+                    for key in [k for k in self.pending_evals if k[0] == command.task_id]:
+                        del self.pending_evals[key]
                 self.log(f"[{command.task_id}] {command.status} at v{max(task.version, 0)}"
                          + (f": {command.error}" if command.error else ""))
                 if task.version > 0 and command.status != "failed":
