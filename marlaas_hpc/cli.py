@@ -43,6 +43,7 @@ def cmd_run(args) -> int:
     job.model_path()  # build the tiny model once here, not in every rank
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the per-task progress lines readable
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     command = mpirun_command(job, args.config, job.run_dir, job.mode)

@@ -187,6 +187,8 @@ class Scheduler:
         self._served[spec.task_id] = next(self._seq)
 
     def _generated(self, event: Generated) -> list:
+        # Events from different ranks may arrive in any order: a group's Scored (from its env rank) can
+        # overtake its Generated (from its rollout rank). Only a group still generating moves to scoring.
         out = []
         versions = event.versions or (None,) * len(event.group_ids)
         for gid, version in zip(event.group_ids, versions):
@@ -199,7 +201,8 @@ class Scheduler:
                     raise RuntimeError(f"{gid}: sampled with v{version}, older than the v{group.version} issued")
                 group.version = version
             task = self.tasks[group.task_id]
-            task.generating.pop(gid, None)
+            if task.generating.pop(gid, None) is None:
+                continue  # already scored (or dropped)
             if not task.active:
                 out.append(self._forget([group], task, "task ended"))
                 continue
@@ -212,7 +215,8 @@ class Scheduler:
             return []
         self.env_load[group.env_rank] -= 1
         task = self.tasks[group.task_id]
-        task.scoring.pop(group.group_id, None)
+        if task.scoring.pop(group.group_id, None) is None and task.generating.pop(group.group_id, None) is None:
+            return []  # not in flight any more
         if not task.active:
             return [self._forget([group], task, "task ended")]
         group.reward_mean = event.reward_mean

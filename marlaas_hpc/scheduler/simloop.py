@@ -35,9 +35,15 @@ class SimResult:
 
 
 class SimLoop:
-    def __init__(self, scheduler: Scheduler, durations: Durations):
+    def __init__(self, scheduler: Scheduler, durations: Durations, delivery_jitter: float = 0.0, seed: int = 0):
+        import random
+
         self.scheduler = scheduler
         self.durations = durations
+        self.delivery_jitter = delivery_jitter
+        """Max extra latency of each worker event: with jitter, a group's Scored may overtake its Generated,
+        as messages from different MPI ranks do."""
+        self._rng = random.Random(seed)
         self.now = 0.0
         self._queue: list = []
         self._order = itertools.count()
@@ -61,6 +67,9 @@ class SimLoop:
         self.result.end_time = self.now
         return self.result
 
+    def _jitter(self) -> float:
+        return self._rng.uniform(0.0, self.delivery_jitter) if self.delivery_jitter else 0.0
+
     def _execute(self, command) -> None:
         d = self.durations
         if isinstance(command, Admit):
@@ -68,8 +77,8 @@ class SimLoop:
         elif isinstance(command, Generate):
             for group_id, _ in command.groups:
                 gen_time = d.generate(command.task_id, group_id)
-                self.at(gen_time, Generated(command.rollout_rank, (group_id,)))
-                self.at(gen_time + d.score(command.task_id, group_id), Scored(group_id, 0.0))
+                self.at(gen_time + self._jitter(), Generated(command.rollout_rank, (group_id,)))
+                self.at(gen_time + d.score(command.task_id, group_id) + self._jitter(), Scored(group_id, 0.0))
         elif isinstance(command, Train):
             # the trainer's own check of the bound, as the real trainer does
             if any(v < command.from_version - command.bound for v in command.behaviour_versions):
