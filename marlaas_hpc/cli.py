@@ -53,6 +53,33 @@ def cmd_run(args) -> int:
     os.execvpe(command[0], command, env)
 
 
+def job_command(config: str, run_dir: str) -> str:
+    """What every rank of a Slurm job runs (srun --het-group=0-3 starts one per task)."""
+    import shlex
+    from pathlib import Path
+
+    return shlex.join([sys.executable, "-m", "marlaas_hpc.runtime.main", str(Path(config).resolve()),
+                       "--run-dir", str(Path(run_dir).resolve())])
+
+
+def cmd_sbatch(args) -> int:
+    """Writes the heterogeneous-job batch script for users who prefer plain `sbatch`."""
+    from pathlib import Path
+
+    from marlaas_hpc.launch.sbatch import render_sbatch
+    from marlaas_hpc.runtime.main import load_job
+
+    try:
+        job = load_job(args.config, args.run_dir, None)
+    except SpecError as exc:
+        print(f"marlaas: invalid config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    folder = Path(job.run_dir).resolve() / "slurm"
+    print(render_sbatch(job.layout, job_command(args.config, job.run_dir), args.job_name, folder), end="")
+    print(f"# the log folder must exist before submission: mkdir -p {folder}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="marlaas", description="Multi-task asynchronous RL fine-tuning (MARLaaS).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--run-dir", help="output directory (default: the config's run_dir)")
     run.add_argument("--mode", choices=["async", "sync", "sequential"], help="override the config's mode")
     run.set_defaults(func=cmd_run)
+    sbatch = sub.add_parser("sbatch", help="print the Slurm heterogeneous-job script of a config (marlaas sbatch C > job.sbatch)")
+    sbatch.add_argument("config")
+    sbatch.add_argument("--run-dir", help="output directory (default: the config's run_dir)")
+    sbatch.add_argument("--job-name", default="marlaas")
+    sbatch.set_defaults(func=cmd_sbatch)
     args = parser.parse_args(argv)
     return args.func(args)
 

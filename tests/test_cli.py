@@ -1,0 +1,29 @@
+"""The `marlaas` command line: sbatch rendering of a job config, refusals before anything starts."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def marlaas(*args):
+    return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_sbatch_renders_a_four_component_hetjob_running_every_rank(tmp_path):
+    proc = marlaas("sbatch", "configs/local-demo.yaml", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    script = proc.stdout
+    assert script.startswith("#!") and script.count("#SBATCH hetjob") == 3
+    srun = next(line for line in script.splitlines() if line.lstrip().startswith("srun "))
+    assert "--het-group=0-3" in srun and "--mpi=pmix" in srun
+    assert "marlaas_hpc.runtime.main" in script and str(tmp_path / "run") in script
+    assert "--signal=USR2@" in script
+
+
+def test_sbatch_refuses_a_bad_layout(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "configs" / "test-small.yaml").read_text().replace("trainer_tp: 2", "trainer_tp: 0"))
+    proc = marlaas("sbatch", str(bad))
+    assert proc.returncode == 2 and "layout.trainer_tp" in proc.stderr
