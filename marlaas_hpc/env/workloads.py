@@ -32,43 +32,11 @@ from marlaas_hpc.env.protocol import Environment, SingleTurnEnv
 from marlaas_hpc.env.tools import (SYNTAXES, Bm25Index, Calculator, Document, Lookup, Search, ToolBox, ToolOutcome,
                                    ToolTask)
 from marlaas_hpc.tasks.base import Sample
-from marlaas_hpc.tasks.files import _FileTask, gsm8k_gold
+from marlaas_hpc.tasks.files import _FileTask, gsm8k_gold, read_jsonl_rows
 from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
 
 
 # ---------------------------------------------------------------- data files
-def read_jsonl_rows(path: str | None, required: tuple[str, ...] = (), field_name: str = "dataset.path",
-                    what: str = "no samples") -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) of every non-blank line; any problem is a SpecError naming file and line."""
-    if not path:
-        raise SpecError(field_name, "no data file given")
-    file = Path(path)
-    if not file.is_file():
-        raise SpecError(field_name, f"data file not found: {file}")
-    rows = []
-    for lineno, raw in enumerate(file.read_bytes().split(b"\n"), start=1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise SpecError(field_name, f"{file}:{lineno}: not UTF-8 text ({exc.reason} at column {exc.start + 1})"
-                            ) from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SpecError(field_name, f"{file}:{lineno}: malformed JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise SpecError(field_name, f"{file}:{lineno}: expected a JSON object")
-        missing = [key for key in required if not isinstance(row.get(key), str) or not row[key].strip()]
-        if missing:
-            raise SpecError(field_name, f"{file}:{lineno}: missing, empty or non-string field(s) {missing}")
-        rows.append((lineno, row))
-    if not rows:
-        raise SpecError(field_name, f"{file}: {what} (no non-blank line)")
-    return rows
-
-
 def load_corpus(path: str, field_name: str = "dataset.corpus") -> list[Document]:
     """A search corpus: JSONL with {"text", optional "title"} or {"contents": "title\\ntext"} per line."""
     documents = []

@@ -11,19 +11,21 @@ from marlaas_hpc.tasks.base import Sample, TaskData
 from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
 
 
-def read_jsonl(path: str | None, required: tuple[str, ...], field_name: str = "dataset.path") -> list[dict[str, Any]]:
-    """Reads a JSONL data file; any problem is a SpecError naming the file and line."""
+def read_jsonl_rows(path: str | None, required: tuple[str, ...] = (), field_name: str = "dataset.path",
+                    what: str = "no samples") -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line; any problem is a SpecError naming file and line."""
     if not path:
         raise SpecError(field_name, "no data file given")
     file = Path(path)
     if not file.is_file():
         raise SpecError(field_name, f"data file not found: {file}")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise SpecError(field_name, f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, raw in enumerate(file.read_bytes().split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SpecError(field_name, f"{file}:{lineno}: not UTF-8 text ({exc.reason} at column {exc.start + 1})"
+                            ) from None
         if not line.strip():
             continue
         try:
@@ -32,13 +34,18 @@ def read_jsonl(path: str | None, required: tuple[str, ...], field_name: str = "d
             raise SpecError(field_name, f"{file}:{lineno}: malformed JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise SpecError(field_name, f"{file}:{lineno}: expected a JSON object")
-        missing = [key for key in required if not isinstance(row.get(key), str)]
+        missing = [key for key in required if not isinstance(row.get(key), str) or not row[key].strip()]
         if missing:
-            raise SpecError(field_name, f"{file}:{lineno}: missing or non-string field(s) {missing}")
-        rows.append(row)
+            raise SpecError(field_name, f"{file}:{lineno}: missing, empty or non-string field(s) {missing}")
+        rows.append((lineno, row))
     if not rows:
-        raise SpecError(field_name, f"{file}: no samples")
+        raise SpecError(field_name, f"{file}: {what} (no non-blank line)")
     return rows
+
+
+def read_jsonl(path: str | None, required: tuple[str, ...], field_name: str = "dataset.path") -> list[dict[str, Any]]:
+    """The objects of a JSONL data file (see read_jsonl_rows)."""
+    return [row for _, row in read_jsonl_rows(path, required, field_name)]
 
 
 class _FileTask(TaskData):
