@@ -51,9 +51,14 @@ def _trainer(comm, job, roles, model_path: Path):
 
 
 def run_rank(comm, job: JobConfig, log=print) -> dict | None:
+    """Sets up this rank's role, waits until every rank is ready (so TTFS and busy fractions measure the
+    job, not engine start-up), then runs the role's loop. Rank 0 returns the summary."""
+    import time
+
     from marlaas_hpc.model import TextCodec
     from marlaas_hpc.runtime.delta import DeltaGroup
 
+    start = time.time()
     rank = comm.Get_rank()
     role = assign_role(rank, job.layout)
     roles = roles_of(job.layout)
@@ -65,33 +70,42 @@ def run_rank(comm, job: JobConfig, log=print) -> dict | None:
         from marlaas_hpc.runtime.scheduler_rank import SchedulerRank
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        return SchedulerRank(comm, job, roles, codec, run_dir, log=log).run()
+        comm.Barrier()
+        log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - start:.1f} s")
+        return SchedulerRank(comm, job, roles, codec, run_dir, log=log, startup_s=time.time() - start).run()
     if role.kind == "env":
         from marlaas_hpc.runtime.env_rank import EnvRank
 
-        EnvRank(comm, codec, leader).run()
+        worker = EnvRank(comm, codec, leader)
+        comm.Barrier()
+        worker.run()
     elif role.kind == "rollout":
+        from marlaas_hpc.model.tiny import default_cache_dir
         from marlaas_hpc.rollout import make_engine
         from marlaas_hpc.runtime.rollout_rank import RolloutRank
 
         work = run_dir / "rollout" / f"rank{rank}"
-        from marlaas_hpc.model.tiny import default_cache_dir
-
         # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
         kwargs = {"work_dir": work, "cache_dir": default_cache_dir() / "vllm", "max_loras": job.max_adapters,
                   "max_lora_rank": job.max_lora_rank} if job.engine == "vllm" else {}
         engine = make_engine(job.engine, model_path, seed=job.seed + rank, **kwargs)
         delta = DeltaGroup(comm, leader, roles["rollout"])
-        RolloutRank(comm, engine, delta, work / "adapters", seed=job.seed).run()
+        worker = RolloutRank(comm, engine, delta, work / "adapters", seed=job.seed)
+        comm.Barrier()
+        worker.run()
     else:
         from marlaas_hpc.runtime.trainer_rank import TrainerRank
 
         trainer = _trainer(comm, job, roles, model_path)
         if rank == leader:
             delta = DeltaGroup(comm, leader, roles["rollout"])
-            TrainerRank(comm, trainer, run_dir, leader, roles["trainer"][1:], delta).run_leader()
+            worker = TrainerRank(comm, trainer, run_dir, leader, roles["trainer"][1:], delta)
+            comm.Barrier()
+            worker.run_leader()
         else:
-            TrainerRank(comm, trainer, run_dir, leader, []).run_follower()
+            worker = TrainerRank(comm, trainer, run_dir, leader, [])
+            comm.Barrier()
+            worker.run_follower()
     return None
 
 

@@ -32,7 +32,8 @@ def _mean(values: list[float]) -> float | None:
 
 
 def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_s: float,
-                  rejected: dict[str, str]) -> dict:
+                  rejected: dict[str, str], startup_s: float = 0.0) -> dict:
+    """wall_time_s runs from the moment every rank is ready (start-up excluded: startup_s)."""
     tasks = {}
     for task_id, task in scheduler.tasks.items():
         group_size = task.spec.algo.group_size
@@ -51,7 +52,8 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
     busy: dict[str, list[float]] = {}
     for stat in stats:
         busy.setdefault(stat.kind, []).append(stat.busy_s / max(wall_s, 1e-9))
-    summary = {"mode": job.mode, "wall_time_s": wall_s, "model": job.model, "engine": job.engine,
+    summary = {"mode": job.mode, "wall_time_s": wall_s, "startup_s": startup_s, "model": job.model,
+               "engine": job.engine,
                "busy_fraction": {kind: _mean(values) for kind, values in sorted(busy.items())},
                "tasks": tasks, "rejected": rejected}
     atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -17,11 +17,13 @@ from marlaas_hpc.tasks.registry import ENV_TASK_KINDS
 
 
 class SchedulerRank:
-    def __init__(self, comm, job, roles: dict[str, list[int]], codec: TextCodec, run_dir: Path, log=print):
+    def __init__(self, comm, job, roles: dict[str, list[int]], codec: TextCodec, run_dir: Path, log=print,
+                 startup_s: float = 0.0):
         self.comm, self.job, self.roles, self.codec = comm, job, roles, codec
         self.run_dir, self.log = Path(run_dir), log
         self.outbox = Outbox(comm)
         self.start = time.time()
+        self.startup_s = startup_s
         self.scheduler = Scheduler(SchedulerConfig(
             mode=job.mode, order=job.order, rollout_ranks=tuple(roles["rollout"]), env_ranks=tuple(roles["env"]),
             rollout_slots=job.rollout_slots, max_active_tasks=job.max_adapters), clock=time.time)
@@ -72,7 +74,8 @@ class SchedulerRank:
         self.outbox.flush()
         wall = time.time() - self.start
         write_audit(self.run_dir, self.scheduler)
-        return write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats, wall, self.rejected)
+        return write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats, wall, self.rejected,
+                             self.startup_s)
 
     def _event(self, event) -> None:
         if isinstance(event, EvalDone):
