@@ -80,6 +80,31 @@ def cmd_sbatch(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    """Per-task progress of a run dir (live while the job runs: rank 0 rewrites status.json each step)."""
+    import json
+    from pathlib import Path
+
+    run_dir = Path(args.run_dir)
+    path = run_dir / "summary.json" if (run_dir / "summary.json").is_file() else run_dir / "status.json"
+    if not path.is_file():
+        print(f"marlaas: {run_dir} has no status.json or summary.json (not a run dir, or not started)",
+              file=sys.stderr)
+        return 2
+    state = json.loads(path.read_text())
+    finished = path.name == "summary.json"
+    elapsed = state.get("wall_time_s", state.get("elapsed_s", 0.0))
+    print(f"{run_dir}: mode {state['mode']}, {'finished' if finished else 'running'}, {elapsed:.0f} s")
+    print(f"{'task':<16} {'tenant':<10} {'state':<10} {'step':>9} {'k':>2} {'reward':>7} {'TTFS_s':>7} {'TPTS_s':>7}")
+    for task_id, t in state["tasks"].items():
+        reward = "-" if t["reward_last"] is None else f"{t['reward_last']:.3f}"
+        ttfs = "-" if t["ttfs_s"] is None else f"{t['ttfs_s']:.1f}"
+        tpts = "-" if t["tpts_s"] is None else f"{t['tpts_s']:.2f}"
+        print(f"{task_id:<16} {t['tenant']:<10} {t['status']:<10} {t['steps_done']:>4}/{t['total_steps']:<4} "
+              f"{t['staleness_bound']:>2} {reward:>7} {ttfs:>7} {tpts:>7}" + (f"  {t['error']}" if t["error"] else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="marlaas", description="Multi-task asynchronous RL fine-tuning (MARLaaS).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     sbatch.add_argument("--run-dir", help="output directory (default: the config's run_dir)")
     sbatch.add_argument("--job-name", default="marlaas")
     sbatch.set_defaults(func=cmd_sbatch)
+    status = sub.add_parser("status", help="per-task step / state / reward of a run dir")
+    status.add_argument("run_dir")
+    status.set_defaults(func=cmd_status)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -27,3 +27,8 @@ def test_sbatch_refuses_a_bad_layout(tmp_path):
     bad.write_text((ROOT / "configs" / "test-small.yaml").read_text().replace("trainer_tp: 2", "trainer_tp: 0"))
     proc = marlaas("sbatch", str(bad))
     assert proc.returncode == 2 and "layout.trainer_tp" in proc.stderr
+
+
+def test_status_of_a_dir_that_is_not_a_run(tmp_path):
+    proc = marlaas("status", str(tmp_path))
+    assert proc.returncode == 2 and "no status.json" in proc.stderr

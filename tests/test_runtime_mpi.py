@@ -59,6 +59,11 @@ def test_two_tasks_with_different_bounds_end_to_end(tmp_path, tiny_model_path):
         for row in rows:
             assert row["trained_into"] - 1 - bounds[task_id] <= row["behaviour_version"] <= row["trained_into"] - 1
         assert sorted({r["trained_into"] for r in rows}) == [1, 2, 3, 4]
+    status = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "status", str(run_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and "finished" in status.stdout
+    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[2:]}
+    assert rows["add"][1:4] == ["alice", "done", "4/4"] and rows["sort"][1:4] == ["bob", "done", "4/4"]
     metrics = [json.loads(line) for line in (run_dir / "tasks/bob/sort/metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)

@@ -31,24 +31,36 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def task_record(task) -> dict:
+    """What summary.json and status.json say of one task (scheduler state only)."""
+    group_size = task.spec.algo.group_size
+    return {
+        "tenant": task.spec.tenant, "kind": task.spec.dataset.kind, "status": task.status, "error": task.error,
+        "steps_done": max(task.version, 0), "total_steps": task.spec.total_steps,
+        "staleness_bound": task.bound, "max_staleness_trained": task.max_trained_staleness,
+        "dropped_groups": task.dropped_groups, "dropped_samples": task.dropped_groups * group_size,
+        "trained_samples": task.trained_groups * group_size,
+        "reward_first": task.reward_history[0] if task.reward_history else None,
+        "reward_last": task.reward_history[-1] if task.reward_history else None,
+        "ttfs_s": task.ttfs(), "tpts_s": task.tpts(),
+    }
+
+
+def write_status(run_dir: Path, job, scheduler, elapsed_s: float) -> None:
+    """Live snapshot for `marlaas status RUN_DIR`, rewritten as tasks progress."""
+    status = {"mode": job.mode, "elapsed_s": elapsed_s, "finished": scheduler.finished(),
+              "tasks": {task_id: task_record(task) for task_id, task in scheduler.tasks.items()}}
+    atomic_write_text(Path(run_dir) / "status.json", json.dumps(status, indent=2) + "\n")
+
+
 def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_s: float,
                   rejected: dict[str, str], startup_s: float = 0.0) -> dict:
     """wall_time_s runs from the moment every rank is ready (start-up excluded: startup_s)."""
     tasks = {}
     for task_id, task in scheduler.tasks.items():
-        group_size = task.spec.algo.group_size
-        tasks[task_id] = {
-            "tenant": task.spec.tenant, "kind": task.spec.dataset.kind, "status": task.status,
-            "error": task.error, "steps_done": max(task.version, 0), "total_steps": task.spec.total_steps,
-            "staleness_bound": task.bound, "max_staleness_trained": task.max_trained_staleness,
-            "dropped_groups": task.dropped_groups, "dropped_samples": task.dropped_groups * group_size,
-            "trained_samples": task.trained_groups * group_size,
-            "eval_accuracy_before": _mean(evals.get((task_id, "before"), [])),
-            "eval_accuracy_after": _mean(evals.get((task_id, "after"), [])),
-            "reward_first": task.reward_history[0] if task.reward_history else None,
-            "reward_last": task.reward_history[-1] if task.reward_history else None,
-            "ttfs_s": task.ttfs(), "tpts_s": task.tpts(),
-        }
+        tasks[task_id] = {**task_record(task),
+                          "eval_accuracy_before": _mean(evals.get((task_id, "before"), [])),
+                          "eval_accuracy_after": _mean(evals.get((task_id, "after"), []))}
     busy: dict[str, list[float]] = {}
     for stat in stats:
         busy.setdefault(stat.kind, []).append(stat.busy_s / max(wall_s, 1e-9))
@@ -57,4 +69,5 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                "busy_fraction": {kind: _mean(values) for kind, values in sorted(busy.items())},
                "tasks": tasks, "rejected": rejected}
     atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_status(run_dir, job, scheduler, wall_s)
     return summary

@@ -9,7 +9,7 @@ from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.comm import Outbox, poll
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, EvalDone, GenerateWork, PromptGroup, RankStats,
                                           Shutdown)
-from marlaas_hpc.runtime.outputs import write_audit, write_summary
+from marlaas_hpc.runtime.outputs import write_audit, write_status, write_summary
 from marlaas_hpc.scheduler import (Admit, Discard, Generate, Scheduler, SchedulerConfig, StepDone, Submit,
                                    TaskEnded, Train)
 from marlaas_hpc.tasks import SpecError, build_task_data
@@ -93,6 +93,8 @@ class SchedulerRank:
             self.stats.append(event)
             return
         commands = self.scheduler.handle(event)
+        if isinstance(event, StepDone) or any(isinstance(c, TaskEnded) for c in commands):
+            write_status(self.run_dir, self.job, self.scheduler, time.time() - self.start)
         if isinstance(event, StepDone) and event.version > 0:
             task = self.scheduler.tasks[event.task_id]
             self.log(f"[{event.task_id}] v{event.version}/{task.spec.total_steps} reward "

@@ -13,6 +13,7 @@ from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_TRAINER, RankStats, ScoredGroup,
                                           Shutdown, TrainerOp)
 from marlaas_hpc.scheduler import Admit, Discard, StepDone, TaskEnded, TaskFailed, Train
+from marlaas_hpc.trainer.peft_io import write_peft_adapter
 
 
 class StalenessViolation(RuntimeError):
@@ -64,11 +65,13 @@ class TrainerRank:
         raise ValueError(f"unknown trainer op {op.kind!r}")
 
     def _publish(self, task_id: str):
+        """Gathers the adapter once (collective over TP); the leader checkpoints it and broadcasts it."""
         spec = self.specs[task_id]
         version = self.trainer.version(task_id)
-        self.trainer.export_adapter(task_id, adapter_dir(self.run_dir, spec, version))
         tensors = self.trainer.adapter_tensors(task_id)
         if self.rank == self.leader:
+            write_peft_adapter(adapter_dir(self.run_dir, spec, version), tensors, spec.lora,
+                               base_model_name_or_path=str(self.trainer.config.model_path))
             self.delta.send(task_id, version, tensors, spec.lora)
         return version
 
