@@ -36,6 +36,8 @@ class JobConfig:
     """Which ready task goes first: 'fair' (least recently served), 'priority' (TaskSpec.priority), 'fifo'."""
     rollout_slots: int = 4
     """Prompt groups one rollout rank generates concurrently (its continuous batch, in groups)."""
+    trainer_slots: int = 4
+    """Train orders of different tasks the trainer may fuse into one step (shared base forward/backward)."""
     layout: JobLayout = field(default_factory=JobLayout)
     """Ranks per role (env, rollout, trainer TP x DP) and, under Slurm, each component's resources."""
     tasks: list[TaskSpec] = field(default_factory=list)
@@ -48,7 +50,7 @@ class JobConfig:
             raise SpecError("mode", f"unknown mode {self.mode!r}; known: {list(MODES)}")
         if self.order not in ORDERS:
             raise SpecError("order", f"unknown order {self.order!r}; known: {list(ORDERS)}")
-        for name in ("max_adapters", "rollout_slots", "max_lora_rank"):
+        for name in ("max_adapters", "rollout_slots", "trainer_slots", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(name, f"must be an integer >= 1, got {value!r}")

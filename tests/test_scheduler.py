@@ -37,10 +37,11 @@ def spec(task_id, k, steps=5, batch=2, priority=0):
 
 
 def simulate(specs, mode="async", seed=0, rollout_ranks=2, slots=3, order="fair", tail=1.0, max_active=8,
-             jitter=0.0):
+             jitter=0.0, trainer_slots=4):
     loop = SimLoop.__new__(SimLoop)
     config = SchedulerConfig(mode=mode, order=order, rollout_ranks=tuple(range(1, rollout_ranks + 1)),
-                             env_ranks=(99,), rollout_slots=slots, max_active_tasks=max_active)
+                             env_ranks=(99,), rollout_slots=slots, max_active_tasks=max_active,
+                             trainer_slots=trainer_slots)
     scheduler = Scheduler(config, clock=lambda: loop.now)
     SimLoop.__init__(loop, scheduler, RandomDurations(seed, tail), delivery_jitter=jitter, seed=seed)
     for s in specs:
@@ -66,13 +67,15 @@ def assert_bound_and_progress(scheduler, result, specs):
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), bounds=st.lists(st.integers(0, 3), min_size=1, max_size=6),
        mode=st.sampled_from(["async", "sync", "sequential"]), ranks=st.integers(1, 3), slots=st.integers(1, 5),
-       batch=st.integers(1, 4), tail=st.floats(0.1, 2.0), jitter=st.sampled_from([0.0, 0.5, 3.0]))
+       batch=st.integers(1, 4), tail=st.floats(0.1, 2.0), jitter=st.sampled_from([0.0, 0.5, 3.0]),
+       trainer_slots=st.integers(1, 4))
 def test_property_no_trained_sample_exceeds_bound_and_no_starvation(seed, bounds, mode, ranks, slots, batch, tail,
-                                                                    jitter):
-    """Random stage times, task counts, bounds, modes, and events from different ranks arriving out of order."""
+                                                                    jitter, trainer_slots):
+    """Random stage times, task counts, bounds, modes, trainer fusion, and events from different ranks arriving
+    out of order."""
     specs = [spec(f"t{i}", k, steps=4, batch=batch) for i, k in enumerate(bounds)]
     scheduler, result = simulate(specs, mode=mode, seed=seed, rollout_ranks=ranks, slots=slots, tail=tail,
-                                 jitter=jitter)
+                                 jitter=jitter, trainer_slots=trainer_slots)
     assert_bound_and_progress(scheduler, result, specs)
     assert all(not t.generating and not t.scoring and not t.ready for t in scheduler.tasks.values())
 

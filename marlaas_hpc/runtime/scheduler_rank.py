@@ -26,7 +26,8 @@ class SchedulerRank:
         self.startup_s = startup_s
         self.scheduler = Scheduler(SchedulerConfig(
             mode=job.mode, order=job.order, rollout_ranks=tuple(roles["rollout"]), env_ranks=tuple(roles["env"]),
-            rollout_slots=job.rollout_slots, max_active_tasks=job.max_adapters), clock=time.time)
+            rollout_slots=job.rollout_slots, max_active_tasks=job.max_adapters, trainer_slots=job.trainer_slots),
+            clock=time.time)
         self.data: dict = {}
         self.rejected: dict[str, str] = {}
         self.evals: dict[tuple[str, str], list[float]] = {}

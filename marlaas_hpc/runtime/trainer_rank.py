@@ -50,13 +50,14 @@ class TrainerRank:
             self.specs[spec.task_id] = spec
             self.trainer.add_task(spec.task_id, spec.lora, spec.algo)
             return self._publish(spec.task_id)
-        if op.kind == "train":
-            order, trajectories = op.payload
-            check_bound(order, trajectories, self.trainer.version(order.task_id))
-            metrics = self.trainer.train_step(order.task_id, trajectories)
-            if not math.isfinite(metrics.get("loss", 0.0)):
-                raise FloatingPointError(f"{order.task_id}: non-finite loss {metrics['loss']}")
-            self._publish(order.task_id)
+        if op.kind == "train":  # one fused step over several tasks' orders (shared base forward/backward)
+            batches = op.payload
+            for order, trajectories in batches:
+                check_bound(order, trajectories, self.trainer.version(order.task_id))
+            metrics = self.trainer.train_steps({order.task_id: trajectories for order, trajectories in batches})
+            for order, _ in batches:
+                if math.isfinite(metrics[order.task_id].get("loss", 0.0)):
+                    self._publish(order.task_id)
             return metrics
         if op.kind == "remove":
             if op.task_id in self.trainer.tasks:
@@ -107,7 +108,7 @@ class TrainerRank:
                     self.discarded.discard(data.group_id)
                 else:
                     self.buffer[data.group_id] = data.trajectories
-            ran = self._run_ready_order()
+            ran = self._run_ready_orders()
             if command is None and data is None and not ran:
                 time.sleep(0.002)
         self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
@@ -128,24 +129,48 @@ class TrainerRank:
             self.orders = [o for o in self.orders if o.task_id != command.task_id]
             self._everyone(TrainerOp("remove", command.task_id))
 
-    def _run_ready_order(self) -> bool:
-        if not self.orders or not all(g in self.buffer for g in self.orders[0].group_ids):
+    def _run_ready_orders(self) -> bool:
+        """Runs every order whose groups have all arrived, fused into one step."""
+        ready = [o for o in self.orders if all(g in self.buffer for g in o.group_ids)]
+        if not ready:
             return False
-        order = self.orders.pop(0)
-        trajectories = [t for gid in order.group_ids for t in self.buffer.pop(gid)]
+        taken = {id(o) for o in ready}
+        self.orders = [o for o in self.orders if id(o) not in taken]
+        batches = []
+        for order in ready:
+            trajectories = [t for gid in order.group_ids for t in self.buffer.pop(gid)]
+            try:
+                check_bound(order, trajectories, self.trainer.version(order.task_id))
+            except StalenessViolation as exc:  # never trained: the task fails, the others go on
+                self._fail(order.task_id, exc)
+                continue
+            batches.append((order, trajectories))
+        if not batches:
+            return True
         start = time.time()
         try:
-            with self.clock.track(order.task_id):
-                metrics = self._everyone(TrainerOp("train", order.task_id, (order, trajectories)))
+            with self.clock.track("+".join(o.task_id for o, _ in batches)):
+                metrics = self._everyone(TrainerOp("train", "", batches))
         except Exception as exc:
-            self.outbox.send(TaskFailed(order.task_id, f"trainer: {type(exc).__name__}: {exc}"), 0, TAG_EVENT)
+            for order, _ in batches:
+                self._fail(order.task_id, exc)
             return True
+        for order, trajectories in batches:
+            self._step_done(order, trajectories, metrics[order.task_id], time.time() - start, len(batches))
+        return True
+
+    def _fail(self, task_id: str, exc: Exception) -> None:
+        self.outbox.send(TaskFailed(task_id, f"trainer: {type(exc).__name__}: {exc}"), 0, TAG_EVENT)
+
+    def _step_done(self, order: Train, trajectories, metrics: dict, train_s: float, fused: int) -> None:
+        if not math.isfinite(metrics.get("loss", 0.0)):
+            self._fail(order.task_id, FloatingPointError(f"non-finite loss {metrics.get('loss')}"))
+            return
         version = order.from_version + 1
-        record = {"version": version, "time": time.time(), "train_s": time.time() - start,
+        record = {**metrics, "version": version, "time": time.time(), "train_s": train_s, "fused_tasks": fused,
                   "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
                   "staleness_max": max(order.from_version - v for v in order.behaviour_versions),
-                  "samples": len(trajectories), **metrics}
+                  "samples": len(trajectories)}
         with open(task_dir(self.run_dir, self.specs[order.task_id]) / "metrics.jsonl", "a") as sink:
             sink.write(json.dumps(record) + "\n")
         self.outbox.send(StepDone(order.task_id, version, record), 0, TAG_EVENT)
-        return True

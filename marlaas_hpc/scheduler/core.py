@@ -133,6 +133,9 @@ class SchedulerConfig:
     """Groups one rollout rank generates concurrently (its continuous batch, in prompt groups)."""
     max_active_tasks: int = 8
     """Adapter slots: tasks running at once; the rest wait queued."""
+    trainer_slots: int = 4
+    """Train orders (of different tasks) in flight at once; the trainer fuses those whose data is present
+    into one step that shares the base model's forward and backward. 1 = one task per step."""
 
     def validate(self) -> "SchedulerConfig":
         if self.mode not in MODES:
@@ -141,8 +144,8 @@ class SchedulerConfig:
             raise ValueError(f"order: unknown {self.order!r}; known {ORDERS}")
         if not self.rollout_ranks or not self.env_ranks:
             raise ValueError("the scheduler needs at least one rollout rank and one env rank")
-        if self.rollout_slots < 1 or self.max_active_tasks < 1:
-            raise ValueError("rollout_slots and max_active_tasks must be >= 1")
+        if self.rollout_slots < 1 or self.max_active_tasks < 1 or self.trainer_slots < 1:
+            raise ValueError("rollout_slots, max_active_tasks and trainer_slots must be >= 1")
         return self
 
 
@@ -154,7 +157,8 @@ class Scheduler:
         self.audit: list[AuditRecord] = []
         self.rollout_load = {rank: 0 for rank in config.rollout_ranks}
         self.env_load = {rank: 0 for rank in config.env_ranks}
-        self.trainer_busy: str | None = None
+        self.training: set[str] = set()
+        """Tasks with a Train order in flight (at most trainer_slots)."""
         self._group_of: dict[str, Group] = {}
         self._served: dict[str, int] = {}
         self._tick = itertools.count()
@@ -241,7 +245,7 @@ class Scheduler:
         task.reward_history.append(sum(rewards) / max(1, len(rewards)))
         task.training, task.version = None, event.version
         task.step_times.append(now)
-        self.trainer_busy = None
+        self.training.discard(task.task_id)
         if task.cancel_requested:
             return self._end(task.task_id, CANCELLED)
         if task.version >= task.spec.total_steps:
@@ -268,8 +272,8 @@ class Scheduler:
         if task.ready or task.training:
             out.append(self._forget(task.ready + (task.training or []), task, f"task {status}"))
         task.ready, task.training = [], None
-        if was_training and self.trainer_busy == task_id:
-            self.trainer_busy = None
+        if was_training:
+            self.training.discard(task_id)
         out.append(TaskEnded(task_id, status, error))
         return out
 
@@ -305,10 +309,10 @@ class Scheduler:
         return sorted(tasks, key=lambda t: self._served[t.task_id])
 
     def _train(self) -> list:
-        if self.trainer_busy is not None:
-            return []
         out: list = []
         for task in self._ordered(self._running()):
+            if len(self.training) >= self.config.trainer_slots:
+                break
             if task.training is not None or task.version < 0 or not self._may_train(task):
                 continue
             out += self._drop_stale(task)
@@ -317,11 +321,10 @@ class Scheduler:
             task.ready.sort(key=lambda g: g.version)  # oldest versions first: they are closest to the bound
             batch, task.ready = task.ready[: task.batch], task.ready[task.batch:]
             task.training = batch
-            self.trainer_busy = task.task_id
+            self.training.add(task.task_id)
             self._served[task.task_id] = next(self._seq)
             out.append(Train(task.task_id, task.version, tuple(g.group_id for g in batch),
                              tuple(g.version for g in batch), task.bound))
-            break
         return out
 
     def _drop_stale(self, task: TaskState) -> list:
