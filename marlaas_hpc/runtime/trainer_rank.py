@@ -96,23 +96,33 @@ class TrainerRank:
     def run_leader(self) -> None:
         while True:
             self.outbox.progress()
-            command, _ = poll(self.comm, TAG_CMD, source=0)
-            if isinstance(command, Shutdown):
+            # drain everything that arrived during the last step, so that orders ready together fuse
+            commands = self._drain(TAG_CMD, source=0)
+            if any(isinstance(c, Shutdown) for c in commands):
                 for rank in self.followers:
                     self.comm.send(TrainerOp("shutdown"), dest=rank, tag=TAG_TRAINER)
                 break
-            self._command(command)
-            data, _ = poll(self.comm, TAG_DATA)
-            if isinstance(data, ScoredGroup):
-                if data.group_id in self.discarded:
-                    self.discarded.discard(data.group_id)
+            for command in commands:
+                self._command(command)
+            data = self._drain(TAG_DATA)
+            for scored in data:
+                if scored.group_id in self.discarded:
+                    self.discarded.discard(scored.group_id)
                 else:
-                    self.buffer[data.group_id] = data.trajectories
+                    self.buffer[scored.group_id] = scored.trajectories
             ran = self._run_ready_orders()
-            if command is None and data is None and not ran:
+            if not commands and not data and not ran:
                 time.sleep(0.002)
         self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
         self.outbox.flush()
+
+    def _drain(self, tag: int, source=None) -> list:
+        messages = []
+        while True:
+            message, src = poll(self.comm, tag, source)
+            if src is None:
+                return messages
+            messages.append(message)
 
     def _command(self, command) -> None:
         if isinstance(command, Admit):
