@@ -340,8 +340,8 @@ class Scheduler:
         if self.config.mode != "sync":
             return True
         # lockstep: the round trains only once every task of the round has its whole batch scored
-        return all(len(t.ready) >= t.batch or t.version > task.version for t in self._running()
-                   if t.version >= 0)
+        return all(t.training is not None or len(t.ready) >= t.batch or t.version > task.version
+                   for t in self._running() if t.version >= 0)
 
     def _quota(self, task: TaskState) -> int:
         """Groups this task may have issued now, by the mode's rule."""
