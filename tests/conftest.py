@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model (built once into the cache) and per-process thread limits."""
+"""Shared fixtures: the tiny model (built once into the cache), PEFT adapters and references, the rollout
+engine tests' codec / adapters / HF engine, and per-process thread limits."""
 import os
 
 import pytest
@@ -84,3 +85,26 @@ def peft_reference(tiny_model_path):
             return logp.gather(1, torch.tensor(list(completion_ids))[:, None])[:, 0].tolist()
 
     return Reference()
+
+
+# ---- rollout engine tests (test_rollout_*.py): the shared codec, two seeded adapters, an HF engine
+@pytest.fixture(scope="module")
+def codec(tiny_model_path):
+    from marlaas_hpc.model import TextCodec
+
+    return TextCodec.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def adapters(make_lora_adapter):
+    return {"t1": make_lora_adapter("t1", seed=1), "t2": make_lora_adapter("t2", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_model_path, adapters):
+    from marlaas_hpc.rollout import AdapterRef, make_engine
+
+    engine = make_engine("hf", tiny_model_path, seed=0)
+    for task, path in adapters.items():
+        engine.add_adapter(AdapterRef(task, 0, str(path)))
+    return engine

@@ -4,38 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from marlaas_hpc.model import TextCodec
 from marlaas_hpc.rollout import AdapterRef, AdapterVersions, GenerationRequest, make_engine
-
-PROMPTS = ["12+7=", "reverse: abcd =", "sort: 3 1 2 =", "9", "count a in banana ="]
-
-
-@pytest.fixture(scope="module")
-def codec(tiny_model_path):
-    return TextCodec.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def adapters(make_lora_adapter):
-    return {"t1": make_lora_adapter("t1", seed=1), "t2": make_lora_adapter("t2", seed=2)}
-
-
-@pytest.fixture(scope="module")
-def hf_engine(tiny_model_path, adapters):
-    engine = make_engine("hf", tiny_model_path, seed=0)
-    for task, path in adapters.items():
-        engine.add_adapter(AdapterRef(task, 0, str(path)))
-    return engine
-
-
-def mixed_requests(codec, temperature, max_new_tokens=12, tag=""):
-    """Every prompt under t1, t2 and the base model, interleaved (prompts of different lengths)."""
-    reqs = []
-    for i, text in enumerate(PROMPTS):
-        for task, version in (("t1", 0), ("t2", 0), ("base", None)):
-            reqs.append(GenerationRequest(f"{tag}{task}-{i}-T{temperature}", task, version, codec.encode_prompt(text),
-                                          temperature=temperature, max_new_tokens=max_new_tokens, seed=100 + i))
-    return reqs
+from rollout_helpers import PROMPTS, mixed_requests
 
 
 def test_hf_greedy_equals_unbatched_reference(hf_engine, codec, adapters, peft_reference):
