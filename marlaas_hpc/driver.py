@@ -14,7 +14,7 @@ from pathlib import Path
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest, RolloutEngine
 from marlaas_hpc.tasks import Sample, TaskData, TaskSpec, build_task_data
-from marlaas_hpc.trainer.grpo import assign_advantages
+from marlaas_hpc.trainer.grpo import scored_group
 from marlaas_hpc.trajectory import Trajectory
 
 
@@ -40,14 +40,12 @@ def to_trajectories(task: TaskState, samples: list[Sample], gens: list[Generatio
                     group_size: int) -> list[Trajectory]:
     """Scores generations (grouped G per sample, in order) and sets group-relative advantages."""
     trajectories = []
-    for i, gen in enumerate(gens):
-        sample = samples[i // group_size]
-        reward = task.data.reward(sample, codec.decode_completion(gen.completion_ids))
-        trajectories.append(Trajectory(
-            task_id=task.spec.task_id, group_id=f"{task.spec.task_id}/{sample.index}", prompt_ids=gen.prompt_ids,
-            completion_ids=gen.completion_ids, behaviour_logprobs=gen.logprobs,
-            behaviour_version=gen.adapter_version if gen.adapter_version is not None else 0, reward=reward))
-    assign_advantages(trajectories, task.spec.algo.normalize_adv_std)
+    for i, sample in enumerate(samples):
+        group = gens[i * group_size: (i + 1) * group_size]
+        rewards = [task.data.reward(sample, codec.decode_completion(g.completion_ids)) for g in group]
+        trajectories += scored_group(task.spec.task_id, f"{task.spec.task_id}/{sample.index}", group[0].prompt_ids,
+                                     [g.completion_ids for g in group], [g.logprobs for g in group],
+                                     group[0].adapter_version, rewards, task.spec.algo.normalize_adv_std)
     return trajectories
 
 

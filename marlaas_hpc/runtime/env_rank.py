@@ -10,8 +10,7 @@ from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, EvalDone
                                           ScoredGroup, Shutdown)
 from marlaas_hpc.scheduler import Admit, Scored, TaskFailed
 from marlaas_hpc.tasks import build_task_data
-from marlaas_hpc.trainer.grpo import assign_advantages
-from marlaas_hpc.trajectory import Trajectory
+from marlaas_hpc.trainer.grpo import scored_group
 
 
 class EnvRank:
@@ -69,9 +68,7 @@ class EnvRank:
         if data.eval:
             self.outbox.send(EvalDone(data.task_id, data.version, float(rewards[0] == 1.0), 1), 0, TAG_EVENT)
             return
-        trajectories = [Trajectory(data.task_id, data.group_id, data.prompt_ids, completion, logprobs,
-                                   data.version if data.version is not None else 0, reward=reward)
-                        for completion, logprobs, reward in zip(data.completions, data.logprobs, rewards)]
-        assign_advantages(trajectories, self.specs[data.task_id].algo.normalize_adv_std)
+        trajectories = scored_group(data.task_id, data.group_id, data.prompt_ids, data.completions, data.logprobs,
+                                    data.version, rewards, self.specs[data.task_id].algo.normalize_adv_std)
         self.outbox.send(ScoredGroup(data.group_id, trajectories), self.trainer_leader, TAG_DATA)
         self.outbox.send(Scored(data.group_id, sum(rewards) / len(rewards)), 0, TAG_EVENT)

@@ -30,6 +30,18 @@ def assign_advantages(trajectories: list[Trajectory], normalize_std: bool = Fals
             traj.advantage = value
 
 
+def scored_group(task_id: str, group_id: str, prompt_ids: list[int], completions: list[list[int]],
+                 logprobs: list[list[float]], version: int | None, rewards: list[float],
+                 normalize_std: bool = False) -> list[Trajectory]:
+    """The G trajectories of one prompt with their rewards and group-relative advantages.
+    version None (base model, no adapter) is recorded as 0: the fresh adapter equals the base."""
+    trajectories = [Trajectory(task_id, group_id, prompt_ids, completion, lps,
+                               version if version is not None else 0, reward=reward)
+                    for completion, lps, reward in zip(completions, logprobs, rewards)]
+    assign_advantages(trajectories, normalize_std)
+    return trajectories
+
+
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T)[label] per position; T <= 0 is treated as 1 (greedy has no density)."""
     scale = temperature if temperature > 0 else 1.0
