@@ -26,29 +26,61 @@ def recv_wait(comm, tag, source=None, idle_sleep: float = 0.002):
 
 
 class BusyClock:
-    """Accumulates the seconds a rank spends doing real work (for busy fractions)."""
+    """Accumulates the seconds a rank spends doing real work (busy fractions) and keeps each span as a
+    timeline record (stage, tasks, extra figures) for `timeline/rank<N>.jsonl`: the report's Gantt chart
+    and the simulator's calibration read it. Consecutive spans of the same stage and tasks that touch
+    (rollout engine steps) are merged so the file stays small."""
 
     def __init__(self):
         self.start = time.time()
         self.busy = 0.0
-        self.intervals: list[tuple[float, float, str]] = []
+        self.records: list[dict] = []
 
-    def track(self, label: str = ""):
+    def track(self, stage: str, tasks=(), **extra):
         clock = self
 
         class _Span:
             def __enter__(self):
                 self.t0 = time.time()
+                return self
 
             def __exit__(self, *exc):
                 t1 = time.time()
                 clock.busy += t1 - self.t0
-                clock.intervals.append((self.t0, t1, label))
+                clock.add(stage, tuple(tasks), self.t0, t1, extra)
 
         return _Span()
 
+    def add(self, stage: str, tasks: tuple, t0: float, t1: float, extra: dict) -> None:
+        last = self.records[-1] if self.records else None
+        if (not extra and last is not None and last["stage"] == stage and tuple(last["tasks"]) == tasks
+                and t0 - last["end"] < 0.005 and "steps" in last):
+            last["end"] = t1
+            last["steps"] += 1
+            return
+        record = {"stage": stage, "tasks": list(tasks), "start": t0, "end": t1, **extra}
+        if not extra:
+            record["steps"] = 1
+        self.records.append(record)
+
+    def note(self, stage: str, tasks: tuple, t0: float, t1: float, **extra) -> None:
+        """A record that is not busy time of this rank (e.g. a prompt group's life in the engine)."""
+        self.records.append({"stage": stage, "tasks": list(tasks), "start": t0, "end": t1, **extra})
+
     def wall(self) -> float:
         return time.time() - self.start
+
+
+def write_timeline(run_dir, rank: int, role: str, clock: BusyClock) -> None:
+    """RUN_DIR/timeline/rank<N>.jsonl: one line per busy span (absolute unix times, seconds)."""
+    import json
+    from pathlib import Path
+
+    path = Path(run_dir) / "timeline" / f"rank{rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as sink:
+        for record in clock.records:
+            sink.write(json.dumps({"rank": rank, "role": role, **record}) + "\n")
 
 
 class Outbox:

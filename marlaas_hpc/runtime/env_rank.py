@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from marlaas_hpc.model import TextCodec
-from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll
+from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, EvalDone, GroupData, RankStats,
                                           ScoredGroup, Shutdown)
 from marlaas_hpc.scheduler import Admit, Scored, TaskFailed
@@ -14,8 +14,9 @@ from marlaas_hpc.trainer.grpo import scored_group
 
 
 class EnvRank:
-    def __init__(self, comm, codec: TextCodec, trainer_leader: int):
+    def __init__(self, comm, codec: TextCodec, trainer_leader: int, run_dir=None):
         self.comm, self.codec, self.trainer_leader = comm, codec, trainer_leader
+        self.run_dir = run_dir
         self.rank = comm.Get_rank()
         self.tasks: dict = {}
         self.specs: dict = {}
@@ -38,11 +39,14 @@ class EnvRank:
                 if data.task_id not in self.tasks:
                     self.early.append(data)
                 else:
-                    with self.clock.track(data.task_id):
+                    with self.clock.track("score", (data.task_id,), samples=len(data.completions),
+                                          eval=data.eval):
                         self._score(data)
             elif command is None:
                 time.sleep(0.002)
         self.outbox.send(RankStats(self.rank, "env", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
+        if self.run_dir is not None:
+            write_timeline(self.run_dir, self.rank, "env", self.clock)
         self.outbox.flush()
 
     def _admit(self, command: Admit) -> None:

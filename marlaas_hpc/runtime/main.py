@@ -76,7 +76,7 @@ def run_rank(comm, job: JobConfig, log=print) -> dict | None:
     if role.kind == "env":
         from marlaas_hpc.runtime.env_rank import EnvRank
 
-        worker = EnvRank(comm, codec, leader)
+        worker = EnvRank(comm, codec, leader, run_dir=run_dir)
         comm.Barrier()
         worker.run()
     elif role.kind == "rollout":
@@ -90,7 +90,7 @@ def run_rank(comm, job: JobConfig, log=print) -> dict | None:
                   "max_lora_rank": job.max_lora_rank} if job.engine == "vllm" else {}
         engine = make_engine(job.engine, model_path, seed=job.seed + rank, **kwargs)
         delta = DeltaGroup(comm, leader, roles["rollout"])
-        worker = RolloutRank(comm, engine, delta, work / "adapters", seed=job.seed)
+        worker = RolloutRank(comm, engine, delta, work / "adapters", seed=job.seed, run_dir=run_dir)
         comm.Barrier()
         worker.run()
     else:

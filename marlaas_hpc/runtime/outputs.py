@@ -54,8 +54,9 @@ def write_status(run_dir: Path, job, scheduler, elapsed_s: float) -> None:
 
 
 def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_s: float,
-                  rejected: dict[str, str], startup_s: float = 0.0) -> dict:
-    """wall_time_s runs from the moment every rank is ready (start-up excluded: startup_s)."""
+                  rejected: dict[str, str], startup_s: float = 0.0, job_start: float | None = None) -> dict:
+    """wall_time_s runs from the moment every rank is ready (job_start, unix seconds; start-up excluded:
+    startup_s). Timeline records (timeline/rank<N>.jsonl) use the same unix clock."""
     tasks = {}
     for task_id, task in scheduler.tasks.items():
         tasks[task_id] = {**task_record(task),
@@ -64,7 +65,8 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
     busy: dict[str, list[float]] = {}
     for stat in stats:
         busy.setdefault(stat.kind, []).append(stat.busy_s / max(wall_s, 1e-9))
-    summary = {"mode": job.mode, "wall_time_s": wall_s, "startup_s": startup_s, "model": job.model,
+    summary = {"mode": job.mode, "wall_time_s": wall_s, "startup_s": startup_s, "job_start": job_start,
+               "model": job.model,
                "engine": job.engine,
                "busy_fraction": {kind: _mean(values) for kind, values in sorted(busy.items())},
                "tasks": tasks, "rejected": rejected}

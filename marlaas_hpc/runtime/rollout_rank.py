@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest
-from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll
+from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_DELTA, TAG_EVENT, GenerateWork, GroupData,
                                           RankStats, Shutdown)
 from marlaas_hpc.scheduler import Generated
@@ -14,8 +14,9 @@ from marlaas_hpc.trainer.peft_io import write_peft_adapter
 
 
 class RolloutRank:
-    def __init__(self, comm, engine, delta_group, scratch_dir: Path, seed: int = 0):
+    def __init__(self, comm, engine, delta_group, scratch_dir: Path, seed: int = 0, run_dir: Path | None = None):
         self.comm, self.engine, self.delta = comm, engine, delta_group
+        self.run_dir = run_dir
         self.rank = comm.Get_rank()
         self.scratch = Path(scratch_dir)
         self.seed = seed
@@ -37,12 +38,15 @@ class RolloutRank:
                 self.waiting.append(command)
             self._submit_ready()
             if self.engine.has_unfinished():
-                with self.clock.track("generate"):
+                tasks = sorted({entry["work"].task_id for entry in self.open_groups.values()})
+                with self.clock.track("generate", tasks):
                     finished = self.engine.step()
                 self._collect(finished)
             elif command is None:
                 time.sleep(0.002)
         self.outbox.send(RankStats(self.rank, "rollout", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
+        if self.run_dir is not None:
+            write_timeline(self.run_dir, self.rank, "rollout", self.clock)
         self.outbox.flush()
         self.engine.close()
 
@@ -52,10 +56,11 @@ class RolloutRank:
             announce, _ = poll(self.comm, TAG_DELTA, source=self.delta.leader)
             if announce is None:
                 return
-            tensors = self.delta.receive(announce)
-            path = self.scratch / announce.task_id / f"v{announce.version:04d}"
-            write_peft_adapter(path, tensors, announce.lora)
-            self.engine.add_adapter(AdapterRef(announce.task_id, announce.version, str(path)))
+            with self.clock.track("load_delta", (announce.task_id,), version=announce.version):
+                tensors = self.delta.receive(announce)
+                path = self.scratch / announce.task_id / f"v{announce.version:04d}"
+                write_peft_adapter(path, tensors, announce.lora)
+                self.engine.add_adapter(AdapterRef(announce.task_id, announce.version, str(path)))
             self.versions[announce.task_id] = announce.version
 
     def _submit_ready(self) -> None:
@@ -76,7 +81,7 @@ class RolloutRank:
     def _submit(self, work: GenerateWork) -> None:
         requests = []
         for group in work.groups:
-            self.open_groups[group.group_id] = {"work": work, "group": group, "done": {}}
+            self.open_groups[group.group_id] = {"work": work, "group": group, "done": {}, "t0": time.time()}
             for j in range(work.group_size):
                 self.counter += 1
                 requests.append(GenerationRequest(
@@ -97,6 +102,9 @@ class RolloutRank:
             entry = self.open_groups.pop(group_id)
             work, group, gens = entry["work"], entry["group"], entry["done"]
             ordered = [gens[j] for j in range(work.group_size)]
+            self.clock.note("group", (work.task_id,), entry["t0"], time.time(), group_id=group_id, eval=work.eval,
+                            prompt_tokens=len(group.prompt_ids),
+                            completion_tokens=[len(g.completion_ids) for g in ordered])
             data = GroupData(work.task_id, group_id, group.prompt_index, work.version, group.prompt_ids,
                              [g.completion_ids for g in ordered], [g.logprobs for g in ordered], eval=work.eval)
             self.outbox.send(data, work.env_rank, TAG_DATA)

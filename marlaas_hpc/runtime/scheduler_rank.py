@@ -76,7 +76,7 @@ class SchedulerRank:
         wall = time.time() - self.start
         write_audit(self.run_dir, self.scheduler)
         return write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats, wall, self.rejected,
-                             self.startup_s)
+                             self.startup_s, job_start=self.start)
 
     def _event(self, event) -> None:
         if isinstance(event, EvalDone):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from marlaas_hpc.driver import adapter_dir, task_dir
-from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait
+from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_TRAINER, RankStats, ScoredGroup,
                                           Shutdown, TrainerOp)
 from marlaas_hpc.scheduler import Admit, Discard, StepDone, TaskEnded, TaskFailed, Train
@@ -71,9 +71,12 @@ class TrainerRank:
         version = self.trainer.version(task_id)
         tensors = self.trainer.adapter_tensors(task_id)
         if self.rank == self.leader:
+            t0 = time.time()
             write_peft_adapter(adapter_dir(self.run_dir, spec, version), tensors, spec.lora,
                                base_model_name_or_path=str(self.trainer.config.model_path))
             self.delta.send(task_id, version, tensors, spec.lora)
+            self.clock.note("publish", (task_id,), t0, time.time(), version=version,
+                            bytes=sum(t.numel() * 4 for t in tensors.values()))
         return version
 
     def _everyone(self, op: TrainerOp):
@@ -86,8 +89,9 @@ class TrainerRank:
         while True:
             op, _ = recv_wait(self.comm, TAG_TRAINER, source=self.leader)
             if op.kind == "shutdown":
+                write_timeline(self.run_dir, self.rank, "trainer", self.clock)
                 break
-            with self.clock.track(op.kind):
+            with self.clock.track(op.kind, (op.task_id,) if op.task_id else ()):
                 try:
                     self.execute(op)
                 except Exception:
@@ -115,6 +119,7 @@ class TrainerRank:
                 time.sleep(0.002)
         self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
         self.outbox.flush()
+        write_timeline(self.run_dir, self.rank, "trainer", self.clock)
 
     def _drain(self, tag: int, source=None) -> list:
         messages = []
@@ -126,7 +131,7 @@ class TrainerRank:
 
     def _command(self, command) -> None:
         if isinstance(command, Admit):
-            with self.clock.track(command.spec.task_id):
+            with self.clock.track("admit", (command.spec.task_id,)):
                 version = self._everyone(TrainerOp("admit", command.spec.task_id, command.spec))
             self.outbox.send(StepDone(command.spec.task_id, version), 0, TAG_EVENT)
         elif isinstance(command, Train):
@@ -159,7 +164,9 @@ class TrainerRank:
             return True
         start = time.time()
         try:
-            with self.clock.track("+".join(o.task_id for o, _ in batches)):
+            tokens = sum(len(t.completion_ids) + len(t.prompt_ids) for _, trajs in batches for t in trajs)
+            with self.clock.track("train", [o.task_id for o, _ in batches], tokens=tokens,
+                                  samples=sum(len(trajs) for _, trajs in batches)):
                 metrics = self._everyone(TrainerOp("train", "", batches))
         except Exception as exc:
             for order, _ in batches:
