@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from marlaas_hpc.launch.layout import JobLayout
+from marlaas_hpc.service.quotas import TenantQuota
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec
 
 ENGINES = ("vllm", "hf")
@@ -42,6 +43,15 @@ class JobConfig:
     """Ranks per role (env, rollout, trainer TP x DP) and, under Slurm, each component's resources."""
     tasks: list[TaskSpec] = field(default_factory=list)
     """The tasks submitted at start."""
+    serve_idle_s: float = 0.0
+    """Serving: once every task has ended, keep taking tasks from RUN_DIR/queue (`marlaas tasks add`) until the
+    queue has been idle this long (or `marlaas tasks close`). 0: the job ends with its last task."""
+    data_roots: list[str] = field(default_factory=list)
+    """Directories that tasks' data files (dataset.path, dataset.corpus) may come from, besides the run dir and
+    the project's test fixtures. `load` adds the config file's own directory and resolves relative entries."""
+    tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
+    """Per tenant (a 'default' entry applies to the others): max_tasks queued or running at once and
+    max_total_steps over the run, checked by `marlaas tasks add` and when rank 0 admits."""
 
     def validate(self) -> "JobConfig":
         if self.engine not in ENGINES:
@@ -67,10 +77,23 @@ class JobConfig:
             seen.add(task.task_id)
             if task.lora.rank > self.max_lora_rank:
                 raise SpecError(f"tasks[{i}].lora.rank", f"{task.lora.rank} exceeds max_lora_rank {self.max_lora_rank}")
+        self._validate_service()
         if len(self.tasks) > self.max_adapters:
             raise SpecError("tasks", f"{len(self.tasks)} tasks but only {self.max_adapters} adapter slots "
                                      "(raise max_adapters)")
         return self
+
+    def _validate_service(self) -> None:
+        if not isinstance(self.serve_idle_s, (int, float)) or isinstance(self.serve_idle_s, bool) \
+                or self.serve_idle_s < 0:
+            raise SpecError("serve_idle_s", f"must be a number of seconds >= 0, got {self.serve_idle_s!r}")
+        if not isinstance(self.data_roots, list) or not all(isinstance(r, str) and r for r in self.data_roots):
+            raise SpecError("data_roots", f"must be a list of directory paths, got {self.data_roots!r}")
+        if not isinstance(self.tenant_quotas, dict):
+            raise SpecError("tenant_quotas", f"must map tenant names to quotas, got {self.tenant_quotas!r}")
+        for tenant, quota in list(self.tenant_quotas.items()):
+            if not isinstance(quota, TenantQuota):
+                self.tenant_quotas[tenant] = TenantQuota.from_dict(quota, f"tenant_quotas.{tenant}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
@@ -95,7 +118,10 @@ class JobConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "JobConfig":
-        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+        job = cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+        config_dir = Path(path).resolve().parent  # data next to the config is the operator's own
+        job.data_roots = [str(config_dir)] + [str((config_dir / root).resolve()) for root in job.data_roots]
+        return job
 
     def model_path(self) -> Path:
         """The base model dir, building the tiny model on first use."""

@@ -10,8 +10,9 @@ from marlaas_hpc.runtime.comm import Outbox, poll
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, EvalDone, GenerateWork, PromptGroup, RankStats,
                                           Shutdown)
 from marlaas_hpc.runtime.outputs import write_audit, write_status, write_summary
-from marlaas_hpc.scheduler import (Admit, Discard, Generate, Scheduler, SchedulerConfig, StepDone, Submit,
+from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Scheduler, SchedulerConfig, StepDone, Submit,
                                    TaskEnded, Train)
+from marlaas_hpc.service import QueueIntake
 from marlaas_hpc.tasks import SpecError, build_task_data
 from marlaas_hpc.tasks.registry import ENV_TASK_KINDS
 
@@ -34,6 +35,7 @@ class SchedulerRank:
         self.pending_evals: dict[tuple[str, str], int] = {}
         self.stats: list[RankStats] = []
         self._eval_turn = 0
+        self.intake = QueueIntake(job, self.run_dir)
 
     # ---- intake ----
     def submit(self, spec) -> list:
@@ -56,8 +58,9 @@ class SchedulerRank:
     def run(self) -> dict:
         for spec in self.job.tasks:
             self._execute(self.submit(spec))
-        while not (self.scheduler.finished() and not self.pending_evals):
+        while not (self.scheduler.finished() and not self.pending_evals) or self._serving():
             self.outbox.progress()
+            self._poll_queue()
             event, _ = poll(self.comm, TAG_EVENT)
             if event is None:
                 time.sleep(0.002)
@@ -77,6 +80,36 @@ class SchedulerRank:
         write_audit(self.run_dir, self.scheduler)
         return write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats, wall, self.rejected,
                              self.startup_s, job_start=self.start)
+
+    def _poll_queue(self, force: bool = False) -> None:
+        """Takes specs and cancel requests from RUN_DIR/queue (`marlaas tasks add/cancel`), every 0.5 s."""
+        if not (self.intake.due() or force):
+            return
+        taken = self.intake.take(self.scheduler.tasks)
+        for entry, spec, reason in taken:
+            if spec is not None:
+                self._execute(self.submit(spec))
+                reason = None if spec.task_id in self.scheduler.tasks else self.rejected.get(spec.task_id)
+            elif reason is not None:
+                self.log(f"[intake] {entry.name} refused: {reason}")
+            self.intake.settle(entry, reason, self.scheduler.tasks.get(spec.task_id) if spec else None, self.start)
+        cancels = self.intake.cancels()
+        for task_id in cancels:
+            if task_id not in self.scheduler.tasks:
+                self.log(f"[intake] cancel of unknown task {task_id!r} ignored")
+                continue
+            self.log(f"[intake] cancel {task_id!r} requested")
+            self._execute(self.scheduler.handle(Cancel(task_id)))
+        if taken or cancels:
+            write_status(self.run_dir, self.job, self.scheduler, time.time() - self.start)
+
+    def _serving(self) -> bool:
+        """Every task has ended: a serving job (serve_idle_s) waits for more until closed or idle long enough."""
+        self._poll_queue()
+        if not (self.scheduler.finished() and not self.pending_evals) or self.intake.keep_serving():
+            return True
+        self._poll_queue(force=True)  # a last look: a spec that has just arrived keeps the job up
+        return not self.scheduler.finished()
 
     def _event(self, event) -> None:
         if isinstance(event, EvalDone):

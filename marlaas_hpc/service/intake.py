@@ -1,0 +1,132 @@
+"""Checking a spec against the running job (shared by `marlaas tasks add` and rank 0), and rank 0's side of
+the queue: taking pending specs and cancel requests, and deciding how long a serving job stays up."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from marlaas_hpc.runtime.outputs import atomic_write_text
+from marlaas_hpc.service.isolation import allowed_roots, check_data_paths, check_unique_id, resolve_data_paths
+from marlaas_hpc.service.queue import QueueEntry, TaskQueue
+from marlaas_hpc.service.quotas import TaskRecord, TenantQuota, check_quota
+from marlaas_hpc.tasks.spec import SpecError, TaskSpec
+
+JOB_FILE = "job.json"
+
+
+@dataclass
+class IntakeRules:
+    """What a spec entering a running job is checked against (rank 0 writes them to RUN_DIR/job.json)."""
+
+    model: str
+    """The job's base model: a spec's base_model must be None or this."""
+    max_lora_rank: int
+    data_roots: list[str]
+    tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
+    run_dir: str = "."
+    serve_idle_s: float = 0.0
+
+    @classmethod
+    def from_job(cls, job, run_dir: str | Path) -> "IntakeRules":
+        return cls(model=job.model, max_lora_rank=job.max_lora_rank, data_roots=list(job.data_roots),
+                   tenant_quotas=dict(job.tenant_quotas), run_dir=str(Path(run_dir).resolve()),
+                   serve_idle_s=job.serve_idle_s)
+
+    def save(self) -> None:
+        atomic_write_text(Path(self.run_dir) / JOB_FILE, json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "IntakeRules":
+        data = json.loads((Path(run_dir) / JOB_FILE).read_text())
+        quotas = {name: TenantQuota(**quota) for name, quota in data.pop("tenant_quotas").items()}
+        return cls(**data, tenant_quotas=quotas)
+
+
+def _same_model(a: str, b: str) -> bool:
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
+def check_spec(data: Any, rules: IntakeRules, existing: Iterable[TaskRecord], base_dir: str | Path) -> TaskSpec:
+    """The validated spec, its data paths made absolute against base_dir; SpecError (naming the field) if the
+    spec is malformed, names another base model, escapes the data roots, reuses an id or breaks a quota."""
+    spec = resolve_data_paths(TaskSpec.from_dict(data), base_dir)
+    if spec.base_model is not None and not _same_model(spec.base_model, rules.model):
+        raise SpecError("base_model", f"{spec.base_model!r} differs from the job's base model {rules.model!r}")
+    if spec.lora.rank > rules.max_lora_rank:
+        raise SpecError("lora.rank", f"{spec.lora.rank} exceeds the job's max_lora_rank {rules.max_lora_rank}")
+    existing = list(existing)
+    check_unique_id(spec, [t.task_id for t in existing])
+    check_data_paths(spec, allowed_roots(rules.data_roots, rules.run_dir))
+    check_quota(spec, rules.tenant_quotas, existing)
+    return spec
+
+
+def scheduler_records(tasks: dict) -> list[TaskRecord]:
+    """TaskRecords of the scheduler's tasks (rank 0's authoritative view)."""
+    return [TaskRecord(t.task_id, t.spec.tenant, t.spec.total_steps, t.status) for t in tasks.values()]
+
+
+class QueueIntake:
+    """Rank 0's side of RUN_DIR/queue. `due()` rate-limits the directory scans (a stat or two every poll_s);
+    `take()` checks each pending spec; the caller submits it and then calls `settle()`."""
+
+    def __init__(self, job, run_dir: str | Path, poll_s: float = 0.5, clock: Callable[[], float] = time.time):
+        self.rules = IntakeRules.from_job(job, run_dir)
+        self.rules.save()
+        self.queue = TaskQueue(run_dir)
+        self.poll_s, self.clock = poll_s, clock
+        self.next_poll = 0.0
+        self.closed = False
+        self.idle_since: float | None = None
+
+    def due(self) -> bool:
+        now = self.clock()
+        if now < self.next_poll:
+            return False
+        self.next_poll = now + self.poll_s
+        self.closed = self.queue.closed()
+        return True
+
+    def take(self, tasks: dict) -> list[tuple[QueueEntry, TaskSpec | None, str | None]]:
+        """(entry, checked spec or None, reason it is refused or None) for every pending file, in order."""
+        out = []
+        for entry in self.queue.pending():
+            if entry.error is not None or not isinstance(entry.data, dict) or "spec" not in entry.data:
+                out.append((entry, None, entry.error or "queue file has no 'spec'"))
+                continue
+            try:
+                out.append((entry, check_spec(entry.data["spec"], self.rules, scheduler_records(tasks),
+                                              self.rules.run_dir), None))
+            except SpecError as exc:
+                out.append((entry, None, str(exc)))
+        if out:
+            self.idle_since = None
+        return out
+
+    def settle(self, entry: QueueEntry, reason: str | None, task=None, job_start: float = 0.0) -> None:
+        """Moves the file to accepted/ or rejected/. An accepted task's TTFS counts from `tasks add` (or from
+        the job's start, for a spec queued before the job ran)."""
+        if reason is not None:
+            self.queue.reject(entry, reason)
+            return
+        self.queue.accept(entry)
+        if task is not None:
+            task.submitted_at = max(float(entry.data.get("added_at", task.submitted_at)), job_start)
+
+    def cancels(self) -> list[str]:
+        requests = self.queue.cancel_requests()
+        for task_id in requests:
+            self.queue.cancel_done(task_id)
+        return requests
+
+    def keep_serving(self) -> bool:
+        """Asked once every task has ended: stay up for more until closed or idle for serve_idle_s."""
+        if self.rules.serve_idle_s <= 0 or self.closed:
+            return False
+        now = self.clock()
+        if self.idle_since is None:
+            self.idle_since = now
+        return now - self.idle_since < self.rules.serve_idle_s

@@ -1,0 +1,109 @@
+"""The run's intake queue: a directory on the shared filesystem that submitters write and rank 0 drains.
+
+    RUN_DIR/queue/<ns>-<task_id>.json      pending specs, one per file, written tmp + rename (never half-read)
+    RUN_DIR/queue/accepted/<same name>     taken by rank 0 and submitted to the scheduler
+    RUN_DIR/queue/rejected/<same name>     refused by rank 0; the file gains a "reason"
+    RUN_DIR/queue/cancel/<task_id>         cancel requests; moved to cancel/done/ once applied
+    RUN_DIR/queue/CLOSE                    stop marker: the job stops serving once its tasks have ended
+    RUN_DIR/job.json                       the running job's config (written by rank 0): what `tasks add` checks against
+
+Names sort in submission order (nanosecond prefix), so rank 0 sees pending specs first come, first served.
+Every move is a rename within the queue dir, so a file is never lost and never admitted twice."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from marlaas_hpc.runtime.outputs import atomic_write_text
+
+
+@dataclass
+class QueueEntry:
+    path: Path
+    """The pending file."""
+    data: dict | None
+    """{"spec": {...}, "added_at": unix seconds, "source": spec file}; None if unreadable."""
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+class TaskQueue:
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / "queue"
+
+    # ---- submitter side ----
+    def add(self, spec: dict, source: str | None = None) -> Path:
+        """Drops a validated spec into the queue atomically; returns the pending file."""
+        name = f"{time.time_ns():020d}-{spec['task_id']}.json"
+        path = self.root / name
+        atomic_write_text(path, json.dumps({"spec": spec, "added_at": time.time(), "source": source}, indent=1))
+        return path
+
+    def request_cancel(self, task_id: str) -> Path:
+        path = self.root / "cancel" / task_id
+        atomic_write_text(path, json.dumps({"requested_at": time.time()}))
+        return path
+
+    def close(self) -> Path:
+        path = self.root / "CLOSE"
+        atomic_write_text(path, json.dumps({"closed_at": time.time()}))
+        return path
+
+    def closed(self) -> bool:
+        return (self.root / "CLOSE").is_file()
+
+    # ---- rank 0 side ----
+    def pending(self) -> list[QueueEntry]:
+        """Pending specs in submission order (temporary files of writers in progress are skipped)."""
+        if not self.root.is_dir():
+            return []
+        entries = []
+        for path in sorted(p for p in self.root.iterdir() if p.is_file() and p.suffix == ".json"
+                           and not p.name.startswith(".")):
+            try:
+                entries.append(QueueEntry(path, json.loads(path.read_text())))
+            except (OSError, ValueError) as exc:
+                entries.append(QueueEntry(path, None, f"unreadable queue file: {exc}"))
+        return entries
+
+    def accept(self, entry: QueueEntry) -> None:
+        self._move(entry.path, self.root / "accepted" / entry.name)
+
+    def reject(self, entry: QueueEntry, reason: str) -> None:
+        record = dict(entry.data or {}, reason=reason, rejected_at=time.time())
+        atomic_write_text(self.root / "rejected" / entry.name, json.dumps(record, indent=1))
+        entry.path.unlink(missing_ok=True)
+
+    def cancel_requests(self) -> list[str]:
+        folder = self.root / "cancel"
+        if not folder.is_dir():
+            return []
+        return sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+
+    def cancel_done(self, task_id: str) -> None:
+        self._move(self.root / "cancel" / task_id, self.root / "cancel" / "done" / f"{task_id}-{time.time_ns()}")
+
+    def records(self, folder: str) -> list[dict]:
+        """Accepted or rejected entries (for `tasks ls`)."""
+        where = self.root / folder
+        if not where.is_dir():
+            return []
+        out = []
+        for path in sorted(where.glob("*.json")):
+            try:
+                out.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    @staticmethod
+    def _move(src: Path, dst: Path) -> None:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dst)
