@@ -105,6 +105,19 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    """Figures and a Markdown summary of one or several run dirs (several: compared side by side)."""
+    from marlaas_hpc.report import write_report
+
+    try:
+        report = write_report(args.run_dirs, args.out)
+    except FileNotFoundError as exc:
+        print(f"marlaas: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {report}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="marlaas", description="Multi-task asynchronous RL fine-tuning (MARLaaS).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     from marlaas_hpc.service.commands import add_tasks_parser
 
     add_tasks_parser(sub)
+    report = sub.add_parser("report", help="PNG figures + Markdown summary of run dirs (several: compared)")
+    report.add_argument("run_dirs", nargs="+")
+    report.add_argument("-o", "--out", default="report", help="output folder (default: ./report)")
+    report.set_defaults(func=cmd_report)
     args = parser.parse_args(argv)
     return args.func(args)
 

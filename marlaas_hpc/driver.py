@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from marlaas_hpc.model import TextCodec
+from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest, RolloutEngine
 from marlaas_hpc.tasks import Sample, TaskData, TaskSpec, build_task_data
 from marlaas_hpc.trainer.grpo import scored_group
@@ -58,6 +59,7 @@ class LocalDriver:
         self.run_dir, self.seed, self.log = Path(run_dir), seed, log
         self.tasks: dict[str, TaskState] = {}
         self._request_counter = 0
+        self.tensorboard = TensorBoardSink()
 
     def add_task(self, spec: TaskSpec) -> None:
         """Admits a task: loads its data (errors name the field), creates its adapter, publishes v0."""
@@ -110,6 +112,7 @@ class LocalDriver:
         state.history.append(record)
         with open(task_dir(self.run_dir, state.spec) / "metrics.jsonl", "a") as sink:
             sink.write(json.dumps(record) + "\n")
+        self.tensorboard.write(task_dir(self.run_dir, state.spec), record)
         return record
 
     def evaluate(self, task_id: str, use_adapter: bool = True) -> float:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from marlaas_hpc.driver import adapter_dir, task_dir
+from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_TRAINER, RankStats, ScoredGroup,
                                           Shutdown, TrainerOp)
@@ -42,6 +43,7 @@ class TrainerRank:
         self.orders: list[Train] = []
         self.clock = BusyClock()
         self.outbox = Outbox(comm)
+        self.tensorboard = TensorBoardSink()
 
     # ---- every TP rank executes the same ops in the same order ----
     def execute(self, op: TrainerOp):
@@ -120,6 +122,7 @@ class TrainerRank:
         self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
         self.outbox.flush()
         write_timeline(self.run_dir, self.rank, "trainer", self.clock)
+        self.tensorboard.close()
 
     def _drain(self, tag: int, source=None) -> list:
         messages = []
@@ -190,4 +193,5 @@ class TrainerRank:
                   "samples": len(trajectories)}
         with open(task_dir(self.run_dir, self.specs[order.task_id]) / "metrics.jsonl", "a") as sink:
             sink.write(json.dumps(record) + "\n")
+        self.tensorboard.write(task_dir(self.run_dir, self.specs[order.task_id]), record)
         self.outbox.send(StepDone(order.task_id, version, record), 0, TAG_EVENT)
