@@ -161,6 +161,10 @@ class Scheduler:
         """Tasks with a Train order in flight (at most trainer_slots)."""
         self._group_of: dict[str, Group] = {}
         self._served: dict[str, int] = {}
+        """Fair order: when each task last got a train order (least recently served trains first)."""
+        self._served_rollout: dict[str, int] = {}
+        """... and rollout slots, counted apart: issuing a waiting task's prompts must not push it back in
+        the trainer's queue (it could then be overtaken again and again)."""
         self._tick = itertools.count()
         self._seq = itertools.count()
 
@@ -188,7 +192,7 @@ class Scheduler:
         if spec.task_id in self.tasks:
             raise ValueError(f"task_id: duplicate task id {spec.task_id!r}")
         self.tasks[spec.task_id] = TaskState(spec=spec, submitted_at=self.clock(), version=-1)
-        self._served[spec.task_id] = next(self._seq)
+        self._served[spec.task_id] = self._served_rollout[spec.task_id] = next(self._seq)
 
     def _generated(self, event: Generated) -> list:
         # Events from different ranks may arrive in any order: a group's Scored (from its env rank) can
@@ -301,12 +305,13 @@ class Scheduler:
     def _running(self) -> list[TaskState]:
         return [t for t in self.tasks.values() if t.status == RUNNING]
 
-    def _ordered(self, tasks: list[TaskState]) -> list[TaskState]:
+    def _ordered(self, tasks: list[TaskState], served: dict[str, int] | None = None) -> list[TaskState]:
+        served = self._served if served is None else served
         if self.config.order == "priority":
-            return sorted(tasks, key=lambda t: (-t.spec.priority, self._served[t.task_id]))
+            return sorted(tasks, key=lambda t: (-t.spec.priority, served[t.task_id]))
         if self.config.order == "fifo":
             return sorted(tasks, key=lambda t: (t.submitted_at, t.task_id))
-        return sorted(tasks, key=lambda t: self._served[t.task_id])
+        return sorted(tasks, key=lambda t: served[t.task_id])
 
     def _train(self) -> list:
         out: list = []
@@ -366,7 +371,7 @@ class Scheduler:
         out = []
         for rank in self.config.rollout_ranks:
             free = self.config.rollout_slots - self.rollout_load[rank]
-            for task in self._ordered(self._running()):
+            for task in self._ordered(self._running(), self._served_rollout):
                 if free <= 0:
                     break
                 take = min(free, self._quota(task))
@@ -389,7 +394,7 @@ class Scheduler:
             task.next_prompt += 1
         self.rollout_load[rank] += count
         self.env_load[env_rank] += count
-        self._served[task.task_id] = next(self._seq)
+        self._served_rollout[task.task_id] = next(self._seq)
         return Generate(rank, env_rank, task.task_id, task.version, tuple(groups))
 
     # ---------------------------------------------------------------- queries
