@@ -206,3 +206,14 @@ def test_serving_job_waits_for_idle_or_close(tmp_path):
     TaskQueue(run).close()
     now[0] = 16.0
     assert intake.due() and not intake.keep_serving(), "closed: stop at once"
+
+
+def test_tasks_add_refuses_a_finished_job_but_not_a_reused_run_dir(tmp_path, capsys):
+    run = started_run(tmp_path)
+    (run / "summary.json").write_text("{}")
+    assert marlaas(["tasks", "add", str(write_spec(tmp_path)), "--run", str(run)]) == 2
+    assert "has finished" in capsys.readouterr().err
+    os.utime(run / "summary.json", (1, 1))  # an older job's summary; the running job wrote job.json after it
+    TaskQueue(run).close()
+    QueueIntake(JobConfig.from_dict({}), run)  # a new job starting in the dir: the old stop marker goes
+    assert marlaas(["tasks", "add", str(write_spec(tmp_path)), "--run", str(run)]) == 0

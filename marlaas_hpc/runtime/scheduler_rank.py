@@ -90,8 +90,8 @@ class SchedulerRank:
             if spec is not None:
                 self._execute(self.submit(spec))
                 reason = None if spec.task_id in self.scheduler.tasks else self.rejected.get(spec.task_id)
-            elif reason is not None:
-                self.log(f"[intake] {entry.name} refused: {reason}")
+            else:
+                self._refused_from_queue(entry, reason)
             self.intake.settle(entry, reason, self.scheduler.tasks.get(spec.task_id) if spec else None, self.start)
         cancels = self.intake.cancels()
         for task_id in cancels:
@@ -102,6 +102,16 @@ class SchedulerRank:
             self._execute(self.scheduler.handle(Cancel(task_id)))
         if taken or cancels:
             write_status(self.run_dir, self.job, self.scheduler, time.time() - self.start)
+
+    def _refused_from_queue(self, entry, reason: str) -> None:
+        """Listed in summary.json's 'rejected' like a refused config task (by the queue file's name if its task
+        id is taken or unreadable)."""
+        spec = (entry.data or {}).get("spec")
+        task_id = spec.get("task_id") if isinstance(spec, dict) else None
+        key = task_id if isinstance(task_id, str) and task_id not in self.scheduler.tasks \
+            and task_id not in self.rejected else entry.name
+        self.rejected[key] = reason
+        self.log(f"[intake] {entry.name} refused: {reason}")
 
     def _serving(self) -> bool:
         """Every task has ended: a serving job (serve_idle_s) waits for more until closed or idle long enough."""

@@ -45,12 +45,18 @@ def known_tasks(run_dir: Path) -> list[TaskRecord]:
     return list(records.values())
 
 
+def job_finished(run_dir: Path) -> bool:
+    """The job that wrote job.json has written its summary (an older summary of a reused run dir does not count)."""
+    summary = run_dir / "summary.json"
+    return summary.is_file() and summary.stat().st_mtime >= (run_dir / JOB_FILE).stat().st_mtime
+
+
 def cmd_add(args) -> int:
     run_dir, spec_path = Path(args.run), Path(args.spec)
     if not (run_dir / JOB_FILE).is_file():
         return _fail(f"{run_dir} has no {JOB_FILE}: no job has started there yet (rank 0 writes it at start)")
-    if (run_dir / "summary.json").is_file() or TaskQueue(run_dir).closed():
-        return _fail(f"the job of {run_dir} has {'finished' if (run_dir / 'summary.json').is_file() else 'been closed'}"
+    if job_finished(run_dir) or TaskQueue(run_dir).closed():
+        return _fail(f"the job of {run_dir} has {'finished' if job_finished(run_dir) else 'been closed'}"
                      "; it takes no more tasks")
     try:
         data = yaml.safe_load(spec_path.read_text())

@@ -77,6 +77,7 @@ class QueueIntake:
         self.rules = IntakeRules.from_job(job, run_dir)
         self.rules.save()
         self.queue = TaskQueue(run_dir)
+        (self.queue.root / "CLOSE").unlink(missing_ok=True)  # a previous job's stop marker in a reused run dir
         self.poll_s, self.clock = poll_s, clock
         self.next_poll = 0.0
         self.closed = False
