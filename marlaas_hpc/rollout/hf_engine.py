@@ -38,6 +38,10 @@ class _RowSampler:
                 chosen[row] = logits[row].argmax()
             else:
                 probs = torch.softmax(logits[row] / temp, dim=-1)
+                if not torch.isfinite(probs).all():
+                    # a diverged adapter (inf/NaN logits) must not take the engine down with every other task:
+                    # sample anything; its NaN behaviour logprobs make the trainer fail that task alone
+                    probs = torch.ones_like(probs)
                 chosen[row] = torch.multinomial(probs, 1, generator=gen)[0]
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(1, chosen.to(scores.device)[:, None], 0.0)
