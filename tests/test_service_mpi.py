@@ -33,6 +33,13 @@ def added(task_id, tenant, kind, steps, tokens):
             "algo": {"group_size": 4, "batch_prompts": 4, "lr": 0.003, "max_new_tokens": tokens}}
 
 
+def diverging(task_id, tenant):
+    """A legal spec whose adapter blows up (inf/NaN logits after a step or two): it must fail alone."""
+    spec = added(task_id, tenant, "addition", 4, 6)
+    spec["algo"].update(lr=1e30, grad_clip=0.0)
+    return spec
+
+
 def marlaas(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *map(str, args)], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=timeout)
@@ -71,7 +78,7 @@ def serving_run(tmp_path_factory):
         wait_for(lambda: (run_dir / "job.json").is_file(), 600, "the job to start", job)
         seen["startup_s"] = time.time() - started
         for spec in (added("long", "bob", "reverse", 40, 8), added("q1", "carol", "count", 3, 4),
-                     added("q2", "dave", "sort", 3, 8)):
+                     added("q2", "dave", "sort", 3, 8), diverging("blowup", "eve")):
             path = tmp / f"{spec['task_id']}.yaml"
             path.write_text(yaml.safe_dump(spec))
             proc = marlaas("tasks", "add", path, "--run", run_dir)
@@ -91,7 +98,7 @@ def serving_run(tmp_path_factory):
         assert proc.returncode == 0, proc.stderr
         seen["cancelled_at"] = time.time()
         wait_for(lambda: all(live_tasks(run_dir).get(t, {}).get("status") in ("done", "failed", "cancelled")
-                             for t in ("base", "long", "q1", "q2")), 900, "every task to end", job)
+                             for t in ("base", "long", "q1", "q2", "blowup")), 900, "every task to end", job)
         time.sleep(2.0)  # serving: the job must still be up, idle, waiting for more tasks
         seen["alive_while_serving"] = job.poll() is None
         assert marlaas("tasks", "close", "--run", run_dir).returncode == 0
@@ -125,7 +132,8 @@ def test_tasks_added_to_a_running_job_queue_cancel_and_complete(serving_run):
     summary = json.loads((run_dir / "summary.json").read_text())
     tasks = summary["tasks"]
     assert {t: s["status"] for t, s in tasks.items()} == {"base": "done", "long": "cancelled", "q1": "done",
-                                                          "q2": "done"}
+                                                          "q2": "done", "blowup": "failed"}
+    assert "non-finite loss" in tasks["blowup"]["error"], tasks["blowup"]
     # with two adapter slots taken by base and long, the added q1/q2 wait queued
     states = {line.split()[0]: line.split()[2] for line in seen["ls_after_add"].splitlines()[1:]}
     assert states["q2"] == "queued", seen["ls_after_add"]
@@ -136,7 +144,7 @@ def test_tasks_added_to_a_running_job_queue_cancel_and_complete(serving_run):
     assert adapters == [f"v{v:04d}" for v in range(long["steps_done"] + 1)]
     assert (run_dir / "tasks/bob/long/adapters" / adapters[-1] / "adapter_model.safetensors").is_file()
     # never more than max_adapters=2 tasks between first and last step at once (queued ones start as slots free)
-    spans = {t: step_times(run_dir, tasks[t]["tenant"], t) for t in tasks}
+    spans = {t: step_times(run_dir, tasks[t]["tenant"], t) for t in tasks if tasks[t]["steps_done"] > 0}
     for t, (first, _) in spans.items():
         overlapping = [u for u, (a, b) in spans.items() if a <= first <= b]
         assert len(overlapping) <= 2, (t, spans)
@@ -152,7 +160,7 @@ def test_tasks_added_to_a_running_job_queue_cancel_and_complete(serving_run):
     assert seen["exited_at"] - seen["closed_at"] < 60
     queue = run_dir / "queue"
     assert not list(queue.glob("*.json")), "no pending file left behind"
-    assert len(list((queue / "accepted").glob("*.json"))) == 3
+    assert len(list((queue / "accepted").glob("*.json"))) == 4
 
 
 def test_bad_specs_refused_and_the_job_unaffected(serving_run):
@@ -164,10 +172,16 @@ def test_bad_specs_refused_and_the_job_unaffected(serving_run):
     for name, (code, stderr) in seen["refusals"].items():
         assert code == 2 and "refused, nothing queued" in stderr and words[name] in stderr, (name, stderr)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert set(summary["tasks"]) == {"base", "long", "q1", "q2"}
+    assert set(summary["tasks"]) == {"base", "long", "q1", "q2", "blowup"}
+    assert summary["rejected"] == {"m2": rejected_reason(run_dir)}
     (rejected,) = [json.loads(p.read_text()) for p in (run_dir / "queue" / "rejected").glob("*.json")]
     assert rejected["spec"]["task_id"] == "m2" and "max_total_steps=5" in rejected["reason"]
     assert summary["tasks"]["base"]["steps_done"] == 6
+
+
+def rejected_reason(run_dir):
+    (record,) = [json.loads(p.read_text()) for p in (run_dir / "queue" / "rejected").glob("*.json")]
+    return record["reason"]
 
 
 def spans_lines(run_dir, tenant, task_id):
