@@ -2,6 +2,7 @@
 atomic hand-over, `marlaas tasks add/cancel/close` refusals, and how long a serving job stays up."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -217,3 +218,11 @@ def test_tasks_add_refuses_a_finished_job_but_not_a_reused_run_dir(tmp_path, cap
     TaskQueue(run).close()
     QueueIntake(JobConfig.from_dict({}), run)  # a new job starting in the dir: the old stop marker goes
     assert marlaas(["tasks", "add", str(write_spec(tmp_path)), "--run", str(run)]) == 0
+
+
+def test_example_serving_config_and_spec_are_valid(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    job = JobConfig.load(root / "configs" / "serve-demo.yaml")
+    assert job.serve_idle_s > 0 and job.tenant_quotas["default"].max_tasks == 2
+    spec = yaml.safe_load((root / "configs" / "tasks" / "reverse-bob.yaml").read_text())
+    assert check_spec(spec, IntakeRules.from_job(job, tmp_path), [], root / "configs" / "tasks").tenant == "bob"
