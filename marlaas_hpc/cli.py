@@ -17,28 +17,33 @@ def _under_mpi() -> bool:
     return int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_STEP_ID" in os.environ
 
 
-def mpirun_command(job, config: str, run_dir: str, mode: str) -> list[str]:
-    """Local mode: one MPI world of the layout's size on this machine."""
+def mpirun_command(job, config: str | None, run_dir: str, mode: str, resume: bool = False) -> list[str]:
+    """Local mode: one MPI world of the layout's size on this machine. mpirun forwards SIGUSR2 to every
+    rank: `kill -USR2 <pid of marlaas run>` checkpoints the job (resume with --resume RUN_DIR)."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise SystemExit("marlaas: mpirun not found (Debian: apt-get install openmpi-bin libopenmpi-dev)")
     return [mpirun, "-np", str(job.layout.world_size), "--oversubscribe", "--bind-to", "none",
             "--mca", "mpi_yield_when_idle", "1",
-            sys.executable, "-m", "marlaas_hpc.runtime.main", config, "--run-dir", run_dir, "--mode", mode]
+            sys.executable, "-m", "marlaas_hpc.runtime.main", *([config] if config else []),
+            *(["--resume", run_dir] if resume else ["--run-dir", run_dir]), "--mode", mode]
 
 
 def cmd_run(args) -> int:
-    from marlaas_hpc.runtime.main import load_job
     from marlaas_hpc.runtime import main as runtime_main
+    from marlaas_hpc.runtime.main import check_run_dir, load_job
 
     if _under_mpi():
-        argv = [args.config] + (["--run-dir", args.run_dir] if args.run_dir else []) + \
-               (["--mode", args.mode] if args.mode else [])
+        argv = ([args.config] if args.config else []) + (["--run-dir", args.run_dir] if args.run_dir else []) + \
+               (["--mode", args.mode] if args.mode else []) + (["--resume", args.resume] if args.resume else [])
         return runtime_main.main(argv)
-    try:
-        job = load_job(args.config, args.run_dir, args.mode)  # refuse a bad config before any process starts
+    resume = bool(args.resume)
+    try:  # refuse a bad config (or run dir) before any process starts
+        job = load_job(args.config, args.resume or args.run_dir, args.mode, resume=resume)
+        check_run_dir(job, resume)
     except SpecError as exc:
-        print(f"marlaas: invalid config {args.config}: {exc}", file=sys.stderr)
+        print(f"marlaas: invalid {'resume' if resume else 'config'} {args.config or args.resume}: {exc}",
+              file=sys.stderr)
         return 2
     job.model_path()  # build the tiny model once here, not in every rank
     env = dict(os.environ)
@@ -46,7 +51,7 @@ def cmd_run(args) -> int:
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the per-task progress lines readable
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = mpirun_command(job, args.config, job.run_dir, job.mode)
+    command = mpirun_command(job, args.config, job.run_dir, job.mode, resume=resume)
     print(f"[marlaas] local mode: {job.layout.world_size} ranks ({job.layout.env_ranks} env, "
           f"{job.layout.rollout_ranks} rollout, {job.layout.trainer_ranks} trainer), {len(job.tasks)} tasks, "
           f"mode {job.mode}, run dir {job.run_dir}", flush=True)
@@ -109,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="marlaas", description="Multi-task asynchronous RL fine-tuning (MARLaaS).")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job: local mode (launches mpirun) or as a rank under MPI/Slurm")
-    run.add_argument("config", help="job config YAML (see configs/)")
+    run.add_argument("config", nargs="?", help="job config YAML (see configs/); optional with --resume")
     run.add_argument("--run-dir", help="output directory (default: the config's run_dir)")
     run.add_argument("--mode", choices=["async", "sync", "sequential"], help="override the config's mode")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a preempted job from RUN_DIR's checkpoint")
     run.set_defaults(func=cmd_run)
     sbatch = sub.add_parser("sbatch", help="print the Slurm heterogeneous-job script of a config (marlaas sbatch C > job.sbatch)")
     sbatch.add_argument("config")
