@@ -85,21 +85,69 @@ def cmd_sbatch(args) -> int:
     return 0
 
 
+def cmd_submit(args) -> int:
+    """Submits the job as one Slurm heterogeneous job (control, env, rollout, trainer components)."""
+    from marlaas_hpc.launch.job import submit
+    from marlaas_hpc.launch.layout import LayoutError
+    from marlaas_hpc.runtime.main import load_job
+
+    try:
+        job = load_job(args.config, args.run_dir, args.mode)
+        handle = submit(job, args.config, job_name=args.job_name, max_requeues=args.max_requeues)
+    except (SpecError, LayoutError) as exc:
+        print(f"marlaas: not submitted: {exc}", file=sys.stderr)
+        return 2
+    print(f"[marlaas] submitted het job {handle.job_id}: {job.layout.world_size} ranks "
+          f"(control 1, env {job.layout.env_ranks}, rollout {job.layout.rollout_ranks}, trainer "
+          f"{job.layout.trainer_ranks}); run dir {job.run_dir}; logs {job.run_dir}/slurm", flush=True)
+    print(handle.job_id)
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    """Cancels a submitted job (every het component). Use `scancel --signal=USR2 JOB` to checkpoint instead."""
+    import subprocess
+
+    from marlaas_hpc.launch.job import run_dir_of
+
+    proc = subprocess.run(["scancel", args.job], capture_output=True, text=True)
+    if proc.returncode:
+        print(f"marlaas: scancel {args.job} failed: {proc.stderr.strip()}", file=sys.stderr)
+        return proc.returncode
+    run_dir = run_dir_of(args.job)
+    print(f"cancelled job {args.job}" + (f" (run dir {run_dir}: adapters and checkpoints stay)" if run_dir else ""))
+    return 0
+
+
 def cmd_status(args) -> int:
-    """Per-task progress of a run dir (live while the job runs: rank 0 rewrites status.json each step)."""
+    """Per-task progress of a run dir (live while the job runs: rank 0 rewrites status.json each step), or of
+    a submitted Slurm job by id (with its Slurm state)."""
     import json
     from pathlib import Path
 
+    from marlaas_hpc.launch.job import run_dir_of, slurm_state
+
     run_dir = Path(args.run_dir)
+    if not run_dir.exists() and args.run_dir.replace("_", "").isdigit():
+        job_id, run_dir = args.run_dir, run_dir_of(args.run_dir)
+        print(f"Slurm job {job_id}: {slurm_state(job_id) or 'unknown to sacct'}")
+        if run_dir is None:
+            print(f"marlaas: job {job_id} was not submitted by `marlaas submit` here (no run dir on record)",
+                  file=sys.stderr)
+            return 2
+    elif (run_dir / "slurm" / "job_id").is_file():
+        job_id = json.loads((run_dir / "slurm" / "job_id").read_text())["job_id"]
+        print(f"Slurm job {job_id}: {slurm_state(job_id) or 'unknown to sacct'}")
     path = run_dir / "summary.json" if (run_dir / "summary.json").is_file() else run_dir / "status.json"
     if not path.is_file():
         print(f"marlaas: {run_dir} has no status.json or summary.json (not a run dir, or not started)",
               file=sys.stderr)
         return 2
     state = json.loads(path.read_text())
-    finished = path.name == "summary.json"
+    finished = path.name == "summary.json" and not state.get("preempted")
     elapsed = state.get("wall_time_s", state.get("elapsed_s", 0.0))
-    print(f"{run_dir}: mode {state['mode']}, {'finished' if finished else 'running'}, {elapsed:.0f} s")
+    phase = "finished" if finished else "preempted (checkpointed)" if state.get("preempted") else "running"
+    print(f"{run_dir}: mode {state['mode']}, {phase}, {elapsed:.0f} s")
     print(f"{'task':<16} {'tenant':<10} {'state':<10} {'step':>9} {'k':>2} {'reward':>7} {'TTFS_s':>7} {'TPTS_s':>7}")
     for task_id, t in state["tasks"].items():
         reward = "-" if t["reward_last"] is None else f"{t['reward_last']:.3f}"
@@ -124,8 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     sbatch.add_argument("--run-dir", help="output directory (default: the config's run_dir)")
     sbatch.add_argument("--job-name", default="marlaas")
     sbatch.set_defaults(func=cmd_sbatch)
-    status = sub.add_parser("status", help="per-task step / state / reward of a run dir")
-    status.add_argument("run_dir")
+    submit = sub.add_parser("submit", help="submit the job to Slurm as one heterogeneous job (submitit)")
+    submit.add_argument("config")
+    submit.add_argument("--run-dir", help="output directory on the shared filesystem (default: the config's)")
+    submit.add_argument("--mode", choices=["async", "sync", "sequential"], help="override the config's mode")
+    submit.add_argument("--job-name", default="marlaas")
+    submit.add_argument("--max-requeues", type=int, default=10,
+                        help="preemptions (USR2) after which the job stops requeueing itself")
+    submit.set_defaults(func=cmd_submit)
+    cancel = sub.add_parser("cancel", help="cancel a submitted job (all components)")
+    cancel.add_argument("job")
+    cancel.set_defaults(func=cmd_cancel)
+    status = sub.add_parser("status", help="per-task step / state / reward of a run dir or a submitted job id")
+    status.add_argument("run_dir", metavar="RUN_DIR|JOB")
     status.set_defaults(func=cmd_status)
     args = parser.parse_args(argv)
     return args.func(args)
