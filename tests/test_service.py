@@ -226,3 +226,19 @@ def test_example_serving_config_and_spec_are_valid(tmp_path):
     assert job.serve_idle_s > 0 and job.tenant_quotas["default"].max_tasks == 2
     spec = yaml.safe_load((root / "configs" / "tasks" / "reverse-bob.yaml").read_text())
     assert check_spec(spec, IntakeRules.from_job(job, tmp_path), [], root / "configs" / "tasks").tenant == "bob"
+
+
+def test_reward_functions_come_only_from_allowed_roots(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "data" / "my_reward.py").write_text("def score(sample, completion):\n    return 1.0\n")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "their_reward.py").write_text("def score(sample, completion):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "data"))
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    custom = {"kind": "custom", "path": str(tmp_path / "data" / "d.jsonl")}
+    assert check_spec(spec_with(dataset={**custom, "reward_fn": "my_reward:score"}), rules(tmp_path), [], tmp_path)
+    for module in ("os:system", "subprocess:call", "their_reward:score", "sys:exit"):
+        with pytest.raises(SpecError) as err:
+            check_spec(spec_with(dataset={**custom, "reward_fn": module}), rules(tmp_path), [], tmp_path)
+        assert err.value.field == "dataset.reward_fn" and "allowed data roots" in str(err.value)

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from marlaas_hpc.runtime.outputs import atomic_write_text
-from marlaas_hpc.service.isolation import allowed_roots, check_data_paths, check_unique_id, resolve_data_paths
+from marlaas_hpc.service.isolation import (allowed_roots, check_data_paths, check_reward_module, check_unique_id,
+                                          resolve_data_paths)
 from marlaas_hpc.service.queue import QueueEntry, TaskQueue
 from marlaas_hpc.service.quotas import TaskRecord, TenantQuota, check_quota
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec
@@ -59,7 +60,9 @@ def check_spec(data: Any, rules: IntakeRules, existing: Iterable[TaskRecord], ba
         raise SpecError("lora.rank", f"{spec.lora.rank} exceeds the job's max_lora_rank {rules.max_lora_rank}")
     existing = list(existing)
     check_unique_id(spec, [t.task_id for t in existing])
-    check_data_paths(spec, allowed_roots(rules.data_roots, rules.run_dir))
+    roots = allowed_roots(rules.data_roots, rules.run_dir)
+    check_data_paths(spec, roots)
+    check_reward_module(spec, roots)
     check_quota(spec, rules.tenant_quotas, existing)
     return spec
 

@@ -16,6 +16,8 @@ PROJECT_FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 """The project's own small data files (GSM8K / HotpotQA / corpus samples): always readable."""
 PATH_FIELDS = ("path", "corpus")
 """DatasetSpec fields that name files."""
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+"""marlaas_hpc itself: its reward functions are always allowed."""
 
 
 def allowed_roots(data_roots: Iterable[str], run_dir: str | Path) -> list[Path]:
@@ -51,3 +53,24 @@ def check_unique_id(spec: TaskSpec, existing_ids: Iterable[str]) -> None:
         if task_id.lower() == spec.task_id.lower():
             same = "is already used" if task_id == spec.task_id else f"collides with {task_id!r} (case)"
             raise SpecError("task_id", f"task id {spec.task_id!r} {same} in this run")
+
+
+def check_reward_module(spec: TaskSpec, roots: list[Path]) -> None:
+    """A custom reward function runs inside the env ranks: its module must be the tenant's own file under an
+    allowed root (or marlaas_hpc's), not any installed module (`os:system`, ...). A module this process cannot
+    find is left to rank 0, where loading the task's data imports it or refuses the spec."""
+    import importlib.util
+
+    if not spec.dataset.reward_fn:
+        return
+    module = spec.dataset.reward_fn.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) if module else None
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        return
+    origin = Path(found.origin).resolve() if found.origin and found.origin not in ("built-in", "frozen") else None
+    if origin is None or not any(root in origin.parents for root in [*roots, PACKAGE_DIR]):
+        raise SpecError("dataset.reward_fn", f"module {module!r} ({found.origin}) is not a file under the job's "
+                                             "allowed data roots (JobConfig.data_roots)")
