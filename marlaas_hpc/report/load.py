@@ -28,7 +28,8 @@ class RunData:
 
     @property
     def label(self) -> str:
-        return f"{self.name} ({self.summary.get('mode', '?')})"
+        mode = self.summary.get("mode", "?")
+        return self.name if self.name == mode else f"{self.name} ({mode})"
 
     @property
     def job_start(self) -> float:
