@@ -130,6 +130,8 @@ class RolloutSim:
         """A published adapter version arrives: receiving and installing it stalls the engine."""
         self._stall(transfer_s + self.model.adapter_load, "load_delta")
         self.versions[task_id] = max(version, self.versions.get(task_id, -1))
+        if not self.waiting:
+            return
         ready = [(g, v) for g, v in self.waiting if g.task_id == task_id and v <= version]
         if ready:
             self.waiting = [(g, v) for g, v in self.waiting if not (g.task_id == task_id and v <= version)]
@@ -460,9 +462,12 @@ class Simulation:
         if trainer.broadcasts == 0:
             seconds += self.workload.trainer.broadcast_setup
         trainer.broadcasts += 1
-        for rollout in self.rollout.values():
-            self.queue.at(at + seconds, rollout.new_version, task_id, version, transfer)
+        self.queue.at(at + seconds, self._version_arrives, task_id, version, transfer)
         return seconds
+
+    def _version_arrives(self, task_id: str, version: int, transfer: float) -> None:
+        for rollout in self.rollout.values():
+            rollout.new_version(task_id, version, transfer)
 
     # ---- run ----
     def _check_end(self) -> None:
