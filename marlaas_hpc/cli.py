@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     status = sub.add_parser("status", help="per-task step / state / reward of a run dir")
     status.add_argument("run_dir")
     status.set_defaults(func=cmd_status)
+    from marlaas_hpc.sim.command import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -458,10 +458,10 @@ class Simulation:
         net = self.workload.network
         bytes_ = net.adapter_bytes_per_rank * self._specs[task_id].lora.rank
         transfer = net.delta_latency + bytes_ / net.delta_bandwidth
-        seconds = self.workload.trainer.publish_fixed + transfer
-        if trainer.broadcasts == 0:
-            seconds += self.workload.trainer.broadcast_setup
+        if trainer.broadcasts == 0:  # the first broadcast sets the communicator up, on both sides
+            transfer += self.workload.trainer.broadcast_setup
         trainer.broadcasts += 1
+        seconds = self.workload.trainer.publish_fixed + transfer
         self.queue.at(at + seconds, self._version_arrives, task_id, version, transfer)
         return seconds
 

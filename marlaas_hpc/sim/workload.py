@@ -257,13 +257,13 @@ def _check_sign(value: float, name: str, positive: bool = False) -> None:
 def _distribution(value: Any, dimension: str, name: str) -> Distribution:
     if not isinstance(value, dict):
         return Distribution(value=_quantity(value, dimension, name))
+    dist = value.get("dist", "constant")
+    if dist not in DISTRIBUTIONS:
+        raise SpecError(f"{name}.dist", f"unknown distribution {dist!r}; known: {list(DISTRIBUTIONS)}")
     known = {f.name for f in dataclasses.fields(Distribution)}
     unknown = sorted(set(value) - known)
     if unknown:
         raise SpecError(f"{name}.{unknown[0]}", f"unknown field (known: {sorted(known)})")
-    dist = value.get("dist", "constant")
-    if dist not in DISTRIBUTIONS:
-        raise SpecError(f"{name}.dist", f"unknown distribution {dist!r}; known: {list(DISTRIBUTIONS)}")
     needs = {"constant": ("value",), "uniform": ("low", "high"), "lognormal": ("median", "sigma"),
              "exponential": ("mean",), "empirical": ("values",)}[dist]
     for key in needs:

@@ -1,0 +1,236 @@
+"""Fits a workload model to measured runs (their timeline/rank<N>.jsonl and config), so that `marlaas
+simulate` of the same config predicts the run's e2e time, busy fractions, TTFS and TPTS.
+
+What each parameter is fitted from (spans are the BusyClock records every rank writes):
+    rollout.decode_step, batch_exponent  engine-step time vs running sequences: log t = log a + e log b, with b
+                                         counted from the prompt groups open in the engine at the step
+    rollout.step_overhead                median gap between consecutive engine steps (< 20 ms: host time)
+    rollout.adapter_load                 median load_delta span minus the transfer
+    env.group_overhead, reward_per_sample  score spans vs samples (least squares; lognormal spread)
+    trainer.step_fixed, per_token,       train spans minus their publishes: least squares on tokens and fused
+      per_task                           tasks (non-negative)
+    trainer.admit, publish_fixed,        admit spans minus publish; publish spans minus transfer; the first
+      broadcast_setup                    publish's extra time
+    network.adapter_bytes_per_rank       publish bytes / LoRA rank; message_latency: group end -> score start
+    profiles[kind]                       prompt and completion lengths of each kind's groups (quantiles)
+Assumed, not fitted (one TP size and no tool calls in these runs): trainer.tp_exponent, delta_bandwidth,
+prefill_per_token (folded into the step time), tool latencies.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from marlaas_hpc.config import JobConfig
+from marlaas_hpc.sim.workload import (Distribution, EnvModel, NetworkModel, RolloutModel, TaskProfile,
+                                      TrainerModel, Workload)
+
+ASSUMED_DELTA_BANDWIDTH = 1e9
+"""Bytes/s of the CPU (gloo, loopback) delta broadcast; the adapters here are < 1 MB, so it barely matters."""
+ASSUMED_TP_EXPONENT = 0.8
+QUANTILES = 32
+
+
+class RunData:
+    """One measured run: its config and timeline records."""
+
+    def __init__(self, run_dir: str | Path, config: str | Path | None = None):
+        self.dir = Path(run_dir)
+        self.summary = json.loads((self.dir / "summary.json").read_text())
+        config = config or self.dir / "config.yaml"
+        self.job = JobConfig.load(config)
+        self.records = [json.loads(line) for path in sorted((self.dir / "timeline").glob("rank*.jsonl"))
+                        for line in path.read_text().splitlines() if line.strip()]
+
+    def stage(self, role: str, stage: str) -> list[dict]:
+        return [r for r in self.records if r["role"] == role and r["stage"] == stage]
+
+
+def _median(values, default=0.0) -> float:
+    values = list(values)
+    return statistics.median(values) if values else default
+
+
+def fit_rollout(runs: list[RunData]) -> RolloutModel:
+    batches, times, gaps, loads = [], [], [], []
+    for run in runs:
+        groups = run.stage("rollout", "group")
+        for rank in {r["rank"] for r in groups}:
+            steps = sorted((r for r in run.stage("rollout", "generate") if r["rank"] == rank), key=lambda r: r["start"])
+            mine = [g for g in groups if g["rank"] == rank]
+            for span in steps:
+                mid = (span["start"] + span["end"]) / 2
+                running = sum(len(g["completion_tokens"]) for g in mine if g["start"] <= mid <= g["end"])
+                batches.append(max(1, running))
+                times.append((span["end"] - span["start"]) / span["steps"])
+            gaps += [b["start"] - a["end"] for a, b in zip(steps, steps[1:]) if 0 <= b["start"] - a["end"] < 0.02]
+        loads += [r["end"] - r["start"] for r in run.stage("rollout", "load_delta")]
+    slope, intercept = np.polyfit(np.log(batches), np.log(times), 1) if len(set(batches)) > 1 else (0.0, math.log(_median(times)))
+    exponent = float(min(1.0, max(0.0, slope)))
+    # the scale keeps the total engine time (busy fractions are sums; a median would drop slow steps)
+    decode = float(np.sum(times) / np.sum(np.power(batches, exponent)))
+    transfer = _median(_publish_bytes(runs)) / ASSUMED_DELTA_BANDWIDTH
+    return RolloutModel(batching="continuous", decode_step=decode, batch_exponent=exponent,
+                        step_overhead=_median(gaps), prefill_per_token=0.0,
+                        adapter_load=max(0.0, _median(loads) - transfer))
+
+
+def _publish_bytes(runs: list[RunData]) -> list[float]:
+    return [r["bytes"] for run in runs for r in run.stage("trainer", "publish")]
+
+
+def fit_env(runs: list[RunData]) -> EnvModel:
+    """score span = group_overhead + sum of per-sample reward times (least squares on samples); the spread
+    of per-sample times sets the lognormal's sigma, its median keeps the fitted mean."""
+    spans = [r for run in runs for r in run.stage("env", "score")]
+    rows = np.array([[1.0, r["samples"]] for r in spans])
+    overhead, per_sample = _nonnegative_least_squares(rows, np.array([r["end"] - r["start"] for r in spans]))
+    logs = [math.log(max((r["end"] - r["start"]) / r["samples"], 1e-7)) for r in spans]
+    sigma = statistics.pstdev(logs) if len(logs) > 1 else 0.0
+    return EnvModel(group_overhead=overhead,
+                    reward_per_sample=Distribution(dist="lognormal", median=per_sample / math.exp(sigma ** 2 / 2),
+                                                   sigma=sigma))
+
+
+def _inside(span: dict, records: list[dict]) -> list[dict]:
+    return [r for r in records if r["rank"] == span["rank"] and span["start"] <= r["start"] and r["end"] <= span["end"] + 1e-6]
+
+
+def fit_trainer(runs: list[RunData]) -> TrainerModel:
+    rows, compute, admits, publishes, setups = [], [], [], [], []
+    for run in runs:
+        tp = run.job.layout.trainer_tp ** ASSUMED_TP_EXPONENT  # back to TP=1 figures
+        pubs = sorted(run.stage("trainer", "publish"), key=lambda r: r["start"])
+        publish_s = [p["end"] - p["start"] - p["bytes"] / ASSUMED_DELTA_BANDWIDTH for p in pubs]
+        if publish_s:
+            setups.append(max(0.0, publish_s[0] - _median(publish_s[1:], publish_s[0])))
+            publishes += publish_s[1:]
+        for span in run.stage("trainer", "train"):
+            inner = sum(p["end"] - p["start"] for p in _inside(span, pubs))
+            rows.append([1.0, span["tokens"], len(span["tasks"])])
+            compute.append((span["end"] - span["start"] - inner) * tp)
+        admit_spans = sorted(run.stage("trainer", "admit"), key=lambda r: r["start"])
+        for span in admit_spans[1:]:  # the first carries the one-off broadcast set-up
+            admits.append((span["end"] - span["start"] - sum(p["end"] - p["start"] for p in _inside(span, pubs))) * tp)
+    fixed, per_token, per_task = _nonnegative_least_squares(np.array(rows), np.array(compute))
+    return TrainerModel(step_fixed=fixed, per_token=per_token, per_task=per_task, tp_exponent=ASSUMED_TP_EXPONENT,
+                        admit=max(0.0, _median(admits)), publish_fixed=max(0.0, _median(publishes)),
+                        broadcast_setup=_median(setups))
+
+
+def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
+    """Least squares over every subset of the columns, keeping the best fit with no negative coefficient
+    (three columns: eight subsets)."""
+    best, best_err = np.zeros(a.shape[1]), float("inf")
+    for mask in range(1, 2 ** a.shape[1]):
+        cols = [i for i in range(a.shape[1]) if mask >> i & 1]
+        coef, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        if (coef < 0).any():
+            continue
+        err = float(((a[:, cols] @ coef - b) ** 2).sum())
+        if err < best_err:
+            best, best_err = np.zeros(a.shape[1]), err
+            best[cols] = coef
+    return tuple(float(x) for x in best)
+
+
+def fit_network(runs: list[RunData]) -> NetworkModel:
+    per_rank, latency = [], []
+    for run in runs:
+        ranks = {t.task_id: t.lora.rank for t in run.job.tasks}
+        per_rank += [r["bytes"] / ranks[r["tasks"][0]] for r in run.stage("trainer", "publish") if r["tasks"][0] in ranks]
+        latency += _group_to_score_gaps(run)
+    return NetworkModel(adapter_bytes_per_rank=_median(per_rank), delta_bandwidth=ASSUMED_DELTA_BANDWIDTH,
+                        delta_latency=0.0, message_latency=_median(latency))
+
+
+def _group_to_score_gaps(run: RunData) -> list[float]:
+    """Time from a prompt group leaving the engine to the next score span of its task starting (one hop,
+    plus any wait in the env rank's queue: the median keeps the hop)."""
+    scores: dict[str, list[float]] = {}
+    for r in run.stage("env", "score"):
+        scores.setdefault(r["tasks"][0], []).append(r["start"])
+    for starts in scores.values():
+        starts.sort()
+    gaps = []
+    for g in run.stage("rollout", "group"):
+        starts = scores.get(g["tasks"][0], [])
+        i = bisect.bisect_left(starts, g["end"])
+        if i < len(starts):
+            gaps.append(starts[i] - g["end"])
+    return gaps
+
+
+def _quantiles(values: list[float]) -> Distribution:
+    values = sorted(values)
+    if len(set(values)) == 1:
+        return Distribution(value=float(values[0]))
+    picks = [values[min(len(values) - 1, int((i + 0.5) / QUANTILES * len(values)))] for i in range(QUANTILES)]
+    return Distribution(dist="empirical", values=tuple(float(v) for v in picks))
+
+
+def fit_profiles(runs: list[RunData]) -> dict[str, TaskProfile]:
+    prompts: dict[str, list[float]] = {}
+    completions: dict[str, list[float]] = {}
+    for run in runs:
+        kinds = {t.task_id: t.dataset.kind for t in run.job.tasks}
+        for g in run.stage("rollout", "group"):
+            kind = kinds.get(g["tasks"][0], "default")
+            prompts.setdefault(kind, []).append(g["prompt_tokens"])
+            completions.setdefault(kind, []).extend(g["completion_tokens"])
+    profiles = {kind: TaskProfile(prompt_tokens=_quantiles(prompts[kind]),
+                                  response_tokens=_quantiles(completions[kind])) for kind in prompts}
+    all_prompts = [p for values in prompts.values() for p in values]
+    all_completions = [c for values in completions.values() for c in values]
+    profiles["default"] = TaskProfile(prompt_tokens=_quantiles(all_prompts),
+                                      response_tokens=_quantiles(all_completions))
+    return profiles
+
+
+def calibrate(run_dirs: list[str | Path], config: str | Path | None = None) -> Workload:
+    runs = [RunData(d, config) for d in run_dirs]
+    names = ", ".join(f"{r.dir.name} ({r.summary['mode']}, {r.summary['wall_time_s']:.1f} s)" for r in runs)
+    return Workload(description=f"Fitted by tools/calibrate.py from measured runs: {names}. Assumed: "
+                                f"tp_exponent {ASSUMED_TP_EXPONENT}, delta bandwidth 1 GB/s, prefill inside the "
+                                "step time, no tool calls.",
+                    rollout=fit_rollout(runs), env=fit_env(runs), trainer=fit_trainer(runs),
+                    network=fit_network(runs), profiles=fit_profiles(runs), evals=True)
+
+
+def dump_workload(workload: Workload) -> str:
+    return yaml.safe_dump(workload.to_dict(), sort_keys=False, width=110)
+
+
+# ---------------------------------------------------------------- checking a fit
+def compare(run_dir: str | Path, workload: Workload, config: str | Path | None = None, seed: int = 0) -> dict:
+    """Simulated and measured figures of one run: {metric: (simulated, measured)}."""
+    from marlaas_hpc.sim.engine import Simulation
+    from marlaas_hpc.sim.report import summarize
+    from marlaas_hpc.sim.setup import setup_from_job
+
+    run = RunData(run_dir, config)
+    sim = Simulation(setup_from_job(run.job, mode=run.summary["mode"]), workload, seed=seed)
+    predicted = summarize(sim, sim.run(), seed)
+    measured = run.summary
+    out = {"e2e_s": (predicted["wall_time_s"], measured["wall_time_s"])}
+    for role, value in measured["busy_fraction"].items():
+        out[f"busy_{role}"] = (predicted["busy_fraction"][role], value)
+    for metric, key in (("ttfs_s", "ttfs_mean_s"), ("tpts_s", "tpts_mean_s")):
+        values = [t[metric] for t in measured["tasks"].values() if t[metric] is not None]
+        out[metric] = (predicted[key], sum(values) / len(values))
+    return out
+
+
+def predict_vs_measured(run_dir: str | Path, workload: Workload, config: str | Path | None = None) -> list[str]:
+    mode = json.loads((Path(run_dir) / "summary.json").read_text())["mode"]
+    rows = []
+    for metric, (sim, real) in compare(run_dir, workload, config).items():
+        error = (sim - real) / real if real else float("nan")
+        rows.append(f"{mode:<10} {metric:<14} simulated {sim:8.3f}  measured {real:8.3f}  error {error:+7.1%}")
+    return rows

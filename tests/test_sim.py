@@ -1,0 +1,150 @@
+"""The discrete-event simulator: workload validation, determinism, the staleness bound at 1024 tasks, and
+calibration against three real local runs (tests/fixtures/calibration/<mode>/, configs/calib-small.yaml)."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from marlaas_hpc.config import JobConfig
+from marlaas_hpc.sim.calibrate import calibrate, compare
+from marlaas_hpc.sim.engine import Simulation
+from marlaas_hpc.sim.report import staleness_violations
+from marlaas_hpc.sim.setup import copies_to, setup_from_job
+from marlaas_hpc.sim.workload import load_workload, workload_from_dict
+from marlaas_hpc.tasks.spec import SpecError
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "calibration"
+MODES = ("async", "sync", "sequential")
+WORKLOADS = sorted((ROOT / "configs" / "workloads").glob("*.yaml"))
+
+
+def small_job() -> JobConfig:
+    return JobConfig.load(ROOT / "configs" / "calib-small.yaml")
+
+
+def simulate(mode="async", seed=0, n_tasks=None, workload=None, staleness=None, **layout):
+    job = small_job()
+    tasks = copies_to(job.tasks, n_tasks) if n_tasks else job.tasks
+    if staleness is not None:
+        tasks = [dataclasses.replace(t, max_staleness=staleness) for t in tasks]
+    setup = setup_from_job(job, mode=mode, tasks=tasks, max_active_tasks=max(8, len(tasks)), **layout)
+    sim = Simulation(setup, workload or load_workload(ROOT / "configs/workloads/tiny-cpu.yaml"), seed=seed)
+    return sim, sim.run()
+
+
+# ---------------------------------------------------------------- workload files
+@pytest.mark.parametrize("path", WORKLOADS, ids=[p.name for p in WORKLOADS])
+def test_shipped_workloads_load(path):
+    workload = load_workload(path)
+    assert "default" in workload.profiles and workload.rollout.decode_step > 0
+
+
+def _broken(path: str, value):
+    """The tiny-cpu workload with one field (dotted path) replaced."""
+    data = yaml.safe_load((ROOT / "configs/workloads/tiny-cpu.yaml").read_text())
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return data
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("rollout.decode_step", "-3 ms", "rollout.decode_step: must be > 0"),
+    ("trainer.per_token", "-1 us", "trainer.per_token: must be >= 0"),
+    ("env.reward_per_sample", {"dist": "lognormal", "median": "-2 ms", "sigma": 0.5},
+     "env.reward_per_sample.median: must be >= 0"),
+    ("env.reward_per_sample", {"dist": "pareto", "scale": "1 ms"}, "env.reward_per_sample.dist: unknown distribution"),
+    ("profiles.default.tool_latency", {"dist": "weibull"}, "profiles.default.tool_latency.dist: unknown distribution"),
+    ("trainer.step_fixed", 0.2, "trainer.step_fixed: missing unit"),
+    ("network.delta_bandwidth", "25 GB", "network.delta_bandwidth: unit 'GB' is not a bandwidth unit"),
+    ("profiles.default.tool_latency", {"dist": "uniform", "low": 1, "high": "2 s"},
+     "profiles.default.tool_latency.low: missing unit"),
+    ("env.reward_per_sample", {"dist": "lognormal", "median": "1 ms"}, "env.reward_per_sample.sigma: is required"),
+    ("rollout.decode_stepp", "1 ms", "rollout.decode_stepp: unknown field"),
+    ("rollout.batching", "paged", "rollout.batching: unknown batching"),
+])
+def test_invalid_workload_is_refused_naming_the_field(path, value, message):
+    with pytest.raises(SpecError) as error:
+        workload_from_dict(_broken(path, value))
+    assert message in str(error.value)
+
+
+def test_units_are_converted():
+    data = _broken("rollout.decode_step", "1500 us")
+    assert workload_from_dict(data).rollout.decode_step == pytest.approx(0.0015)
+
+
+# ---------------------------------------------------------------- the simulation
+def test_same_seed_same_trace_bit_for_bit():
+    first = simulate(seed=7, n_tasks=16)[1]
+    again = simulate(seed=7, n_tasks=16)[1]
+    other = simulate(seed=8, n_tasks=16)[1]
+    assert first.trace_hash == again.trace_hash and first.end_time == again.end_time
+    assert other.trace_hash != first.trace_hash, "the seed drives the stage times"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_task_finishes_within_bound(mode):
+    sim, outcome = simulate(mode=mode, n_tasks=12, staleness=2)
+    assert set(outcome.ended.values()) == {"done"}
+    assert len(sim.scheduler.audit) == sum(t.total_steps * t.algo.batch_prompts for t in sim.setup.tasks)
+    assert not staleness_violations(sim)
+    if mode != "async":
+        assert all(r.staleness == 0 for r in sim.scheduler.audit)
+
+
+def test_staleness_bound_holds_at_1024_tasks():
+    """1024 tasks with bounds 0..3 over 64 rollout ranks and 8 trainer replicas: every trained group's
+    behaviour version is >= trained_from - k (the runtime's audit), and off-policy groups do occur."""
+    job = small_job()
+    tasks = [dataclasses.replace(t, max_staleness=i % 4, total_steps=2)
+             for i, t in enumerate(copies_to(job.tasks, 1024))]
+    setup = setup_from_job(job, tasks=tasks, max_active_tasks=1024, rollout_ranks=64, env_ranks=8,
+                           trainer_replicas=8, trainer_slots=32)
+    sim = Simulation(setup, load_workload(ROOT / "configs/workloads/tiny-cpu.yaml"), seed=3, trace=False)
+    outcome = sim.run()
+    assert list(outcome.ended.values()).count("done") == 1024
+    assert len(sim.scheduler.audit) == 1024 * 2 * 4
+    assert not staleness_violations(sim)
+    assert max(r.staleness for r in sim.scheduler.audit) >= 1
+
+
+def test_multi_turn_episodes_take_tool_time():
+    base = load_workload(ROOT / "configs/workloads/tiny-cpu.yaml")
+    tools = workload_from_dict(_broken("profiles.default", {
+        "prompt_tokens": 6, "response_tokens": 4, "turns": 3, "tool_output_tokens": 10,
+        "tool_latency": {"dist": "constant", "value": "200 ms"}}))
+    tools.profiles = {"default": tools.profiles["default"]}
+    single = dataclasses.replace(tools, profiles={"default": dataclasses.replace(tools.profiles["default"], turns=1)})
+    assert base.profiles
+    slow, fast = simulate(workload=tools)[1].end_time, simulate(workload=single)[1].end_time
+    assert slow > fast + 6 * 2 * 0.2  # at least two tool calls per step on the critical path
+
+
+def test_async_beats_sync_and_sequential_at_scale():
+    ends = {mode: simulate(mode=mode, n_tasks=32, rollout_ranks=4)[1].end_time for mode in MODES}
+    assert ends["async"] < ends["sync"] < ends["sequential"], ends
+
+
+# ---------------------------------------------------------------- calibration
+def test_calibrated_simulation_predicts_the_measured_runs():
+    """Fit the workload on the three measured runs (pooled), then simulate each run's config in its mode:
+    e2e time and the rollout / trainer busy fractions within 25%."""
+    workload = calibrate([FIXTURES / mode for mode in MODES])
+    failures = []
+    for mode in MODES:
+        figures = compare(FIXTURES / mode, workload)
+        for metric, (simulated, measured) in figures.items():
+            error = (simulated - measured) / measured
+            print(f"{mode:<10} {metric:<13} simulated {simulated:8.3f} measured {measured:8.3f} error {error:+6.1%}")
+            if metric in ("e2e_s", "busy_rollout", "busy_trainer") and abs(error) > 0.25:
+                failures.append((mode, metric, round(error, 3)))
+    assert not failures, failures
+
+
+def test_fixture_is_small():
+    assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 1_000_000
