@@ -189,6 +189,9 @@ class Scheduler:
         """task_id -> (its version in _round_versions, its key in _short_of_batch), as last counted."""
         self._sequential_first: TaskState | None = None
         self._last_round: int | None = None
+        self._rank_index = {rank: i for i, rank in enumerate(config.rollout_ranks)}
+        self._free_ranks: set[int] = set(config.rollout_ranks)
+        """Rollout ranks with a free slot (the generate pass visits only these, in config order)."""
 
     # ---------------------------------------------------------------- events
     def handle(self, event) -> list:
@@ -224,8 +227,8 @@ class Scheduler:
         # overtake its Generated (from its rollout rank). Only a group still generating moves to scoring.
         out = []
         versions = event.versions or (None,) * len(event.group_ids)
+        self._has_room(event.rollout_rank, -len(event.group_ids))
         for gid, version in zip(event.group_ids, versions):
-            self.rollout_load[event.rollout_rank] -= 1
             group = self._group_of.get(gid)
             if group is None:
                 continue
@@ -239,8 +242,7 @@ class Scheduler:
             if not task.active:
                 out.append(self._forget([group], task, "task ended"))
                 continue
-            task.scoring[gid] = group
-            self._touch(task)
+            task.scoring[gid] = group  # generating -> scoring: outstanding and ready unchanged, no re-filing
         return out
 
     def _scored(self, event: Scored) -> list:
@@ -355,7 +357,7 @@ class Scheduler:
 
     def _train(self) -> list:
         out: list = []
-        if self._round_incomplete():
+        if len(self.training) >= self.config.trainer_slots or not self._train_heap or self._round_incomplete():
             return out
         # only tasks in _trainable would do anything in this pass, taken in order from their heap
         skipped = []
@@ -428,6 +430,14 @@ class Scheduler:
             allowed = task.batch - task.outstanding() if task is first and task.training is None else 0
         return max(0, min(allowed, remaining))
 
+    def _has_room(self, rank: int, issued: int) -> None:
+        """Adds issued groups to (or, negative, finished ones from) a rollout rank's load."""
+        self.rollout_load[rank] += issued
+        if self.rollout_load[rank] < self.config.rollout_slots:
+            self._free_ranks.add(rank)
+        else:
+            self._free_ranks.discard(rank)
+
     def _ordered_sequential(self) -> list[TaskState]:
         return sorted(self._running(), key=lambda t: (-t.spec.priority, t.submitted_at, t.task_id))
 
@@ -441,7 +451,8 @@ class Scheduler:
         out = []
         if not self._issuable:
             return out
-        for rank in self.config.rollout_ranks:
+        ranks = self._free_ranks if len(self._free_ranks) < 2 else sorted(self._free_ranks, key=self._rank_index.get)
+        for rank in list(ranks):
             free = self.config.rollout_slots - self.rollout_load[rank]
             # tasks with quota > 0 in order; each one popped is issued (take > 0), so none needs re-pushing
             # unless it keeps quota, which means the rank is full and this rank's pass ends
@@ -471,7 +482,7 @@ class Scheduler:
             self._group_of[gid] = group
             groups.append((gid, task.next_prompt))
             task.next_prompt += 1
-        self.rollout_load[rank] += count
+        self._has_room(rank, count)
         self.env_load[env_rank] += count
         self._serve(task)
         return Generate(rank, env_rank, task.task_id, task.version, tuple(groups))

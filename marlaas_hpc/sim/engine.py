@@ -138,6 +138,13 @@ class RolloutSim:
             for group, asked in ready:
                 self.receive(group, asked)
 
+    def join_wait(self) -> float:
+        """How long a broadcast waits for this rank to join: the rank joins between engine steps, so a
+        running engine makes it wait for the rest of the current step."""
+        if not self.running or self.stall_until > self.sim.queue.now:
+            return 0.0
+        return self.sim.rng.uniform(0.0, self._step_time(len(self.running)) + self.model.step_overhead)
+
     # ---- the engine ----
     def _step_time(self, sequences: int) -> float:
         return self.model.decode_step * sequences ** self.model.batch_exponent
@@ -227,6 +234,9 @@ class StaticRolloutSim(RolloutSim):
 
     def _prefill(self, tokens: int) -> None:
         pass  # part of the batch below
+
+    def join_wait(self) -> float:
+        return max(0.0, self.stall_until - self.sim.queue.now)  # the whole batch in progress
 
     def _stall(self, seconds: float, stage: str) -> None:
         begin = max(self.sim.queue.now, self.stall_until)
@@ -461,7 +471,8 @@ class Simulation:
         if trainer.broadcasts == 0:  # the first broadcast sets the communicator up, on both sides
             transfer += self.workload.trainer.broadcast_setup
         trainer.broadcasts += 1
-        seconds = self.workload.trainer.publish_fixed + transfer
+        join = max(rollout.join_wait() for rollout in self.rollout.values())
+        seconds = self.workload.trainer.publish_fixed + join + transfer
         self.queue.at(at + seconds, self._version_arrives, task_id, version, transfer)
         return seconds
 
