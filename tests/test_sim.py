@@ -133,7 +133,8 @@ def test_async_beats_sync_and_sequential_at_scale():
 # ---------------------------------------------------------------- calibration
 def test_calibrated_simulation_predicts_the_measured_runs():
     """Fit the workload on the three measured runs (pooled), then simulate each run's config in its mode:
-    e2e time and the rollout / trainer busy fractions within 25%."""
+    e2e time and the rollout / trainer busy fractions within 25%. The env rank is busy only 1-5% of the time
+    (its share moves with the machine's other load), so it is held to 2.5 percentage points instead."""
     workload = calibrate([FIXTURES / mode for mode in MODES])
     failures = []
     for mode in MODES:
@@ -143,8 +144,32 @@ def test_calibrated_simulation_predicts_the_measured_runs():
             print(f"{mode:<10} {metric:<13} simulated {simulated:8.3f} measured {measured:8.3f} error {error:+6.1%}")
             if metric in ("e2e_s", "busy_rollout", "busy_trainer") and abs(error) > 0.25:
                 failures.append((mode, metric, round(error, 3)))
+            if metric == "busy_env" and abs(simulated - measured) > 0.025:
+                failures.append((mode, metric, round(simulated - measured, 3)))
     assert not failures, failures
 
 
 def test_fixture_is_small():
     assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 1_000_000
+
+
+def test_simulate_command_writes_summary_and_audit(tmp_path, capsys):
+    import json
+
+    from marlaas_hpc.cli import main
+
+    assert main(["simulate", str(ROOT / "configs/calib-small.yaml"), "--mode", "sync", "--tasks", "6",
+                 "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["mode"] == "sync" and summary["tasks_done"] == 6 and summary["wall_time_s"] > 0
+    assert len((tmp_path / "audit.jsonl").read_text().splitlines()) == 6 * 6 * 4
+    assert "e2e" in capsys.readouterr().out
+
+
+def test_simulate_command_refuses_a_bad_workload(tmp_path, capsys):
+    from marlaas_hpc.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_broken("trainer.admit", "-1 s")))
+    assert main(["simulate", str(ROOT / "configs/calib-small.yaml"), "--workload", str(bad)]) == 2
+    assert "trainer.admit: must be >= 0" in capsys.readouterr().err

@@ -6,12 +6,13 @@ What each parameter is fitted from (spans are the BusyClock records every rank w
                                          counted from the prompt groups open in the engine at the step
     rollout.step_overhead                median gap between consecutive engine steps (< 20 ms: host time)
     rollout.adapter_load                 median load_delta span minus the transfer
+    rollout.join_wait_steps              publishes that met a busy engine vs those that did not
     env.group_overhead, reward_per_sample  score spans vs samples (least squares; lognormal spread)
-    trainer.step_fixed, per_token,       train spans minus their publishes: least squares on tokens and fused
-      per_task                           tasks (non-negative)
+    trainer.step_fixed, per_token,       train spans minus their publishes: least squares on tokens, fused
+      per_task, overlap_cost             tasks and the share of the span the rollout ranks were busy (>= 0)
     trainer.admit, publish_fixed,        admit spans minus publish; lower quartile of publish spans minus
-      broadcast_setup                    transfer (the wait for engines to join is simulated); the first
-                                         publish's extra time
+      broadcast_setup                    transfer (the wait for engines to join is simulated); the extra time
+                                         of the first (warm-up) publishes
     network.adapter_bytes_per_rank       publish bytes / LoRA rank; message_latency: group end -> score start
     profiles[kind]                       prompt and completion lengths of each kind's groups (quantiles)
 Assumed, not fitted (one TP size and no tool calls in these runs): trainer.tp_exponent, delta_bandwidth,
@@ -79,7 +80,26 @@ def fit_rollout(runs: list[RunData]) -> RolloutModel:
     transfer = _median(_publish_bytes(runs)) / ASSUMED_DELTA_BANDWIDTH
     return RolloutModel(batching="continuous", decode_step=decode, batch_exponent=exponent,
                         step_overhead=_median(gaps), prefill_per_token=0.0,
+                        join_wait_steps=0.5,  # set by calibrate() once the publish cost is known
                         adapter_load=max(0.0, _median(loads) - transfer))
+
+
+def _join_wait_steps(runs: list[RunData], publish_fixed: float) -> float:
+    """Mean extra time of the publishes that met a busy engine (it was in a generate span when the publish
+    began) over the fixed publish cost, in mean engine steps."""
+    waits, steps_s = [], []
+    for run in runs:
+        steps = run.stage("rollout", "generate")
+        steps_s += [(s["end"] - s["start"]) / s["steps"] for s in steps]
+        pubs = sorted(run.stage("trainer", "publish"), key=lambda r: r["start"])
+        for pub in pubs[_warm_up([p["end"] - p["start"] for p in pubs]):]:
+            step = float(np.mean(steps_s)) if steps_s else 0.0
+            # the engine was stepping around then (between two steps the rank is still busy handing out results)
+            if any(s["start"] - step <= pub["start"] <= s["end"] + step for s in steps):
+                waits.append(pub["end"] - pub["start"] - pub["bytes"] / ASSUMED_DELTA_BANDWIDTH - publish_fixed)
+    if not waits or not steps_s:
+        return 0.5
+    return max(0.0, float(np.mean(waits)) / float(np.mean(steps_s)))
 
 
 def _publish_bytes(runs: list[RunData]) -> list[float]:
@@ -104,25 +124,39 @@ def _inside(span: dict, records: list[dict]) -> list[dict]:
 
 
 def fit_trainer(runs: list[RunData]) -> TrainerModel:
-    rows, compute, admits, publishes, setups = [], [], [], [], []
+    rows, compute, admits, publishes, setups, warm_ups = [], [], [], [], [], []
     for run in runs:
         tp = run.job.layout.trainer_tp ** ASSUMED_TP_EXPONENT  # back to TP=1 figures
         pubs = sorted(run.stage("trainer", "publish"), key=lambda r: r["start"])
         publish_s = [p["end"] - p["start"] - p["bytes"] / ASSUMED_DELTA_BANDWIDTH for p in pubs]
-        if publish_s:
-            setups.append(max(0.0, publish_s[0] - _median(publish_s[1:], publish_s[0])))
-            publishes += publish_s[1:]
+        warm = _warm_up(publish_s)
+        warm_ups.append(warm)
+        setups += [p - _median(publish_s) for p in publish_s[:warm]]
+        publishes += publish_s[warm:]
+        generate = run.stage("rollout", "generate")
         for span in run.stage("trainer", "train"):
             inner = sum(p["end"] - p["start"] for p in _inside(span, pubs))
-            rows.append([1.0, span["tokens"], len(span["tasks"])])
+            rows.append([1.0, span["tokens"], len(span["tasks"]), _overlap(span, generate)])
             compute.append((span["end"] - span["start"] - inner) * tp)
         admit_spans = sorted(run.stage("trainer", "admit"), key=lambda r: r["start"])
         for span in admit_spans[1:]:  # the first carries the one-off broadcast set-up
             admits.append((span["end"] - span["start"] - sum(p["end"] - p["start"] for p in _inside(span, pubs))) * tp)
-    fixed, per_token, per_task = _nonnegative_least_squares(np.array(rows), np.array(compute))
-    return TrainerModel(step_fixed=fixed, per_token=per_token, per_task=per_task, tp_exponent=ASSUMED_TP_EXPONENT,
+    fixed, per_token, per_task, overlap = _nonnegative_least_squares(np.array(rows), np.array(compute))
+    return TrainerModel(step_fixed=fixed, per_token=per_token, per_task=per_task, overlap_cost=overlap,
+                        tp_exponent=ASSUMED_TP_EXPONENT,
                         admit=max(0.0, _median(admits)), publish_fixed=_lower_quartile(publishes),
-                        broadcast_setup=_median(setups))
+                        broadcast_setup=float(np.mean(setups)) if setups else 0.0,
+                        warm_up_broadcasts=max(1, round(_median(warm_ups, 1))))
+
+
+def _warm_up(publish_s: list[float]) -> int:
+    """The first broadcasts are slow (communicator and transfer set-up, seen on the first one or two):
+    how many leading publishes take over 5x the median."""
+    typical = _median(publish_s)
+    count = 0
+    while count < len(publish_s) and publish_s[count] > 5 * typical:
+        count += 1
+    return count
 
 
 def _lower_quartile(values: list[float]) -> float:
@@ -132,9 +166,16 @@ def _lower_quartile(values: list[float]) -> float:
     return max(0.0, values[len(values) // 4]) if values else 0.0
 
 
+def _overlap(span: dict, busy: list[dict]) -> float:
+    """Fraction of the span during which the rollout ranks were busy (averaged over the ranks)."""
+    ranks = {b["rank"] for b in busy} or {None}
+    covered = sum(max(0.0, min(span["end"], b["end"]) - max(span["start"], b["start"])) for b in busy)
+    return covered / max(span["end"] - span["start"], 1e-9) / len(ranks)
+
+
 def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
     """Least squares over every subset of the columns, keeping the best fit with no negative coefficient
-    (three columns: eight subsets)."""
+    (at most four columns: 15 subsets)."""
     best, best_err = np.zeros(a.shape[1]), float("inf")
     for mask in range(1, 2 ** a.shape[1]):
         cols = [i for i in range(a.shape[1]) if mask >> i & 1]
@@ -204,10 +245,12 @@ def fit_profiles(runs: list[RunData]) -> dict[str, TaskProfile]:
 def calibrate(run_dirs: list[str | Path], config: str | Path | None = None) -> Workload:
     runs = [RunData(d, config) for d in run_dirs]
     names = ", ".join(f"{r.dir.name} ({r.summary['mode']}, {r.summary['wall_time_s']:.1f} s)" for r in runs)
+    rollout, trainer = fit_rollout(runs), fit_trainer(runs)
+    rollout.join_wait_steps = _join_wait_steps(runs, trainer.publish_fixed)
     return Workload(description=f"Fitted by tools/calibrate.py from measured runs: {names}. Assumed: "
                                 f"tp_exponent {ASSUMED_TP_EXPONENT}, delta bandwidth 1 GB/s, prefill inside the "
                                 "step time, no tool calls.",
-                    rollout=fit_rollout(runs), env=fit_env(runs), trainer=fit_trainer(runs),
+                    rollout=rollout, env=fit_env(runs), trainer=trainer,
                     network=fit_network(runs), profiles=fit_profiles(runs), evals=True)
 
 

@@ -138,12 +138,16 @@ class RolloutSim:
             for group, asked in ready:
                 self.receive(group, asked)
 
+    def busy_now(self) -> bool:
+        return bool(self.running) or self.stall_until > self.sim.queue.now
+
     def join_wait(self) -> float:
         """How long a broadcast waits for this rank to join: the rank joins between engine steps, so a
         running engine makes it wait for the rest of the current step."""
         if not self.running or self.stall_until > self.sim.queue.now:
             return 0.0
-        return self.sim.rng.uniform(0.0, self._step_time(len(self.running)) + self.model.step_overhead)
+        step = self._step_time(len(self.running)) + self.model.step_overhead
+        return self.sim.rng.uniform(0.0, 2 * self.model.join_wait_steps * step)
 
     # ---- the engine ----
     def _step_time(self, sequences: int) -> float:
@@ -238,6 +242,9 @@ class StaticRolloutSim(RolloutSim):
     def join_wait(self) -> float:
         return max(0.0, self.stall_until - self.sim.queue.now)  # the whole batch in progress
 
+    def busy_now(self) -> bool:
+        return self.stall_until > self.sim.queue.now
+
     def _stall(self, seconds: float, stage: str) -> None:
         begin = max(self.sim.queue.now, self.stall_until)
         self.stall_until = begin + seconds
@@ -327,7 +334,9 @@ class TrainerSim:
         taken = {id(o) for o in ready}
         self.orders = [o for o in self.orders if id(o) not in taken]
         tokens = sum(self.arrived.pop(g) for o in ready for g in o.group_ids)
-        compute = self._speed(self.model.step_fixed + self.model.per_token * tokens + self.model.per_task * len(ready))
+        decoding = sum(1 for r in self.sim.rollout.values() if r.busy_now()) / len(self.sim.rollout)
+        compute = self._speed(self.model.step_fixed + self.model.per_token * tokens + self.model.per_task * len(ready)
+                              + self.model.overlap_cost * decoding)
         end = now + compute
         for order in ready:
             end += self.sim.publish(order.task_id, order.from_version + 1, end, self)
@@ -463,18 +472,17 @@ class Simulation:
         self._check_end()
 
     def publish(self, task_id: str, version: int, at: float, trainer: TrainerSim) -> float:
-        """Checkpoint + delta broadcast of one version; returns its duration on the trainer. Every rollout
-        rank gets the version when the broadcast ends."""
-        net = self.workload.network
-        bytes_ = net.adapter_bytes_per_rank * self._specs[task_id].lora.rank
-        transfer = net.delta_latency + bytes_ / net.delta_bandwidth
-        if trainer.broadcasts == 0:  # the first broadcast sets the communicator up, on both sides
-            transfer += self.workload.trainer.broadcast_setup
+        """Checkpoint + delta broadcast of one version; returns its duration on the trainer. The broadcast
+        starts once every rollout rank joins (between engine steps); receiving and installing it stalls each
+        rollout rank. The first broadcasts also set the communicator up (the rollout side only once)."""
+        net, model = self.workload.network, self.workload.trainer
+        transfer = net.delta_latency + net.adapter_bytes_per_rank * self._specs[task_id].lora.rank / net.delta_bandwidth
+        setup = model.broadcast_setup if trainer.broadcasts < model.warm_up_broadcasts else 0.0
+        rollout_setup = model.broadcast_setup if trainer.broadcasts == 0 else 0.0
         trainer.broadcasts += 1
-        join = max(rollout.join_wait() for rollout in self.rollout.values())
-        seconds = self.workload.trainer.publish_fixed + join + transfer
-        self.queue.at(at + seconds, self._version_arrives, task_id, version, transfer)
-        return seconds
+        start = at + model.publish_fixed + max(rollout.join_wait() for rollout in self.rollout.values())
+        self.queue.at(start, self._version_arrives, task_id, version, transfer + rollout_setup)
+        return start - at + setup + transfer
 
     def _version_arrives(self, task_id: str, version: int, transfer: float) -> None:
         for rollout in self.rollout.values():

@@ -91,6 +91,9 @@ class RolloutModel:
     """Prefill cost per prompt (or tool-output) token; it stalls the engine's decoding."""
     max_running_sequences: int = 256
     """Sequences decoding at once (vLLM max_num_seqs); more wait in the engine's queue."""
+    join_wait_steps: float = 0.5
+    """Engine steps a delta broadcast waits, on average, for a busy rollout rank to join it (a rank joins
+    between steps; 0.5 if the broadcast comes at a random point of a step)."""
     adapter_load: float = field(default=0.0, metadata=_unit(TIME))
     """Fixed cost of installing one adapter version on the engine (stalls decoding), on top of the transfer."""
 
@@ -115,6 +118,9 @@ class TrainerModel:
     """Forward + backward cost per trained token (prompt + completion), at TP=1."""
     per_task: float = field(default=0.0, metadata=_unit(TIME))
     """Extra cost of each task in a fused step (its adapter and its own optimizer), at TP=1."""
+    overlap_cost: float = field(default=0.0, metadata=_unit(TIME))
+    """Extra time of a step run while every rollout rank decodes (pro rata for fewer): on the CPU twin the
+    ranks share cores; on GPUs it is about 0."""
     tp_exponent: float = 0.8
     """TP scaling: a step at TP=t costs its TP=1 time * t ** -tp_exponent (1: perfect scaling)."""
     admit: float = field(default=0.1, metadata=_unit(TIME))
@@ -122,7 +128,9 @@ class TrainerModel:
     publish_fixed: float = field(default=0.0, metadata=_unit(TIME))
     """Per published version: checkpoint write and broadcast set-up (the transfer is in `network`)."""
     broadcast_setup: float = field(default=0.0, metadata=_unit(TIME))
-    """One-off cost of a replica's first delta broadcast (communicator set-up)."""
+    """Extra cost of each of a replica's first `warm_up_broadcasts` delta broadcasts (communicator set-up)."""
+    warm_up_broadcasts: int = 1
+    """How many first broadcasts pay `broadcast_setup`."""
 
 
 @dataclass(kw_only=True, slots=True)
