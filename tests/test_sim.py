@@ -132,21 +132,34 @@ def test_async_beats_sync_and_sequential_at_scale():
 
 # ---------------------------------------------------------------- calibration
 def test_calibrated_simulation_predicts_the_measured_runs():
-    """Fit the workload on the three measured runs (pooled), then simulate each run's config in its mode:
-    e2e time and the rollout / trainer busy fractions within 25%. The env rank is busy only 1-5% of the time
-    (its share moves with the machine's other load), so it is held to 2.5 percentage points instead."""
-    workload = calibrate([FIXTURES / mode for mode in MODES])
+    """Fit one workload on every measured run (three repeats of each mode, pooled), then simulate the config
+    in each mode: e2e time and the rollout / trainer busy fractions within 25% of the mode's mean measured
+    value (repeats on this shared 2-core machine differ by up to 1.6x, so one run is a noisy target). The env
+    rank is busy only 1-6% of the time, so it is held to 2.5 percentage points instead."""
+    runs = {mode: sorted((FIXTURES / mode).glob("run*")) for mode in MODES}
+    workload = calibrate([run for mode in MODES for run in runs[mode]])
     failures = []
     for mode in MODES:
-        figures = compare(FIXTURES / mode, workload)
-        for metric, (simulated, measured) in figures.items():
+        for metric, (simulated, measured, each) in compare(runs[mode], workload).items():
             error = (simulated - measured) / measured
-            print(f"{mode:<10} {metric:<13} simulated {simulated:8.3f} measured {measured:8.3f} error {error:+6.1%}")
+            print(f"{mode:<10} {metric:<13} simulated {simulated:8.3f} measured {measured:8.3f} error {error:+6.1%}"
+                  f"  runs {[round(v, 3) for v in each]}")
             if metric in ("e2e_s", "busy_rollout", "busy_trainer") and abs(error) > 0.25:
                 failures.append((mode, metric, round(error, 3)))
             if metric == "busy_env" and abs(simulated - measured) > 0.025:
                 failures.append((mode, metric, round(simulated - measured, 3)))
     assert not failures, failures
+
+
+def test_one_mode_predicts_the_others():
+    """Calibrated on the async runs only, the simulation still orders the modes as measured."""
+    runs = {mode: sorted((FIXTURES / mode).glob("run*")) for mode in MODES}
+    workload = calibrate(runs["async"])
+    e2e = {mode: compare(runs[mode], workload)["e2e_s"] for mode in MODES}
+    simulated, measured = ({mode: e2e[mode][i] for mode in MODES} for i in (0, 1))
+    print("async-calibrated e2e", simulated, "measured", measured)
+    assert simulated["async"] < simulated["sync"] and simulated["async"] < simulated["sequential"]
+    assert measured["async"] < measured["sync"] and measured["async"] < measured["sequential"]
 
 
 def test_fixture_is_small():

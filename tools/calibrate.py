@@ -4,11 +4,13 @@
 
 A run dir is what `marlaas run` writes (summary.json, timeline/rank<N>.jsonl, tasks/.../metrics.jsonl); its job
 config is RUN_DIR/config.yaml unless --config is given. Several run dirs (e.g. the three modes) are pooled.
-Prints, for every run, the simulated vs measured e2e time, busy fraction per role, mean TTFS and TPTS.
+Prints, per mode, the simulated vs measured e2e time, busy fraction per role, mean TTFS and TPTS (several runs
+of one mode: their mean, and each run's value, since a shared machine makes repeats differ).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -30,8 +32,11 @@ def main() -> int:
         print(f"workload written to {args.output}")
     else:
         print(text)
-    for run_dir in args.run_dirs:
-        for row in predict_vs_measured(run_dir, workload, args.config):
+    by_mode: dict[str, list[str]] = {}
+    for run_dir in args.run_dirs:  # repeats of one mode are compared as one (their mean, and the spread)
+        by_mode.setdefault(json.loads((Path(run_dir) / "summary.json").read_text())["mode"], []).append(run_dir)
+    for dirs in by_mode.values():
+        for row in predict_vs_measured(dirs, workload, args.config):
             print(row)
     return 0
 

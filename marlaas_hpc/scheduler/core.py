@@ -182,7 +182,7 @@ class Scheduler:
         their valid entry in `_train_heap`."""
         self._train_heap: list = []
         self._round_versions: Counter = Counter()
-        """Versions of running tasks (sync: the round is the minimum)."""
+        """Sync mode: versions of running tasks (the round is the minimum)."""
         self._short_of_batch: Counter = Counter()
         """Sync: per version, running idle tasks at it with less than a batch ready."""
         self._counted: dict[str, tuple] = {}
@@ -497,7 +497,8 @@ class Scheduler:
         """Re-files one task in the indexes after any change to it (status, version, groups, order key)."""
         running = task.status == RUNNING
         idle = running and task.training is None and task.version >= 0
-        self._recount(task, running, idle)
+        if self.config.mode == "sync":
+            self._recount(task, running, idle)
         if idle and task.ready and (len(task.ready) >= task.batch
                                     or min(g.version for g in task.ready) < task.version - task.bound):
             if task.task_id not in self._trainable:
@@ -538,7 +539,7 @@ class Scheduler:
         """Quotas that depend on every task (the sync round, the sequential first task) are re-filed when
         that changes: once per round or per admitted / ended task, not per event."""
         mode = self.config.mode
-        if mode == "async" or not self._round_versions:
+        if mode == "async" or not self._n_running:
             return
         marker = min(self._round_versions) if mode == "sync" else id(self._first_sequential())
         if marker != self._last_round:

@@ -47,11 +47,20 @@ class RunData:
         self.summary = json.loads((self.dir / "summary.json").read_text())
         config = config or self.dir / "config.yaml"
         self.job = JobConfig.load(config)
-        self.records = [json.loads(line) for path in sorted((self.dir / "timeline").glob("rank*.jsonl"))
-                        for line in path.read_text().splitlines() if line.strip()]
+        self.records = [json.loads(line) for path in sorted((self.dir / "timeline").glob("rank*.jsonl*"))
+                        for line in _text(path).splitlines() if line.strip()]
 
     def stage(self, role: str, stage: str) -> list[dict]:
         return [r for r in self.records if r["role"] == role and r["stage"] == stage]
+
+
+def _text(path: Path) -> str:
+    """A timeline file, plain or gzipped (fixtures keep them small)."""
+    if path.suffix == ".gz":
+        import gzip
+
+        return gzip.decompress(path.read_bytes()).decode()
+    return path.read_text()
 
 
 def _median(values, default=0.0) -> float:
@@ -259,29 +268,41 @@ def dump_workload(workload: Workload) -> str:
 
 
 # ---------------------------------------------------------------- checking a fit
-def compare(run_dir: str | Path, workload: Workload, config: str | Path | None = None, seed: int = 0) -> dict:
-    """Simulated and measured figures of one run: {metric: (simulated, measured)}."""
+def compare(run_dirs, workload: Workload, config: str | Path | None = None, seed: int = 0) -> dict:
+    """Simulated vs measured figures of repeated runs of one config and mode (one run dir, or several: the
+    measured value is their mean): {metric: (simulated, measured mean, [measured per run])}."""
     from marlaas_hpc.sim.engine import Simulation
     from marlaas_hpc.sim.report import summarize
     from marlaas_hpc.sim.setup import setup_from_job
 
-    run = RunData(run_dir, config)
-    sim = Simulation(setup_from_job(run.job, mode=run.summary["mode"]), workload, seed=seed)
+    runs = [RunData(d, config) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
+    sim = Simulation(setup_from_job(runs[0].job, mode=runs[0].summary["mode"]), workload, seed=seed)
     predicted = summarize(sim, sim.run(), seed)
-    measured = run.summary
-    out = {"e2e_s": (predicted["wall_time_s"], measured["wall_time_s"])}
-    for role, value in measured["busy_fraction"].items():
-        out[f"busy_{role}"] = (predicted["busy_fraction"][role], value)
-    for metric, key in (("ttfs_s", "ttfs_mean_s"), ("tpts_s", "tpts_mean_s")):
-        values = [t[metric] for t in measured["tasks"].values() if t[metric] is not None]
-        out[metric] = (predicted[key], sum(values) / len(values))
+    measured = [_measured(run.summary) for run in runs]
+    out = {}
+    for metric, simulated in (("e2e_s", predicted["wall_time_s"]), ("ttfs_s", predicted["ttfs_mean_s"]),
+                              ("tpts_s", predicted["tpts_mean_s"]),
+                              *((f"busy_{role}", value) for role, value in predicted["busy_fraction"].items())):
+        values = [m[metric] for m in measured if metric in m]
+        out[metric] = (simulated, sum(values) / len(values), values)
     return out
 
 
-def predict_vs_measured(run_dir: str | Path, workload: Workload, config: str | Path | None = None) -> list[str]:
-    mode = json.loads((Path(run_dir) / "summary.json").read_text())["mode"]
+def _measured(summary: dict) -> dict:
+    tasks = summary["tasks"].values()
+    out = {"e2e_s": summary["wall_time_s"], **{f"busy_{k}": v for k, v in summary["busy_fraction"].items()}}
+    for metric in ("ttfs_s", "tpts_s"):
+        values = [t[metric] for t in tasks if t[metric] is not None]
+        out[metric] = sum(values) / len(values)
+    return out
+
+
+def predict_vs_measured(run_dirs, workload: Workload, config: str | Path | None = None) -> list[str]:
+    dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else list(run_dirs)
+    mode = json.loads((Path(dirs[0]) / "summary.json").read_text())["mode"]
     rows = []
-    for metric, (sim, real) in compare(run_dir, workload, config).items():
+    for metric, (sim, real, each) in compare(dirs, workload, config).items():
         error = (sim - real) / real if real else float("nan")
-        rows.append(f"{mode:<10} {metric:<14} simulated {sim:8.3f}  measured {real:8.3f}  error {error:+7.1%}")
+        spread = f"  (runs: {', '.join(f'{v:.3f}' for v in each)})" if len(each) > 1 else ""
+        rows.append(f"{mode:<10} {metric:<13} simulated {sim:8.3f}  measured {real:8.3f}  error {error:+7.1%}{spread}")
     return rows
