@@ -189,6 +189,8 @@ class Scheduler:
         """task_id -> (its version in _round_versions, its key in _short_of_batch), as last counted."""
         self._sequential_first: TaskState | None = None
         self._last_round: int | None = None
+        self._env_heap = [(0, rank) for rank in sorted(config.env_ranks)]
+        """(load, env rank) entries; one whose load is not the rank's load now is stale."""
         self._rank_index = {rank: i for i, rank in enumerate(config.rollout_ranks)}
         self._free_ranks: set[int] = set(config.rollout_ranks)
         """Rollout ranks with a free slot (the generate pass visits only these, in config order)."""
@@ -249,7 +251,7 @@ class Scheduler:
         group = self._group_of.get(event.group_id)
         if group is None:
             return []
-        self.env_load[group.env_rank] -= 1
+        self._env_load_changed(group.env_rank, -1)
         task = self.tasks[group.task_id]
         if task.scoring.pop(group.group_id, None) is None and task.generating.pop(group.group_id, None) is None:
             return []  # not in flight any more
@@ -430,6 +432,22 @@ class Scheduler:
             allowed = task.batch - task.outstanding() if task is first and task.training is None else 0
         return max(0, min(allowed, remaining))
 
+    def _env_load_changed(self, rank: int, change: int) -> None:
+        self.env_load[rank] += change
+        heapq.heappush(self._env_heap, (self.env_load[rank], rank))
+        if len(self._env_heap) > 8 * len(self.env_load) + 64:  # drop the stale entries now and then
+            self._env_heap = sorted((load, r) for r, load in self.env_load.items())
+
+    def _least_loaded_env_rank(self) -> int:
+        """min over env ranks of (load, rank), from the heap: stale entries are dropped (and, had the load
+        been raised from outside, re-filed) until the top is current."""
+        while True:
+            load, rank = self._env_heap[0]
+            if load == self.env_load[rank]:
+                return rank
+            heapq.heappop(self._env_heap)
+            heapq.heappush(self._env_heap, (self.env_load[rank], rank))
+
     def _has_room(self, rank: int, issued: int) -> None:
         """Adds issued groups to (or, negative, finished ones from) a rollout rank's load."""
         self.rollout_load[rank] += issued
@@ -472,7 +490,7 @@ class Scheduler:
         return out
 
     def _issue(self, task: TaskState, rank: int, count: int) -> Generate:
-        env_rank = min(self.env_load, key=lambda r: (self.env_load[r], r))
+        env_rank = self._least_loaded_env_rank()
         groups = []
         now = self.clock()
         for _ in range(count):
@@ -483,7 +501,7 @@ class Scheduler:
             groups.append((gid, task.next_prompt))
             task.next_prompt += 1
         self._has_room(rank, count)
-        self.env_load[env_rank] += count
+        self._env_load_changed(env_rank, count)
         self._serve(task)
         return Generate(rank, env_rank, task.task_id, task.version, tuple(groups))
 
