@@ -186,3 +186,32 @@ def test_simulate_command_refuses_a_bad_workload(tmp_path, capsys):
     bad.write_text(yaml.safe_dump(_broken("trainer.admit", "-1 s")))
     assert main(["simulate", str(ROOT / "configs/calib-small.yaml"), "--workload", str(bad)]) == 2
     assert "trainer.admit: must be >= 0" in capsys.readouterr().err
+
+
+def test_scheduler_cost_per_event_does_not_grow_with_tasks():
+    """16x the tasks (and ranks) must not make each scheduler event anywhere near 16x dearer."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_sim import measure
+
+    workload = load_workload(ROOT / "configs/workloads/tiny-cpu.yaml")
+    small = min(measure(32, "async", 2, workload)["us_per_event"] for _ in range(2))
+    large = min(measure(512, "async", 2, workload)["us_per_event"] for _ in range(2))
+    print(f"scheduler: {small:.1f} us/event at 32 tasks, {large:.1f} at 512")
+    assert large < 4 * small
+
+
+def test_scaling_study_quick_writes_csv_and_plots(tmp_path):
+    import csv
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/scaling_study.py"), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "scaling.csv")))
+    assert {r["mode"] for r in rows} == set(MODES) and {r["sweep"] for r in rows} == {"paper", "tasks", "gpus",
+                                                                                      "staleness"}
+    assert all(float(r["e2e_s"]) > 0 for r in rows)
+    assert len(list(tmp_path.glob("scaling_*.png"))) == 4
