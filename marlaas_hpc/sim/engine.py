@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Scheduler, Scored, StepDone, Submit,
                                    TaskEnded, TaskFailed, Train)
 from marlaas_hpc.sim.setup import SimSetup
-from marlaas_hpc.sim.workload import Workload
+from marlaas_hpc.sim.workload import TaskProfile, Workload
 
 
 class EventQueue:
@@ -70,7 +70,7 @@ class SimGroup:
     group_id: str
     version: int | None
     env_rank: int
-    profile: object
+    profile: TaskProfile
     max_tokens: int
     sequences_left: int
     eval: bool = False
@@ -106,7 +106,6 @@ class RolloutSim:
         self.wakeup = None
         self.meter = BusyMeter(sim.keep_timeline)
         self._seq = itertools.count()
-        self._static_busy_until = 0.0
 
     # ---- work in ----
     def receive(self, group: SimGroup, asked: int | None) -> None:
@@ -435,9 +434,9 @@ class Simulation:
         """The runtime's greedy eval: eval_size one-sample groups on one rollout rank and one env rank."""
         if not self.workload.evals:
             return
-        spec = self._specs[task_id]
-        rollout = self.setup.world_ranks()["rollout"][self._eval_turn % self.setup.rollout_ranks]
-        env = self.setup.world_ranks()["env"][self._eval_turn % self.setup.env_ranks]
+        spec, ranks = self._specs[task_id], self.setup.world_ranks()
+        rollout = ranks["rollout"][self._eval_turn % self.setup.rollout_ranks]
+        env = ranks["env"][self._eval_turn % self.setup.env_ranks]
         self._eval_turn += 1
         profile = self.workload.profile(spec.dataset.kind)
         for i in range(spec.dataset.eval_size):

@@ -221,7 +221,7 @@ def _build(cls, data: Any, prefix: str):
 
 def _value(spec: dataclasses.Field, value: Any, name: str):
     unit = spec.metadata.get("unit")
-    if spec.name in _NESTED and spec.type != "float":
+    if spec.name in _NESTED:
         return _build(_NESTED[spec.name], value, f"{name}.")
     if spec.name == "profiles":
         if not isinstance(value, dict) or not value:
