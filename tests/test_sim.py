@@ -87,6 +87,22 @@ def test_same_seed_same_trace_bit_for_bit():
     assert other.trace_hash != first.trace_hash, "the seed drives the stage times"
 
 
+def test_trace_does_not_depend_on_the_process():
+    """Two processes with different string-hash seeds (set and dict orders) print the same trace hash."""
+    import os
+    import subprocess
+    import sys
+
+    def trace_line(hash_seed: str) -> str:
+        env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=str(ROOT))
+        out = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "simulate", str(ROOT / "configs/calib-small.yaml"),
+                              "--tasks", "12", "--seed", "4", "--rollout-ranks", "2", "--env-ranks", "2"],
+                             env=env, capture_output=True, text=True, check=True).stdout
+        return next(line for line in out.splitlines() if line.startswith("trace sha256"))
+
+    assert trace_line("1") == trace_line("2")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_every_task_finishes_within_bound(mode):
     sim, outcome = simulate(mode=mode, n_tasks=12, staleness=2)
