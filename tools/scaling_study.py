@@ -139,7 +139,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     job, workload = JobConfig.load(CONFIG), load_workload(WORKLOAD)
     rows = []
-    print(f"{'sweep':<10} {'mode':<10} {'tasks':>5} {'gpus':>5} {'k':>2} {'e2e_s':>9} {'rollout':>7} {'trainer':>7} "
+    print(f"{'sweep':<10} {'mode':<10} {'tasks':>5} {'gpus':>5} {'roll':>4} {'k':>2} {'e2e_s':>9} {'rollout':>7} "
+          f"{'trainer':>7} "
           f"{'TTFS_s':>8} {'TPTS_s':>8} {'sim_s':>6}", flush=True)
     with open(out / "scaling.csv", "w", newline="") as sink:
         writer = csv.DictWriter(sink, fieldnames=FIELDS)
@@ -149,7 +150,8 @@ def main() -> None:
             rows.append(row)
             writer.writerow(row)
             sink.flush()
-            print(f"{row['sweep']:<10} {row['mode']:<10} {row['tasks']:>5} {row['gpus']:>5} {row['staleness']:>2} "
+            print(f"{row['sweep']:<10} {row['mode']:<10} {row['tasks']:>5} {row['gpus']:>5} {row['rollout_ranks']:>4} "
+                  f"{row['staleness']:>2} "
                   f"{row['e2e_s']:>9.1f} {row['busy_rollout']:>7.2f} {row['busy_trainer']:>7.2f} "
                   f"{row['ttfs_s']:>8.1f} {row['tpts_s'] or 0:>8.1f} {row['sim_wall_s']:>6.1f}", flush=True)
     for path in plot(rows, out):

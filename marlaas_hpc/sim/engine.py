@@ -383,6 +383,7 @@ class Simulation:
         self._groups: dict[str, SimGroup] = {}
         self._eval_turn = 0
         self.pending_evals = 0
+        self._broadcasts = 0
         self.fused_steps: list[int] = []
         self.events = 0
         self.end_time: float | None = None
@@ -473,12 +474,14 @@ class Simulation:
     def publish(self, task_id: str, version: int, at: float, trainer: TrainerSim) -> float:
         """Checkpoint + delta broadcast of one version; returns its duration on the trainer. The broadcast
         starts once every rollout rank joins (between engine steps); receiving and installing it stalls each
-        rollout rank. The first broadcasts also set the communicator up (the rollout side only once)."""
+        rollout rank. A replica's first broadcasts also set its communicator up; the rollout ranks pay that
+        once per job (with several replicas they would set the groups up together)."""
         net, model = self.workload.network, self.workload.trainer
         transfer = net.delta_latency + net.adapter_bytes_per_rank * self._specs[task_id].lora.rank / net.delta_bandwidth
         setup = model.broadcast_setup if trainer.broadcasts < model.warm_up_broadcasts else 0.0
-        rollout_setup = model.broadcast_setup if trainer.broadcasts == 0 else 0.0
+        rollout_setup = model.broadcast_setup if self._broadcasts == 0 else 0.0
         trainer.broadcasts += 1
+        self._broadcasts += 1
         start = at + model.publish_fixed + max(rollout.join_wait() for rollout in self.rollout.values())
         self.queue.at(start, self._version_arrives, task_id, version, transfer + rollout_setup)
         return start - at + setup + transfer
