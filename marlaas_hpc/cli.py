@@ -64,7 +64,7 @@ def job_command(config: str, run_dir: str) -> str:
     from pathlib import Path
 
     return shlex.join([sys.executable, "-m", "marlaas_hpc.runtime.main", str(Path(config).resolve()),
-                       "--run-dir", str(Path(run_dir).resolve())])
+                       "--run-dir", str(Path(run_dir).resolve()), "--auto-resume"])
 
 
 def cmd_sbatch(args) -> int:
