@@ -80,7 +80,10 @@ def cmd_sbatch(args) -> int:
         print(f"marlaas: invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
     folder = Path(job.run_dir).resolve() / "slurm"
-    print(render_sbatch(job.layout, job_command(args.config, job.run_dir), args.job_name, folder), end="")
+    from marlaas_hpc.runtime.checkpoint import requeue_marker
+
+    marker = requeue_marker(Path(job.run_dir).resolve())
+    print(render_sbatch(job.layout, job_command(args.config, job.run_dir), args.job_name, folder, marker), end="")
     print(f"# the log folder must exist before submission: mkdir -p {folder}", file=sys.stderr)
     return 0
 
