@@ -13,6 +13,7 @@ what the trainer consumed; a ready group that is too old when its task's step is
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import Counter
@@ -193,13 +194,16 @@ class Scheduler:
         """Sync: per version, running idle tasks at it with less than a batch ready."""
         self._counted: dict[str, tuple] = {}
         """task_id -> (its version in _round_versions, its key in _short_of_batch), as last counted."""
-        self._sequential_first: TaskState | None = None
-        self._last_round: int | None = None
+        self._sequential: list = []
+        """Sequential mode: heap of (-priority, submitted_at, task_id) of admitted tasks; ended ones are
+        dropped from the top lazily."""
+        self._last_round = None
         self._env_heap = [(0, rank) for rank in sorted(config.env_ranks)]
         """(load, env rank) entries; one whose load is not the rank's load now is stale."""
         self._rank_index = {rank: i for i, rank in enumerate(config.rollout_ranks)}
-        self._free_ranks: set[int] = set(config.rollout_ranks)
-        """Rollout ranks with a free slot (the generate pass visits only these, in config order)."""
+        self._free_ranks: list[int] = list(range(len(config.rollout_ranks)))
+        """Indexes (in config.rollout_ranks) of the rollout ranks with a free slot, sorted: the generate pass
+        fills them in config order."""
 
     # ---------------------------------------------------------------- events
     def handle(self, event) -> list:
@@ -321,7 +325,6 @@ class Scheduler:
         self._live -= 1
         if task.status == RUNNING:
             self._n_running -= 1
-            self._sequential_first = None
         task.status, task.error = status, error
         out = []
         # groups still generating or scoring are forgotten when their events arrive (task not active)
@@ -356,7 +359,7 @@ class Scheduler:
                 continue  # cancelled while queued
             task.status, task.admitted_at = RUNNING, self.clock()
             self._n_running += 1
-            self._sequential_first = None
+            heapq.heappush(self._sequential, (-task.spec.priority, task.submitted_at, task.task_id))
             self._touch(task)
             out.append(Admit(task.spec, task.resume_version))
         return out
@@ -468,26 +471,26 @@ class Scheduler:
     def _has_room(self, rank: int, issued: int) -> None:
         """Adds issued groups to (or, negative, finished ones from) a rollout rank's load."""
         self.rollout_load[rank] += issued
-        if self.rollout_load[rank] < self.config.rollout_slots:
-            self._free_ranks.add(rank)
-        else:
-            self._free_ranks.discard(rank)
-
-    def _ordered_sequential(self) -> list[TaskState]:
-        return sorted(self._running(), key=lambda t: (-t.spec.priority, t.submitted_at, t.task_id))
+        index = self._rank_index[rank]
+        at = bisect.bisect_left(self._free_ranks, index)
+        listed = at < len(self._free_ranks) and self._free_ranks[at] == index
+        if self.rollout_load[rank] < self.config.rollout_slots and not listed:
+            self._free_ranks.insert(at, index)
+        elif self.rollout_load[rank] >= self.config.rollout_slots and listed:
+            del self._free_ranks[at]
 
     def _first_sequential(self) -> TaskState:
-        """The task sequential mode serves; cached until a task is admitted or ends."""
-        if self._sequential_first is None:
-            self._sequential_first = self._ordered_sequential()[0]
-        return self._sequential_first
+        """The task sequential mode serves: the running task first by (-priority, submitted_at, task_id)."""
+        while self.tasks[self._sequential[0][2]].status != RUNNING:
+            heapq.heappop(self._sequential)
+        return self.tasks[self._sequential[0][2]]
 
     def _generate(self) -> list:
         out = []
         if not self._issuable:
             return out
-        ranks = self._free_ranks if len(self._free_ranks) < 2 else sorted(self._free_ranks, key=self._rank_index.get)
-        for rank in list(ranks):
+        while self._issuable and self._free_ranks:
+            rank = self.config.rollout_ranks[self._free_ranks[0]]  # the first rank (config order) with room
             free = self.config.rollout_slots - self.rollout_load[rank]
             # tasks with quota > 0 in order; each one popped is issued (take > 0), so none needs re-pushing
             # unless it keeps quota, which means the rank is full and this rank's pass ends
@@ -502,8 +505,8 @@ class Scheduler:
                     continue
                 out.append(self._issue(task, rank, take))
                 free -= take
-            if not self._issuable:
-                break
+            if free > 0:
+                break  # nothing left to issue
         return out
 
     def _issue(self, task: TaskState, rank: int, count: int) -> Generate:
@@ -581,8 +584,15 @@ class Scheduler:
         mode = self.config.mode
         if mode == "async" or not self._n_running:
             return
-        marker = min(self._round_versions) if mode == "sync" else id(self._first_sequential())
-        if marker != self._last_round:
-            self._last_round = marker
+        if mode == "sequential":  # only the previous and the new first task can change quota
+            first, previous = self._first_sequential(), self._last_round
+            if first is not previous:
+                self._last_round = first
+                for task in (previous, first):
+                    if task is not None:
+                        self._refile_issuable(task)
+            return
+        if min(self._round_versions) != self._last_round:
+            self._last_round = min(self._round_versions)
             for task in self._running():
                 self._refile_issuable(task)
