@@ -231,3 +231,16 @@ def test_scaling_study_quick_writes_csv_and_plots(tmp_path):
                                                                                       "staleness"}
     assert all(float(r["e2e_s"]) > 0 for r in rows)
     assert len(list(tmp_path.glob("scaling_*.png"))) == 4
+
+
+def test_static_batching_engine_runs_whole_batches():
+    """HF-generate style engine: a batch runs as long as its longest row, so long tails cost more than with
+    continuous batching."""
+    data = _broken("rollout.batching", "static")
+    data["profiles"] = {"default": {"prompt_tokens": 6, "response_tokens": {"dist": "lognormal", "median": 3,
+                                                                            "sigma": 1.0}}}
+    static = workload_from_dict(data)
+    continuous = workload_from_dict({**data, "rollout": {**data["rollout"], "batching": "continuous"}})
+    sim, outcome = simulate(workload=static, n_tasks=8)
+    assert set(outcome.ended.values()) == {"done"} and not staleness_violations(sim)
+    assert outcome.end_time > simulate(workload=continuous, n_tasks=8)[1].end_time
