@@ -275,7 +275,7 @@ class Scheduler:
             return [self._forget([group], task, "task ended")]
         group.reward_mean = event.reward_mean
         task.ready.append(group)
-        self._touch(task)
+        self._touch(task, quota_changed=False)  # scoring -> ready: outstanding (the quota's input) unchanged
         return []
 
     def _step_done(self, event: StepDone) -> list:
@@ -536,7 +536,7 @@ class Scheduler:
         return self._live == 0
 
     # ---------------------------------------------------------------- incremental indexes
-    def _touch(self, task: TaskState) -> None:
+    def _touch(self, task: TaskState, quota_changed: bool = True) -> None:
         """Re-files one task in the indexes after any change to it (status, version, groups, order key)."""
         running = task.status == RUNNING
         idle = running and task.training is None and task.version >= 0
@@ -550,7 +550,8 @@ class Scheduler:
                 heapq.heappush(self._train_heap, (self._order_key(task), stamp, task.task_id))
         else:
             self._trainable.pop(task.task_id, None)
-        self._refile_issuable(task)
+        if quota_changed:
+            self._refile_issuable(task)
 
     def _refile_issuable(self, task: TaskState) -> None:
         if task.status != RUNNING or self._quota(task) <= 0:
