@@ -64,7 +64,7 @@ def job_command(config: str, run_dir: str) -> str:
     from pathlib import Path
 
     return shlex.join([sys.executable, "-m", "marlaas_hpc.runtime.main", str(Path(config).resolve()),
-                       "--run-dir", str(Path(run_dir).resolve())])
+                       "--run-dir", str(Path(run_dir).resolve()), "--auto-resume"])
 
 
 def cmd_sbatch(args) -> int:
@@ -80,7 +80,10 @@ def cmd_sbatch(args) -> int:
         print(f"marlaas: invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
     folder = Path(job.run_dir).resolve() / "slurm"
-    print(render_sbatch(job.layout, job_command(args.config, job.run_dir), args.job_name, folder), end="")
+    from marlaas_hpc.runtime.checkpoint import requeue_marker
+
+    marker = requeue_marker(Path(job.run_dir).resolve())
+    print(render_sbatch(job.layout, job_command(args.config, job.run_dir), args.job_name, folder, marker), end="")
     print(f"# the log folder must exist before submission: mkdir -p {folder}", file=sys.stderr)
     return 0
 
@@ -206,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("run_dirs", nargs="+")
     report.add_argument("-o", "--out", default="report", help="output folder (default: ./report)")
     report.set_defaults(func=cmd_report)
+    from marlaas_hpc.sim.command import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

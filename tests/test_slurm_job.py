@@ -142,3 +142,14 @@ def test_bad_configs_are_refused_before_submission(cluster, tmp_path):
         assert proc.returncode == 2 and field in proc.stderr and message in proc.stderr, (field, proc.stderr)
         after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
         assert before == after, "nothing was submitted"
+
+
+def test_cancel_stops_every_component(cluster, tmp_path):
+    job_id, run_dir, _ = _submit(_config(50), tmp_path)
+    proc = _marlaas("cancel", job_id)
+    assert proc.returncode == 0 and f"cancelled job {job_id}" in proc.stdout and str(run_dir) in proc.stdout
+    deadline = time.monotonic() + 120
+    while not (len(states := _sacct_states(job_id)) == 4 and all(s.startswith("CANCELLED") for s in states)):
+        assert time.monotonic() < deadline, f"job {job_id} not cancelled: {states}"
+        time.sleep(1)
+    assert f"Slurm job {job_id}: CANCELLED" in _marlaas("status", job_id).stdout
