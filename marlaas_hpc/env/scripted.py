@@ -41,13 +41,6 @@ class ScriptedEngine(RolloutEngine):
     def add_adapter(self, adapter: AdapterRef) -> None:
         self.versions.add(adapter)
 
-    def pin(self, task_id: str, version: int) -> None:
-        """Holds a version live between an episode's turns (see EpisodeRunner)."""
-        self.versions.acquire(task_id, version)
-
-    def unpin(self, task_id: str, version: int) -> None:
-        self.versions.release(task_id, version)
-
     def submit(self, requests: list[GenerationRequest]) -> None:
         for req in requests:
             if self.check_versions and req.adapter_version is not None:

@@ -32,7 +32,7 @@ from marlaas_hpc.env.protocol import Environment, SingleTurnEnv
 from marlaas_hpc.env.tools import (SYNTAXES, Bm25Index, Calculator, Document, Lookup, Search, ToolBox, ToolOutcome,
                                    ToolTask)
 from marlaas_hpc.tasks.base import Sample
-from marlaas_hpc.tasks.files import _FileTask, gsm8k_gold, read_jsonl_rows
+from marlaas_hpc.tasks.files import _FileTask, gsm8k_gold, load_reward_fn, read_jsonl_rows
 from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
 
 
@@ -201,7 +201,7 @@ class LookupTask(ToolTask):
         if syntax not in SYNTAXES:
             raise SpecError("dataset.syntax", f"must be one of {SYNTAXES}, got {syntax!r}")
         self.syntax = syntax
-        self.tools = ToolBox([Lookup()])
+        self.tools = ToolBox([Lookup(getattr(spec, "tool_latency_s", 0.0))])
         self._seed = spec.seed
         rng = random.Random(f"lookup-eval-{spec.seed}")
         self._eval: list[Sample] = []
@@ -221,7 +221,9 @@ class LookupTask(ToolTask):
         prompt = f"{key}+{addend}="
         if self.syntax == "xml":
             prompt += f' look {key} up: <tool name="lookup">{key}</tool>\n'
-        return Sample(index, prompt, str(value + addend), {"table": {key: value}, "key": key, "addend": addend})
+        # the mistake of a model that answers without the tool: the addend, as if the unknown key were 0
+        return Sample(index, prompt, str(value + addend),
+                      {"table": {key: value}, "key": key, "addend": addend, "mistake": str(addend)})
 
     def train_sample(self, cursor: int) -> Sample:
         rng = random.Random(f"lookup-train-{self._seed}-{cursor}")
@@ -249,10 +251,11 @@ class LookupTask(ToolTask):
         return 1.0 if text == sample.answer else 0.0
 
     def demonstration(self, sample: Sample, use_tool: bool) -> list[tuple[str, bool]]:
-        """A correct episode as (text, is_model_turn) segments, for supervised warm-up of a base model
-        (each model segment is followed by eos): ['?', '23+17=', '40'] or ['40'] in compact syntax."""
+        """An episode as (text, is_model_turn) segments, for supervised warm-up of a base model (each model
+        segment is followed by eos). With the tool it is correct: ['?', '23+17=', '40'] in compact syntax;
+        without it, the realistic mistake of answering blind: ['17'] (the addend, as if the key were 0)."""
         if not use_tool:
-            return [(sample.answer, True)]
+            return [(sample.meta["mistake"], True)]
         observation = self.observation(sample, [ToolOutcome("lookup", sample.meta["key"],
                                                             str(sample.meta["table"][sample.meta["key"]]), True, 0.0)])
         call = "?" if self.syntax == "compact" else f'<tool name="lookup">{sample.meta["key"]}</tool>'
@@ -276,7 +279,15 @@ ENV_TASK_KINDS = ("gsm8k_tool", "gsm8k_plain", "hotpotqa", "lookup")
 
 def build_env_task(spec: DatasetSpec) -> ToolTask:
     """Builds an env workload; optional spec fields (read if the DatasetSpec has them): corpus, metric,
-    syntax."""
+    syntax, tool_latency_s, reward_fn (replaces the workload's verifier)."""
+    task = _env_task(spec)
+    if getattr(spec, "reward_fn", None):
+        # an instance attribute shadows the method; a module-level function still pickles (process pools)
+        task.score = load_reward_fn(spec.reward_fn)
+    return task
+
+
+def _env_task(spec: DatasetSpec) -> ToolTask:
     if spec.kind in ("gsm8k_tool", "gsm8k_plain"):
         return Gsm8kEnvTask(spec, calculator=spec.kind == "gsm8k_tool")
     if spec.kind == "hotpotqa":
