@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # marlaas_hpc.model imports torch
     from marlaas_hpc.model.tokenizer import TextCodec
 
 Policy = Callable[[GenerationRequest, str], str]
-"""(request, decoded context with special tokens as text, e.g. '<bos>c4+17=?<eos>23+17=') -> completion text."""
+"""(request, decoded context with special tokens as text, e.g. '<bos>c4+7=?<eos>23+7=') -> completion text."""
 
 
 @dataclass

@@ -9,10 +9,10 @@ Kinds (see `ENV_TASK_KINDS`, built by `build_env_task(spec)`):
   ``spec.corpus`` ({"title"?, "text"} or {"contents"} per line) or, without one, every context document of the
   data file. The model calls ``<tool name="search">query</tool>`` and answers with ``<answer>…</answer>``
   (or plain text); reward token F1 (``spec.metric = "em"``: exact match) after SQuAD normalisation.
-- ``lookup``: synthetic, for the tiny char model: prompt ``c4+17=`` where c4's value (0-99) is drawn per
+- ``lookup``: synthetic, for the tiny char model: prompt ``c4+7=`` where c4's value (0-99) is drawn per
   sample and only the ``lookup`` tool knows it. Compact syntax (default): the turn ``?`` (or ``?c4``) looks the
-  prompt's key up and the observation restates the sum with the value, ``23+17=``; the next turn answers
-  ``40``. Without the tool the model can only guess (~1%). ``spec.syntax = "xml"`` uses the tag protocol.
+  prompt's key up and the observation restates the sum with the value, ``23+7=``; the next turn answers
+  ``30``. Without the tool the model can only guess (~1%). ``spec.syntax = "xml"`` uses the tag protocol.
 
 Data files are read and checked at construction (task admission): a missing file or field, a non-UTF-8 line,
 malformed JSON or an empty corpus raises SpecError naming the file and line.
@@ -192,7 +192,7 @@ _KEY_LETTERS = "abcdef"
 
 
 class LookupTask(ToolTask):
-    """'c4+17=' where c4 is drawn per sample and only the lookup tool knows it. Exact-match reward."""
+    """'c4+7=' where c4 is drawn per sample and only the lookup tool knows it. Exact-match reward."""
 
     kind = "lookup"
     compact_tool = "lookup"
@@ -217,7 +217,8 @@ class LookupTask(ToolTask):
 
     def _make(self, rng: random.Random, index: int) -> Sample:
         key = rng.choice(_KEY_LETTERS) + str(rng.randint(0, 9))
-        value, addend = rng.randint(0, 99), rng.randint(0, 99)
+        # one-digit addends: using the result is then the tiny model's own 2-digit + 1-digit addition skill
+        value, addend = rng.randint(0, 99), rng.randint(1, 9)
         prompt = f"{key}+{addend}="
         if self.syntax == "xml":
             prompt += f' look {key} up: <tool name="lookup">{key}</tool>\n'

@@ -6,7 +6,7 @@ mistake (see tasks/synthetic.py), so each task starts at 5-50% greedy accuracy w
 standard HF files (config.json, model.safetensors, tokenizer files) that transformers, vLLM and mbridge all load.
 
 The mix also holds the tool-requiring `lookup` workload (marlaas_hpc.env): a minority of its sequences
-demonstrate the tool call and the use of its result ('c4+17=' -> '?', observation '23+17=', '40'), the rest
+demonstrate the tool call and the use of its result ('c4+7=' -> '?', observation '23+7=', '30'), the rest
 make the realistic mistake of answering blind (the addend), and some tool transcripts train only the answer
 after the observation. So the base policy samples the tool call now and then but greedily answers blind:
 RL can raise the tool-call rate and, with it, the accuracy.
@@ -56,12 +56,17 @@ class TinyModelConfig:
     """Lookup-workload episodes per pre-training step (on top of batch_size)."""
     lookup_p_tool: float = 0.3
     """Fraction of those that call the tool and answer from its result; the others answer blind (mistake)."""
-    lookup_drills: int = 8
+    lookup_drills: int = 12
     """Lookup tool transcripts per step in which only the answer after the observation is trained (the call
     is context, not trained): teaches using a tool result without teaching to call the tool."""
 
     def fingerprint(self) -> str:
+        import inspect
+
+        from marlaas_hpc.env.workloads import LookupTask
+
         source = Path(__file__).read_bytes() + Path(__file__).with_name("tokenizer.py").read_bytes()
+        source += inspect.getsource(LookupTask).encode()  # its generator and demonstrations are in the mix
         blob = json.dumps(asdict(self), sort_keys=True).encode() + source
         return hashlib.sha256(blob).hexdigest()[:12]
 

@@ -124,7 +124,7 @@ class EnvRank:
     def _on_turn(self, data: GroupData, rollout_rank: int) -> None:
         if data.task_id in self.failed:
             if is_multi_turn(self.tasks[data.task_id]):
-                self.outbox.send(GroupEnded(data.group_id), rollout_rank, TAG_DATA)
+                self._drop(data, rollout_rank, generated=data.turn == 1)  # later turns: dropped in _fail
             return
         with self.clock.track("turn", (data.task_id,), group_id=data.group_id, turn=data.turn,
                               samples=len(data.completions)):
@@ -252,7 +252,14 @@ class EnvRank:
             if group.first.task_id == task_id:
                 del self.groups[group_id]
                 if group.multi_turn:
-                    self.outbox.send(GroupEnded(group_id), group.rollout_rank, TAG_DATA)
+                    self._drop(group.first, group.rollout_rank, generated=True)
+
+    def _drop(self, first: GroupData, rollout_rank: int, generated: bool) -> None:
+        """Ends a multi-turn group of a failed task: the rollout rank unpins it, and rank 0 frees its rollout
+        slot (its Generated comes from here; exactly once per group)."""
+        self.outbox.send(GroupEnded(first.group_id), rollout_rank, TAG_DATA)
+        if generated and not first.eval:
+            self.outbox.send(Generated(rollout_rank, (first.group_id,), (first.version,)), 0, TAG_EVENT)
 
     # ---- measurements ----
     def _note_step(self, group: _Group, j: int, outcome: StepOutcome) -> None:
