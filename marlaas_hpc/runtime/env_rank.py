@@ -142,8 +142,10 @@ class EnvRank:
         envs = [environment_for(task) for _ in data.completions]
         for env in envs:
             if self.codec.encode_prompt(env.reset(sample)) != data.prompt_ids:
-                self._fail(data.task_id, "env reset() gave a different prompt than rank 0's (resets must be "
-                                         "deterministic)")
+                self._fail(data.task_id, f"env rank {self.rank}: env reset() gave a different prompt than rank "
+                                         "0's (resets must be deterministic)")
+                if is_multi_turn(task):
+                    self._drop(data, rollout_rank, generated=True)
                 return None
         group = _Group(data, rollout_rank, is_multi_turn(task), [_Episode(env) for env in envs], time.time())
         self.groups[data.group_id] = group
