@@ -76,6 +76,7 @@ class EnvRank:
         self.rank = comm.Get_rank()
         self.tasks: dict = {}
         self.specs: dict = {}
+        self.eval_samples: dict[str, dict[int, object]] = {}
         self.failed: set[str] = set()
         self.early: list[tuple[GroupData, int]] = []
         """Data of a task whose Admit has not arrived yet (rank 0 and rollout ranks race)."""
@@ -114,6 +115,8 @@ class EnvRank:
         spec = command.spec
         self.specs[spec.task_id] = spec
         self.tasks[spec.task_id] = task = build_task_data(spec.dataset)  # rank 0 already checked it loads
+        # rank 0 names an eval prompt by its Sample.index (a file task's line, not its place in the eval split)
+        self.eval_samples[spec.task_id] = {sample.index: sample for sample in task.eval_samples()}
         self.pool.add_task(spec.task_id, task)
         ready = [(d, s) for d, s in self.early if d.task_id == spec.task_id]
         self.early = [(d, s) for d, s in self.early if d.task_id != spec.task_id]
@@ -138,7 +141,8 @@ class EnvRank:
 
     def _open(self, data: GroupData, rollout_rank: int) -> _Group | None:
         task = self.tasks[data.task_id]
-        sample = task.eval_samples()[data.prompt_index] if data.eval else task.train_sample(data.prompt_index)
+        sample = self.eval_samples[data.task_id][data.prompt_index] if data.eval \
+            else task.train_sample(data.prompt_index)
         envs = [environment_for(task) for _ in data.completions]
         for env in envs:
             if self.codec.encode_prompt(env.reset(sample)) != data.prompt_ids:
