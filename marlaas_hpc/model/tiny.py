@@ -52,11 +52,14 @@ class TinyModelConfig:
     p_correct: float = 0.3
     """Probability that a pre-training answer is right; otherwise it is the task's systematic mistake.
     The base model then prefers the mistake, and is right where the two agree (28-47% of inputs)."""
-    lookup_examples: int = 16
-    """Lookup-workload episodes per pre-training step (on top of batch_size)."""
+    lookup_examples: int = 12
+    """Lookup-workload episodes per pre-training step (on top of batch_size, in a loss term of their own)."""
+    lookup_loss_weight: float = 0.5
+    """Weight of the lookup sequences' mean token loss next to the synthetic tasks' (which keep weight 1, so
+    their pre-training, and with it how well RL can still move them, stays close to a model without lookup)."""
     lookup_p_tool: float = 0.3
     """Fraction of those that call the tool and answer from its result; the others answer blind (mistake)."""
-    lookup_drills: int = 12
+    lookup_drills: int = 6
     """Lookup tool transcripts per step in which only the answer after the observation is trained (the call
     is context, not trained): teaches using a tool result without teaching to call the tool."""
 
@@ -120,6 +123,11 @@ def _batch(codec: TextCodec, rows: list[Row]) -> tuple[torch.Tensor, torch.Tenso
         ids[i, : len(s)] = torch.tensor(s)
         lab[i, : len(l)] = torch.tensor(l)
     return ids, lab
+
+
+def _loss(model, codec: TextCodec, rows: list[Row]) -> torch.Tensor:
+    ids, labels = _batch(codec, rows)
+    return model(input_ids=ids, attention_mask=(ids != codec.pad_id).long(), labels=labels).loss
 
 
 @torch.no_grad()
@@ -204,9 +212,8 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig = TinyModelConfig
             sample = tasks[cursor % len(tasks)].train_sample(cursor)
             right = coin.random() < cfg.p_correct
             rows.append(answer_row(codec, sample.prompt, sample.answer if right else sample.meta["mistake"]))
-        rows += lookup_rows(codec, lookup, step * (cfg.lookup_examples + cfg.lookup_drills), cfg, lookup_coin)
-        ids, labels = _batch(codec, rows)
-        loss = model(input_ids=ids, attention_mask=(ids != codec.pad_id).long(), labels=labels).loss
+        extra = lookup_rows(codec, lookup, step * (cfg.lookup_examples + cfg.lookup_drills), cfg, lookup_coin)
+        loss = _loss(model, codec, rows) + cfg.lookup_loss_weight * _loss(model, codec, extra)
         opt.zero_grad()
         loss.backward()
         opt.step()
