@@ -17,28 +17,33 @@ def _under_mpi() -> bool:
     return int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_STEP_ID" in os.environ
 
 
-def mpirun_command(job, config: str, run_dir: str, mode: str) -> list[str]:
-    """Local mode: one MPI world of the layout's size on this machine."""
+def mpirun_command(job, config: str | None, run_dir: str, mode: str, resume: bool = False) -> list[str]:
+    """Local mode: one MPI world of the layout's size on this machine. mpirun forwards SIGUSR2 to every
+    rank: `kill -USR2 <pid of marlaas run>` checkpoints the job (resume with --resume RUN_DIR)."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise SystemExit("marlaas: mpirun not found (Debian: apt-get install openmpi-bin libopenmpi-dev)")
     return [mpirun, "-np", str(job.layout.world_size), "--oversubscribe", "--bind-to", "none",
             "--mca", "mpi_yield_when_idle", "1",
-            sys.executable, "-m", "marlaas_hpc.runtime.main", config, "--run-dir", run_dir, "--mode", mode]
+            sys.executable, "-m", "marlaas_hpc.runtime.main", *([config] if config else []),
+            *(["--resume", run_dir] if resume else ["--run-dir", run_dir]), "--mode", mode]
 
 
 def cmd_run(args) -> int:
-    from marlaas_hpc.runtime.main import load_job
     from marlaas_hpc.runtime import main as runtime_main
+    from marlaas_hpc.runtime.main import check_run_dir, load_job
 
     if _under_mpi():
-        argv = [args.config] + (["--run-dir", args.run_dir] if args.run_dir else []) + \
-               (["--mode", args.mode] if args.mode else [])
+        argv = ([args.config] if args.config else []) + (["--run-dir", args.run_dir] if args.run_dir else []) + \
+               (["--mode", args.mode] if args.mode else []) + (["--resume", args.resume] if args.resume else [])
         return runtime_main.main(argv)
-    try:
-        job = load_job(args.config, args.run_dir, args.mode)  # refuse a bad config before any process starts
+    resume = bool(args.resume)
+    try:  # refuse a bad config (or run dir) before any process starts
+        job = load_job(args.config, args.resume or args.run_dir, args.mode, resume=resume)
+        check_run_dir(job, resume)
     except SpecError as exc:
-        print(f"marlaas: invalid config {args.config}: {exc}", file=sys.stderr)
+        print(f"marlaas: invalid {'resume' if resume else 'config'} {args.config or args.resume}: {exc}",
+              file=sys.stderr)
         return 2
     job.model_path()  # build the tiny model once here, not in every rank
     env = dict(os.environ)
@@ -46,7 +51,7 @@ def cmd_run(args) -> int:
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the per-task progress lines readable
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = mpirun_command(job, args.config, job.run_dir, job.mode)
+    command = mpirun_command(job, args.config, job.run_dir, job.mode, resume=resume)
     print(f"[marlaas] local mode: {job.layout.world_size} ranks ({job.layout.env_ranks} env, "
           f"{job.layout.rollout_ranks} rollout, {job.layout.trainer_ranks} trainer), {len(job.tasks)} tasks, "
           f"mode {job.mode}, run dir {job.run_dir}", flush=True)
@@ -59,7 +64,7 @@ def job_command(config: str, run_dir: str) -> str:
     from pathlib import Path
 
     return shlex.join([sys.executable, "-m", "marlaas_hpc.runtime.main", str(Path(config).resolve()),
-                       "--run-dir", str(Path(run_dir).resolve())])
+                       "--run-dir", str(Path(run_dir).resolve()), "--auto-resume"])
 
 
 def cmd_sbatch(args) -> int:
@@ -80,21 +85,69 @@ def cmd_sbatch(args) -> int:
     return 0
 
 
+def cmd_submit(args) -> int:
+    """Submits the job as one Slurm heterogeneous job (control, env, rollout, trainer components)."""
+    from marlaas_hpc.launch.job import submit
+    from marlaas_hpc.launch.layout import LayoutError
+    from marlaas_hpc.runtime.main import load_job
+
+    try:
+        job = load_job(args.config, args.run_dir, args.mode)
+        handle = submit(job, args.config, job_name=args.job_name, max_requeues=args.max_requeues)
+    except (SpecError, LayoutError) as exc:
+        print(f"marlaas: not submitted: {exc}", file=sys.stderr)
+        return 2
+    print(f"[marlaas] submitted het job {handle.job_id}: {job.layout.world_size} ranks "
+          f"(control 1, env {job.layout.env_ranks}, rollout {job.layout.rollout_ranks}, trainer "
+          f"{job.layout.trainer_ranks}); run dir {job.run_dir}; logs {job.run_dir}/slurm", flush=True)
+    print(handle.job_id)
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    """Cancels a submitted job (every het component). Use `scancel --signal=USR2 JOB` to checkpoint instead."""
+    import subprocess
+
+    from marlaas_hpc.launch.job import run_dir_of
+
+    proc = subprocess.run(["scancel", args.job], capture_output=True, text=True)
+    if proc.returncode:
+        print(f"marlaas: scancel {args.job} failed: {proc.stderr.strip()}", file=sys.stderr)
+        return proc.returncode
+    run_dir = run_dir_of(args.job)
+    print(f"cancelled job {args.job}" + (f" (run dir {run_dir}: adapters and checkpoints stay)" if run_dir else ""))
+    return 0
+
+
 def cmd_status(args) -> int:
-    """Per-task progress of a run dir (live while the job runs: rank 0 rewrites status.json each step)."""
+    """Per-task progress of a run dir (live while the job runs: rank 0 rewrites status.json each step), or of
+    a submitted Slurm job by id (with its Slurm state)."""
     import json
     from pathlib import Path
 
+    from marlaas_hpc.launch.job import run_dir_of, slurm_state
+
     run_dir = Path(args.run_dir)
+    if not run_dir.exists() and args.run_dir.replace("_", "").isdigit():
+        job_id, run_dir = args.run_dir, run_dir_of(args.run_dir)
+        print(f"Slurm job {job_id}: {slurm_state(job_id) or 'unknown to sacct'}")
+        if run_dir is None:
+            print(f"marlaas: job {job_id} was not submitted by `marlaas submit` here (no run dir on record)",
+                  file=sys.stderr)
+            return 2
+    elif (run_dir / "slurm" / "job_id").is_file():
+        job_id = json.loads((run_dir / "slurm" / "job_id").read_text())["job_id"]
+        print(f"Slurm job {job_id}: {slurm_state(job_id) or 'unknown to sacct'}")
     path = run_dir / "summary.json" if (run_dir / "summary.json").is_file() else run_dir / "status.json"
     if not path.is_file():
         print(f"marlaas: {run_dir} has no status.json or summary.json (not a run dir, or not started)",
               file=sys.stderr)
         return 2
     state = json.loads(path.read_text())
-    finished = path.name == "summary.json"
+    finished = path.name == "summary.json" and not state.get("preempted")
     elapsed = state.get("wall_time_s", state.get("elapsed_s", 0.0))
-    print(f"{run_dir}: mode {state['mode']}, {'finished' if finished else 'running'}, {elapsed:.0f} s")
+    phase = "finished" if finished else "preempted (checkpointed)" if state.get("preempted") else "running"
+    print(f"{run_dir}: mode {state['mode']}, {phase}, {elapsed:.0f} s")
     print(f"{'task':<16} {'tenant':<10} {'state':<10} {'step':>9} {'k':>2} {'reward':>7} {'TTFS_s':>7} {'TPTS_s':>7}")
     for task_id, t in state["tasks"].items():
         reward = "-" if t["reward_last"] is None else f"{t['reward_last']:.3f}"
@@ -109,17 +162,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="marlaas", description="Multi-task asynchronous RL fine-tuning (MARLaaS).")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job: local mode (launches mpirun) or as a rank under MPI/Slurm")
-    run.add_argument("config", help="job config YAML (see configs/)")
+    run.add_argument("config", nargs="?", help="job config YAML (see configs/); optional with --resume")
     run.add_argument("--run-dir", help="output directory (default: the config's run_dir)")
     run.add_argument("--mode", choices=["async", "sync", "sequential"], help="override the config's mode")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a preempted job from RUN_DIR's checkpoint")
     run.set_defaults(func=cmd_run)
     sbatch = sub.add_parser("sbatch", help="print the Slurm heterogeneous-job script of a config (marlaas sbatch C > job.sbatch)")
     sbatch.add_argument("config")
     sbatch.add_argument("--run-dir", help="output directory (default: the config's run_dir)")
     sbatch.add_argument("--job-name", default="marlaas")
     sbatch.set_defaults(func=cmd_sbatch)
-    status = sub.add_parser("status", help="per-task step / state / reward of a run dir")
-    status.add_argument("run_dir")
+    submit = sub.add_parser("submit", help="submit the job to Slurm as one heterogeneous job (submitit)")
+    submit.add_argument("config")
+    submit.add_argument("--run-dir", help="output directory on the shared filesystem (default: the config's)")
+    submit.add_argument("--mode", choices=["async", "sync", "sequential"], help="override the config's mode")
+    submit.add_argument("--job-name", default="marlaas")
+    submit.add_argument("--max-requeues", type=int, default=10,
+                        help="preemptions (USR2) after which the job stops requeueing itself")
+    submit.set_defaults(func=cmd_submit)
+    cancel = sub.add_parser("cancel", help="cancel a submitted job (all components)")
+    cancel.add_argument("job")
+    cancel.set_defaults(func=cmd_cancel)
+    status = sub.add_parser("status", help="per-task step / state / reward of a run dir or a submitted job id")
+    status.add_argument("run_dir", metavar="RUN_DIR|JOB")
     status.set_defaults(func=cmd_status)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,8 +1,10 @@
 """Entry point of every rank of a job (under mpirun in local mode, or srun --het-group under Slurm).
 
     python -m marlaas_hpc.runtime.main CONFIG --run-dir DIR [--mode MODE]
+    python -m marlaas_hpc.runtime.main --resume DIR          (continue a preempted job from its checkpoint)
 
-Roles come from assign_role(rank, layout); the world size must equal the layout's.
+Roles come from assign_role(rank, layout); the world size must equal the layout's. SIGUSR2 checkpoints every
+task at a step boundary and ends the job with exit status 75 (runtime/checkpoint.py).
 """
 from __future__ import annotations
 
@@ -14,19 +16,59 @@ from pathlib import Path
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.launch.layout import assign_role, ranks_of, world_size_matches
+from marlaas_hpc.tasks.spec import SpecError
 
 
 def roles_of(layout) -> dict[str, list[int]]:
     return {kind: list(ranks_of(kind, layout)) for kind in ("env", "rollout", "trainer")}
 
 
-def load_job(config_path: str, run_dir: str | None, mode: str | None) -> JobConfig:
+PREEMPTED_EXIT = 75
+"""Exit status of a job that stopped at a checkpoint (EX_TEMPFAIL: run it again with --resume)."""
+JOB_FILE = "job.yaml"
+"""The config a run dir was started with (overrides applied): what `--resume DIR` runs again."""
+
+
+def load_job(config_path: str | None, run_dir: str | None, mode: str | None, resume: bool = False) -> JobConfig:
+    """The job of a fresh start (CONFIG, with --run-dir/--mode overrides) or of a resume (RUN_DIR/job.yaml
+    unless a CONFIG is given)."""
+    if config_path is None:
+        if not (resume and run_dir):
+            raise SpecError("config", "a config file is required (or --resume RUN_DIR)")
+        config_path = str(Path(run_dir) / JOB_FILE)
+        if not Path(config_path).is_file():
+            raise SpecError("resume", f"{run_dir} has no {JOB_FILE}: not a run dir of this tool")
     job = JobConfig.load(config_path)
     if run_dir:
         job.run_dir = run_dir
     if mode:
         job.mode = mode
     return job.validate()
+
+
+def check_run_dir(job: JobConfig, resume: bool) -> dict | None:
+    """A fresh start refuses a run dir holding a checkpoint (it would mix two jobs' outputs); a resume
+    needs one. Returns the checkpoint to resume from."""
+    from marlaas_hpc.runtime.checkpoint import checkpoint_file, load_job_checkpoint
+
+    state = load_job_checkpoint(Path(job.run_dir))
+    if resume and state is None:
+        raise SpecError("resume", f"{checkpoint_file(job.run_dir)} not found: nothing to resume")
+    if not resume and state is not None:
+        raise SpecError("run_dir", f"{job.run_dir} holds a checkpoint of an earlier job: resume it with "
+                                   f"`marlaas run --resume {job.run_dir}` or choose another run dir")
+    return state
+
+
+def save_job_file(job: JobConfig, config_path: str) -> None:
+    import yaml
+
+    data = yaml.safe_load(Path(config_path).read_text()) or {}
+    data.update(run_dir=str(Path(job.run_dir).resolve()), mode=job.mode)
+    path = Path(job.run_dir) / JOB_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.resolve() != Path(config_path).resolve():
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def _trainer(comm, job, roles, model_path: Path):
@@ -46,13 +88,26 @@ def _trainer(comm, job, roles, model_path: Path):
         address = comm.recv(source=leader, tag=21)
     os.environ.update(MASTER_ADDR=address[0], MASTER_PORT=str(address[1]), RANK=str(trainers.index(me)),
                       WORLD_SIZE=str(len(trainers)), LOCAL_RANK=str(trainers.index(me)))
-    return MultiLoraTrainer(TrainerConfig(model_path=str(model_path), tensor_parallel=job.layout.trainer_tp,
-                                          seed=job.seed))
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=str(model_path), tensor_parallel=job.layout.trainer_tp,
+                                             seed=job.seed))
+    _restore_rng(Path(job.run_dir), trainer.tp_rank)
+    return trainer
 
 
-def run_rank(comm, job: JobConfig, log=print) -> dict | None:
+def _restore_rng(run_dir: Path, tp_rank: int) -> None:
+    import torch
+
+    from marlaas_hpc.runtime.checkpoint import trainer_rng_path
+
+    path = trainer_rng_path(run_dir, tp_rank)
+    if path.is_file():
+        torch.set_rng_state(torch.load(path))
+
+
+def run_rank(comm, job: JobConfig, log=print, preempt=None, resume: dict | None = None) -> dict | None:
     """Sets up this rank's role, waits until every rank is ready (so TTFS and busy fractions measure the
-    job, not engine start-up), then runs the role's loop. Rank 0 returns the summary."""
+    job, not engine start-up), then runs the role's loop. Rank 0 returns the summary. `resume` (rank 0):
+    the checkpoint this run continues from."""
     import time
 
     from marlaas_hpc.model import TextCodec
@@ -66,13 +121,17 @@ def run_rank(comm, job: JobConfig, log=print) -> dict | None:
     model_path = Path(comm.bcast(str(job.model_path()) if rank == 0 else None, root=0))
     codec = TextCodec.from_pretrained(model_path)
     leader = roles["trainer"][0]
+    # a resumed run samples with fresh seeds: replaying the first run's seeds would repeat its samples
+    restarts = comm.bcast(len(resume["runs"]) if resume else 0, root=0)
+    seed = job.seed + 100_003 * restarts
     if role.kind == "scheduler":
         from marlaas_hpc.runtime.scheduler_rank import SchedulerRank
 
         run_dir.mkdir(parents=True, exist_ok=True)
         comm.Barrier()
         log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - start:.1f} s")
-        return SchedulerRank(comm, job, roles, codec, run_dir, log=log, startup_s=time.time() - start).run()
+        return SchedulerRank(comm, job, roles, codec, run_dir, log=log, startup_s=time.time() - start,
+                             preempt=preempt, resume=resume).run()
     if role.kind == "env":
         from marlaas_hpc.runtime.env_rank import EnvRank
 
@@ -88,9 +147,9 @@ def run_rank(comm, job: JobConfig, log=print) -> dict | None:
         # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
         kwargs = {"work_dir": work, "cache_dir": default_cache_dir() / "vllm", "max_loras": job.max_adapters,
                   "max_lora_rank": job.max_lora_rank} if job.engine == "vllm" else {}
-        engine = make_engine(job.engine, model_path, seed=job.seed + rank, **kwargs)
+        engine = make_engine(job.engine, model_path, seed=seed + rank, **kwargs)
         delta = DeltaGroup(comm, leader, roles["rollout"])
-        worker = RolloutRank(comm, engine, delta, work / "adapters", seed=job.seed, run_dir=run_dir)
+        worker = RolloutRank(comm, engine, delta, work / "adapters", seed=seed, run_dir=run_dir)
         comm.Barrier()
         worker.run()
     else:
@@ -111,23 +170,49 @@ def run_rank(comm, job: JobConfig, log=print) -> dict | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("config")
+    parser.add_argument("config", nargs="?")
     parser.add_argument("--run-dir")
     parser.add_argument("--mode", choices=["async", "sync", "sequential"])
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the preempted job of RUN_DIR")
+    parser.add_argument("--auto-resume", action="store_true",
+                        help="resume if the run dir holds a checkpoint, else start fresh (Slurm requeue)")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from mpi4py import MPI
 
+    from marlaas_hpc.runtime.checkpoint import PreemptFlag, load_job_checkpoint
+
+    preempt = PreemptFlag.install()  # before anything slow: USR2 must never kill a rank
     comm = MPI.COMM_WORLD
-    job = load_job(args.config, args.run_dir, args.mode)
+    run_dir = args.resume or args.run_dir
+    resume = bool(args.resume)
+    if args.auto_resume and run_dir:
+        resume = load_job_checkpoint(Path(run_dir)) is not None
+    job = load_job(args.config, run_dir, args.mode, resume=resume)
     check = world_size_matches(job.layout, comm.Get_size())
     if not check:
         if comm.Get_rank() == 0:
             print(f"marlaas: {check.message}", file=sys.stderr, flush=True)
         return 2
+    state = None
+    if comm.Get_rank() == 0:
+        try:
+            state = check_run_dir(job, resume)
+            if not resume:
+                save_job_file(job, args.config)
+            ok = ""
+        except SpecError as exc:
+            ok = str(exc)
+        ok = comm.bcast(ok, root=0)
+    else:
+        ok = comm.bcast(None, root=0)
+    if ok:
+        if comm.Get_rank() == 0:
+            print(f"marlaas: {ok}", file=sys.stderr, flush=True)
+        return 2
     log = (lambda message: print(message, flush=True)) if comm.Get_rank() == 0 else (lambda message: None)
     try:
-        summary = run_rank(comm, job, log=log)
+        summary = run_rank(comm, job, log=log, preempt=preempt, resume=state)
     except BaseException:
         # one dead rank would leave the others blocked in MPI or a collective: take the whole job down
         import traceback
@@ -135,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         comm.Abort(1)
-    if summary is not None:
+    if summary is not None and not summary["preempted"]:
         log(f"[job] {job.mode} finished in {summary['wall_time_s']:.1f} s; summary: {Path(job.run_dir) / 'summary.json'}")
-    comm.Barrier()
-    return 0
+    preempted = comm.bcast(bool(summary and summary["preempted"]), root=0)
+    return PREEMPTED_EXIT if preempted else 0
 
 
 if __name__ == "__main__":

@@ -136,3 +136,17 @@ class TrainerOp:
     """'admit', 'train', 'remove', 'shutdown'."""
     task_id: str = ""
     payload: object = None
+
+
+@dataclass
+class Checkpoint:
+    """rank 0 -> trainer leader, once the drained job is settled: save every live task (all TP ranks)."""
+
+    reason: str = "preempted"
+
+
+@dataclass
+class CheckpointDone:
+    """trainer leader -> rank 0: the versions saved, per live task."""
+
+    versions: dict[str, int]

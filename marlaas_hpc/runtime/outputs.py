@@ -39,6 +39,7 @@ def task_record(task) -> dict:
         "steps_done": max(task.version, 0), "total_steps": task.spec.total_steps,
         "staleness_bound": task.bound, "max_staleness_trained": task.max_trained_staleness,
         "dropped_groups": task.dropped_groups, "dropped_samples": task.dropped_groups * group_size,
+        "preempted_groups": task.preempted_groups,
         "trained_samples": task.trained_groups * group_size,
         "reward_first": task.reward_history[0] if task.reward_history else None,
         "reward_last": task.reward_history[-1] if task.reward_history else None,
@@ -54,9 +55,11 @@ def write_status(run_dir: Path, job, scheduler, elapsed_s: float) -> None:
 
 
 def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_s: float,
-                  rejected: dict[str, str], startup_s: float = 0.0, job_start: float | None = None) -> dict:
+                  rejected: dict[str, str], startup_s: float = 0.0, job_start: float | None = None,
+                  runs: list[dict] | None = None, preempted: bool = False) -> dict:
     """wall_time_s runs from the moment every rank is ready (job_start, unix seconds; start-up excluded:
-    startup_s). Timeline records (timeline/rank<N>.jsonl) use the same unix clock."""
+    startup_s). Timeline records (timeline/rank<N>.jsonl) use the same unix clock. `runs`: this job's
+    earlier runs (each ended by a preemption); `preempted`: this run ended in a checkpoint, not completion."""
     tasks = {}
     for task_id, task in scheduler.tasks.items():
         tasks[task_id] = {**task_record(task),
@@ -69,6 +72,8 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                "model": job.model,
                "engine": job.engine,
                "busy_fraction": {kind: _mean(values) for kind, values in sorted(busy.items())},
+               "preempted": preempted, "previous_runs": runs or [],
+               "total_wall_time_s": wall_s + sum(r["wall_time_s"] for r in runs or []),
                "tasks": tasks, "rejected": rejected,
                # per env rank: env-step latencies by stage (tool:<name>, reward) and per-task episode figures
                "env_ranks": {str(stat.rank): stat.extra for stat in stats if stat.kind == "env" and stat.extra}}

@@ -5,20 +5,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from marlaas_hpc.env.protocol import first_prompt, is_multi_turn
 from marlaas_hpc.model import TextCodec
+from marlaas_hpc.runtime.checkpoint import PreemptFlag, save_job_checkpoint
 from marlaas_hpc.runtime.comm import Outbox, poll
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, EvalDone, GenerateWork, PromptGroup, RankStats,
-                                          Shutdown)
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, CheckpointDone, EvalDone, GenerateWork,
+                                          PromptGroup, RankStats, Shutdown)
 from marlaas_hpc.runtime.outputs import write_audit, write_status, write_summary
 from marlaas_hpc.scheduler import (Admit, Discard, Generate, Scheduler, SchedulerConfig, StepDone, Submit,
                                    TaskEnded, Train)
-from marlaas_hpc.env.protocol import first_prompt, is_multi_turn
 from marlaas_hpc.tasks import SpecError, build_task_data
 
 
 class SchedulerRank:
     def __init__(self, comm, job, roles: dict[str, list[int]], codec: TextCodec, run_dir: Path, log=print,
-                 startup_s: float = 0.0):
+                 startup_s: float = 0.0, preempt: PreemptFlag | None = None, resume: dict | None = None):
         self.comm, self.job, self.roles, self.codec = comm, job, roles, codec
         self.run_dir, self.log = Path(run_dir), log
         self.outbox = Outbox(comm)
@@ -34,15 +35,21 @@ class SchedulerRank:
         self.pending_evals: dict[tuple[str, str], int] = {}
         self.stats: list[RankStats] = []
         self._eval_turn = 0
+        self.preempt = preempt or PreemptFlag()
+        self.resume = resume
+        self.runs: list[dict] = list(resume["runs"]) if resume else []
+        """Earlier runs of this job (each ended by a preemption), oldest first."""
+        self.checkpoint_sent = False
+        self.checkpointed: dict[str, int] | None = None
 
     # ---- intake ----
-    def submit(self, spec) -> list:
+    def submit(self, spec, resume: dict | None = None) -> list:
         """Admission check of a spec (its data must load); a bad one is refused and never disturbs others."""
         try:
             if spec.base_model not in (None, self.job.model):
                 raise SpecError("base_model", f"{spec.base_model!r} differs from the job's base model {self.job.model!r}")
             self.data[spec.task_id] = build_task_data(spec.dataset)
-            return self.scheduler.handle(Submit(spec))
+            return self.scheduler.handle(Submit(spec, resume))
         except (SpecError, ValueError) as exc:
             self.rejected[spec.task_id] = str(exc)
             self.log(f"[intake] task {spec.task_id!r} refused: {exc}")
@@ -50,9 +57,10 @@ class SchedulerRank:
 
     # ---- loop ----
     def run(self) -> dict:
-        for spec in self.job.tasks:
-            self._execute(self.submit(spec))
+        self._submit_all()
         while not (self.scheduler.finished() and not self.pending_evals):
+            if self._preemption_done():
+                break
             self.outbox.progress()
             event, _ = poll(self.comm, TAG_EVENT)
             if event is None:
@@ -71,8 +79,53 @@ class SchedulerRank:
         self.outbox.flush()
         wall = time.time() - self.start
         write_audit(self.run_dir, self.scheduler)
-        return write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats, wall, self.rejected,
-                             self.startup_s, job_start=self.start)
+        preempted = self.checkpointed is not None
+        if preempted:
+            self.runs.append({"started": self.start, "wall_time_s": wall, "startup_s": self.startup_s,
+                              "ended": "preempted"})
+            save_job_checkpoint(self.run_dir, self.scheduler, self.evals, self.rejected, self.runs)
+        summary = write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats, wall, self.rejected,
+                                self.startup_s, job_start=self.start, runs=self.runs[:-1] if preempted else self.runs,
+                                preempted=preempted)
+        if preempted:
+            versions = {t: max(s.version, 0) for t, s in self.scheduler.tasks.items()}
+            self.log(f"[job] preempted: every task checkpointed at {versions}; resume with "
+                     f"`marlaas run --resume {self.run_dir}` (under Slurm the job requeues itself)")
+        return summary
+
+    # ---- start and preemption ----
+    def _submit_all(self) -> None:
+        """Fresh start: the config's tasks. Resume: every checkpointed task at its saved state, the audit and
+        evals so far, then any config task the checkpoint does not know."""
+        known = set()
+        if self.resume:
+            from marlaas_hpc.scheduler import AuditRecord
+            from marlaas_hpc.tasks import TaskSpec
+
+            self.scheduler.audit.extend(AuditRecord(**r) for r in self.resume["audit"])
+            self.evals = {(e["task_id"], e["when"]): list(e["scores"]) for e in self.resume["evals"]}
+            self.rejected.update(self.resume["rejected"])
+            for task_id, record in self.resume["tasks"].items():
+                known.add(task_id)
+                self._execute(self.submit(TaskSpec.from_dict(record["spec"]), resume=record))
+            self.log(f"[job] resuming (run {len(self.runs) + 1}): " + ", ".join(
+                f"{t} {s.status} v{s.resume_version if s.resume_version is not None else max(s.version, 0)}"
+                for t, s in self.scheduler.tasks.items()))
+        for spec in self.job.tasks:
+            if spec.task_id not in known:
+                self._execute(self.submit(spec))
+
+    def _preemption_done(self) -> bool:
+        """Drives the drain once USR2 arrived: True when every task is checkpointed and the job may stop."""
+        if not self.preempt.requested:
+            return False
+        if not self.scheduler.draining:
+            self.scheduler.draining = True
+            self.log("[job] USR2: draining in-flight work, then checkpointing every task at a step boundary")
+        if not self.checkpoint_sent and self.scheduler.settled() and not self.pending_evals:
+            self.outbox.send(Checkpoint(), self.roles["trainer"][0], TAG_CMD)
+            self.checkpoint_sent = True
+        return self.checkpointed is not None
 
     def _event(self, event) -> None:
         if isinstance(event, EvalDone):
@@ -89,6 +142,9 @@ class SchedulerRank:
         if isinstance(event, RankStats):
             self.stats.append(event)
             return
+        if isinstance(event, CheckpointDone):
+            self._checkpoint_done(event)
+            return
         commands = self.scheduler.handle(event)
         if isinstance(event, StepDone) or any(isinstance(c, TaskEnded) for c in commands):
             write_status(self.run_dir, self.job, self.scheduler, time.time() - self.start)
@@ -99,6 +155,14 @@ class SchedulerRank:
                      f"(k={task.bound}) loss {event.metrics.get('loss', 0):+.4f}")
         self._execute(commands)
 
+    def _checkpoint_done(self, event: CheckpointDone) -> None:
+        # the leader's StepDone events precede its CheckpointDone (same source and tag: MPI keeps their order)
+        for task_id, version in event.versions.items():
+            ours = self.scheduler.tasks[task_id].version
+            if ours != version:
+                raise RuntimeError(f"checkpoint of {task_id}: trainer saved v{version}, scheduler is at v{ours}")
+        self.checkpointed = dict(event.versions)
+
     # ---- commands ----
     def _execute(self, commands: list) -> None:
         leader = self.roles["trainer"][0]
@@ -106,7 +170,8 @@ class SchedulerRank:
             if isinstance(command, Admit):
                 for rank in self.roles["env"] + [leader]:
                     self.outbox.send(command, rank, TAG_CMD)
-                self._eval(command.spec.task_id, None)
+                if (command.spec.task_id, "before") not in self.evals:  # a resumed task has its base eval
+                    self._eval(command.spec.task_id, None)
             elif isinstance(command, Generate):
                 self.outbox.send(self._work(command), command.rollout_rank, TAG_CMD)
             elif isinstance(command, (Train, Discard)):

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from marlaas_hpc.driver import adapter_dir, task_dir
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_TRAINER, RankStats, ScoredGroup,
-                                          Shutdown, TrainerOp)
+from marlaas_hpc.runtime.checkpoint import save_torch, trainer_rng_path, trainer_shard_path
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_TRAINER, Checkpoint, CheckpointDone,
+                                          RankStats, ScoredGroup, Shutdown, TrainerOp)
 from marlaas_hpc.scheduler import Admit, Discard, StepDone, TaskEnded, TaskFailed, Train
 from marlaas_hpc.trainer.peft_io import write_peft_adapter
 
@@ -46,10 +47,7 @@ class TrainerRank:
     # ---- every TP rank executes the same ops in the same order ----
     def execute(self, op: TrainerOp):
         if op.kind == "admit":
-            spec = op.payload
-            self.specs[spec.task_id] = spec
-            self.trainer.add_task(spec.task_id, spec.lora, spec.algo)
-            return self._publish(spec.task_id)
+            return self._admit(op.payload)
         if op.kind == "train":  # one fused step over several tasks' orders (shared base forward/backward)
             batches = op.payload
             for order, trajectories in batches:
@@ -59,11 +57,39 @@ class TrainerRank:
                 if math.isfinite(metrics[order.task_id].get("loss", 0.0)):
                     self._publish(order.task_id)
             return metrics
+        if op.kind == "checkpoint":
+            return self._checkpoint()
         if op.kind == "remove":
             if op.task_id in self.trainer.tasks:
                 self.trainer.remove_task(op.task_id)
             return None
         raise ValueError(f"unknown trainer op {op.kind!r}")
+
+    def _admit(self, admit: Admit) -> int:
+        """A new task gets a fresh adapter (v0); a resumed one its saved shard and optimizer state."""
+        import torch
+
+        spec = admit.spec
+        self.specs[spec.task_id] = spec
+        if admit.resume_version is None:
+            self.trainer.add_task(spec.task_id, spec.lora, spec.algo)
+        else:
+            path = trainer_shard_path(self.run_dir, spec, self.trainer.tp_rank)
+            self.trainer.load_state_dict(spec.task_id, torch.load(path, weights_only=False))
+            if self.trainer.version(spec.task_id) != admit.resume_version:
+                raise RuntimeError(f"{path} holds v{self.trainer.version(spec.task_id)}, the scheduler "
+                                   f"resumes v{admit.resume_version}")
+        return self._publish(spec.task_id)
+
+    def _checkpoint(self) -> dict[str, int]:
+        """Every TP rank saves its shard of every live task (adapter, optimizer state, version) and its RNG."""
+        import torch
+
+        for task_id in self.trainer.task_ids():
+            save_torch(self.trainer.state_dict(task_id),
+                       trainer_shard_path(self.run_dir, self.specs[task_id], self.trainer.tp_rank))
+        save_torch(torch.get_rng_state(), trainer_rng_path(self.run_dir, self.trainer.tp_rank))
+        return {task_id: self.trainer.version(task_id) for task_id in self.trainer.task_ids()}
 
     def _publish(self, task_id: str):
         """Gathers the adapter once (collective over TP); the leader checkpoints it and broadcasts it."""
@@ -132,8 +158,16 @@ class TrainerRank:
     def _command(self, command) -> None:
         if isinstance(command, Admit):
             with self.clock.track("admit", (command.spec.task_id,)):
-                version = self._everyone(TrainerOp("admit", command.spec.task_id, command.spec))
+                try:
+                    version = self._everyone(TrainerOp("admit", command.spec.task_id, command))
+                except Exception as exc:  # e.g. a resumed shard saved at another TP size: this task fails
+                    self._fail(command.spec.task_id, exc)
+                    return
             self.outbox.send(StepDone(command.spec.task_id, version), 0, TAG_EVENT)
+        elif isinstance(command, Checkpoint):
+            with self.clock.track("checkpoint"):
+                versions = self._everyone(TrainerOp("checkpoint"))
+            self.outbox.send(CheckpointDone(versions), 0, TAG_EVENT)
         elif isinstance(command, Train):
             self.orders.append(command)
         elif isinstance(command, Discard):

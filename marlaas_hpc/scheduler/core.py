@@ -28,6 +28,8 @@ ORDERS = ("fair", "priority", "fifo")
 @dataclass(frozen=True)
 class Submit:
     spec: TaskSpec
+    resume: dict | None = field(default=None, compare=False)
+    """A checkpointed task record (`TaskState.checkpoint()`): the task continues at its saved version."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class TaskFailed:
 @dataclass(frozen=True)
 class Admit:
     spec: TaskSpec
+    resume_version: int | None = None
+    """Restore the adapter and optimizer saved at this version instead of creating a fresh adapter."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,8 @@ class Scheduler:
         self.env_load = {rank: 0 for rank in config.env_ranks}
         self.training: set[str] = set()
         """Tasks with a Train order in flight (at most trainer_slots)."""
+        self.draining = False
+        """Preemption: issue nothing new (no admit, train or generate) so in-flight work can settle."""
         self._group_of: dict[str, Group] = {}
         self._served: dict[str, int] = {}
         self._tick = itertools.count()
@@ -169,7 +175,7 @@ class Scheduler:
         """Applies one event and returns the commands it makes possible."""
         out: list = []
         if isinstance(event, Submit):
-            self._submit(event.spec)
+            self._submit(event.spec, event.resume)
         elif isinstance(event, Cancel):
             out += self._cancel(event.task_id)
         elif isinstance(event, Generated):
@@ -184,10 +190,13 @@ class Scheduler:
             raise TypeError(f"unknown event {event!r}")
         return out + self.dispatch()
 
-    def _submit(self, spec: TaskSpec) -> None:
+    def _submit(self, spec: TaskSpec, resume: dict | None = None) -> None:
         if spec.task_id in self.tasks:
             raise ValueError(f"task_id: duplicate task id {spec.task_id!r}")
-        self.tasks[spec.task_id] = TaskState(spec=spec, submitted_at=self.clock(), version=-1)
+        if resume is None:
+            self.tasks[spec.task_id] = TaskState(spec=spec, submitted_at=self.clock(), version=-1)
+        else:
+            self.tasks[spec.task_id] = TaskState.from_checkpoint(spec, resume)
         self._served[spec.task_id] = next(self._seq)
 
     def _generated(self, event: Generated) -> list:
@@ -230,8 +239,11 @@ class Scheduler:
     def _step_done(self, event: StepDone) -> list:
         task = self.tasks[event.task_id]
         now = self.clock()
-        if event.version == 0:  # the adapter exists and v0 is on every rollout rank
-            task.version = 0
+        if task.version < 0:  # admitted: the adapter exists (v0, or the resumed version) on every rollout rank
+            expected = task.resume_version or 0
+            if event.version != expected:
+                raise RuntimeError(f"{task.task_id}: admitted at v{event.version}, expected v{expected}")
+            task.version = event.version
             return []
         if task.training is None or event.version != task.version + 1:
             raise RuntimeError(f"{task.task_id}: unexpected StepDone v{event.version} at v{task.version}")
@@ -285,6 +297,8 @@ class Scheduler:
     # ---------------------------------------------------------------- dispatch
     def dispatch(self) -> list:
         """Fills free capacity: admits queued tasks, starts a train step, keeps rollout ranks busy."""
+        if self.draining:
+            return []
         return self._admit() + self._train() + self._generate()
 
     def _admit(self) -> list:
@@ -295,7 +309,7 @@ class Scheduler:
         out = []
         for task in queued[: max(0, self.config.max_active_tasks - running)]:
             task.status, task.admitted_at = RUNNING, self.clock()
-            out.append(Admit(task.spec))
+            out.append(Admit(task.spec, task.resume_version))
         return out
 
     def _running(self) -> list[TaskState]:
@@ -393,6 +407,11 @@ class Scheduler:
         return Generate(rank, env_rank, task.task_id, task.version, tuple(groups))
 
     # ---------------------------------------------------------------- queries
+    def settled(self) -> bool:
+        """Nothing in flight: no group generating or being scored, no train order outstanding. With
+        `draining` set this is a step boundary for every task (the point a checkpoint is taken at)."""
+        return not self.training and all(not t.generating and not t.scoring for t in self.tasks.values())
+
     def finished(self) -> bool:
         """No task is queued or running."""
         return all(t.status in (DONE, FAILED, CANCELLED) for t in self.tasks.values())

@@ -43,6 +43,8 @@ class TaskState:
     trained_groups: int = 0
     dropped_groups: int = 0
     max_trained_staleness: int = 0
+    preempted_groups: int = 0
+    """Groups generated but not trained when the job was preempted (their prompts are not re-issued)."""
     submitted_at: float = 0.0
     admitted_at: float | None = None
     step_times: list[float] = field(default_factory=list)
@@ -51,6 +53,37 @@ class TaskState:
     cancel_requested: bool = False
     """Cancel arrived while a step was in flight: end the task when that step lands."""
     reward_history: list[float] = field(default_factory=list)
+    resume_version: int | None = None
+    """Set for a task restored from a checkpoint: the version its adapter and optimizer were saved at."""
+
+    def checkpoint(self) -> dict:
+        """What survives a preemption (JSON). Groups in flight or buffered are not kept: their prompts
+        are not re-issued (the cursor has moved on) and are counted in preempted_groups."""
+        unfinished = self.status in (QUEUED, RUNNING)
+        return {"status": self.status, "error": self.error,
+                "version": self.version if self.version >= 0 else None,
+                "next_prompt": self.next_prompt, "trained_groups": self.trained_groups,
+                "dropped_groups": self.dropped_groups, "max_trained_staleness": self.max_trained_staleness,
+                "submitted_at": self.submitted_at, "step_times": list(self.step_times),
+                "reward_history": list(self.reward_history),
+                "preempted_groups": (self.preempted_groups + len(self.ready) + len(self.training or [])
+                                     if unfinished else self.preempted_groups)}
+
+    @classmethod
+    def from_checkpoint(cls, spec: TaskSpec, record: dict) -> "TaskState":
+        """A running task comes back queued (it is re-admitted from its saved version); an ended one as is."""
+        ended = record["status"] in (DONE, FAILED, CANCELLED)
+        version = record["version"]
+        task = cls(spec=spec, status=record["status"] if ended else QUEUED,
+                   version=(version or 0) if ended else -1, next_prompt=record["next_prompt"],
+                   trained_groups=record["trained_groups"], dropped_groups=record["dropped_groups"],
+                   max_trained_staleness=record["max_trained_staleness"], submitted_at=record["submitted_at"],
+                   step_times=list(record["step_times"]), error=record["error"],
+                   reward_history=list(record["reward_history"]),
+                   preempted_groups=record.get("preempted_groups", 0))
+        if not ended and version is not None:
+            task.resume_version = version
+        return task
 
     @property
     def task_id(self) -> str:

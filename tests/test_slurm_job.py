@@ -1,0 +1,155 @@
+"""`marlaas submit` against the real local Slurm (slurm/local-cluster/start.sh): the multi-task job runs as a
+4-component heterogeneous job to COMPLETED; USR2 checkpoints it, it requeues itself and resumes, and every
+task ends with each version 1..total_steps trained exactly once."""
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_slurm_cluster import _cluster_problem, _sacct_states
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "slurm-small.yaml"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    problem = _cluster_problem()
+    if problem:
+        pytest.skip(problem)
+
+
+def _marlaas(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _submit(config: dict, tmp_path: Path) -> tuple[str, Path, float]:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    proc = _marlaas("submit", str(path), "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1], run_dir, t0
+
+
+def _wait_final(job_id: str, run_dir: Path, timeout_s: float) -> list[str]:
+    """sacct states once every component has ended; on timeout cancels the job and shows rank 0's log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = _sacct_states(job_id)
+        if len(states) == 4 and not any(s.split()[0] in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED",
+                                                         "REQUEUE_HOLD", "REQUEUE_FED") for s in states):
+            return states
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], check=False)
+    log = run_dir / "slurm" / f"{job_id}_0_log.err"
+    pytest.fail(f"job {job_id} not done in {timeout_s}s: {_sacct_states(job_id)}\n"
+                f"{log.read_text()[-3000:] if log.exists() else 'no rank 0 log'}")
+
+
+def _first_step_time(run_dir: Path) -> float:
+    times = []
+    for metrics in run_dir.glob("tasks/*/*/metrics.jsonl"):
+        times.append(json.loads(metrics.read_text().splitlines()[0])["time"])
+    return min(times)
+
+
+def _config(steps: int) -> dict:
+    config = yaml.safe_load(CONFIG.read_text())
+    for task in config["tasks"]:
+        task["total_steps"] = steps
+    return config
+
+
+def test_submit_runs_the_multi_task_job_as_a_het_job(cluster, tmp_path):
+    job_id, run_dir, t0 = _submit(_config(4), tmp_path)
+    assert _wait_final(job_id, run_dir, 400) == ["COMPLETED"] * 4
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {t: (s["status"], s["steps_done"]) for t, s in summary["tasks"].items()} == \
+        {"add": ("done", 4), "sort": ("done", 4)}
+    for tenant, task_id in (("alice", "add"), ("bob", "sort")):
+        adapters = sorted(p.name for p in (run_dir / "tasks" / tenant / task_id / "adapters").iterdir())
+        assert adapters == [f"v{v:04d}" for v in range(5)]
+    status = _marlaas("status", job_id)
+    assert status.returncode == 0 and f"Slurm job {job_id}: COMPLETED" in status.stdout
+    assert "finished" in status.stdout
+    print(f"\nsubmit -> first optimizer step: {_first_step_time(run_dir) - t0:.1f} s "
+          f"(ranks ready after {summary['startup_s']:.1f} s of it)")
+
+
+def test_usr2_requeues_and_resumes_without_lost_or_repeated_steps(cluster, tmp_path):
+    steps = 14
+    config = _config(steps)
+    job_id, run_dir, _ = _submit(config, tmp_path)
+    deadline = time.monotonic() + 400
+    while True:
+        try:
+            tasks = json.loads((run_dir / "status.json").read_text())["tasks"]
+            if min(t["steps_done"] for t in tasks.values()) >= 3:
+                break
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        assert time.monotonic() < deadline, f"job {job_id} never reached step 3: {_sacct_states(job_id)}"
+        time.sleep(0.5)
+    t0, t0_wall = time.monotonic(), time.time()
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    assert _wait_final(job_id, run_dir, 500) == ["COMPLETED"] * 4
+    round_trip = time.monotonic() - t0
+    checkpoint = json.loads((run_dir / "checkpoint" / "scheduler.json").read_text())
+    assert len(checkpoint["runs"]) == 1 and checkpoint["runs"][0]["ended"] == "preempted"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["preempted"] is False and len(summary["previous_runs"]) == 1
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    for task in config["tasks"]:
+        task_id, algo = task["task_id"], task["algo"]
+        assert summary["tasks"][task_id]["steps_done"] == steps  # final version == configured total steps
+        metrics = (run_dir / "tasks" / task["tenant"] / task_id / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(m)["version"] for m in metrics] == list(range(1, steps + 1))  # none twice, none lost
+        per_version = collections.Counter(r["trained_into"] for r in audit if r["task_id"] == task_id)
+        assert per_version == {v: algo["batch_prompts"] * algo["group_size"] for v in range(1, steps + 1)}
+    saved = {t: r["version"] for t, r in checkpoint["tasks"].items()}
+    resumed_step = min(json.loads(m)["time"] for task in config["tasks"] for m in
+                       (run_dir / "tasks" / task["tenant"] / task["task_id"] / "metrics.jsonl").read_text().splitlines()
+                       if json.loads(m)["version"] == saved[task["task_id"]] + 1)
+    print(f"\ncheckpointed at {saved}; USR2 -> first step of the requeued run {resumed_step - t0_wall:.1f} s "
+          f"(checkpoint drain {checkpoint['saved_at'] - t0_wall:.1f} s); USR2 -> COMPLETED {round_trip:.1f} s")
+
+
+def test_bad_configs_are_refused_before_submission(cluster, tmp_path):
+    cases = {
+        "trainer.partition": ({"trainer": {"partition": "a100", "gpus_per_task": 1}}, "unknown partition 'a100'"),
+        "env.ntasks": ({"env": {"partition": "cpu", "ntasks": 0}}, "at least one task"),
+        "trainer.ntasks": ({"trainer": {"partition": "gpu", "ntasks": 3}}, "not a multiple of trainer_tp"),
+        "env.gpus_per_task": ({"env": {"partition": "cpu", "gpus_per_task": 1}}, "CPU-only"),
+    }
+    for field, (layout, message) in cases.items():
+        config = _config(4)
+        config["layout"].update(layout)
+        path = tmp_path / f"{field}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+        proc = _marlaas("submit", str(path), "--run-dir", str(tmp_path / field))
+        assert proc.returncode == 2 and field in proc.stderr and message in proc.stderr, (field, proc.stderr)
+        after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+        assert before == after, "nothing was submitted"
+
+
+def test_cancel_stops_every_component(cluster, tmp_path):
+    job_id, run_dir, _ = _submit(_config(50), tmp_path)
+    proc = _marlaas("cancel", job_id)
+    assert proc.returncode == 0 and f"cancelled job {job_id}" in proc.stdout and str(run_dir) in proc.stdout
+    deadline = time.monotonic() + 120
+    while not (len(states := _sacct_states(job_id)) == 4 and all(s.startswith("CANCELLED") for s in states)):
+        assert time.monotonic() < deadline, f"job {job_id} not cancelled: {states}"
+        time.sleep(1)
+    assert f"Slurm job {job_id}: CANCELLED" in _marlaas("status", job_id).stdout
