@@ -52,14 +52,14 @@ class TinyModelConfig:
     p_correct: float = 0.3
     """Probability that a pre-training answer is right; otherwise it is the task's systematic mistake.
     The base model then prefers the mistake, and is right where the two agree (28-47% of inputs)."""
-    lookup_examples: int = 12
+    lookup_examples: int = 8
     """Lookup-workload episodes per pre-training step (on top of batch_size, in a loss term of their own)."""
-    lookup_loss_weight: float = 0.5
+    lookup_loss_weight: float = 0.25
     """Weight of the lookup sequences' mean token loss next to the synthetic tasks' (which keep weight 1, so
     their pre-training, and with it how well RL can still move them, stays close to a model without lookup)."""
     lookup_p_tool: float = 0.3
     """Fraction of those that call the tool and answer from its result; the others answer blind (mistake)."""
-    lookup_drills: int = 6
+    lookup_drills: int = 4
     """Lookup tool transcripts per step in which only the answer after the observation is trained (the call
     is context, not trained): teaches using a tool result without teaching to call the tool."""
 
