@@ -122,7 +122,7 @@ def test_env_rank_reports_stage_latencies(finished_run):
     lookup = env["episodes"]["lookup"]
     assert 0 < lookup["train"]["tool_call_rate"] <= 1 and lookup["train"]["episodes"] >= 4 * 4 * 4
     steps = [r for r in timeline if r["stage"] == "env_step"]
-    assert any("tool:lookup" in r for r in steps) and any("reward" in r for r in steps)
+    assert any(r.get("tool:lookup", 0) >= 0.5 for r in steps)  # slow steps have timeline records
     print(f"\n[env-runtime] lookup tool p50/p90/p99 "
           + "/".join(f"{stages['tool:lookup'][q] * 1e3:.1f}" for q in ("p50", "p90", "p99")) + " ms, reward p50 "
           f"{stages['reward']['p50'] * 1e3:.2f} ms; lookup tool-call rate (train) {lookup['train']['tool_call_rate']:.2f}")

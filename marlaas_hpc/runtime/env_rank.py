@@ -19,7 +19,8 @@ interleaved. Every turn of an episode must come back with the group's version (p
 a turn sampled with any other version is a bug and stops the job. A reward function that raises or returns
 NaN / out-of-range, an env that raises or an env step past the pool's timeout fails its task only.
 
-Timeline (timeline/rank<N>.jsonl): 'env_step' records (per env step: tool and reward seconds, outcome),
+Timeline (timeline/rank<N>.jsonl): 'env_step' records (env steps of >= 1 ms: tool and reward seconds,
+outcome; the many faster ones are only in the stats, to keep the file small),
 'episode' records (turns, per-turn versions, tool calls, model / tool token counts, finish reason, reward),
 'turn' busy spans of this rank's own book-keeping. RankStats.extra (summary.json 'env_ranks'): the pool's
 per-stage latency summaries (tool:<name>, reward, step, queue: p50/p90/p99) and per-task episode figures.
@@ -40,6 +41,10 @@ from marlaas_hpc.scheduler import Admit, Generated, Scored, TaskFailed
 from marlaas_hpc.tasks import build_task_data
 from marlaas_hpc.trainer.grpo import assign_advantages
 from marlaas_hpc.trajectory import Trajectory
+
+
+TIMELINE_MIN_STEP_S = 0.001
+"""Env steps shorter than this get no timeline record of their own (the pool's stats count them all)."""
 
 
 @dataclass
@@ -129,8 +134,7 @@ class EnvRank:
             if is_multi_turn(self.tasks[data.task_id]):
                 self._drop(data, rollout_rank, generated=data.turn == 1)  # later turns: dropped in _fail
             return
-        with self.clock.track("turn", (data.task_id,), group_id=data.group_id, turn=data.turn,
-                              samples=len(data.completions)):
+        with self.clock.track("turn", (data.task_id,)):  # no extras: back-to-back spans merge
             group = self.groups.get(data.group_id) if data.turn > 1 else self._open(data, rollout_rank)
             if group is None:
                 return
@@ -269,6 +273,8 @@ class EnvRank:
 
     # ---- measurements ----
     def _note_step(self, group: _Group, j: int, outcome: StepOutcome) -> None:
+        if outcome.run_s < TIMELINE_MIN_STEP_S:
+            return
         result = outcome.result
         kind = "error" if outcome.error is not None else "final" if isinstance(result, Final) else "observation"
         timings = dict(result.timings) if result is not None else {}
