@@ -19,13 +19,11 @@ malformed JSON or an empty corpus raises SpecError naming the file and line.
 """
 from __future__ import annotations
 
-import json
 import random
 import re
 import string
 import threading
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from marlaas_hpc.env.protocol import Environment, SingleTurnEnv

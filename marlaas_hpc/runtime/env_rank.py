@@ -286,7 +286,8 @@ class EnvRank:
         first = group.first
         model_tokens = sum(episode.mask)
         self.clock.note("episode", (first.task_id,), group.t0, time.time(), group_id=first.group_id, episode=j,
-                        eval=first.eval, turns=len(episode.turn_versions), prompt_tokens=len(first.prompt_ids), turn_versions=episode.turn_versions,
+                        eval=first.eval, turns=len(episode.turn_versions), prompt_tokens=len(first.prompt_ids),
+                        turn_versions=episode.turn_versions,
                         newest_versions=episode.newest_versions, tool_calls=episode.tool_calls,
                         tool_errors=episode.tool_errors, model_tokens=model_tokens,
                         tool_tokens=len(episode.mask) - model_tokens, finish=episode.final.reason,
