@@ -80,7 +80,10 @@ def cmd_sbatch(args) -> int:
         print(f"marlaas: invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
     folder = Path(job.run_dir).resolve() / "slurm"
-    print(render_sbatch(job.layout, job_command(args.config, job.run_dir), args.job_name, folder), end="")
+    from marlaas_hpc.runtime.checkpoint import requeue_marker
+
+    marker = requeue_marker(Path(job.run_dir).resolve())
+    print(render_sbatch(job.layout, job_command(args.config, job.run_dir), args.job_name, folder, marker), end="")
     print(f"# the log folder must exist before submission: mkdir -p {folder}", file=sys.stderr)
     return 0
 
@@ -186,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     status = sub.add_parser("status", help="per-task step / state / reward of a run dir or a submitted job id")
     status.add_argument("run_dir", metavar="RUN_DIR|JOB")
     status.set_defaults(func=cmd_status)
+    from marlaas_hpc.sim.command import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -17,7 +17,8 @@ from marlaas_hpc.launch.submitit_hetjob import HetJobExecutor, HetJobInfoWatcher
 
 GOLDEN = Path(__file__).parent / "golden"
 LAYOUTS = ["cpu_small", "gpu_tp4"]
-COMMAND = "python -u -m marlaas_hpc.driver /scratch/marlaas/job.yaml"
+COMMAND = ("python -m marlaas_hpc.runtime.main /scratch/marlaas/job.yaml --run-dir /scratch/marlaas/runs/demo "
+           "--auto-resume")
 FOLDER = "/scratch/marlaas/runs/demo"
 
 
@@ -62,7 +63,7 @@ def _executor(layout: JobLayout, monkeypatch) -> HetJobExecutor:
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_render_sbatch_golden(name):
-    text = render_sbatch(_layout(name), COMMAND, "demo", FOLDER)
+    text = render_sbatch(_layout(name), COMMAND, "demo", FOLDER, f"{FOLDER}/checkpoint/REQUEUE")
     _check_golden(text, GOLDEN / f"sbatch_{name}.sbatch")
 
 

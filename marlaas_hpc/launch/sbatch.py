@@ -59,9 +59,11 @@ def srun_args(layout: JobLayout) -> list[str]:
     return [f"--het-group=0-{len(COMPONENTS) - 1}", f"--mpi={layout.mpi}", "--kill-on-bad-exit=1"]
 
 
-def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | Path) -> str:
+def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | Path,
+                  requeue_marker: str | Path | None = None) -> str:
     """The sbatch script running `command` (a shell command line) on every rank of `layout`.
-    Slurm writes the batch log to FOLDER/<job_name>-<jobid>.out (the folder must exist at submission)."""
+    Slurm writes the batch log to FOLDER/<job_name>-<jobid>.out (the folder must exist at submission).
+    `requeue_marker`: a file the command leaves when it checkpointed on USR2; the script then requeues."""
     import jinja2
 
     layout.validate()
@@ -82,7 +84,8 @@ def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | 
         job_name=job_name, world_size=layout.world_size, trainer_tp=layout.trainer_tp,
         trainer_dp=layout.trainer_dp, blocks=blocks, setup=layout.setup,
         exports=[f"export {k}={shlex.quote(v)}" for k, v in layout.exports_for_job().items()],
-        srun=shlex.join(["srun", *srun_args(layout)]), command=command)
+        srun=shlex.join(["srun", *srun_args(layout)]), command=command,
+        requeue_marker=shlex.quote(str(requeue_marker)) if requeue_marker else "")
 
 
 def cluster_partitions() -> set[str] | None:

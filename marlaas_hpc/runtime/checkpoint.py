@@ -30,6 +30,12 @@ def checkpoint_file(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoint" / "scheduler.json"
 
 
+def requeue_marker(run_dir: Path) -> Path:
+    """Left by rank 0 when the job stopped at a checkpoint (the plain sbatch script requeues on it);
+    removed when a run resumes."""
+    return Path(run_dir) / "checkpoint" / "REQUEUE"
+
+
 def trainer_shard_path(run_dir: Path, spec, tp_rank: int) -> Path:
     from marlaas_hpc.driver import task_dir
 
@@ -63,6 +69,7 @@ def save_job_checkpoint(run_dir: Path, scheduler, evals: dict, rejected: dict, r
     }
     path = checkpoint_file(run_dir)
     atomic_write_text(path, json.dumps(state, indent=1) + "\n")
+    requeue_marker(run_dir).write_text(f"{time.time()}\n")
     return path
 
 

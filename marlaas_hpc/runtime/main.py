@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from mpi4py import MPI
 
-    from marlaas_hpc.runtime.checkpoint import PreemptFlag, load_job_checkpoint
+    from marlaas_hpc.runtime.checkpoint import PreemptFlag, load_job_checkpoint, requeue_marker
 
     preempt = PreemptFlag.install()  # before anything slow: USR2 must never kill a rank
     comm = MPI.COMM_WORLD
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             state = check_run_dir(job, resume)
             if not resume:
                 save_job_file(job, args.config)
+            requeue_marker(Path(job.run_dir)).unlink(missing_ok=True)
             ok = ""
         except SpecError as exc:
             ok = str(exc)
@@ -223,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     if summary is not None and not summary["preempted"]:
         log(f"[job] {job.mode} finished in {summary['wall_time_s']:.1f} s; summary: {Path(job.run_dir) / 'summary.json'}")
     preempted = comm.bcast(bool(summary and summary["preempted"]), root=0)
-    return PREEMPTED_EXIT if preempted else 0
+    # only rank 0 reports the preemption: under srun --kill-on-bad-exit an early non-zero exit of another
+    # rank would kill rank 0 while it finalizes
+    return PREEMPTED_EXIT if preempted and comm.Get_rank() == 0 else 0
 
 
 if __name__ == "__main__":

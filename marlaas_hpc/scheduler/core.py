@@ -13,7 +13,10 @@ what the trainer consumed; a ready group that is too old when its task's step is
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -169,6 +172,38 @@ class Scheduler:
         self._served: dict[str, int] = {}
         self._tick = itertools.count()
         self._seq = itertools.count()
+        # Incremental indexes, so that one event costs O(log tasks), not a scan of every task (simulations
+        # run 1024 tasks). Each is kept true by `_touch(task)` after any change to that task.
+        self._live = 0
+        """Tasks queued or running (finished() is live == 0)."""
+        self._n_running = 0
+        self._queued: list = []
+        """Heap of (admission key, submission number, task_id); ended tasks are skipped lazily."""
+        self._issuable: dict[str, int] = {}
+        """Running tasks whose quota is > 0 -> the stamp of their valid entry in `_issue_heap`."""
+        self._issue_heap: list = []
+        """Heap of (order key, stamp, task_id); entries whose stamp is not current are stale."""
+        self._stamps = itertools.count()
+        self._trainable: dict[str, int] = {}
+        """Running tasks a train pass would act on (idle, with a full batch or a stale group) -> the stamp of
+        their valid entry in `_train_heap`."""
+        self._train_heap: list = []
+        self._round_versions: Counter = Counter()
+        """Sync mode: versions of running tasks (the round is the minimum)."""
+        self._short_of_batch: Counter = Counter()
+        """Sync: per version, running idle tasks at it with less than a batch ready."""
+        self._counted: dict[str, tuple] = {}
+        """task_id -> (its version in _round_versions, its key in _short_of_batch), as last counted."""
+        self._sequential: list = []
+        """Sequential mode: heap of (-priority, submitted_at, task_id) of admitted tasks; ended ones are
+        dropped from the top lazily."""
+        self._last_round = None
+        self._env_heap = [(0, rank) for rank in sorted(config.env_ranks)]
+        """(load, env rank) entries; one whose load is not the rank's load now is stale."""
+        self._rank_index = {rank: i for i, rank in enumerate(config.rollout_ranks)}
+        self._free_ranks: list[int] = list(range(len(config.rollout_ranks)))
+        """Indexes (in config.rollout_ranks) of the rollout ranks with a free slot, sorted: the generate pass
+        fills them in config order."""
 
     # ---------------------------------------------------------------- events
     def handle(self, event) -> list:
@@ -194,18 +229,24 @@ class Scheduler:
         if spec.task_id in self.tasks:
             raise ValueError(f"task_id: duplicate task id {spec.task_id!r}")
         if resume is None:
-            self.tasks[spec.task_id] = TaskState(spec=spec, submitted_at=self.clock(), version=-1)
+            task = TaskState(spec=spec, submitted_at=self.clock(), version=-1)
         else:
-            self.tasks[spec.task_id] = TaskState.from_checkpoint(spec, resume)
+            task = TaskState.from_checkpoint(spec, resume)
+        self.tasks[spec.task_id] = task
         self._served[spec.task_id] = next(self._seq)
+        if task.status != QUEUED:
+            return  # a resumed task that had already ended
+        self._live += 1
+        key = (-spec.priority, task.submitted_at) if self.config.order == "priority" else (task.submitted_at,)
+        heapq.heappush(self._queued, (key, self._served[spec.task_id], spec.task_id))
 
     def _generated(self, event: Generated) -> list:
         # Events from different ranks may arrive in any order: a group's Scored (from its env rank) can
         # overtake its Generated (from its rollout rank). Only a group still generating moves to scoring.
         out = []
         versions = event.versions or (None,) * len(event.group_ids)
+        self._has_room(event.rollout_rank, -len(event.group_ids))
         for gid, version in zip(event.group_ids, versions):
-            self.rollout_load[event.rollout_rank] -= 1
             group = self._group_of.get(gid)
             if group is None:
                 continue
@@ -219,14 +260,14 @@ class Scheduler:
             if not task.active:
                 out.append(self._forget([group], task, "task ended"))
                 continue
-            task.scoring[gid] = group
+            task.scoring[gid] = group  # generating -> scoring: outstanding and ready unchanged, no re-filing
         return out
 
     def _scored(self, event: Scored) -> list:
         group = self._group_of.get(event.group_id)
         if group is None:
             return []
-        self.env_load[group.env_rank] -= 1
+        self._env_load_changed(group.env_rank, -1)
         task = self.tasks[group.task_id]
         if task.scoring.pop(group.group_id, None) is None and task.generating.pop(group.group_id, None) is None:
             return []  # not in flight any more
@@ -234,6 +275,7 @@ class Scheduler:
             return [self._forget([group], task, "task ended")]
         group.reward_mean = event.reward_mean
         task.ready.append(group)
+        self._touch(task, quota_changed=False)  # scoring -> ready: outstanding (the quota's input) unchanged
         return []
 
     def _step_done(self, event: StepDone) -> list:
@@ -244,6 +286,7 @@ class Scheduler:
             if event.version != expected:
                 raise RuntimeError(f"{task.task_id}: admitted at v{event.version}, expected v{expected}")
             task.version = event.version
+            self._touch(task)
             return []
         if task.training is None or event.version != task.version + 1:
             raise RuntimeError(f"{task.task_id}: unexpected StepDone v{event.version} at v{task.version}")
@@ -258,6 +301,7 @@ class Scheduler:
         task.training, task.version = None, event.version
         task.step_times.append(now)
         self.training.discard(task.task_id)
+        self._touch(task)
         if task.cancel_requested:
             return self._end(task.task_id, CANCELLED)
         if task.version >= task.spec.total_steps:
@@ -278,6 +322,9 @@ class Scheduler:
         if task.status in (DONE, FAILED, CANCELLED):
             return []
         was_training = task.training is not None
+        self._live -= 1
+        if task.status == RUNNING:
+            self._n_running -= 1
         task.status, task.error = status, error
         out = []
         # groups still generating or scoring are forgotten when their events arrive (task not active)
@@ -286,6 +333,7 @@ class Scheduler:
         task.ready, task.training = [], None
         if was_training:
             self.training.discard(task_id)
+        self._touch(task)
         out.append(TaskEnded(task_id, status, error))
         return out
 
@@ -299,47 +347,78 @@ class Scheduler:
         """Fills free capacity: admits queued tasks, starts a train step, keeps rollout ranks busy."""
         if self.draining:
             return []
-        return self._admit() + self._train() + self._generate()
+        out = self._admit()
+        self._new_round()
+        return out + self._train() + self._generate()
 
     def _admit(self) -> list:
-        running = sum(t.status == RUNNING for t in self.tasks.values())
-        queued = sorted((t for t in self.tasks.values() if t.status == QUEUED),
-                        key=lambda t: (-t.spec.priority, t.submitted_at) if self.config.order == "priority"
-                        else (t.submitted_at,))
         out = []
-        for task in queued[: max(0, self.config.max_active_tasks - running)]:
+        while self._queued and self._n_running < self.config.max_active_tasks:
+            task = self.tasks[heapq.heappop(self._queued)[2]]
+            if task.status != QUEUED:
+                continue  # cancelled while queued
             task.status, task.admitted_at = RUNNING, self.clock()
+            self._n_running += 1
+            heapq.heappush(self._sequential, (-task.spec.priority, task.submitted_at, task.task_id))
+            self._touch(task)
             out.append(Admit(task.spec, task.resume_version))
         return out
 
     def _running(self) -> list[TaskState]:
         return [t for t in self.tasks.values() if t.status == RUNNING]
 
-    def _ordered(self, tasks: list[TaskState]) -> list[TaskState]:
+    def _order_key(self, task: TaskState):
         if self.config.order == "priority":
-            return sorted(tasks, key=lambda t: (-t.spec.priority, self._served[t.task_id]))
+            return (-task.spec.priority, self._served[task.task_id])
         if self.config.order == "fifo":
-            return sorted(tasks, key=lambda t: (t.submitted_at, t.task_id))
-        return sorted(tasks, key=lambda t: self._served[t.task_id])
+            return (task.submitted_at, task.task_id)
+        return self._served[task.task_id]
+
+    def _ordered(self, tasks) -> list[TaskState]:
+        return sorted(tasks, key=self._order_key)
 
     def _train(self) -> list:
         out: list = []
-        for task in self._ordered(self._running()):
-            if len(self.training) >= self.config.trainer_slots:
-                break
-            if task.training is not None or task.version < 0 or not self._may_train(task):
+        if len(self.training) >= self.config.trainer_slots or not self._train_heap or self._round_incomplete():
+            return out
+        # only tasks in _trainable would do anything in this pass, taken in order from their heap
+        skipped = []
+        while len(self.training) < self.config.trainer_slots and self._train_heap:
+            entry = heapq.heappop(self._train_heap)
+            task = self.tasks[entry[2]]
+            if self._trainable.get(task.task_id) != entry[1]:
+                continue
+            if not self._may_train(task):
+                skipped.append(entry)
                 continue
             out += self._drop_stale(task)
             if len(task.ready) < task.batch:
+                self._touch(task)
                 continue
             task.ready.sort(key=lambda g: g.version)  # oldest versions first: they are closest to the bound
             batch, task.ready = task.ready[: task.batch], task.ready[task.batch:]
             task.training = batch
             self.training.add(task.task_id)
-            self._served[task.task_id] = next(self._seq)
+            self._serve(task)
             out.append(Train(task.task_id, task.version, tuple(g.group_id for g in batch),
                              tuple(g.version for g in batch), task.bound))
+        for entry in skipped:
+            heapq.heappush(self._train_heap, entry)
         return out
+
+    def _round_incomplete(self) -> bool:
+        """Sync: some idle task at the lowest version is short of a batch, so no task may train (the
+        per-task rule of _may_train, checked once instead of for every waiting task)."""
+        if self.config.mode != "sync" or not self._short_of_batch:
+            return False
+        return min(self._short_of_batch) <= min(v for v in self._round_versions if v >= 0)
+
+    def _serve(self, task: TaskState) -> None:
+        """The task was just served (fair order): it moves to the back of both queues."""
+        self._served[task.task_id] = next(self._seq)
+        self._issuable.pop(task.task_id, None)
+        self._trainable.pop(task.task_id, None)
+        self._touch(task)
 
     def _drop_stale(self, task: TaskState) -> list:
         oldest_allowed = task.version - task.bound
@@ -354,8 +433,8 @@ class Scheduler:
         if self.config.mode != "sync":
             return True
         # lockstep: the round trains only once every task of the round has its whole batch scored
-        return all(t.training is not None or len(t.ready) >= t.batch or t.version > task.version
-                   for t in self._running() if t.version >= 0)
+        # (no running idle task at a version <= this one is short of a batch)
+        return not any(version <= task.version for version in self._short_of_batch)
 
     def _quota(self, task: TaskState) -> int:
         """Groups this task may have issued now, by the mode's rule."""
@@ -366,32 +445,72 @@ class Scheduler:
         if mode == "async":
             allowed = (task.bound + 1) * task.batch - task.outstanding()
         elif mode == "sync":
-            round_version = min(t.version for t in self._running())
+            round_version = min(self._round_versions)
             allowed = task.batch - task.outstanding() if task.version == round_version else 0
         else:  # sequential: only the first unfinished task, one synchronous step at a time
-            first = self._ordered_sequential()[0]
+            first = self._first_sequential()
             allowed = task.batch - task.outstanding() if task is first and task.training is None else 0
         return max(0, min(allowed, remaining))
 
-    def _ordered_sequential(self) -> list[TaskState]:
-        return sorted(self._running(), key=lambda t: (-t.spec.priority, t.submitted_at, t.task_id))
+    def _env_load_changed(self, rank: int, change: int) -> None:
+        self.env_load[rank] += change
+        heapq.heappush(self._env_heap, (self.env_load[rank], rank))
+        if len(self._env_heap) > 8 * len(self.env_load) + 64:  # drop the stale entries now and then
+            self._env_heap = sorted((load, r) for r, load in self.env_load.items())
+
+    def _least_loaded_env_rank(self) -> int:
+        """min over env ranks of (load, rank), from the heap: stale entries are dropped (and, had the load
+        been raised from outside, re-filed) until the top is current."""
+        while True:
+            load, rank = self._env_heap[0]
+            if load == self.env_load[rank]:
+                return rank
+            heapq.heappop(self._env_heap)
+            heapq.heappush(self._env_heap, (self.env_load[rank], rank))
+
+    def _has_room(self, rank: int, issued: int) -> None:
+        """Adds issued groups to (or, negative, finished ones from) a rollout rank's load."""
+        self.rollout_load[rank] += issued
+        index = self._rank_index[rank]
+        at = bisect.bisect_left(self._free_ranks, index)
+        listed = at < len(self._free_ranks) and self._free_ranks[at] == index
+        if self.rollout_load[rank] < self.config.rollout_slots and not listed:
+            self._free_ranks.insert(at, index)
+        elif self.rollout_load[rank] >= self.config.rollout_slots and listed:
+            del self._free_ranks[at]
+
+    def _first_sequential(self) -> TaskState:
+        """The task sequential mode serves: the running task first by (-priority, submitted_at, task_id)."""
+        while self.tasks[self._sequential[0][2]].status != RUNNING:
+            heapq.heappop(self._sequential)
+        return self.tasks[self._sequential[0][2]]
 
     def _generate(self) -> list:
         out = []
-        for rank in self.config.rollout_ranks:
+        if not self._issuable:
+            return out
+        while self._issuable and self._free_ranks:
+            rank = self.config.rollout_ranks[self._free_ranks[0]]  # the first rank (config order) with room
             free = self.config.rollout_slots - self.rollout_load[rank]
-            for task in self._ordered(self._running()):
-                if free <= 0:
-                    break
+            # tasks with quota > 0 in order; each one popped is issued (take > 0), so none needs re-pushing
+            # unless it keeps quota, which means the rank is full and this rank's pass ends
+            while free > 0 and self._issue_heap:
+                _, stamp, task_id = heapq.heappop(self._issue_heap)
+                if self._issuable.get(task_id) != stamp:
+                    continue
+                task = self.tasks[task_id]
                 take = min(free, self._quota(task))
-                if take <= 0:
+                if take <= 0:  # cannot happen while the indexes are true; never issue nothing
+                    del self._issuable[task_id]
                     continue
                 out.append(self._issue(task, rank, take))
                 free -= take
+            if free > 0:
+                break  # nothing left to issue
         return out
 
     def _issue(self, task: TaskState, rank: int, count: int) -> Generate:
-        env_rank = min(self.env_load, key=lambda r: (self.env_load[r], r))
+        env_rank = self._least_loaded_env_rank()
         groups = []
         now = self.clock()
         for _ in range(count):
@@ -401,9 +520,9 @@ class Scheduler:
             self._group_of[gid] = group
             groups.append((gid, task.next_prompt))
             task.next_prompt += 1
-        self.rollout_load[rank] += count
-        self.env_load[env_rank] += count
-        self._served[task.task_id] = next(self._seq)
+        self._has_room(rank, count)
+        self._env_load_changed(env_rank, count)
+        self._serve(task)
         return Generate(rank, env_rank, task.task_id, task.version, tuple(groups))
 
     # ---------------------------------------------------------------- queries
@@ -414,4 +533,67 @@ class Scheduler:
 
     def finished(self) -> bool:
         """No task is queued or running."""
-        return all(t.status in (DONE, FAILED, CANCELLED) for t in self.tasks.values())
+        return self._live == 0
+
+    # ---------------------------------------------------------------- incremental indexes
+    def _touch(self, task: TaskState, quota_changed: bool = True) -> None:
+        """Re-files one task in the indexes after any change to it (status, version, groups, order key)."""
+        running = task.status == RUNNING
+        idle = running and task.training is None and task.version >= 0
+        if self.config.mode == "sync":
+            self._recount(task, running, idle)
+        if idle and task.ready and (len(task.ready) >= task.batch
+                                    or min(g.version for g in task.ready) < task.version - task.bound):
+            if task.task_id not in self._trainable:
+                stamp = next(self._stamps)
+                self._trainable[task.task_id] = stamp
+                heapq.heappush(self._train_heap, (self._order_key(task), stamp, task.task_id))
+        else:
+            self._trainable.pop(task.task_id, None)
+        if quota_changed:
+            self._refile_issuable(task)
+
+    def _refile_issuable(self, task: TaskState) -> None:
+        if task.status != RUNNING or self._quota(task) <= 0:
+            self._issuable.pop(task.task_id, None)
+        elif task.task_id not in self._issuable:
+            stamp = next(self._stamps)
+            self._issuable[task.task_id] = stamp
+            heapq.heappush(self._issue_heap, (self._order_key(task), stamp, task.task_id))
+
+    def _recount(self, task: TaskState, running: bool, idle: bool) -> None:
+        """The sync-mode counters: round versions, and tasks short of a batch per version."""
+        short = task.version if idle and len(task.ready) < task.batch else None
+        counted = (task.version if running else None, short)
+        before = self._counted.get(task.task_id, (None, None))
+        if counted == before:
+            return
+        for counter, old, new in ((self._round_versions, before[0], counted[0]),
+                                  (self._short_of_batch, before[1], counted[1])):
+            if old != new:
+                if old is not None:
+                    counter[old] -= 1
+                    if counter[old] == 0:
+                        del counter[old]
+                if new is not None:
+                    counter[new] += 1
+        self._counted[task.task_id] = counted
+
+    def _new_round(self) -> None:
+        """Quotas that depend on every task (the sync round, the sequential first task) are re-filed when
+        that changes: once per round or per admitted / ended task, not per event."""
+        mode = self.config.mode
+        if mode == "async" or not self._n_running:
+            return
+        if mode == "sequential":  # only the previous and the new first task can change quota
+            first, previous = self._first_sequential(), self._last_round
+            if first is not previous:
+                self._last_round = first
+                for task in (previous, first):
+                    if task is not None:
+                        self._refile_issuable(task)
+            return
+        if min(self._round_versions) != self._last_round:
+            self._last_round = min(self._round_versions)
+            for task in self._running():
+                self._refile_issuable(task)

@@ -1,0 +1,5 @@
+"""Discrete-event simulator of a whole job: the real scheduler against simulated ranks (DESIGN.md §9).
+
+    workload.py  stage-cost model, YAML with units      setup.py   layout and tasks (from a job config)
+    engine.py    event queue and simulated ranks          report.py  summary, figures, timeline
+"""

@@ -1,0 +1,522 @@
+"""Discrete-event simulator: the real `Scheduler` driven by simulated rollout, env and trainer ranks.
+
+    Submit ─► Scheduler.handle ─► commands ─► simulated ranks ─► future events (after stage times) ─► ...
+
+    Generate ─► RolloutSim (continuous batch: every running sequence gains a token per engine step;
+                step = decode_step * sequences ** batch_exponent; prefill and adapter loads stall it;
+                multi-turn episodes leave the batch for a tool call and come back)
+             ─► Generated (scheduler)  +  group data ─► EnvSim (FIFO, reward time per sample) ─► Scored
+    Train    ─► TrainerSim (fuses every order whose data is there; step time from tokens, fused tasks, TP;
+                then publishes each task's delta) ─► StepDone, and the new version on every rollout rank
+    Admit    ─► TrainerSim (adapter created, v0 published) ─► StepDone(v0); evals like the runtime's
+
+Only the scheduler's events and commands cross the boundary, so the scheduler cannot tell this from MPI.
+Everything random draws from one seeded generator in event order: the same seed gives the same trace.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Scheduler, Scored, StepDone, Submit,
+                                   TaskEnded, TaskFailed, Train)
+from marlaas_hpc.sim.setup import SimSetup
+from marlaas_hpc.sim.workload import TaskProfile, Workload
+
+
+class EventQueue:
+    """Simulated time: callbacks ordered by (time, insertion order), so ties are deterministic."""
+
+    def __init__(self):
+        self.now = 0.0
+        self._heap: list = []
+        self._order = itertools.count()
+
+    def at(self, time: float, callback, *args) -> None:
+        heapq.heappush(self._heap, (max(time, self.now), next(self._order), callback, args))
+
+    def after(self, delay: float, callback, *args) -> None:
+        self.at(self.now + delay, callback, *args)
+
+    def run(self, until_idle) -> None:
+        heap = self._heap
+        while heap and not until_idle():
+            self.now, _, callback, args = heapq.heappop(heap)
+            callback(*args)
+
+
+class BusyMeter:
+    """Busy seconds of one rank, and its spans (stage, start, end) when a timeline is kept."""
+
+    def __init__(self, keep_spans: bool):
+        self.busy = 0.0
+        self.spans: list[tuple[str, float, float]] | None = [] if keep_spans else None
+
+    def add(self, stage: str, start: float, end: float) -> None:
+        if end > start:
+            self.busy += end - start
+            if self.spans is not None:
+                self.spans.append((stage, start, end))
+
+
+@dataclass(eq=False)
+class SimGroup:
+    """A prompt group on its way through rollout and env (training or eval)."""
+
+    task_id: str
+    group_id: str
+    version: int | None
+    env_rank: int
+    profile: TaskProfile
+    max_tokens: int
+    sequences_left: int
+    eval: bool = False
+    tokens: int = 0
+    """Prompt + generated + tool tokens of all its sequences (what the trainer trains on)."""
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    group: SimGroup
+    turns_left: int
+    need: float = 0.0
+    """Engine-token counter value at which the current turn's decoding completes."""
+
+
+class RolloutSim:
+    """One rollout rank. Continuous batching as processor sharing: all running sequences advance one token
+    per step, so a counter of tokens-per-sequence (`tokens`) and a heap of each sequence's finishing count
+    give the next completion in O(log n). Prefill and adapter loads stall decoding (`stall_until`)."""
+
+    def __init__(self, sim: "Simulation", rank: int):
+        self.sim, self.rank = sim, rank
+        self.model = sim.workload.rollout
+        self.versions: dict[str, int] = {}
+        self.waiting: list[tuple[SimGroup, int]] = []
+        """(group, version asked for) whose adapter version has not arrived yet."""
+        self.queue: list[Sequence] = []
+        """Sequences waiting for room in the running batch."""
+        self.running: list[tuple[float, int, Sequence]] = []
+        self.tokens = 0.0
+        self.last = 0.0
+        self.stall_until = 0.0
+        self.wakeup = None
+        self.meter = BusyMeter(sim.keep_timeline)
+        self._seq = itertools.count()
+
+    # ---- work in ----
+    def receive(self, group: SimGroup, asked: int | None) -> None:
+        if asked is not None and not group.eval and self.versions.get(group.task_id, -1) < asked:
+            self.waiting.append((group, asked))
+            return
+        if asked is not None and not group.eval:
+            group.version = self.versions[group.task_id]  # newest version here (never older than asked)
+        self._start_turns(group)
+
+    def _start_turns(self, group: SimGroup) -> None:
+        rng, profile = self.sim.rng, group.profile
+        prompt = round(profile.prompt_tokens.sample(rng))
+        group.tokens += prompt * group.sequences_left
+        self._prefill(prompt * group.sequences_left)
+        for _ in range(group.sequences_left):
+            self._enter(Sequence(group, profile.turns if not group.eval else 1))
+        self._schedule()
+
+    def new_version(self, task_id: str, version: int, transfer_s: float) -> None:
+        """A published adapter version arrives: receiving and installing it stalls the engine."""
+        self._stall(transfer_s + self.model.adapter_load, "load_delta")
+        self.versions[task_id] = max(version, self.versions.get(task_id, -1))
+        if not self.waiting:
+            return
+        ready = [(g, v) for g, v in self.waiting if g.task_id == task_id and v <= version]
+        if ready:
+            self.waiting = [(g, v) for g, v in self.waiting if not (g.task_id == task_id and v <= version)]
+            for group, asked in ready:
+                self.receive(group, asked)
+
+    def busy_now(self) -> bool:
+        return bool(self.running) or self.stall_until > self.sim.queue.now
+
+    def join_wait(self) -> float:
+        """How long a broadcast waits for this rank to join: the rank joins between engine steps, so a
+        running engine makes it wait for the rest of the current step."""
+        if not self.running or self.stall_until > self.sim.queue.now:
+            return 0.0
+        step = self._step_time(len(self.running)) + self.model.step_overhead
+        return self.sim.rng.uniform(0.0, 2 * self.model.join_wait_steps * step)
+
+    # ---- the engine ----
+    def _step_time(self, sequences: int) -> float:
+        return self.model.decode_step * sequences ** self.model.batch_exponent
+
+    def _advance(self) -> None:
+        """Brings the token counter and the busy time up to now."""
+        now = self.sim.queue.now
+        start = max(self.last, self.stall_until)
+        if self.running and now > start:
+            per_token = self._step_time(len(self.running))
+            overhead = self.model.step_overhead
+            self.tokens += (now - start) / (per_token + overhead)
+            self.meter.add("generate", start, start + (now - start) * per_token / (per_token + overhead))
+        self.last = now
+
+    def _stall(self, seconds: float, stage: str) -> None:
+        if seconds <= 0:
+            return
+        self._advance()
+        begin = max(self.sim.queue.now, self.stall_until)
+        self.stall_until = begin + seconds
+        self.meter.add(stage, begin, self.stall_until)
+        self._schedule()
+
+    def _prefill(self, tokens: int) -> None:
+        self._stall(tokens * self.model.prefill_per_token, "generate")
+
+    def _enter(self, sequence: Sequence) -> None:
+        if len(self.running) >= self.model.max_running_sequences:
+            self.queue.append(sequence)
+            return
+        self._advance()
+        length = max(1, round(min(sequence.group.profile.response_tokens.sample(self.sim.rng),
+                                  sequence.group.max_tokens)))
+        sequence.group.tokens += length
+        sequence.need = self.tokens + length
+        heapq.heappush(self.running, (sequence.need, next(self._seq), sequence))
+
+    def _schedule(self) -> None:
+        if not self.running:
+            return
+        per_token = self._step_time(len(self.running)) + self.model.step_overhead
+        when = max(self.sim.queue.now, self.stall_until) + max(0.0, self.running[0][0] - self.tokens) * per_token
+        self.wakeup = token = object()
+        self.sim.queue.at(when, self._wake, token)
+
+    def _wake(self, token) -> None:
+        if token is not self.wakeup:
+            return  # superseded by a later change of the batch
+        self._advance()
+        finished = []
+        while self.running and self.running[0][0] <= self.tokens + 1e-9:
+            finished.append(heapq.heappop(self.running)[2])
+        while self.queue and len(self.running) < self.model.max_running_sequences:
+            self._enter(self.queue.pop(0))
+        for sequence in finished:
+            self._turn_done(sequence)
+        self._schedule()
+
+    def _turn_done(self, sequence: Sequence) -> None:
+        sequence.turns_left -= 1
+        group = sequence.group
+        if sequence.turns_left > 0:  # a tool call, then the next turn continues the episode
+            rng = self.sim.rng
+            self.sim.queue.after(group.profile.tool_latency.sample(rng), self._tool_returns, sequence,
+                                 round(group.profile.tool_output_tokens.sample(rng)))
+            return
+        group.sequences_left -= 1
+        if group.sequences_left == 0:
+            self.sim.group_generated(self.rank, group)
+
+    def _tool_returns(self, sequence: Sequence, tool_tokens: int) -> None:
+        sequence.group.tokens += tool_tokens
+        self._prefill(tool_tokens)
+        self._enter(sequence)
+        self._schedule()
+
+
+class StaticRolloutSim(RolloutSim):
+    """HF-generate engine: one batch at a time of everything queued, as long as its longest row."""
+
+    def _enter(self, sequence: Sequence) -> None:
+        self.queue.append(sequence)
+        if self.wakeup is None:
+            self.wakeup = True
+            self.sim.queue.at(max(self.sim.queue.now, self.stall_until), self._run_batch)
+
+    def _prefill(self, tokens: int) -> None:
+        pass  # part of the batch below
+
+    def join_wait(self) -> float:
+        return max(0.0, self.stall_until - self.sim.queue.now)  # the whole batch in progress
+
+    def busy_now(self) -> bool:
+        return self.stall_until > self.sim.queue.now
+
+    def _stall(self, seconds: float, stage: str) -> None:
+        begin = max(self.sim.queue.now, self.stall_until)
+        self.stall_until = begin + seconds
+        self.meter.add(stage, begin, self.stall_until)
+
+    def _run_batch(self) -> None:
+        if self.sim.queue.now < self.stall_until:  # a delta load came in first
+            self.sim.queue.at(self.stall_until, self._run_batch)
+            return
+        batch, self.queue = self.queue[: self.model.max_running_sequences], self.queue[self.model.max_running_sequences:]
+        lengths = []
+        for sequence in batch:
+            length = max(1, round(min(sequence.group.profile.response_tokens.sample(self.sim.rng),
+                                      sequence.group.max_tokens)))
+            sequence.group.tokens += length
+            lengths.append(length)
+        seconds = max(lengths) * (self._step_time(len(batch)) + self.model.step_overhead)
+        self.meter.add("generate", self.sim.queue.now, self.sim.queue.now + seconds)
+        self.stall_until = self.sim.queue.now + seconds
+        self.sim.queue.after(seconds, self._batch_done, batch)
+
+    def _batch_done(self, batch: list[Sequence]) -> None:
+        self.wakeup = None
+        for sequence in batch:
+            self._turn_done(sequence)
+        if self.queue:
+            self.wakeup = True
+            self._run_batch()
+
+
+class EnvSim:
+    """One env rank: scores groups first come, first served."""
+
+    def __init__(self, sim: "Simulation", rank: int):
+        self.sim, self.rank = sim, rank
+        self.free_at = 0.0
+        self.meter = BusyMeter(sim.keep_timeline)
+
+    def score(self, group: SimGroup, samples: int) -> None:
+        env = self.sim.workload.env
+        seconds = env.group_overhead + sum(env.reward_per_sample.sample(self.sim.rng) for _ in range(samples))
+        start = max(self.sim.queue.now, self.free_at)
+        self.free_at = start + seconds
+        self.meter.add("score", start, self.free_at)
+        self.sim.queue.at(self.free_at, self.sim.group_scored, group)
+
+
+class TrainerSim:
+    """One trainer replica (a TP group). Like the runtime's leader: admits first, then one fused step over
+    every order whose groups have all arrived; each trained task's new version is then published."""
+
+    def __init__(self, sim: "Simulation", index: int):
+        self.sim, self.index = sim, index
+        self.model = sim.workload.trainer
+        self.tp = sim.setup.trainer_tp
+        self.admits: list[Admit] = []
+        self.orders: list[Train] = []
+        self.arrived: dict[str, int] = {}
+        """Group id -> trained tokens, for groups whose data reached the trainer."""
+        self.busy_until = 0.0
+        self.working = False
+        self.broadcasts = 0
+        self.meter = BusyMeter(sim.keep_timeline)
+
+    def _speed(self, seconds: float) -> float:
+        return seconds * self.tp ** -self.model.tp_exponent
+
+    def next_job(self) -> None:
+        if self.working:
+            return
+        if self.admits:
+            self._admit(self.admits.pop(0))
+            return
+        ready = [o for o in self.orders if all(g in self.arrived for g in o.group_ids)]
+        if ready:
+            self._train(ready)
+
+    def _admit(self, admit: Admit) -> None:
+        now = self.sim.queue.now
+        created = now + self._speed(self.model.admit)
+        done = created + self.sim.publish(admit.spec.task_id, 0, created, self)
+        self._busy(now, done, "admit")
+        self.sim.queue.at(done + self.sim.latency, self.sim.scheduler_event, StepDone(admit.spec.task_id, 0))
+
+    def _train(self, ready: list[Train]) -> None:
+        now = self.sim.queue.now
+        taken = {id(o) for o in ready}
+        self.orders = [o for o in self.orders if id(o) not in taken]
+        tokens = sum(self.arrived.pop(g) for o in ready for g in o.group_ids)
+        decoding = sum(1 for r in self.sim.rollout.values() if r.busy_now()) / len(self.sim.rollout)
+        compute = self._speed(self.model.step_fixed + self.model.per_token * tokens + self.model.per_task * len(ready)
+                              + self.model.overlap_cost * decoding)
+        end = now + compute
+        for order in ready:
+            end += self.sim.publish(order.task_id, order.from_version + 1, end, self)
+        self._busy(now, end, "train")
+        self.sim.fused_steps.append(len(ready))
+        for order in ready:
+            self.sim.queue.at(end + self.sim.latency, self.sim.scheduler_event,
+                              StepDone(order.task_id, order.from_version + 1))
+
+    def _busy(self, start: float, end: float, stage: str) -> None:
+        self.working = True
+        self.meter.add(stage, start, end)
+        self.sim.queue.at(end, self._idle)
+
+    def _idle(self) -> None:
+        self.working = False
+        self.next_job()
+
+
+@dataclass
+class SimOutcome:
+    end_time: float
+    scheduler_events: int
+    trace_hash: str
+    busy_fraction: dict[str, float]
+    ended: dict[str, str] = field(default_factory=dict)
+
+
+class Simulation:
+    def __init__(self, setup: SimSetup, workload: Workload, seed: int = 0, keep_timeline: bool = False,
+                 trace: bool = True):
+        self.setup, self.workload = setup.validate(), workload
+        self.rng = random.Random(seed)
+        self.keep_timeline = keep_timeline
+        self.queue = EventQueue()
+        self.scheduler = Scheduler(setup.scheduler_config(), clock=lambda: self.queue.now)
+        self.latency = workload.network.message_latency
+        ranks = setup.world_ranks()
+        engine = RolloutSim if workload.rollout.batching == "continuous" else StaticRolloutSim
+        self.rollout = {rank: engine(self, rank) for rank in ranks["rollout"]}
+        self.env = {rank: EnvSim(self, rank) for rank in ranks["env"]}
+        self.trainers = [TrainerSim(self, i) for i in range(setup.trainer_replicas)]
+        self._replica = {spec.task_id: i % setup.trainer_replicas for i, spec in enumerate(setup.tasks)}
+        self._specs = {spec.task_id: spec for spec in setup.tasks}
+        self._groups: dict[str, SimGroup] = {}
+        self._eval_turn = 0
+        self.pending_evals = 0
+        self._broadcasts = 0
+        self.fused_steps: list[int] = []
+        self.events = 0
+        self.end_time: float | None = None
+        self._hash = hashlib.sha256() if trace else None
+
+    # ---- scheduler boundary ----
+    def scheduler_event(self, event) -> None:
+        self.events += 1
+        commands = self.scheduler.handle(event)
+        if self._hash is not None:
+            self._hash.update(_describe(self.queue.now, event, commands).encode())
+        for command in commands:
+            self._execute(command)
+        self._check_end()
+
+    def _execute(self, command) -> None:
+        if isinstance(command, Generate):
+            self.queue.after(self.latency, self._deliver_generate, command)
+        elif isinstance(command, Train):
+            trainer = self.trainers[self._replica[command.task_id]]
+            trainer.orders.append(command)
+            self.queue.after(self.latency, trainer.next_job)
+        elif isinstance(command, Admit):
+            trainer = self.trainers[self._replica[command.spec.task_id]]
+            trainer.admits.append(command)
+            self.queue.after(self.latency, trainer.next_job)
+            self._eval(command.spec.task_id, None)
+        elif isinstance(command, Discard):
+            trainer = self.trainers[self._replica[command.task_id]]
+            for group_id in command.group_ids:
+                trainer.arrived.pop(group_id, None)
+                self._groups.pop(group_id, None)
+        elif isinstance(command, TaskEnded):
+            if command.status == "done":
+                self._eval(command.task_id, self.scheduler.tasks[command.task_id].version)
+        else:
+            raise TypeError(f"unknown command {command!r}")
+
+    def _deliver_generate(self, command: Generate) -> None:
+        spec = self._specs[command.task_id]
+        profile = self.workload.profile(spec.dataset.kind)
+        for group_id, _ in command.groups:
+            group = SimGroup(command.task_id, group_id, command.version, command.env_rank, profile,
+                             spec.algo.max_new_tokens, spec.algo.group_size)
+            self._groups[group_id] = group
+            self.rollout[command.rollout_rank].receive(group, command.version)
+
+    def _eval(self, task_id: str, version: int | None) -> None:
+        """The runtime's greedy eval: eval_size one-sample groups on one rollout rank and one env rank."""
+        if not self.workload.evals:
+            return
+        spec, ranks = self._specs[task_id], self.setup.world_ranks()
+        rollout = ranks["rollout"][self._eval_turn % self.setup.rollout_ranks]
+        env = ranks["env"][self._eval_turn % self.setup.env_ranks]
+        self._eval_turn += 1
+        profile = self.workload.profile(spec.dataset.kind)
+        for i in range(spec.dataset.eval_size):
+            self.pending_evals += 1
+            group = SimGroup(task_id, f"{task_id}/eval{i}", version, env, profile, spec.algo.max_new_tokens, 1,
+                             eval=True)
+            self.queue.after(self.latency, self.rollout[rollout].receive, group, version)
+
+    # ---- worker -> worker ----
+    def group_generated(self, rollout_rank: int, group: SimGroup) -> None:
+        if not group.eval:
+            self.queue.after(self.latency, self.scheduler_event,
+                             Generated(rollout_rank, (group.group_id,), (group.version,)))
+        samples = 1 if group.eval else self._specs[group.task_id].algo.group_size
+        self.queue.after(self.latency, self.env[group.env_rank].score, group, samples)
+
+    def group_scored(self, group: SimGroup) -> None:
+        if group.eval:
+            self.queue.after(self.latency, self._eval_done)
+            return
+        self.queue.after(self.latency, self.scheduler_event, Scored(group.group_id, 0.0))
+        if self._groups.pop(group.group_id, None) is not None:
+            trainer = self.trainers[self._replica[group.task_id]]
+            self.queue.after(self.latency, self._data_arrives, trainer, group)
+
+    def _data_arrives(self, trainer: TrainerSim, group: SimGroup) -> None:
+        trainer.arrived[group.group_id] = group.tokens
+        trainer.next_job()
+
+    def _eval_done(self) -> None:
+        self.pending_evals -= 1
+        self._check_end()
+
+    def publish(self, task_id: str, version: int, at: float, trainer: TrainerSim) -> float:
+        """Checkpoint + delta broadcast of one version; returns its duration on the trainer. The broadcast
+        starts once every rollout rank joins (between engine steps); receiving and installing it stalls each
+        rollout rank. A replica's first broadcasts also set its communicator up; the rollout ranks pay that
+        once per job (with several replicas they would set the groups up together)."""
+        net, model = self.workload.network, self.workload.trainer
+        transfer = net.delta_latency + net.adapter_bytes_per_rank * self._specs[task_id].lora.rank / net.delta_bandwidth
+        setup = model.broadcast_setup if trainer.broadcasts < model.warm_up_broadcasts else 0.0
+        rollout_setup = model.broadcast_setup if self._broadcasts == 0 else 0.0
+        trainer.broadcasts += 1
+        self._broadcasts += 1
+        start = at + model.publish_fixed + max(rollout.join_wait() for rollout in self.rollout.values())
+        self.queue.at(start, self._version_arrives, task_id, version, transfer + rollout_setup)
+        return start - at + setup + transfer
+
+    def _version_arrives(self, task_id: str, version: int, transfer: float) -> None:
+        for rollout in self.rollout.values():
+            rollout.new_version(task_id, version, transfer)
+
+    # ---- run ----
+    def _check_end(self) -> None:
+        if self.end_time is None and self.pending_evals == 0 and self.scheduler.finished() and self.scheduler.tasks:
+            self.end_time = self.queue.now
+
+    def run(self) -> SimOutcome:
+        for spec in self.setup.tasks:
+            self.queue.at(0.0, self.scheduler_event, Submit(spec))
+        self.queue.run(until_idle=lambda: self.end_time is not None)
+        end = self.end_time if self.end_time is not None else self.queue.now
+        return SimOutcome(end, self.events, self._hash.hexdigest() if self._hash else "",
+                          self.busy_fractions(end),
+                          {t: s.status for t, s in self.scheduler.tasks.items()})
+
+    def busy_fractions(self, end: float) -> dict[str, float]:
+        roles = {"rollout": self.rollout.values(), "env": self.env.values(), "trainer": self.trainers}
+        return {role: sum(min(w.meter.busy, end) for w in workers) / max(end, 1e-12) / len(workers)
+                for role, workers in roles.items()}
+
+
+def _describe(now: float, event, commands) -> str:
+    """One trace line: time, the event and the commands it caused (task specs by id only)."""
+    def short(item):
+        if isinstance(item, (Submit, Admit)):
+            return f"{type(item).__name__}({item.spec.task_id})"
+        if isinstance(item, StepDone):
+            return f"StepDone({item.task_id},{item.version})"
+        return repr(item)
+
+    return f"{now!r} {short(event)} -> {[short(c) for c in commands]}\n"

@@ -1,0 +1,86 @@
+"""What is simulated: the job's layout and tasks, taken from a normal job config and optionally scaled.
+
+A simulated job may be larger than any config the runtime accepts: N copies of the config's tasks
+(`copies_to`), any number of rollout / env ranks, and several trainer replicas (each a TP group that owns a
+share of the tasks; the runtime has one trainer group so far, so replicas > 1 is a what-if).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from marlaas_hpc.config import JobConfig
+from marlaas_hpc.scheduler import SchedulerConfig
+from marlaas_hpc.tasks.spec import SpecError, TaskSpec
+
+
+@dataclass(kw_only=True)
+class SimSetup:
+    mode: str = "async"
+    """'async', 'sync' or 'sequential' (the scheduler's modes)."""
+    order: str = "fair"
+    """Scheduler order: 'fair', 'priority' or 'fifo'."""
+    env_ranks: int = 1
+    """Env (CPU) ranks."""
+    rollout_ranks: int = 1
+    """Rollout ranks (one inference engine each, one GPU each in the GPU count)."""
+    trainer_tp: int = 1
+    """Tensor-parallel size of a trainer group (GPUs per trainer replica)."""
+    trainer_replicas: int = 1
+    """Independent trainer groups; task i trains on replica i % replicas."""
+    rollout_slots: int = 4
+    """Prompt groups one rollout rank generates concurrently."""
+    trainer_slots: int = 4
+    """Train orders in flight at once (fused into one step per replica when their data is there)."""
+    max_active_tasks: int = 8
+    """Adapter slots: tasks running at once."""
+    tasks: list[TaskSpec] = field(default_factory=list)
+    """The tasks submitted at time 0."""
+
+    @property
+    def gpus(self) -> int:
+        return self.rollout_ranks + self.trainer_tp * self.trainer_replicas
+
+    def world_ranks(self) -> dict[str, tuple[int, ...]]:
+        """World ranks per role, in the runtime's order: 0 scheduler, env, rollout, trainer leaders."""
+        env = tuple(range(1, 1 + self.env_ranks))
+        rollout = tuple(range(env[-1] + 1, env[-1] + 1 + self.rollout_ranks))
+        trainer = tuple(rollout[-1] + 1 + i * self.trainer_tp for i in range(self.trainer_replicas))
+        return {"env": env, "rollout": rollout, "trainer": trainer}
+
+    def scheduler_config(self) -> SchedulerConfig:
+        ranks = self.world_ranks()
+        return SchedulerConfig(mode=self.mode, order=self.order, rollout_ranks=ranks["rollout"],
+                               env_ranks=ranks["env"], rollout_slots=self.rollout_slots,
+                               max_active_tasks=self.max_active_tasks, trainer_slots=self.trainer_slots)
+
+    def validate(self) -> "SimSetup":
+        for name in ("env_ranks", "rollout_ranks", "trainer_tp", "trainer_replicas", "rollout_slots",
+                     "trainer_slots", "max_active_tasks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(name, f"must be an integer >= 1, got {value!r}")
+        if not self.tasks:
+            raise SpecError("tasks", "nothing to simulate: the config has no tasks")
+        self.scheduler_config().validate()
+        return self
+
+
+def setup_from_job(job: JobConfig, **overrides) -> SimSetup:
+    """The simulated twin of a job config; keyword overrides replace fields (None: keep the config's)."""
+    setup = SimSetup(mode=job.mode, order=job.order, env_ranks=job.layout.env_ranks,
+                     rollout_ranks=job.layout.rollout_ranks, trainer_tp=job.layout.trainer_tp,
+                     rollout_slots=job.rollout_slots, trainer_slots=job.trainer_slots,
+                     max_active_tasks=job.max_adapters, tasks=list(job.tasks))
+    return dataclasses.replace(setup, **{k: v for k, v in overrides.items() if v is not None}).validate()
+
+
+def copies_to(tasks: list[TaskSpec], count: int) -> list[TaskSpec]:
+    """`count` tasks cycling through the given ones; copies get ids '<id>-c<i>' (scale studies)."""
+    if count <= len(tasks):
+        return list(tasks[:count])
+    out = []
+    for i in range(count):
+        base = tasks[i % len(tasks)]
+        out.append(base if i < len(tasks) else dataclasses.replace(base, task_id=f"{base.task_id}-c{i}"))
+    return out

@@ -1,0 +1,337 @@
+"""Workload model of the simulator: what each stage costs, in a YAML file with explicit units.
+
+    rollout:  per-token decode / prefill cost of one engine, continuous (or static) batching whose step time
+              grows sub-linearly with the batch: step = decode_step * running_sequences ** batch_exponent
+    env:      reward time per sample (a distribution)
+    trainer:  step = (step_fixed + per_token * tokens + per_task * fused_tasks) * tp ** -tp_exponent
+    network:  adapter delta = delta_latency + bytes / delta_bandwidth, bytes = adapter_bytes_per_rank * LoRA rank
+    profiles: per task kind (dataset.kind, or 'default'): prompt and response lengths, turns, tool latency
+
+Every time, size and bandwidth is written with its unit ('8 ms', '25 GB/s', '40 KB'); token counts are plain
+numbers. `load_workload` refuses unknown fields, bare numbers, negative values and unknown distributions,
+naming the field (e.g. ``rollout.decode_step``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from marlaas_hpc.sim.units import BANDWIDTH, SIZE, TIME, TOKENS, format_quantity, parse_quantity
+from marlaas_hpc.tasks.spec import SpecError
+
+DISTRIBUTIONS = ("constant", "uniform", "lognormal", "exponential", "empirical")
+BATCHING = ("continuous", "static")
+
+
+def _unit(dimension: str, positive: bool = False):
+    return {"unit": dimension, "positive": positive}
+
+
+@dataclass(kw_only=True, slots=True)
+class Distribution:
+    """A non-negative random quantity (seconds or tokens, by the field that holds it). A plain quantity
+    ('5 ms', or a number of tokens) is shorthand for a constant."""
+
+    dist: str = "constant"
+    """'constant' (value), 'uniform' (low..high), 'lognormal' (median, sigma of log), 'exponential' (mean),
+    'empirical' (values, drawn uniformly: what calibration writes)."""
+    value: float = 0.0
+    low: float = 0.0
+    high: float = 0.0
+    median: float = 0.0
+    sigma: float = 0.0
+    """Standard deviation of log(x) (lognormal; dimensionless)."""
+    mean: float = 0.0
+    values: tuple[float, ...] = ()
+    cap: float | None = None
+    """Upper clip of every draw (e.g. a response-length limit); None: none."""
+
+    def sample(self, rng: random.Random) -> float:
+        if self.dist == "constant":
+            draw = self.value
+        elif self.dist == "uniform":
+            draw = rng.uniform(self.low, self.high)
+        elif self.dist == "lognormal":
+            draw = self.median * math.exp(rng.gauss(0.0, self.sigma))
+        elif self.dist == "exponential":
+            draw = rng.expovariate(1.0 / self.mean) if self.mean > 0 else 0.0
+        else:
+            draw = self.values[rng.randrange(len(self.values))]
+        return draw if self.cap is None else min(draw, self.cap)
+
+    def expected(self) -> float:
+        """Mean of the uncapped distribution (reports and calibration checks)."""
+        return {"constant": lambda: self.value, "uniform": lambda: (self.low + self.high) / 2,
+                "lognormal": lambda: self.median * math.exp(self.sigma ** 2 / 2), "exponential": lambda: self.mean,
+                "empirical": lambda: sum(self.values) / len(self.values)}[self.dist]()
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutModel:
+    """One rollout rank (one inference engine serving every task's LoRA in one batch)."""
+
+    batching: str = "continuous"
+    """'continuous' (vLLM: sequences join and leave the running batch every step) or 'static' (HF generate:
+    the queue runs as one batch until its longest row ends; arrivals wait for the next batch)."""
+    decode_step: float = field(default=0.02, metadata=_unit(TIME, positive=True))
+    """Engine step time at one running sequence (every running sequence gains one token per step)."""
+    batch_exponent: float = 0.3
+    """Sub-linear growth of the step with the batch: step = decode_step * sequences ** batch_exponent
+    (0: free batching, 1: no batching gain)."""
+    step_overhead: float = field(default=0.0, metadata=_unit(TIME))
+    """Host time between engine steps (polling for work and deltas, handing out results): it slows decoding
+    but is not busy time."""
+    prefill_per_token: float = field(default=0.0, metadata=_unit(TIME))
+    """Prefill cost per prompt (or tool-output) token; it stalls the engine's decoding."""
+    max_running_sequences: int = 256
+    """Sequences decoding at once (vLLM max_num_seqs); more wait in the engine's queue."""
+    join_wait_steps: float = 0.5
+    """Engine steps a delta broadcast waits, on average, for a busy rollout rank to join it (a rank joins
+    between steps; 0.5 if the broadcast comes at a random point of a step)."""
+    adapter_load: float = field(default=0.0, metadata=_unit(TIME))
+    """Fixed cost of installing one adapter version on the engine (stalls decoding), on top of the transfer."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EnvModel:
+    """One env rank (CPU): scores groups one after another."""
+
+    reward_per_sample: Distribution = field(default_factory=Distribution, metadata=_unit(TIME))
+    """Verifier time of one completion."""
+    group_overhead: float = field(default=0.0, metadata=_unit(TIME))
+    """Fixed cost per scored group (advantages, sending the trajectories)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerModel:
+    """The trainer (one TP group, or each of `trainer_replicas` in the simulator)."""
+
+    step_fixed: float = field(default=0.1, metadata=_unit(TIME))
+    """Cost of a (possibly fused) optimizer step independent of its size, at TP=1."""
+    per_token: float = field(default=1e-4, metadata=_unit(TIME))
+    """Forward + backward cost per trained token (prompt + completion), at TP=1."""
+    per_task: float = field(default=0.0, metadata=_unit(TIME))
+    """Extra cost of each task in a fused step (its adapter and its own optimizer), at TP=1."""
+    overlap_cost: float = field(default=0.0, metadata=_unit(TIME))
+    """Extra time of a step run while every rollout rank decodes (pro rata for fewer): on the CPU twin the
+    ranks share cores; on GPUs it is about 0."""
+    tp_exponent: float = 0.8
+    """TP scaling: a step at TP=t costs its TP=1 time * t ** -tp_exponent (1: perfect scaling)."""
+    admit: float = field(default=0.1, metadata=_unit(TIME))
+    """Creating one task's adapter and optimizer (Admit), before its version 0 is published."""
+    publish_fixed: float = field(default=0.0, metadata=_unit(TIME))
+    """Per published version: checkpoint write and broadcast set-up (the transfer is in `network`)."""
+    broadcast_setup: float = field(default=0.0, metadata=_unit(TIME))
+    """Extra cost of each of a replica's first `warm_up_broadcasts` delta broadcasts (communicator set-up)."""
+    warm_up_broadcasts: int = 1
+    """How many first broadcasts pay `broadcast_setup`."""
+
+
+@dataclass(kw_only=True, slots=True)
+class NetworkModel:
+    adapter_bytes_per_rank: float = field(default=1.26e6, metadata=_unit(SIZE))
+    """Bytes of one task's adapter per unit of LoRA rank (depends on the base model and target modules)."""
+    delta_bandwidth: float = field(default=25e9, metadata=_unit(BANDWIDTH, positive=True))
+    """Bandwidth of the adapter-delta broadcast trainer -> rollout ranks."""
+    delta_latency: float = field(default=0.0, metadata=_unit(TIME))
+    """Fixed latency of one delta broadcast."""
+    message_latency: float = field(default=0.0, metadata=_unit(TIME))
+    """One control or data message between ranks (Generate, Scored, StepDone, trajectories...)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskProfile:
+    """What one episode of a task kind looks like."""
+
+    prompt_tokens: Distribution = field(default_factory=lambda: Distribution(value=64.0), metadata=_unit(TOKENS))
+    """Prompt length."""
+    response_tokens: Distribution = field(default_factory=lambda: Distribution(value=128.0),
+                                          metadata=_unit(TOKENS))
+    """Tokens generated per turn; clipped to the task's algo.max_new_tokens."""
+    turns: int = 1
+    """Model turns per episode; a tool call runs between consecutive turns (multi-turn: turns > 1)."""
+    tool_latency: Distribution = field(default_factory=Distribution, metadata=_unit(TIME))
+    """Wall time of one tool call (waiting, not env-rank CPU)."""
+    tool_output_tokens: Distribution = field(default_factory=Distribution, metadata=_unit(TOKENS))
+    """Tokens a tool call appends to the context (prefilled before the next turn)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Workload:
+    description: str = ""
+    """Free text: where the figures come from (measured run, assumptions)."""
+    rollout: RolloutModel = field(default_factory=RolloutModel)
+    """Rollout engine costs."""
+    env: EnvModel = field(default_factory=EnvModel)
+    """Env rank costs."""
+    trainer: TrainerModel = field(default_factory=TrainerModel)
+    """Trainer costs."""
+    network: NetworkModel = field(default_factory=NetworkModel)
+    """Transfers and message latency."""
+    profiles: dict[str, TaskProfile] = field(default_factory=lambda: {"default": TaskProfile()})
+    """Episode shape per task kind (a task's dataset.kind, else 'default')."""
+    evals: bool = True
+    """Simulate the runtime's greedy evals (dataset.eval_size prompts at admission and at the end)."""
+
+    def profile(self, kind: str) -> TaskProfile:
+        return self.profiles.get(kind, self.profiles["default"])
+
+    def to_dict(self) -> dict:
+        return _dump(self)
+
+
+# ---------------------------------------------------------------- loading
+_NESTED = {"rollout": RolloutModel, "env": EnvModel, "trainer": TrainerModel, "network": NetworkModel}
+
+
+def load_workload(path: str | Path) -> Workload:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise SpecError("workload", f"{path} is not valid YAML: {exc}") from None
+    return workload_from_dict(data)
+
+
+def workload_from_dict(data: Any) -> Workload:
+    workload = _build(Workload, data, "")
+    if "default" not in workload.profiles:
+        raise SpecError("profiles.default", "is required (the profile of task kinds not listed)")
+    if workload.rollout.batching not in BATCHING:
+        raise SpecError("rollout.batching", f"unknown batching {workload.rollout.batching!r}; known {BATCHING}")
+    return workload
+
+
+def _build(cls, data: Any, prefix: str):
+    where = prefix.rstrip(".") or "workload"
+    if not isinstance(data, dict):
+        raise SpecError(where, f"must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise SpecError(f"{prefix}{unknown[0]}", f"unknown field (known: {sorted(fields)})")
+    kwargs = {name: _value(fields[name], value, f"{prefix}{name}") for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _value(spec: dataclasses.Field, value: Any, name: str):
+    unit = spec.metadata.get("unit")
+    if spec.name in _NESTED:
+        return _build(_NESTED[spec.name], value, f"{name}.")
+    if spec.name == "profiles":
+        if not isinstance(value, dict) or not value:
+            raise SpecError(name, "must be a mapping of task kind -> profile")
+        return {str(kind): _build(TaskProfile, p, f"{name}.{kind}.") for kind, p in value.items()}
+    if "Distribution" in str(spec.type):
+        return _distribution(value, unit, name)
+    if unit is not None:
+        quantity = parse_quantity(value, unit, name)
+        _check_sign(quantity, name, spec.metadata.get("positive", False))
+        return quantity
+    return _plain(spec, value, name)
+
+
+def _plain(spec: dataclasses.Field, value: Any, name: str):
+    kind = str(spec.type)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise SpecError(name, f"must be true or false, got {value!r}")
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise SpecError(name, f"must be a string, got {value!r}")
+        return value
+    if kind == "int":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SpecError(name, f"must be an integer >= 1, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(name, f"must be a number, got {value!r}")
+    _check_sign(float(value), name)
+    return float(value)
+
+
+def _check_sign(value: float, name: str, positive: bool = False) -> None:
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise SpecError(name, f"must be {'> 0' if positive else '>= 0'} (a duration, size or rate cannot be "
+                              f"negative), got {value!r}")
+
+
+def _distribution(value: Any, dimension: str, name: str) -> Distribution:
+    if not isinstance(value, dict):
+        return Distribution(value=_quantity(value, dimension, name))
+    dist = value.get("dist", "constant")
+    if dist not in DISTRIBUTIONS:
+        raise SpecError(f"{name}.dist", f"unknown distribution {dist!r}; known: {list(DISTRIBUTIONS)}")
+    known = {f.name for f in dataclasses.fields(Distribution)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise SpecError(f"{name}.{unknown[0]}", f"unknown field (known: {sorted(known)})")
+    needs = {"constant": ("value",), "uniform": ("low", "high"), "lognormal": ("median", "sigma"),
+             "exponential": ("mean",), "empirical": ("values",)}[dist]
+    for key in needs:
+        if key not in value:
+            raise SpecError(f"{name}.{key}", f"is required by a {dist} distribution")
+    kwargs: dict = {"dist": dist}
+    for key, raw in value.items():
+        if key in ("dist",):
+            continue
+        if key == "sigma":
+            if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+                raise SpecError(f"{name}.sigma", f"must be a number (std of log, no unit), got {raw!r}")
+            _check_sign(float(raw), f"{name}.sigma")
+            kwargs[key] = float(raw)
+        elif key == "values":
+            if not isinstance(raw, list) or not raw:
+                raise SpecError(f"{name}.values", "must be a non-empty list")
+            kwargs[key] = tuple(_quantity(v, dimension, f"{name}.values[{i}]") for i, v in enumerate(raw))
+        else:
+            kwargs[key] = _quantity(raw, dimension, f"{name}.{key}")
+    if dist == "uniform" and kwargs["low"] > kwargs["high"]:
+        raise SpecError(f"{name}.low", f"low {kwargs['low']} exceeds high {kwargs['high']}")
+    return Distribution(**kwargs)
+
+
+def _quantity(value: Any, dimension: str, name: str) -> float:
+    quantity = parse_quantity(value, dimension, name)
+    _check_sign(quantity, name)
+    return quantity
+
+
+# ---------------------------------------------------------------- writing (calibration output)
+def _dump(obj) -> Any:
+    if isinstance(obj, dict):
+        return {key: _dump(value) for key, value in obj.items()}
+    out = {}
+    for spec in dataclasses.fields(obj):
+        value = getattr(obj, spec.name)
+        unit = spec.metadata.get("unit")
+        if isinstance(value, Distribution):
+            out[spec.name] = _dump_distribution(value, unit)
+        elif dataclasses.is_dataclass(value) or isinstance(value, dict):
+            out[spec.name] = _dump(value)
+        elif unit is not None:
+            out[spec.name] = format_quantity(value, unit)
+        else:
+            out[spec.name] = value
+    return out
+
+
+def _dump_distribution(dist: Distribution, unit: str) -> Any:
+    def q(x):
+        return round(x, 6) if unit == TOKENS else format_quantity(x, unit)
+
+    keys = {"constant": ("value",), "uniform": ("low", "high"), "lognormal": ("median", "sigma"),
+            "exponential": ("mean",), "empirical": ("values",)}[dist.dist]
+    out: dict = {"dist": dist.dist}
+    for key in keys:
+        value = getattr(dist, key)
+        out[key] = round(value, 4) if key == "sigma" else [q(v) for v in value] if key == "values" else q(value)
+    if dist.cap is not None:
+        out["cap"] = q(dist.cap)
+    return out
