@@ -5,7 +5,6 @@ whose reward function returns NaN failing alone."""
 import json
 
 import pytest
-import yaml
 
 from test_runtime_mpi import run_marlaas
 
@@ -123,6 +122,10 @@ def test_env_rank_reports_stage_latencies(finished_run):
     assert 0 < lookup["train"]["tool_call_rate"] <= 1 and lookup["train"]["episodes"] >= 4 * 4 * 4
     steps = [r for r in timeline if r["stage"] == "env_step"]
     assert any(r.get("tool:lookup", 0) >= 0.5 for r in steps)  # slow steps have timeline records
-    print(f"\n[env-runtime] lookup tool p50/p90/p99 "
+    scores = [r for r in timeline if r["stage"] == "score" and r["tasks"] == ["lookup"]]
+    assert {r["turn"] for r in scores} >= {1, 2} and all(r["end"] >= r["start"] for r in scores)
+    groups = [r for r in timeline if r["stage"] == "group" and r["tasks"] == ["lookup"] and not r["eval"]]
+    assert groups and all(len(g["completion_tokens"]) == 4 for g in groups)
+    print("\n[env-runtime] lookup tool p50/p90/p99 "
           + "/".join(f"{stages['tool:lookup'][q] * 1e3:.1f}" for q in ("p50", "p90", "p99")) + " ms, reward p50 "
           f"{stages['reward']['p50'] * 1e3:.2f} ms; lookup tool-call rate (train) {lookup['train']['tool_call_rate']:.2f}")

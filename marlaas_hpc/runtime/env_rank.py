@@ -19,8 +19,9 @@ interleaved. Every turn of an episode must come back with the group's version (p
 a turn sampled with any other version is a bug and stops the job. A reward function that raises or returns
 NaN / out-of-range, an env that raises or an env step past the pool's timeout fails its task only.
 
-Timeline (timeline/rank<N>.jsonl): 'env_step' records (env steps of >= 1 ms: tool and reward seconds,
-outcome; the many faster ones are only in the stats, to keep the file small),
+Timeline (timeline/rank<N>.jsonl): 'score' records (a turn of a group arrived -> all its env steps back),
+'env_step' records (env steps of >= 1 ms: tool and reward seconds, outcome; the many faster ones are only in
+the stats, to keep the file small),
 'episode' records (turns, per-turn versions, tool calls, model / tool token counts, finish reason, reward),
 'turn' busy spans of this rank's own book-keeping. RankStats.extra (summary.json 'env_ranks'): the pool's
 per-stage latency summaries (tool:<name>, reward, step, queue: p50/p90/p99) and per-task episode figures.
@@ -71,6 +72,8 @@ class _Group:
     stepping: int = 0
     """Env steps of the current turn still running in the pool."""
     turn: int = 1
+    turn_t0: float = 0.0
+    """When the current turn's model turns arrived (start of its 'score' timeline span)."""
 
 
 class EnvRank:
@@ -138,6 +141,7 @@ class EnvRank:
             group = self.groups.get(data.group_id) if data.turn > 1 else self._open(data, rollout_rank)
             if group is None:
                 return
+            group.turn_t0 = time.time()
             episodes = data.episodes if data.episodes is not None else range(len(data.completions))
             sampled = data.sampled_versions or [data.version] * len(data.completions)
             for j, ids, logprobs, version in zip(episodes, data.completions, data.logprobs, sampled):
@@ -187,6 +191,7 @@ class EnvRank:
             self._on_step(group, j, future.result())
             group.stepping -= 1
             if group.stepping == 0 and group_id in self.groups:
+                self._note_turn_scored(group)
                 self._next_turn(group)
         return bool(done)
 
@@ -281,6 +286,13 @@ class EnvRank:
         end = time.time()
         self.clock.note("env_step", (group.first.task_id,), end - outcome.run_s, end, group_id=group.first.group_id,
                         episode=j, turn=group.turn, outcome=kind, queued_s=outcome.queued_s, **timings)
+
+    def _note_turn_scored(self, group: _Group) -> None:
+        """A 'score' span: a turn of the group arrived -> all its env steps are back (the simulator's
+        calibration reads these as the env stage's time per group)."""
+        stepped = sum(len(e.turn_versions) == group.turn for e in group.episodes)
+        self.clock.note("score", (group.first.task_id,), group.turn_t0, time.time(), samples=stepped,
+                        group_id=group.first.group_id, turn=group.turn, eval=group.first.eval)
 
     def _note_episode(self, group: _Group, j: int, episode: _Episode) -> None:
         first = group.first

@@ -35,7 +35,8 @@ class _OpenGroup:
     """Episodes whose current turn is still generating."""
     done: dict[int, Generation] = field(default_factory=dict)
     newest: int | None = None
-    completion_tokens: int = 0
+    model_tokens: dict[int, int] = field(default_factory=dict)
+    """Episode -> tokens sampled over all its turns."""
 
 
 class RolloutRank:
@@ -177,7 +178,7 @@ class RolloutRank:
                 continue  # its group ended while this turn was generating
             entry.done[int(episode)] = gen
             entry.waiting.discard(int(episode))
-            entry.completion_tokens += len(gen.completion_ids)
+            entry.model_tokens[int(episode)] = entry.model_tokens.get(int(episode), 0) + len(gen.completion_ids)
             if not entry.waiting:
                 complete.append(entry)
         for entry in complete:
@@ -202,4 +203,5 @@ class RolloutRank:
     def _note_group(self, entry: _OpenGroup) -> None:
         self.clock.note("group", (entry.work.task_id,), entry.t0, time.time(), group_id=entry.group.group_id,
                         eval=entry.work.eval, prompt_tokens=len(entry.group.prompt_ids), turns=entry.turn,
-                        completion_tokens=entry.completion_tokens, version=entry.version)
+                        completion_tokens=[entry.model_tokens.get(j, 0) for j in range(entry.work.group_size)],
+                        version=entry.version)
