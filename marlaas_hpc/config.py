@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from marlaas_hpc.env.pool import EnvPoolConfig
 from marlaas_hpc.launch.layout import JobLayout
 from marlaas_hpc.service.quotas import TenantQuota
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec
@@ -41,6 +42,9 @@ class JobConfig:
     """Train orders of different tasks the trainer may fuse into one step (shared base forward/backward)."""
     layout: JobLayout = field(default_factory=JobLayout)
     """Ranks per role (env, rollout, trainer TP x DP) and, under Slurm, each component's resources."""
+    env_pool: EnvPoolConfig = field(default_factory=EnvPoolConfig)
+    """Each env rank's worker pool: mode 'thread' | 'process' | 'inline', workers (concurrent env steps),
+    step_timeout_s (per env-step limit; a step past it fails its task)."""
     tasks: list[TaskSpec] = field(default_factory=list)
     """The tasks submitted at start."""
     serve_idle_s: float = 0.0
@@ -65,6 +69,10 @@ class JobConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(name, f"must be an integer >= 1, got {value!r}")
         self.layout.validate()
+        try:
+            self.env_pool.validate()
+        except ValueError as exc:
+            raise SpecError(str(exc).split()[0], str(exc).split(" ", 1)[1]) from None
         if self.layout.trainer_dp != 1:
             raise SpecError("layout.trainer_dp", "data-parallel trainer replicas are not implemented yet; "
                                                  "use trainer_dp: 1 (scale with trainer_tp)")
@@ -108,6 +116,7 @@ class JobConfig:
             kwargs["layout"] = JobLayout.from_dict(kwargs.get("layout") or {})
         except SpecError as exc:
             raise SpecError(f"layout.{exc.field}", str(exc).split(": ", 1)[1]) from None
+        kwargs["env_pool"] = _env_pool(kwargs.get("env_pool") or {})
         tasks = []
         for i, task in enumerate(kwargs.pop("tasks", []) or []):
             try:
@@ -130,3 +139,13 @@ class JobConfig:
 
             return ensure_tiny_model()
         return Path(self.model)
+
+
+def _env_pool(data: Any) -> EnvPoolConfig:
+    if not isinstance(data, dict):
+        raise SpecError("env_pool", "must be a mapping")
+    known = {f.name for f in dataclasses.fields(EnvPoolConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SpecError(f"env_pool.{unknown[0]}", f"unknown field (known: {sorted(known)})")
+    return EnvPoolConfig(**data)

@@ -1,7 +1,8 @@
 """Single-process driver: rollout -> reward -> train for one or more tasks, in one Python process.
 
 Used by tests, by the benchmark of the learning core, and as the reference semantics of the distributed
-runtime (one on-policy GRPO step per task per round). Outputs follow DESIGN.md §8:
+runtime (one on-policy GRPO step per task per round). Multi-turn (tool) tasks play their episodes through
+an EpisodeRunner on the same engine (tool tokens masked out of the loss). Outputs follow DESIGN.md §8:
 RUN_DIR/tasks/<tenant>/<task_id>/{adapters/v0000,..., metrics.jsonl}.
 """
 from __future__ import annotations
@@ -11,11 +12,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from marlaas_hpc.env.episode import EpisodeRequest, EpisodeResult, EpisodeRunner, summarize_episodes
+from marlaas_hpc.env.protocol import environment_for, episode_limits, is_multi_turn
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest, RolloutEngine
 from marlaas_hpc.tasks import Sample, TaskData, TaskSpec, build_task_data
-from marlaas_hpc.trainer.grpo import scored_group
+from marlaas_hpc.trainer.grpo import assign_advantages, scored_group
 from marlaas_hpc.trajectory import Trajectory
 
 
@@ -95,6 +98,11 @@ class LocalDriver:
         algo = state.spec.algo
         samples = [state.data.train_sample(state.cursor + i) for i in range(algo.batch_prompts)]
         state.cursor += algo.batch_prompts
+        if is_multi_turn(state.data):
+            results = self.play(task_id, samples, algo.group_size, algo.temperature, self.trainer.version(task_id))
+            trajectories = [r.trajectory for r in results]
+            assign_advantages(trajectories, algo.normalize_adv_std)
+            return trajectories
         requests = self._requests(task_id, [s.prompt for s in samples], algo.group_size, algo.temperature,
                                   algo.max_new_tokens, self.trainer.version(task_id))
         gens = self.engine.generate(requests)
@@ -115,9 +123,36 @@ class LocalDriver:
         self.tensorboard.write(task_dir(self.run_dir, state.spec), record)
         return record
 
+    def play(self, task_id: str, samples: list[Sample], copies: int, temperature: float,
+             version: int | None) -> list[EpisodeResult]:
+        """`copies` episodes per sample (group id per sample) of a multi-turn task; an env error raises."""
+        state = self.tasks[task_id]
+        requests = []
+        for sample in samples:
+            for _ in range(copies):
+                self._request_counter += 1
+                requests.append(EpisodeRequest(
+                    task_id, f"{task_id}/{sample.index}", sample, environment_for(state.data), version, temperature,
+                    state.spec.algo.max_new_tokens, seed=self.seed * 1_000_003 + self._request_counter * 16))
+        runner = EpisodeRunner(self.engine, self.codec, limits=episode_limits(state.spec.algo))
+        results = runner.run(requests)
+        for result in results:
+            if result.error is not None:
+                raise result.error
+        return results
+
+    def evaluate_episodes(self, task_id: str, use_adapter: bool = True) -> dict[str, float]:
+        """Greedy episodes of a multi-turn task on its eval split: accuracy, tool-call rate, finish reasons."""
+        state = self.tasks[task_id]
+        version = self.trainer.version(task_id) if use_adapter else None
+        results = self.play(task_id, state.data.eval_samples(), 1, 0.0, version)
+        return {"accuracy": sum(r.reward == 1.0 for r in results) / len(results), **summarize_episodes(results)}
+
     def evaluate(self, task_id: str, use_adapter: bool = True) -> float:
         """Greedy accuracy on the task's eval split at its current version (or the base model)."""
         state = self.tasks[task_id]
+        if is_multi_turn(state.data):
+            return self.evaluate_episodes(task_id, use_adapter)["accuracy"]
         samples = state.data.eval_samples()
         version = self.trainer.version(task_id) if use_adapter else None
         requests = self._requests(task_id, [s.prompt for s in samples], 1, 0.0,

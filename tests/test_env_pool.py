@@ -134,3 +134,21 @@ def test_pool_refuses_unknown_tasks_and_unpicklable_tasks_in_process_mode():
         EnvPoolConfig(mode="fibers").validate()
     assert isinstance(EnvError("t", "reward", "x"), RewardError)
     assert Sample(0, "p", "a") == Sample(0, "p", "a")
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"env_pool": {"mode": "fibers"}}, "env_pool.mode"),
+    ({"env_pool": {"workers": 0}}, "env_pool.workers"),
+    ({"env_pool": {"threads": 2}}, "env_pool.threads"),
+    ({"tasks": [{"task_id": "t", "dataset": {"kind": "lookup"}, "algo": {"max_turns": 0}}]}, "tasks[0].algo.max_turns"),
+    ({"tasks": [{"task_id": "t", "dataset": {"kind": "lookup", "tool_latency_s": -1}}]},
+     "tasks[0].dataset.tool_latency_s"),
+])
+def test_job_config_refuses_bad_env_settings_naming_the_field(change, field):
+    from marlaas_hpc.config import JobConfig
+    from marlaas_hpc.tasks import SpecError
+
+    with pytest.raises(SpecError) as refused:
+        JobConfig.from_dict(change)
+    assert refused.value.field == field
+    assert JobConfig.from_dict({"env_pool": {"mode": "process", "workers": 3}}).env_pool.workers == 3

@@ -15,8 +15,9 @@ token after the prompt; behaviour logprobs are the engine's for model tokens and
 loss_mask is 1 exactly on model tokens. A model turn ends at eos (kept, trained) or at its token cap.
 
 The runner must be the engine's only user while `run` is in progress (it takes every finished Generation).
-If the engine offers `pin(task_id, version)` / `unpin(task_id, version)`, the runner holds the episode's
-version between turns so the engine cannot retire it while the env step runs.
+The runner holds the episode's version between turns with the engine's `pin(task_id, version)` /
+`unpin(task_id, version)` (every RolloutEngine has them), so the engine cannot retire it while the env step
+runs. The distributed runtime does the same per prompt group (runtime/env_rank.py, runtime/rollout_rank.py).
 """
 from __future__ import annotations
 

@@ -107,3 +107,18 @@ def environment_for(task: TaskData) -> Environment:
     """A fresh episode of `task`: its own environment if it has one (`new_env()`), else single-turn."""
     factory = getattr(task, "new_env", None)
     return factory() if callable(factory) else SingleTurnEnv(task)
+
+
+def is_multi_turn(task: TaskData) -> bool:
+    """True if the task's episodes may go on after the first turn (tool workloads)."""
+    return not isinstance(environment_for(task), SingleTurnEnv)
+
+
+def first_prompt(task: TaskData, sample: Sample) -> str:
+    """The prompt text of an episode on `sample` (what `reset` returns; envs reset deterministically)."""
+    return environment_for(task).reset(sample)
+
+
+def episode_limits(algo) -> EpisodeLimits:
+    """A task's episode limits from its AlgoSpec."""
+    return EpisodeLimits(max_turns=algo.max_turns, max_total_tokens=algo.max_episode_tokens).validate()

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # marlaas_hpc.model imports torch
     from marlaas_hpc.model.tokenizer import TextCodec
 
 Policy = Callable[[GenerationRequest, str], str]
-"""(request, decoded context with special tokens as text, e.g. '<bos>c4+17=?<eos>23+17=') -> completion text."""
+"""(request, decoded context with special tokens as text, e.g. '<bos>c4+7=?<eos>23+7=') -> completion text."""
 
 
 @dataclass
@@ -40,13 +40,6 @@ class ScriptedEngine(RolloutEngine):
 
     def add_adapter(self, adapter: AdapterRef) -> None:
         self.versions.add(adapter)
-
-    def pin(self, task_id: str, version: int) -> None:
-        """Holds a version live between an episode's turns (see EpisodeRunner)."""
-        self.versions.acquire(task_id, version)
-
-    def unpin(self, task_id: str, version: int) -> None:
-        self.versions.release(task_id, version)
 
     def submit(self, requests: list[GenerationRequest]) -> None:
         for req in requests:

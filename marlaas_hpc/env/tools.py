@@ -233,7 +233,13 @@ class Lookup(Tool):
 
     name = "lookup"
 
+    def __init__(self, latency_s: float = 0.0):
+        self.latency_s = latency_s
+        """Simulated service latency of every call."""
+
     def run(self, argument: str, sample: Sample) -> str:
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
         table = sample.meta.get("table", {})
         key = argument.strip()
         if key not in table:

@@ -9,30 +9,28 @@ Kinds (see `ENV_TASK_KINDS`, built by `build_env_task(spec)`):
   ``spec.corpus`` ({"title"?, "text"} or {"contents"} per line) or, without one, every context document of the
   data file. The model calls ``<tool name="search">query</tool>`` and answers with ``<answer>…</answer>``
   (or plain text); reward token F1 (``spec.metric = "em"``: exact match) after SQuAD normalisation.
-- ``lookup``: synthetic, for the tiny char model: prompt ``c4+17=`` where c4's value (0-99) is drawn per
+- ``lookup``: synthetic, for the tiny char model: prompt ``c4+7=`` where c4's value (0-99) is drawn per
   sample and only the ``lookup`` tool knows it. Compact syntax (default): the turn ``?`` (or ``?c4``) looks the
-  prompt's key up and the observation restates the sum with the value, ``23+17=``; the next turn answers
-  ``40``. Without the tool the model can only guess (~1%). ``spec.syntax = "xml"`` uses the tag protocol.
+  prompt's key up and the observation restates the sum with the value, ``23+7=``; the next turn answers
+  ``30``. Without the tool the model can only guess (~1%). ``spec.syntax = "xml"`` uses the tag protocol.
 
 Data files are read and checked at construction (task admission): a missing file or field, a non-UTF-8 line,
 malformed JSON or an empty corpus raises SpecError naming the file and line.
 """
 from __future__ import annotations
 
-import json
 import random
 import re
 import string
 import threading
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from marlaas_hpc.env.protocol import Environment, SingleTurnEnv
 from marlaas_hpc.env.tools import (SYNTAXES, Bm25Index, Calculator, Document, Lookup, Search, ToolBox, ToolOutcome,
                                    ToolTask)
 from marlaas_hpc.tasks.base import Sample
-from marlaas_hpc.tasks.files import _FileTask, gsm8k_gold, read_jsonl_rows
+from marlaas_hpc.tasks.files import _FileTask, gsm8k_gold, load_reward_fn, read_jsonl_rows
 from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
 
 
@@ -192,7 +190,7 @@ _KEY_LETTERS = "abcdef"
 
 
 class LookupTask(ToolTask):
-    """'c4+17=' where c4 is drawn per sample and only the lookup tool knows it. Exact-match reward."""
+    """'c4+7=' where c4 is drawn per sample and only the lookup tool knows it. Exact-match reward."""
 
     kind = "lookup"
     compact_tool = "lookup"
@@ -201,7 +199,7 @@ class LookupTask(ToolTask):
         if syntax not in SYNTAXES:
             raise SpecError("dataset.syntax", f"must be one of {SYNTAXES}, got {syntax!r}")
         self.syntax = syntax
-        self.tools = ToolBox([Lookup()])
+        self.tools = ToolBox([Lookup(getattr(spec, "tool_latency_s", 0.0))])
         self._seed = spec.seed
         rng = random.Random(f"lookup-eval-{spec.seed}")
         self._eval: list[Sample] = []
@@ -217,11 +215,14 @@ class LookupTask(ToolTask):
 
     def _make(self, rng: random.Random, index: int) -> Sample:
         key = rng.choice(_KEY_LETTERS) + str(rng.randint(0, 9))
-        value, addend = rng.randint(0, 99), rng.randint(0, 99)
+        # one-digit addends: using the result is then the tiny model's own 2-digit + 1-digit addition skill
+        value, addend = rng.randint(0, 99), rng.randint(1, 9)
         prompt = f"{key}+{addend}="
         if self.syntax == "xml":
             prompt += f' look {key} up: <tool name="lookup">{key}</tool>\n'
-        return Sample(index, prompt, str(value + addend), {"table": {key: value}, "key": key, "addend": addend})
+        # the mistake of a model that answers without the tool: the addend, as if the unknown key were 0
+        return Sample(index, prompt, str(value + addend),
+                      {"table": {key: value}, "key": key, "addend": addend, "mistake": str(addend)})
 
     def train_sample(self, cursor: int) -> Sample:
         rng = random.Random(f"lookup-train-{self._seed}-{cursor}")
@@ -249,10 +250,11 @@ class LookupTask(ToolTask):
         return 1.0 if text == sample.answer else 0.0
 
     def demonstration(self, sample: Sample, use_tool: bool) -> list[tuple[str, bool]]:
-        """A correct episode as (text, is_model_turn) segments, for supervised warm-up of a base model
-        (each model segment is followed by eos): ['?', '23+17=', '40'] or ['40'] in compact syntax."""
+        """An episode as (text, is_model_turn) segments, for supervised warm-up of a base model (each model
+        segment is followed by eos). With the tool it is correct: ['?', '23+17=', '40'] in compact syntax;
+        without it, the realistic mistake of answering blind: ['17'] (the addend, as if the key were 0)."""
         if not use_tool:
-            return [(sample.answer, True)]
+            return [(sample.meta["mistake"], True)]
         observation = self.observation(sample, [ToolOutcome("lookup", sample.meta["key"],
                                                             str(sample.meta["table"][sample.meta["key"]]), True, 0.0)])
         call = "?" if self.syntax == "compact" else f'<tool name="lookup">{sample.meta["key"]}</tool>'
@@ -276,7 +278,15 @@ ENV_TASK_KINDS = ("gsm8k_tool", "gsm8k_plain", "hotpotqa", "lookup")
 
 def build_env_task(spec: DatasetSpec) -> ToolTask:
     """Builds an env workload; optional spec fields (read if the DatasetSpec has them): corpus, metric,
-    syntax."""
+    syntax, tool_latency_s, reward_fn (replaces the workload's verifier)."""
+    task = _env_task(spec)
+    if getattr(spec, "reward_fn", None):
+        # an instance attribute shadows the method; a module-level function still pickles (process pools)
+        task.score = load_reward_fn(spec.reward_fn)
+    return task
+
+
+def _env_task(spec: DatasetSpec) -> ToolTask:
     if spec.kind in ("gsm8k_tool", "gsm8k_plain"):
         return Gsm8kEnvTask(spec, calculator=spec.kind == "gsm8k_tool")
     if spec.kind == "hotpotqa":

@@ -2,8 +2,14 @@
 
 Nothing is downloaded: the builder makes a char tokenizer, a Qwen3 config with head_dim 32 (vLLM's CPU
 attention needs >= 32), pre-trains on the synthetic tasks with answers that are mostly a systematic
-mistake (see tasks/synthetic.py), so each task starts at 5-50% greedy accuracy with room for RL, and saves standard HF files (config.json, model.safetensors,
-tokenizer files) that transformers, vLLM and mbridge all load.
+mistake (see tasks/synthetic.py), so each task starts at 5-50% greedy accuracy with room for RL, and saves
+standard HF files (config.json, model.safetensors, tokenizer files) that transformers, vLLM and mbridge all load.
+
+The mix also holds the tool-requiring `lookup` workload (marlaas_hpc.env): a minority of its sequences
+demonstrate the tool call and the use of its result ('c4+7=' -> '?', observation '23+7=', '30'), the rest
+make the realistic mistake of answering blind (the addend), and some tool transcripts train only the answer
+after the observation. So the base policy samples the tool call now and then but greedily answers blind:
+RL can raise the tool-call rate and, with it, the accuracy.
 """
 from __future__ import annotations
 
@@ -46,9 +52,24 @@ class TinyModelConfig:
     p_correct: float = 0.3
     """Probability that a pre-training answer is right; otherwise it is the task's systematic mistake.
     The base model then prefers the mistake, and is right where the two agree (28-47% of inputs)."""
+    lookup_examples: int = 8
+    """Lookup-workload episodes per pre-training step (on top of batch_size, in a loss term of their own)."""
+    lookup_loss_weight: float = 0.25
+    """Weight of the lookup sequences' mean token loss next to the synthetic tasks' (which keep weight 1, so
+    their pre-training, and with it how well RL can still move them, stays close to a model without lookup)."""
+    lookup_p_tool: float = 0.3
+    """Fraction of those that call the tool and answer from its result; the others answer blind (mistake)."""
+    lookup_drills: int = 4
+    """Lookup tool transcripts per step in which only the answer after the observation is trained (the call
+    is context, not trained): teaches using a tool result without teaching to call the tool."""
 
     def fingerprint(self) -> str:
+        import inspect
+
+        from marlaas_hpc.env.workloads import LookupTask
+
         source = Path(__file__).read_bytes() + Path(__file__).with_name("tokenizer.py").read_bytes()
+        source += inspect.getsource(LookupTask).encode()  # its generator and demonstrations are in the mix
         blob = json.dumps(asdict(self), sort_keys=True).encode() + source
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -66,13 +87,35 @@ def qwen3_config(cfg: TinyModelConfig):
         dtype="float32")
 
 
-def _batch(codec: TextCodec, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input ids and labels (-100 outside the answer + eos) for (prompt, answer) pairs."""
+Row = tuple[list[int], list[int], list[int]]
+"""(prompt_ids, completion_ids, loss_mask) of one pre-training sequence."""
+
+
+def answer_row(codec: TextCodec, prompt: str, answer: str) -> Row:
+    completion = codec.encode_completion(answer)
+    return codec.encode_prompt(prompt), completion, [1] * len(completion)
+
+
+def lookup_rows(codec: TextCodec, task, cursor: int, cfg: "TinyModelConfig", coin) -> list[Row]:
+    """One step's lookup sequences: tool demonstrations, blind answers, and answer drills (call masked)."""
+    rows = []
+    for i in range(cfg.lookup_examples + cfg.lookup_drills):
+        sample = task.train_sample(cursor + i)
+        if i >= cfg.lookup_examples:
+            prompt, completion, mask = task.demonstration_ids(codec, sample, use_tool=True)
+            call_len = mask.index(0)  # the call turn: context here, not trained
+            rows.append((prompt, completion, [0] * call_len + mask[call_len:]))
+        else:
+            rows.append(task.demonstration_ids(codec, sample, use_tool=coin.random() < cfg.lookup_p_tool))
+    return rows
+
+
+def _batch(codec: TextCodec, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids and labels (-100 outside the trained completion tokens)."""
     seqs, labels = [], []
-    for prompt_text, answer_text in pairs:
-        prompt, answer = codec.encode_prompt(prompt_text), codec.encode_completion(answer_text)
-        seqs.append(prompt + answer)
-        labels.append([-100] * len(prompt) + answer)
+    for prompt, completion, mask in rows:
+        seqs.append(prompt + completion)
+        labels.append([-100] * len(prompt) + [t if m else -100 for t, m in zip(completion, mask)])
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), codec.pad_id)
     lab = torch.full((len(seqs), width), -100)
@@ -80,6 +123,11 @@ def _batch(codec: TextCodec, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor
         ids[i, : len(s)] = torch.tensor(s)
         lab[i, : len(l)] = torch.tensor(l)
     return ids, lab
+
+
+def _loss(model, codec: TextCodec, rows: list[Row]) -> torch.Tensor:
+    ids, labels = _batch(codec, rows)
+    return model(input_ids=ids, attention_mask=(ids != codec.pad_id).long(), labels=labels).loss
 
 
 @torch.no_grad()
@@ -100,6 +148,45 @@ def greedy_accuracy(model, codec: TextCodec, task, samples: list[Sample], max_ne
     return correct / len(samples)
 
 
+@torch.no_grad()
+def greedy_episodes(model, codec: TextCodec, task, samples: list[Sample], max_new_tokens: int = 8,
+                    max_turns: int = 3) -> dict[str, float]:
+    """Greedy multi-turn episodes of a tool task, one sample at a time: accuracy and tool-call rate."""
+    from marlaas_hpc.env.protocol import Final, environment_for
+
+    correct = called = 0
+    for sample in samples:
+        env = environment_for(task)
+        ids = codec.encode_prompt(env.reset(sample))
+        for _ in range(max_turns):
+            turn = _greedy_turn(model, codec, ids, max_new_tokens)
+            ids += turn
+            result = env.step(codec.decode_completion(turn))
+            if isinstance(result, Final):
+                correct += result.reward == 1.0
+                break
+            called += 1 if result.tool_calls else 0
+            ids += codec.tokenizer.encode(result.text, add_special_tokens=False)
+    return {"accuracy": correct / len(samples), "tool_call_rate": called / len(samples)}
+
+
+def _greedy_turn(model, codec: TextCodec, ids: list[int], max_new_tokens: int) -> list[int]:
+    turn: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(model(input_ids=torch.tensor([ids + turn])).logits[0, -1].argmax())
+        turn.append(token)
+        if token == codec.eos_id:
+            break
+    return turn
+
+
+def base_accuracies(model, codec: TextCodec, tasks: list, lookup) -> dict[str, float]:
+    accuracy = {t.kind: greedy_accuracy(model, codec, t, t.eval_samples()) for t in tasks}
+    episodes = greedy_episodes(model, codec, lookup, lookup.eval_samples())
+    accuracy.update(lookup=episodes["accuracy"], lookup_tool_call_rate=episodes["tool_call_rate"])
+    return accuracy
+
+
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig = TinyModelConfig(), log=print) -> dict:
     """Builds and pre-trains the tiny model into out_dir; returns per-task greedy eval accuracies."""
     import random
@@ -112,26 +199,28 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig = TinyModelConfig
     codec = TextCodec(tokenizer)
     model = Qwen3ForCausalLM(qwen3_config(cfg)).float()
     tasks = [build_task_data(DatasetSpec(kind=k, seed=cfg.seed, eval_size=96)) for k in SYNTHETIC_KINDS]
+    lookup = build_task_data(DatasetSpec(kind="lookup", seed=cfg.seed, eval_size=96))
+    lookup_coin = random.Random(f"lookup-{cfg.seed}")  # its own stream: the other tasks' mix is unchanged
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.pretrain_steps, eta_min=cfg.lr * 0.05)
     start, accuracy = time.time(), {}
     for step in range(1, cfg.pretrain_steps + 1):
         model.train()
-        pairs = []
+        rows = []
         for i in range(cfg.batch_size):
             cursor = step * cfg.batch_size + i
             sample = tasks[cursor % len(tasks)].train_sample(cursor)
             right = coin.random() < cfg.p_correct
-            pairs.append((sample.prompt, sample.answer if right else sample.meta["mistake"]))
-        ids, labels = _batch(codec, pairs)
-        loss = model(input_ids=ids, attention_mask=(ids != codec.pad_id).long(), labels=labels).loss
+            rows.append(answer_row(codec, sample.prompt, sample.answer if right else sample.meta["mistake"]))
+        extra = lookup_rows(codec, lookup, step * (cfg.lookup_examples + cfg.lookup_drills), cfg, lookup_coin)
+        loss = _loss(model, codec, rows) + cfg.lookup_loss_weight * _loss(model, codec, extra)
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
         if step % cfg.eval_every == 0 or step == cfg.pretrain_steps:
             model.eval()
-            accuracy = {t.kind: greedy_accuracy(model, codec, t, t.eval_samples()) for t in tasks}
+            accuracy = base_accuracies(model, codec, tasks, lookup)
             log(f"[tiny-model] step {step}/{cfg.pretrain_steps}: loss {loss.item():.3f} greedy accuracy "
                 + " ".join(f"{k}={v:.2f}" for k, v in accuracy.items()) + f" ({time.time() - start:.0f}s)")
     out = Path(out_dir)

@@ -2,7 +2,9 @@
 
 Every sampled token comes back with its behaviour logprob (at the request's temperature) and the adapter
 version that produced it. A request stays pinned to the adapter version it was submitted with, even if a
-newer version of its task is registered while it runs.
+newer version of its task is registered while it runs. A multi-turn episode pins its version between turns
+too (`pin` / `unpin`): while an env step runs, no request of the episode is in flight, and without the pin
+a superseded version would be retired before the episode's next turn.
 """
 from __future__ import annotations
 
@@ -84,20 +86,34 @@ class RolloutEngine(ABC):
                 done[gen.request_id] = gen
         return [done[r.request_id] for r in requests]
 
+    def pin(self, task_id: str, version: int) -> None:
+        """Keeps (task, version) live until `unpin`, even once superseded and unused by requests (an episode
+        between turns). Pins are counted; raises KeyError if the version is not live."""
+        self.versions.pin(task_id, version)
+
+    def unpin(self, task_id: str, version: int) -> None:
+        """Drops one pin; the version is retired now if it is superseded and nothing else uses it."""
+        self._retire(self.versions.unpin(task_id, version))
+
+    def _retire(self, keys: list[tuple[str, int]]) -> None:
+        """Frees retired (task, version) adapters in the engine (engines that hold adapters override it)."""
+
     def close(self) -> None:
         """Releases engine resources."""
 
 
 class AdapterVersions:
     """Book-keeping shared by the engines: which (task, version) adapters are live, their int ids for
-    vLLM, and how many in-flight requests pin each. A version is retired (returned by `release`/`add`)
-    once a newer version of its task exists and no request uses it."""
+    vLLM, how many in-flight requests use each and how many episodes pin each. A version is retired
+    (returned by `release`/`unpin`/`add`) once a newer version of its task exists and nothing uses it."""
 
     def __init__(self):
         self._next_int_id = 1
         self.int_id: dict[tuple[str, int], int] = {}
         self.path: dict[tuple[str, int], str] = {}
         self.in_flight: dict[tuple[str, int], int] = {}
+        self.pins: dict[tuple[str, int], int] = {}
+        """Multi-turn episodes holding a version between their turns."""
         self.latest: dict[str, int] = {}
 
     def check_new(self, adapter: AdapterRef) -> int:
@@ -134,12 +150,32 @@ class AdapterVersions:
         self.in_flight[(task_id, version)] -= 1
         return self._retirable(task_id)
 
+    def pin(self, task_id: str, version: int) -> None:
+        key = (task_id, version)
+        self.acquire(task_id, version)  # same checks; the pin holds it like a request would
+        self.in_flight[key] -= 1
+        self.pins[key] = self.pins.get(key, 0) + 1
+
+    def unpin(self, task_id: str, version: int) -> list[tuple[str, int]]:
+        key = (task_id, version)
+        if self.pins.get(key, 0) < 1:
+            raise KeyError(f"adapter {task_id} v{version} is not pinned")
+        self.pins[key] -= 1
+        if self.pins[key] == 0:
+            del self.pins[key]
+        return self._retirable(task_id)
+
+    def pinned(self, task_id: str) -> dict[int, int]:
+        """version -> episodes pinning it."""
+        return {v: n for (t, v), n in self.pins.items() if t == task_id}
+
     def live(self, task_id: str) -> list[int]:
         return sorted(v for (t, v) in self.int_id if t == task_id)
 
     def _retirable(self, task_id: str) -> list[tuple[str, int]]:
         latest = self.latest[task_id]
-        old = [key for key in self.int_id if key[0] == task_id and key[1] < latest and self.in_flight[key] == 0]
+        old = [key for key in self.int_id if key[0] == task_id and key[1] < latest and self.in_flight[key] == 0
+               and key not in self.pins]
         for key in old:
             del self.int_id[key], self.path[key], self.in_flight[key]
         return old

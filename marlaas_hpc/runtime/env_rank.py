@@ -1,28 +1,97 @@
-"""Env rank (CPU): scores finished generations with the task's verifier, computes group-relative
-advantages and sends the trajectories straight to the trainer leader; rank 0 only gets Scored events."""
+"""Env rank (CPU): owns the episodes of the prompt groups routed to it, runs their env steps (tools, verifier)
+in an EnvPool, and sends scored trajectories straight to the trainer leader; rank 0 only gets events.
+
+One prompt group = G episodes of one sample (a single-turn task is the one-turn case):
+
+    rank 0 ──GenerateWork(prompt = env.reset text)──► rollout ──GroupData(turn 1, G turns)──► env rank
+    env rank: env.step(turn text) of every episode, concurrently in the EnvPool (per-call timeout)
+        Observation: its tokens are appended to the episode (loss_mask 0, logprob 0) → the episode goes on
+        Final, or a limit (max_turns / max_episode_tokens) → the episode ends (truncation reward: 0.0)
+    when every step of the turn is back:
+        some go on  → ContinueGroup(their contexts) ──► rollout ──GroupData(turn t+1, those)──► env rank ...
+        all ended   → ScoredGroup ──► trainer leader;  Generated (multi-turn), Scored ──► rank 0;
+                      GroupEnded ──► rollout (unpins the group's version)
+
+Rank 0 builds the first prompt by calling the task env's `reset` (envs reset deterministically); the env
+rank resets its own episodes and checks it gets the same prompt. A group moves turn by turn (its episodes'
+next turns go out together), which keeps the rollout side simple and batches well; groups of all tasks are
+interleaved. Every turn of an episode must come back with the group's version (pinned on the rollout rank):
+a turn sampled with any other version is a bug and stops the job. A reward function that raises or returns
+NaN / out-of-range, an env that raises or an env step past the pool's timeout fails its task only.
+
+Timeline (timeline/rank<N>.jsonl): 'score' records (a turn of a group arrived -> all its env steps back),
+'env_step' records (env steps of >= 1 ms: tool and reward seconds, outcome; the many faster ones are only in
+the stats, to keep the file small),
+'episode' records (turns, per-turn versions, tool calls, model / tool token counts, finish reason, reward),
+'turn' busy spans of this rank's own book-keeping. RankStats.extra (summary.json 'env_ranks'): the pool's
+per-stage latency summaries (tool:<name>, reward, step, queue: p50/p90/p99) and per-task episode figures.
+"""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
+from marlaas_hpc.env.pool import EnvPool, EnvPoolConfig, StepOutcome
+from marlaas_hpc.env.protocol import Environment, Final, environment_for, episode_limits, is_multi_turn
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, EvalDone, GroupData, RankStats,
-                                          ScoredGroup, Shutdown)
-from marlaas_hpc.scheduler import Admit, Scored, TaskFailed
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupData,
+                                          GroupEnded, RankStats, ScoredGroup, Shutdown)
+from marlaas_hpc.scheduler import Admit, Generated, Scored, TaskFailed
 from marlaas_hpc.tasks import build_task_data
-from marlaas_hpc.trainer.grpo import scored_group
+from marlaas_hpc.trainer.grpo import assign_advantages
+from marlaas_hpc.trajectory import Trajectory
+
+
+TIMELINE_MIN_STEP_S = 0.001
+"""Env steps shorter than this get no timeline record of their own (the pool's stats count them all)."""
+
+
+@dataclass
+class _Episode:
+    env: Environment
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turn_versions: list[int | None] = field(default_factory=list)
+    newest_versions: list[int | None] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    final: Final | None = None
+    goes_on: bool = False
+
+
+@dataclass
+class _Group:
+    first: GroupData
+    rollout_rank: int
+    multi_turn: bool
+    episodes: list[_Episode]
+    t0: float
+    stepping: int = 0
+    """Env steps of the current turn still running in the pool."""
+    turn: int = 1
+    turn_t0: float = 0.0
+    """When the current turn's model turns arrived (start of its 'score' timeline span)."""
 
 
 class EnvRank:
-    def __init__(self, comm, codec: TextCodec, trainer_leader: int, run_dir=None):
+    def __init__(self, comm, codec: TextCodec, trainer_leader: int, run_dir=None,
+                 pool_config: EnvPoolConfig = EnvPoolConfig()):
         self.comm, self.codec, self.trainer_leader = comm, codec, trainer_leader
         self.run_dir = run_dir
         self.rank = comm.Get_rank()
         self.tasks: dict = {}
         self.specs: dict = {}
+        self.eval_samples: dict[str, dict[int, object]] = {}
         self.failed: set[str] = set()
-        self.early: list[GroupData] = []
+        self.early: list[tuple[GroupData, int]] = []
         """Data of a task whose Admit has not arrived yet (rank 0 and rollout ranks race)."""
+        self.groups: dict[str, _Group] = {}
+        self.in_pool: dict[Future, tuple[str, int]] = {}
+        self.episode_stats: dict[tuple[str, str], dict] = {}
+        self.pool = EnvPool(pool_config)
         self.clock = BusyClock()
         self.outbox = Outbox(comm)
 
@@ -34,17 +103,18 @@ class EnvRank:
                 break
             if isinstance(command, Admit):
                 self._admit(command)
-            data, _ = poll(self.comm, TAG_DATA)
+            data, source = poll(self.comm, TAG_DATA)
             if isinstance(data, GroupData):
                 if data.task_id not in self.tasks:
-                    self.early.append(data)
+                    self.early.append((data, source))
                 else:
-                    with self.clock.track("score", (data.task_id,), samples=len(data.completions),
-                                          eval=data.eval):
-                        self._score(data)
-            elif command is None:
+                    self._on_turn(data, source)
+            stepped = self._collect_steps()
+            if command is None and data is None and not stepped:
                 time.sleep(0.002)
-        self.outbox.send(RankStats(self.rank, "env", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
+        self.pool.close()
+        extra = {"pool": self.pool.stats(), "episodes": self._episode_summary()}
+        self.outbox.send(RankStats(self.rank, "env", self.clock.busy, self.clock.wall(), extra), 0, TAG_EVENT)
         if self.run_dir is not None:
             write_timeline(self.run_dir, self.rank, "env", self.clock)
         self.outbox.flush()
@@ -52,27 +122,204 @@ class EnvRank:
     def _admit(self, command: Admit) -> None:
         spec = command.spec
         self.specs[spec.task_id] = spec
-        self.tasks[spec.task_id] = build_task_data(spec.dataset)  # rank 0 already checked it loads
-        ready = [d for d in self.early if d.task_id == spec.task_id]
-        self.early = [d for d in self.early if d.task_id != spec.task_id]
-        for data in ready:
-            self._score(data)
+        self.tasks[spec.task_id] = task = build_task_data(spec.dataset)  # rank 0 already checked it loads
+        # rank 0 names an eval prompt by its Sample.index (a file task's line, not its place in the eval split)
+        self.eval_samples[spec.task_id] = {sample.index: sample for sample in task.eval_samples()}
+        self.pool.add_task(spec.task_id, task)
+        ready = [(d, s) for d, s in self.early if d.task_id == spec.task_id]
+        self.early = [(d, s) for d, s in self.early if d.task_id != spec.task_id]
+        for data, source in ready:
+            self._on_turn(data, source)
 
-    def _score(self, data: GroupData) -> None:
+    # ---- a turn of a group arrives: start its env steps ----
+    def _on_turn(self, data: GroupData, rollout_rank: int) -> None:
         if data.task_id in self.failed:
+            if is_multi_turn(self.tasks[data.task_id]):
+                self._drop(data, rollout_rank, generated=data.turn == 1)  # later turns: dropped in _fail
             return
+        with self.clock.track("turn", (data.task_id,)):  # no extras: back-to-back spans merge
+            group = self.groups.get(data.group_id) if data.turn > 1 else self._open(data, rollout_rank)
+            if group is None:
+                return
+            group.turn_t0 = time.time()
+            episodes = data.episodes if data.episodes is not None else range(len(data.completions))
+            sampled = data.sampled_versions or [data.version] * len(data.completions)
+            for j, ids, logprobs, version in zip(episodes, data.completions, data.logprobs, sampled):
+                self._add_model_turn(group, j, ids, logprobs, version, data.newest_version)
+
+    def _open(self, data: GroupData, rollout_rank: int) -> _Group | None:
         task = self.tasks[data.task_id]
-        sample = task.eval_samples()[data.prompt_index] if data.eval else task.train_sample(data.prompt_index)
-        try:
-            rewards = [task.reward(sample, self.codec.decode_completion(c)) for c in data.completions]
-        except Exception as exc:  # RewardError or anything a user's verifier raises
-            self.failed.add(data.task_id)
-            self.outbox.send(TaskFailed(data.task_id, f"env rank {self.rank}: {exc}"), 0, TAG_EVENT)
+        sample = self.eval_samples[data.task_id][data.prompt_index] if data.eval \
+            else task.train_sample(data.prompt_index)
+        envs = [environment_for(task) for _ in data.completions]
+        for env in envs:
+            if self.codec.encode_prompt(env.reset(sample)) != data.prompt_ids:
+                self._fail(data.task_id, f"env rank {self.rank}: env reset() gave a different prompt than rank "
+                                         "0's (resets must be deterministic)")
+                if is_multi_turn(task):
+                    self._drop(data, rollout_rank, generated=True)
+                return None
+        group = _Group(data, rollout_rank, is_multi_turn(task), [_Episode(env) for env in envs], time.time())
+        self.groups[data.group_id] = group
+        return group
+
+    def _add_model_turn(self, group: _Group, j: int, ids: list[int], logprobs: list[float],
+                        version: int | None, newest: int | None) -> None:
+        first = group.first
+        if version != first.version:
+            raise RuntimeError(f"{first.group_id} episode {j}: turn sampled with v{version}, but the episode is "
+                               f"pinned to v{first.version}")
+        episode = group.episodes[j]
+        episode.completion_ids += ids
+        episode.logprobs += logprobs
+        episode.mask += [1] * len(ids)
+        episode.turn_versions.append(version)
+        episode.newest_versions.append(newest)
+        episode.goes_on = False
+        future = self.pool.submit(first.task_id, episode.env, self.codec.decode_completion(ids))
+        self.in_pool[future] = (first.group_id, j)
+        group.stepping += 1
+
+    # ---- env steps come back ----
+    def _collect_steps(self) -> bool:
+        done = [f for f in self.in_pool if f.done()]
+        for future in done:
+            group_id, j = self.in_pool.pop(future)
+            group = self.groups.get(group_id)
+            if group is None:  # its task failed meanwhile
+                continue
+            self._on_step(group, j, future.result())
+            group.stepping -= 1
+            if group.stepping == 0 and group_id in self.groups:
+                self._note_turn_scored(group)
+                self._next_turn(group)
+        return bool(done)
+
+    def _on_step(self, group: _Group, j: int, outcome: StepOutcome) -> None:
+        episode, task_id = group.episodes[j], group.first.task_id
+        episode.env = outcome.env
+        self._note_step(group, j, outcome)
+        self.clock.busy += outcome.run_s / self.pool.config.workers  # pool occupancy, not this thread's
+        if outcome.error is not None:
+            self._fail(task_id, f"env rank {self.rank}: {outcome.error}")
             return
-        if data.eval:
-            self.outbox.send(EvalDone(data.task_id, data.version, float(rewards[0] == 1.0), 1), 0, TAG_EVENT)
+        result = outcome.result
+        if isinstance(result, Final):
+            episode.final = result
             return
-        trajectories = scored_group(data.task_id, data.group_id, data.prompt_ids, data.completions, data.logprobs,
-                                    data.version, rewards, self.specs[data.task_id].algo.normalize_adv_std)
-        self.outbox.send(ScoredGroup(data.group_id, trajectories), self.trainer_leader, TAG_DATA)
-        self.outbox.send(Scored(data.group_id, sum(rewards) / len(rewards)), 0, TAG_EVENT)
+        episode.tool_calls += result.tool_calls
+        episode.tool_errors += result.tool_errors
+        limits = episode_limits(self.specs[task_id].algo)
+        observation = self.codec.tokenizer.encode(result.text, add_special_tokens=False)
+        if len(episode.turn_versions) >= limits.max_turns:
+            episode.final = episode.env.truncated("max_turns")
+        elif len(group.first.prompt_ids) + len(episode.completion_ids) + len(observation) + 1 \
+                > limits.max_total_tokens:
+            episode.final = episode.env.truncated("max_tokens")
+        else:
+            episode.completion_ids += observation
+            episode.logprobs += [0.0] * len(observation)
+            episode.mask += [0] * len(observation)
+            episode.goes_on = True
+
+    def _next_turn(self, group: _Group) -> None:
+        going_on = [j for j, episode in enumerate(group.episodes) if episode.goes_on]
+        if not going_on:
+            self._finish(group)
+            return
+        if not group.multi_turn:
+            raise RuntimeError(f"{group.first.group_id}: a single-turn env returned an observation")
+        group.turn += 1
+        contexts = [group.first.prompt_ids + group.episodes[j].completion_ids for j in going_on]
+        self.outbox.send(ContinueGroup(group.first.group_id, group.turn, going_on, contexts), group.rollout_rank,
+                         TAG_DATA)
+
+    # ---- a group ends ----
+    def _finish(self, group: _Group) -> None:
+        first = group.first
+        del self.groups[first.group_id]
+        for j, episode in enumerate(group.episodes):
+            self._note_episode(group, j, episode)
+        rewards = [episode.final.reward for episode in group.episodes]
+        if group.multi_turn:
+            self.outbox.send(GroupEnded(first.group_id), group.rollout_rank, TAG_DATA)
+        if first.eval:
+            self.outbox.send(EvalDone(first.task_id, first.version, float(rewards[0] == 1.0), 1), 0, TAG_EVENT)
+            return
+        trajectories = [Trajectory(first.task_id, first.group_id, first.prompt_ids, e.completion_ids, e.logprobs,
+                                   first.version if first.version is not None else 0, reward=e.final.reward,
+                                   loss_mask=e.mask) for e in group.episodes]
+        for trajectory in trajectories:
+            trajectory.check()
+        assign_advantages(trajectories, self.specs[first.task_id].algo.normalize_adv_std)
+        self.outbox.send(ScoredGroup(first.group_id, trajectories), self.trainer_leader, TAG_DATA)
+        if group.multi_turn:  # same channel as Scored, so rank 0 sees the group generated before scored
+            self.outbox.send(Generated(group.rollout_rank, (first.group_id,), (first.version,)), 0, TAG_EVENT)
+        self.outbox.send(Scored(first.group_id, sum(rewards) / len(rewards)), 0, TAG_EVENT)
+
+    def _fail(self, task_id: str, error: str) -> None:
+        """Marks a task failed (rank 0 ends it); its open groups are dropped and their versions unpinned."""
+        if task_id in self.failed:
+            return
+        self.failed.add(task_id)
+        self.outbox.send(TaskFailed(task_id, error), 0, TAG_EVENT)
+        for group_id, group in list(self.groups.items()):
+            if group.first.task_id == task_id:
+                del self.groups[group_id]
+                if group.multi_turn:
+                    self._drop(group.first, group.rollout_rank, generated=True)
+
+    def _drop(self, first: GroupData, rollout_rank: int, generated: bool) -> None:
+        """Ends a multi-turn group of a failed task: the rollout rank unpins it, and rank 0 frees its rollout
+        slot (its Generated comes from here; exactly once per group)."""
+        self.outbox.send(GroupEnded(first.group_id), rollout_rank, TAG_DATA)
+        if generated and not first.eval:
+            self.outbox.send(Generated(rollout_rank, (first.group_id,), (first.version,)), 0, TAG_EVENT)
+
+    # ---- measurements ----
+    def _note_step(self, group: _Group, j: int, outcome: StepOutcome) -> None:
+        if outcome.run_s < TIMELINE_MIN_STEP_S:
+            return
+        result = outcome.result
+        kind = "error" if outcome.error is not None else "final" if isinstance(result, Final) else "observation"
+        timings = dict(result.timings) if result is not None else {}
+        end = time.time()
+        self.clock.note("env_step", (group.first.task_id,), end - outcome.run_s, end, group_id=group.first.group_id,
+                        episode=j, turn=group.turn, outcome=kind, queued_s=outcome.queued_s, **timings)
+
+    def _note_turn_scored(self, group: _Group) -> None:
+        """A 'score' span: a turn of the group arrived -> all its env steps are back (the simulator's
+        calibration reads these as the env stage's time per group)."""
+        stepped = sum(len(e.turn_versions) == group.turn for e in group.episodes)
+        self.clock.note("score", (group.first.task_id,), group.turn_t0, time.time(), samples=stepped,
+                        group_id=group.first.group_id, turn=group.turn, eval=group.first.eval)
+
+    def _note_episode(self, group: _Group, j: int, episode: _Episode) -> None:
+        first = group.first
+        model_tokens = sum(episode.mask)
+        self.clock.note("episode", (first.task_id,), group.t0, time.time(), group_id=first.group_id, episode=j,
+                        eval=first.eval, turns=len(episode.turn_versions), prompt_tokens=len(first.prompt_ids),
+                        turn_versions=episode.turn_versions,
+                        newest_versions=episode.newest_versions, tool_calls=episode.tool_calls,
+                        tool_errors=episode.tool_errors, model_tokens=model_tokens,
+                        tool_tokens=len(episode.mask) - model_tokens, finish=episode.final.reason,
+                        reward=episode.final.reward)
+        phase = "train" if not first.eval else "eval_before" if first.version is None else "eval_after"
+        stats = self.episode_stats.setdefault((first.task_id, phase), {
+            "episodes": 0, "with_tool_call": 0, "turns": 0, "reward": 0.0, "finish": {}})
+        stats["episodes"] += 1
+        stats["with_tool_call"] += episode.tool_calls > 0
+        stats["turns"] += len(episode.turn_versions)
+        stats["reward"] += episode.final.reward
+        stats["finish"][episode.final.reason] = stats["finish"].get(episode.final.reason, 0) + 1
+
+    def _episode_summary(self) -> dict:
+        """task -> phase ('train', 'eval_before', 'eval_after') -> episodes, tool-call rate, mean turns, mean
+        reward, finish reasons."""
+        summary: dict = {}
+        for (task_id, phase), stats in sorted(self.episode_stats.items()):
+            n = stats["episodes"]
+            summary.setdefault(task_id, {})[phase] = {
+                "episodes": n, "tool_call_rate": stats["with_tool_call"] / n, "mean_turns": stats["turns"] / n,
+                "mean_reward": stats["reward"] / n, "finish": stats["finish"]}
+        return summary

@@ -11,7 +11,8 @@ TAG_CMD = 11
 TAG_EVENT = 12
 """workers -> rank 0: scheduler events, EvalDone, RankStats."""
 TAG_DATA = 13
-"""worker -> worker: GroupData (rollout -> env), ScoredGroup (env -> trainer), EvalData (rollout -> env)."""
+"""worker -> worker: GroupData (rollout -> env), ContinueGroup / GroupEnded (env -> rollout, multi-turn),
+ScoredGroup (env -> trainer)."""
 TAG_DELTA = 14
 """trainer leader -> rollout ranks: DeltaAnnounce, followed by a torch.distributed broadcast."""
 TAG_TRAINER = 15
@@ -38,11 +39,16 @@ class GenerateWork:
     max_new_tokens: int
     eval: bool = False
     """Greedy eval pass: one sample per prompt, scored into an accuracy (EvalDone), never trained."""
+    multi_turn: bool = False
+    """Episodes may go on after the first turn: the rollout rank pins the group's version until its env rank
+    sends GroupEnded, and samples every later turn (ContinueGroup) with it."""
+    episode_tokens: int | None = None
+    """Multi-turn: prompt + model + tool token budget of an episode; every turn's cap is cut to fit it."""
 
 
 @dataclass
 class GroupData:
-    """G generations of one prompt, rollout -> env."""
+    """One turn of a prompt group's episodes, rollout -> env: turn 1 of all G, or turn t of those that went on."""
 
     task_id: str
     group_id: str
@@ -52,6 +58,32 @@ class GroupData:
     completions: list[list[int]]
     logprobs: list[list[float]]
     eval: bool = False
+    turn: int = 1
+    episodes: list[int] | None = None
+    """Episode index of each completion (None: 0..G-1, turn 1)."""
+    sampled_versions: list[int | None] | None = None
+    """Adapter version the engine reports for each completion (must equal `version`: pinned)."""
+    newest_version: int | None = None
+    """Newest version of the task this rollout rank held when the turn was submitted (newer than `version`
+    when a delta arrived mid-episode)."""
+
+
+@dataclass
+class ContinueGroup:
+    """Env -> rollout: the next turn of these episodes of a group; contexts are prompt + everything so far
+    (model turns and tool observations)."""
+
+    group_id: str
+    turn: int
+    episodes: list[int]
+    contexts: list[list[int]]
+
+
+@dataclass
+class GroupEnded:
+    """Env -> rollout: every episode of a multi-turn group has ended (or its task failed): unpin its version."""
+
+    group_id: str
 
 
 @dataclass

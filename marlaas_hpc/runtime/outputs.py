@@ -74,7 +74,9 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                "busy_fraction": {kind: _mean(values) for kind, values in sorted(busy.items())},
                "preempted": preempted, "previous_runs": runs or [],
                "total_wall_time_s": wall_s + sum(r["wall_time_s"] for r in runs or []),
-               "tasks": tasks, "rejected": rejected}
+               "tasks": tasks, "rejected": rejected,
+               # per env rank: env-step latencies by stage (tool:<name>, reward) and per-task episode figures
+               "env_ranks": {str(stat.rank): stat.extra for stat in stats if stat.kind == "env" and stat.extra}}
     atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
     write_status(run_dir, job, scheduler, wall_s)
     return summary

@@ -1,16 +1,42 @@
 """Rollout rank: serves every task's generation requests from one engine (continuous batch), receives LoRA
-deltas from the trainer leader, and sends finished groups straight to their env rank."""
+deltas from the trainer leader, and sends finished turns straight to their env rank.
+
+A prompt group's first turn comes from rank 0 (GenerateWork). Training work asked for a superseded version
+samples with the newest one. Single-turn groups are done when their G completions are: GroupData to the env
+rank, Generated to rank 0. Multi-turn groups (tool tasks) stay open: the env rank answers each turn with
+ContinueGroup (the next turn of the episodes that go on, sampled with the group's version, never a newer
+one) until it sends GroupEnded. The group's version is pinned in the engine from its first turn to
+GroupEnded, so the engine cannot retire it while an episode waits on a tool; its Generated event comes from
+the env rank when the group ends (so it reaches rank 0 before the group's Scored, on the same channel).
+"""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from marlaas_hpc.rollout import AdapterRef, GenerationRequest
+from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_DELTA, TAG_EVENT, GenerateWork, GroupData,
-                                          RankStats, Shutdown)
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_DELTA, TAG_EVENT, ContinueGroup, GenerateWork,
+                                          GroupData, GroupEnded, PromptGroup, RankStats, Shutdown)
 from marlaas_hpc.scheduler import Generated
 from marlaas_hpc.trainer.peft_io import write_peft_adapter
+
+
+@dataclass
+class _OpenGroup:
+    work: GenerateWork
+    group: PromptGroup
+    version: int | None
+    """The group's version for every turn (pinned in the engine while the group is open, multi-turn)."""
+    t0: float
+    turn: int = 1
+    waiting: set[int] = field(default_factory=set)
+    """Episodes whose current turn is still generating."""
+    done: dict[int, Generation] = field(default_factory=dict)
+    newest: int | None = None
+    model_tokens: dict[int, int] = field(default_factory=dict)
+    """Episode -> tokens sampled over all its turns."""
 
 
 class RolloutRank:
@@ -22,7 +48,7 @@ class RolloutRank:
         self.seed = seed
         self.versions: dict[str, int] = {}
         self.waiting: list[GenerateWork] = []
-        self.open_groups: dict[str, dict] = {}
+        self.open_groups: dict[str, _OpenGroup] = {}
         self.counter = 0
         self.clock = BusyClock()
         self.outbox = Outbox(comm)
@@ -37,12 +63,13 @@ class RolloutRank:
             if isinstance(command, GenerateWork):
                 self.waiting.append(command)
             self._submit_ready()
+            from_env = self._drain_env()
             if self.engine.has_unfinished():
-                tasks = sorted({entry["work"].task_id for entry in self.open_groups.values()})
+                tasks = sorted({entry.work.task_id for entry in self.open_groups.values()})
                 with self.clock.track("generate", tasks):
                     finished = self.engine.step()
                 self._collect(finished)
-            elif command is None:
+            elif command is None and not from_env:
                 time.sleep(0.002)
         self.outbox.send(RankStats(self.rank, "rollout", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
         if self.run_dir is not None:
@@ -75,38 +102,106 @@ class RolloutRank:
                 continue
             if work.version is not None and not work.eval:
                 work.version = have
-            self._submit(work)
+            self._start(work)
         self.waiting = still_waiting
 
-    def _submit(self, work: GenerateWork) -> None:
+    def _start(self, work: GenerateWork) -> None:
         requests = []
         for group in work.groups:
-            self.open_groups[group.group_id] = {"work": work, "group": group, "done": {}, "t0": time.time()}
-            for j in range(work.group_size):
-                self.counter += 1
-                requests.append(GenerationRequest(
-                    request_id=f"{group.group_id}#{j}", task_id=work.task_id, adapter_version=work.version,
-                    prompt_ids=group.prompt_ids, temperature=work.temperature, max_new_tokens=work.max_new_tokens,
-                    seed=(self.seed * 1_000_003 + self.rank * 7919 + self.counter) % (2**31)))
+            entry = _OpenGroup(work, group, work.version, time.time())
+            self.open_groups[group.group_id] = entry
+            if work.multi_turn and work.version is not None:
+                self.engine.pin(work.task_id, work.version)
+            contexts = [group.prompt_ids] * work.group_size
+            requests += self._turn_requests(entry, list(range(work.group_size)), contexts)
         self.engine.submit(requests)
 
+    def _turn_requests(self, entry: _OpenGroup, episodes: list[int], contexts: list[list[int]]):
+        work = entry.work
+        entry.waiting, entry.done = set(episodes), {}
+        entry.newest = self.versions.get(work.task_id)
+        requests = []
+        for j, context in zip(episodes, contexts):
+            self.counter += 1
+            requests.append(GenerationRequest(
+                request_id=f"{entry.group.group_id}#{j}@{entry.turn}", task_id=work.task_id,
+                adapter_version=entry.version, prompt_ids=context, temperature=work.temperature,
+                max_new_tokens=self._turn_cap(work, len(context)),
+                seed=(self.seed * 1_000_003 + self.rank * 7919 + self.counter) % (2**31)))
+        return requests
+
+    @staticmethod
+    def _turn_cap(work: GenerateWork, context_len: int) -> int:
+        """The turn's token cap, cut to the episode's token budget (at least one token: the env ends an
+        episode before its budget runs out, and a prompt over budget still gets its one turn)."""
+        if work.episode_tokens is None:
+            return work.max_new_tokens
+        return max(1, min(work.max_new_tokens, work.episode_tokens - context_len))
+
+    # ---- messages from env ranks (multi-turn) ----
+    def _drain_env(self) -> bool:
+        got = False
+        while True:
+            message, _ = poll(self.comm, TAG_DATA)
+            if message is None:
+                return got
+            got = True
+            if isinstance(message, ContinueGroup):
+                self._continue(message)
+            elif isinstance(message, GroupEnded):
+                self._end(message.group_id)
+
+    def _continue(self, message: ContinueGroup) -> None:
+        entry = self.open_groups.get(message.group_id)
+        if entry is None:  # ended meanwhile (its task failed)
+            return
+        entry.turn = message.turn
+        self.engine.submit(self._turn_requests(entry, message.episodes, message.contexts))
+
+    def _end(self, group_id: str) -> None:
+        """Closes a multi-turn group; turns still generating are dropped when they finish."""
+        entry = self.open_groups.pop(group_id, None)
+        if entry is None:
+            return
+        if entry.version is not None:
+            self.engine.unpin(entry.work.task_id, entry.version)
+        self._note_group(entry)
+
+    # ---- finished turns ----
     def _collect(self, finished) -> None:
-        done_groups = []
+        complete = []
         for gen in finished:
-            group_id, _, j = gen.request_id.rpartition("#")
-            entry = self.open_groups[group_id]
-            entry["done"][int(j)] = gen
-            if len(entry["done"]) == entry["work"].group_size:
-                done_groups.append(group_id)
-        for group_id in done_groups:
-            entry = self.open_groups.pop(group_id)
-            work, group, gens = entry["work"], entry["group"], entry["done"]
-            ordered = [gens[j] for j in range(work.group_size)]
-            self.clock.note("group", (work.task_id,), entry["t0"], time.time(), group_id=group_id, eval=work.eval,
-                            prompt_tokens=len(group.prompt_ids),
-                            completion_tokens=[len(g.completion_ids) for g in ordered])
-            data = GroupData(work.task_id, group_id, group.prompt_index, work.version, group.prompt_ids,
-                             [g.completion_ids for g in ordered], [g.logprobs for g in ordered], eval=work.eval)
-            self.outbox.send(data, work.env_rank, TAG_DATA)
-            if not work.eval:
-                self.outbox.send(Generated(self.rank, (group_id,), (work.version,)), 0, TAG_EVENT)
+            group_id, _, tail = gen.request_id.rpartition("#")
+            episode, _, turn = tail.partition("@")
+            entry = self.open_groups.get(group_id)
+            if entry is None or int(turn) != entry.turn:
+                continue  # its group ended while this turn was generating
+            entry.done[int(episode)] = gen
+            entry.waiting.discard(int(episode))
+            entry.model_tokens[int(episode)] = entry.model_tokens.get(int(episode), 0) + len(gen.completion_ids)
+            if not entry.waiting:
+                complete.append(entry)
+        for entry in complete:
+            self._send_turn(entry)
+
+    def _send_turn(self, entry: _OpenGroup) -> None:
+        work, group = entry.work, entry.group
+        episodes = sorted(entry.done)
+        gens = [entry.done[j] for j in episodes]
+        data = GroupData(work.task_id, group.group_id, group.prompt_index, entry.version, group.prompt_ids,
+                         [g.completion_ids for g in gens], [g.logprobs for g in gens], eval=work.eval,
+                         turn=entry.turn, episodes=episodes, sampled_versions=[g.adapter_version for g in gens],
+                         newest_version=entry.newest)
+        self.outbox.send(data, work.env_rank, TAG_DATA)
+        if work.multi_turn:
+            return
+        del self.open_groups[group.group_id]
+        self._note_group(entry)
+        if not work.eval:
+            self.outbox.send(Generated(self.rank, (group.group_id,), (entry.version,)), 0, TAG_EVENT)
+
+    def _note_group(self, entry: _OpenGroup) -> None:
+        self.clock.note("group", (entry.work.task_id,), entry.t0, time.time(), group_id=entry.group.group_id,
+                        eval=entry.work.eval, prompt_tokens=len(entry.group.prompt_ids), turns=entry.turn,
+                        completion_tokens=[entry.model_tokens.get(j, 0) for j in range(entry.work.group_size)],
+                        version=entry.version)

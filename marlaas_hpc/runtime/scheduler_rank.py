@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from marlaas_hpc.env.protocol import first_prompt, is_multi_turn
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.checkpoint import PreemptFlag, save_job_checkpoint
 from marlaas_hpc.runtime.comm import Outbox, poll
@@ -15,7 +16,6 @@ from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Scheduler, 
                                    TaskEnded, Train)
 from marlaas_hpc.service import QueueIntake
 from marlaas_hpc.tasks import SpecError, build_task_data
-from marlaas_hpc.tasks.registry import ENV_TASK_KINDS
 
 
 class SchedulerRank:
@@ -48,10 +48,6 @@ class SchedulerRank:
     def submit(self, spec, resume: dict | None = None) -> list:
         """Admission check of a spec (its data must load); a bad one is refused and never disturbs others."""
         try:
-            if spec.dataset.kind in ENV_TASK_KINDS:
-                raise SpecError("dataset.kind", f"{spec.dataset.kind!r} is a multi-turn tool workload; the "
-                                "distributed runtime scores single-turn tasks only so far (run it with "
-                                "marlaas_hpc.env.episode.EpisodeRunner)")
             if spec.base_model not in (None, self.job.model):
                 raise SpecError("base_model", f"{spec.base_model!r} differs from the job's base model {self.job.model!r}")
             self.data[spec.task_id] = build_task_data(spec.dataset)
@@ -236,10 +232,16 @@ class SchedulerRank:
 
     def _work(self, command: Generate) -> GenerateWork:
         data, algo = self.data[command.task_id], self.scheduler.tasks[command.task_id].spec.algo
-        groups = [PromptGroup(gid, index, self.codec.encode_prompt(data.train_sample(index).prompt))
+        groups = [PromptGroup(gid, index, self.codec.encode_prompt(first_prompt(data, data.train_sample(index))))
                   for gid, index in command.groups]
         return GenerateWork(command.task_id, command.version, command.env_rank, groups, algo.group_size,
-                            algo.temperature, algo.max_new_tokens)
+                            algo.temperature, algo.max_new_tokens, **self._episodes(command.task_id))
+
+    def _episodes(self, task_id: str) -> dict:
+        """GenerateWork fields of a multi-turn (tool) task: its rollout rank keeps its groups open."""
+        if not is_multi_turn(self.data[task_id]):
+            return {}
+        return {"multi_turn": True, "episode_tokens": self.scheduler.tasks[task_id].spec.algo.max_episode_tokens}
 
     def _eval(self, task_id: str, version: int | None) -> None:
         """Greedy accuracy on the eval split: base model (before) or the task's final version (after)."""
@@ -248,7 +250,8 @@ class SchedulerRank:
         rollout = self.roles["rollout"][self._eval_turn % len(self.roles["rollout"])]
         env = self.roles["env"][self._eval_turn % len(self.roles["env"])]
         self._eval_turn += 1
-        groups = [PromptGroup(f"{task_id}/eval{s.index}", s.index, self.codec.encode_prompt(s.prompt)) for s in samples]
+        groups = [PromptGroup(f"{task_id}/eval{s.index}", s.index,
+                              self.codec.encode_prompt(first_prompt(self.data[task_id], s))) for s in samples]
         self.pending_evals[(task_id, "before" if version is None else "after")] = len(groups)
-        self.outbox.send(GenerateWork(task_id, version, env, groups, 1, 0.0, spec.algo.max_new_tokens, eval=True),
-                         rollout, TAG_CMD)
+        self.outbox.send(GenerateWork(task_id, version, env, groups, 1, 0.0, spec.algo.max_new_tokens, eval=True,
+                                      **self._episodes(task_id)), rollout, TAG_CMD)

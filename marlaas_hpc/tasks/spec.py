@@ -71,9 +71,17 @@ class AlgoSpec:
     """Divide group-relative advantages by the group's std (GRPO original); False only centres them."""
     grad_clip: float = 1.0
     """Max global grad norm of the adapter; 0 disables clipping."""
+    max_turns: int = 4
+    """Multi-turn (tool) tasks: model turns per episode; an episode still calling tools after its last turn
+    ends with the env's truncation reward (0.0). Single-turn tasks ignore it."""
+    max_episode_tokens: int = 256
+    """Multi-turn (tool) tasks: prompt + model + tool tokens per episode; each turn is capped to fit and an
+    observation that does not fit ends the episode with the truncation reward (0.0)."""
 
     def validate(self, prefix: str = "algo") -> None:
         _int_at_least(self.group_size, 2, f"{prefix}.group_size")
+        _int_at_least(self.max_turns, 1, f"{prefix}.max_turns")
+        _int_at_least(self.max_episode_tokens, 2, f"{prefix}.max_episode_tokens")
         _int_at_least(self.batch_prompts, 1, f"{prefix}.batch_prompts")
         _int_at_least(self.max_new_tokens, 1, f"{prefix}.max_new_tokens")
         for name, lo in (("lr", 0.0), ("temperature", 0.0)):
@@ -93,7 +101,8 @@ class DatasetSpec:
     path: str | None = None
     """Data file for file-backed kinds (gsm8k, custom): JSONL, one sample per line."""
     reward_fn: str | None = None
-    """'module:function' computing reward(sample, completion) -> float in [0, 1] (custom kind)."""
+    """'module:function' computing reward(sample, completion) -> float in [0, 1] (custom kind); for an env
+    workload (gsm8k_tool, gsm8k_plain, hotpotqa, lookup) it replaces the built-in verifier of the final turn."""
     seed: int = 0
     """Seed of the train/eval split and of synthetic generation."""
     eval_size: int = 128
@@ -104,6 +113,9 @@ class DatasetSpec:
     """QA reward: 'f1' (default) or 'em' (exact match)."""
     syntax: str | None = None
     """Tool-call syntax of the lookup workload: 'compact' (default, for the tiny model) or 'xml'."""
+    tool_latency_s: float = 0.0
+    """Lookup workload: extra seconds every lookup call takes (a remote key-value service; tests and
+    benchmarks of slow tools). 0: answer at once."""
 
     def validate(self, prefix: str = "dataset") -> None:
         from marlaas_hpc.tasks.registry import TASK_KINDS
@@ -113,6 +125,8 @@ class DatasetSpec:
         _int_at_least(self.eval_size, 1, f"{prefix}.eval_size")
         if self.metric not in (None, "f1", "em"):
             raise SpecError(f"{prefix}.metric", f"must be 'f1' or 'em', got {self.metric!r}")
+        if not isinstance(self.tool_latency_s, (int, float)) or not 0 <= self.tool_latency_s <= 60:
+            raise SpecError(f"{prefix}.tool_latency_s", f"must be seconds in [0, 60], got {self.tool_latency_s!r}")
         if self.syntax not in (None, "compact", "xml"):
             raise SpecError(f"{prefix}.syntax", f"must be 'compact' or 'xml', got {self.syntax!r}")
         if self.kind in ("gsm8k", "custom", "gsm8k_tool", "gsm8k_plain", "hotpotqa") and not self.path:
@@ -191,7 +205,8 @@ def _build(cls: type, data: Any, prefix: str):
             if isinstance(value, str) or not isinstance(value, (list, tuple)):
                 raise SpecError(f"{prefix}{key}", "must be a list of module names")
             value = tuple(value)
-        elif key in ("alpha", "lr", "clip_eps", "kl_beta", "temperature", "weight_decay", "grad_clip") \
+        elif key in ("alpha", "lr", "clip_eps", "kl_beta", "temperature", "weight_decay", "grad_clip",
+                     "tool_latency_s") \
                 and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         kwargs[key] = value
