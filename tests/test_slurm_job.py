@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_slurm_cluster import _cluster_problem, _sacct_states
+from test_slurm_cluster import _cluster_problem, _mpi_init_crashed, _retry_note, _sacct_states
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +33,7 @@ def _marlaas(*args, timeout=300):
 
 
 def _submit(config: dict, tmp_path: Path) -> tuple[str, Path, float]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
@@ -57,11 +58,36 @@ def _wait_final(job_id: str, run_dir: Path, timeout_s: float) -> list[str]:
                 f"{log.read_text()[-3000:] if log.exists() else 'no rank 0 log'}")
 
 
+def _crashed_in_mpi_init(job_id: str, run_dir: Path, states: list[str]) -> bool:
+    """The known Open MPI segfault of the emulated cluster (see test_slurm_cluster.py): retry such a job once."""
+    if states == ["COMPLETED"] * 4 or not _mpi_init_crashed(list((run_dir / "slurm").glob("*_log.err"))):
+        return False
+    _retry_note(job_id)
+    return True
+
+
 def _first_step_time(run_dir: Path) -> float:
     times = []
     for metrics in run_dir.glob("tasks/*/*/metrics.jsonl"):
         times.append(json.loads(metrics.read_text().splitlines()[0])["time"])
     return min(times)
+
+
+def _preempt_at_step(job_id: str, run_dir: Path, step: int) -> list[str] | None:
+    """Waits until every task has `step` steps (None), or returns the sacct states if the job ended first."""
+    deadline = time.monotonic() + 400
+    while True:
+        try:
+            tasks = json.loads((run_dir / "status.json").read_text())["tasks"]
+            if min(t["steps_done"] for t in tasks.values()) >= step:
+                return None
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        states = _sacct_states(job_id)
+        if len(states) == 4 and all(s.split()[0] in ("FAILED", "CANCELLED", "COMPLETED", "TIMEOUT") for s in states):
+            return states
+        assert time.monotonic() < deadline, f"job {job_id} never reached step {step}: {states}"
+        time.sleep(0.5)
 
 
 def _config(steps: int) -> dict:
@@ -72,8 +98,12 @@ def _config(steps: int) -> dict:
 
 
 def test_submit_runs_the_multi_task_job_as_a_het_job(cluster, tmp_path):
-    job_id, run_dir, t0 = _submit(_config(4), tmp_path)
-    assert _wait_final(job_id, run_dir, 400) == ["COMPLETED"] * 4
+    for attempt in range(2):
+        job_id, run_dir, t0 = _submit(_config(4), tmp_path / f"attempt{attempt}")
+        states = _wait_final(job_id, run_dir, 400)
+        if not (attempt == 0 and _crashed_in_mpi_init(job_id, run_dir, states)):
+            break
+    assert states == ["COMPLETED"] * 4
     summary = json.loads((run_dir / "summary.json").read_text())
     assert {t: (s["status"], s["steps_done"]) for t, s in summary["tasks"].items()} == \
         {"add": ("done", 4), "sort": ("done", 4)}
@@ -90,20 +120,16 @@ def test_submit_runs_the_multi_task_job_as_a_het_job(cluster, tmp_path):
 def test_usr2_requeues_and_resumes_without_lost_or_repeated_steps(cluster, tmp_path):
     steps = 14
     config = _config(steps)
-    job_id, run_dir, _ = _submit(config, tmp_path)
-    deadline = time.monotonic() + 400
-    while True:
-        try:
-            tasks = json.loads((run_dir / "status.json").read_text())["tasks"]
-            if min(t["steps_done"] for t in tasks.values()) >= 3:
-                break
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        assert time.monotonic() < deadline, f"job {job_id} never reached step 3: {_sacct_states(job_id)}"
-        time.sleep(0.5)
-    t0, t0_wall = time.monotonic(), time.time()
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    assert _wait_final(job_id, run_dir, 500) == ["COMPLETED"] * 4
+    for attempt in range(2):
+        job_id, run_dir, _ = _submit(config, tmp_path / f"attempt{attempt}")
+        states = _preempt_at_step(job_id, run_dir, 3)
+        if states is None:
+            t0, t0_wall = time.monotonic(), time.time()
+            subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+            states = _wait_final(job_id, run_dir, 500)
+        if not (attempt == 0 and _crashed_in_mpi_init(job_id, run_dir, states)):
+            break
+    assert states == ["COMPLETED"] * 4
     round_trip = time.monotonic() - t0
     checkpoint = json.loads((run_dir / "checkpoint" / "scheduler.json").read_text())
     assert len(checkpoint["runs"]) == 1 and checkpoint["runs"][0]["ended"] == "preempted"
