@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ LAYOUTS = ["cpu_small", "gpu_tp4"]
 COMMAND = ("python -m marlaas_hpc.runtime.main /scratch/marlaas/job.yaml --run-dir /scratch/marlaas/runs/demo "
            "--auto-resume")
 FOLDER = "/scratch/marlaas/runs/demo"
+PYTHON = "/opt/marlaas/.venv/bin/python"
 
 
 def _layout(name: str) -> JobLayout:
@@ -56,14 +58,14 @@ def _blocks(header: list[str]) -> list[list[str]]:
 
 def _executor(layout: JobLayout, monkeypatch) -> HetJobExecutor:
     monkeypatch.setattr(HetJobExecutor, "affinity", classmethod(lambda cls: 2))  # no srun needed to render
-    executor = HetJobExecutor(FOLDER, layout, python="/opt/marlaas/.venv/bin/python")
+    executor = HetJobExecutor(FOLDER, layout, python=PYTHON)
     executor.update_parameters(job_name="demo")
     return executor
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_render_sbatch_golden(name):
-    text = render_sbatch(_layout(name), COMMAND, "demo", FOLDER, f"{FOLDER}/checkpoint/REQUEUE")
+    text = render_sbatch(_layout(name), COMMAND, "demo", FOLDER, f"{FOLDER}/checkpoint/REQUEUE", python=PYTHON)
     _check_golden(text, GOLDEN / f"sbatch_{name}.sbatch")
 
 
@@ -90,7 +92,9 @@ def test_scripts_are_four_component_hetjobs(name, kind, monkeypatch):
     for i, block in enumerate(blocks):
         assert f"#SBATCH --ntasks={layout.component_sizes[i]}" in block
         assert any(line.startswith("#SBATCH --signal=USR2@") for line in block)
-    srun = next(line for line in text.splitlines() if line.startswith("srun"))
+    srun = next(line for line in text.splitlines() if " srun " in line and not line.startswith("#"))
+    assert srun.startswith(f"{PYTHON if kind == 'submitit' else sys.executable} -m marlaas_hpc.launch.step_guard "
+                           f"--grace={layout.srun_grace_s} -- srun --unbuffered ")
     assert "--het-group=0-3" in srun and f"--mpi={layout.mpi}" in srun
     assert "%t" not in srun and "%j" not in srun  # wrong in a het step (see submitit_hetjob.py)
     body = text.splitlines()

@@ -6,6 +6,7 @@ Needs partitions `cpu` and `gpu` with at least 2 idle nodes each (het components
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def cluster():
 
 def _layout(**overrides) -> JobLayout:
     """1 control + 1 env + 2 rollout + 2 trainer (TP=2), GPU parts on the fake-GPU partition."""
-    fields = dict(env_ranks=1, rollout_ranks=2, trainer_tp=2, time=60, emulated_nodes=True,
+    fields = dict(env_ranks=1, rollout_ranks=2, trainer_tp=2, time=60, emulated_nodes=True, srun_grace_s=10,
                   exports={"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}, signal_lead_s=30,
                   control=ComponentResources(partition="cpu"), env=ComponentResources(partition="cpu"),
                   rollout=ComponentResources(partition="gpu", gpus_per_task=1),
@@ -200,3 +201,38 @@ def test_usr2_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert results[0]["saved"] == {"written_at_restart": 0, "step": 41}
     assert _wait_completed(job.job_id, 30) == ["COMPLETED"] * 4
     print(f"USR2 -> requeue -> rerun complete in {requeue_s:.1f} s")
+
+
+@pytest.mark.parametrize("task_status", [0, 3])
+def test_step_guard_ends_an_srun_that_outlives_its_step(cluster, tmp_path, task_status):
+    """Slurm 22.05 here sometimes leaves srun of a finished het step running (the batch script then holds
+    the allocation to the time limit). That cannot be provoked on demand, so the guarded command is a real
+    het step followed by a process that does not exit, as a hung srun would not."""
+    hung_srun = (f"srun --het-group=0-1 --unbuffered bash -c 'sleep 2; exit {task_status}'; "
+                 "echo step over, srun hangs; exec sleep 600")
+    script = tmp_path / "guard.sbatch"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --partition=cpu --ntasks=1 --time=5 --output={tmp_path}/guard-%j.out
+#SBATCH hetjob
+#SBATCH --partition=cpu --ntasks=1 --time=5
+{sys.executable} -m marlaas_hpc.launch.step_guard --poll=0.5 --grace=3 -- bash -c {shlex.quote(hung_srun)}
+""")
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                            check=True).stdout.strip().split(";")[0]
+    t0 = time.monotonic()
+    deadline = t0 + 90
+    while _sacct_states(job_id)[:1] in ([], ["PENDING"], ["RUNNING"], ["COMPLETING"]):
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], check=False)
+            pytest.fail(f"job {job_id} still running 90 s after submission; log:\n"
+                        f"{(tmp_path / f'guard-{job_id}.out').read_text(errors='replace')}")
+        time.sleep(0.5)
+    ended_s = time.monotonic() - t0
+    log = (tmp_path / f"guard-{job_id}.out").read_text(errors="replace")
+    assert "step over, srun hangs" in log and "stopping it" in log, log
+    assert f"step {job_id}.0 ended with status {task_status} (sacct)" in log, log
+    rows = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State,ExitCode", "-j", job_id],
+                          capture_output=True, text=True, check=True).stdout.split()
+    leader = rows[0].split("|")
+    assert leader[1] == ("COMPLETED" if task_status == 0 else "FAILED") and leader[2] == f"{task_status}:0", rows
+    print(f"hung srun ended by the guard {ended_s:.1f} s after submission (grace 3 s)")

@@ -26,38 +26,11 @@ def redirect_output(folder: str, environ=os.environ) -> JobPaths:
     return paths
 
 
-def exit_watchdog(code: int, grace_s: float = 120.0) -> None:
-    """Ends this process `grace_s` after its work is done if interpreter shutdown (MPI_Finalize, thread
-    joins) has not: once on the emulated test cluster every rank of a finished job (results and summary
-    written) hung at exit until the time limit, holding the allocation. A daemon timer still runs while
-    the main thread waits in shutdown."""
-    import threading
-
-    def _exit() -> None:
-        print(f"marlaas: process still alive {grace_s:.0f} s after its job ended (hung in shutdown); "
-              f"exiting with status {code}", file=sys.stderr, flush=True)
-        os._exit(code)
-
-    timer = threading.Timer(grace_s, _exit)
-    timer.daemon = True
-    timer.start()
-
-
 def main() -> None:
     if len(sys.argv) != 2:
         raise SystemExit("usage: python -m marlaas_hpc.launch.hetjob_task SUBMITIT_FOLDER")
     redirect_output(sys.argv[1])
-    code = 0
-    try:
-        submitit_main()
-    except SystemExit as exc:  # submitit's requeue path exits -1 on purpose
-        code = exc.code if isinstance(exc.code, int) else 1
-        raise
-    except BaseException:
-        code = 1
-        raise
-    finally:
-        exit_watchdog(code & 0xFF)
+    submitit_main()
 
 
 if __name__ == "__main__":

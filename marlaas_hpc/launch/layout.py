@@ -145,6 +145,9 @@ class JobLayout:
     """srun --mpi plugin; must match the MPI library mpi4py was built against (`srun --mpi=list`)."""
     signal_lead_s: int = 120
     """Slurm sends USR2 this many seconds before the time limit (--signal=USR2@N): time to checkpoint."""
+    srun_grace_s: int = 60
+    """Seconds srun may outlive its finished step before the batch script stops it (launch/step_guard.py:
+    some Slurm versions leave srun of a het step hanging after every rank exited)."""
     network_interface: str | None = None
     """NIC for MPI/NCCL/gloo TCP traffic (OMPI_MCA_*_if_include, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME),
     e.g. 'ib0'; None: let each library choose."""
@@ -205,6 +208,7 @@ class JobLayout:
         if self.mpi not in MPI_PLUGINS:
             raise LayoutError("mpi", f"unknown srun MPI plugin {self.mpi!r}; use one of {list(MPI_PLUGINS)}")
         _int_at_least(self.signal_lead_s, 0, "signal_lead_s")
+        _int_at_least(self.srun_grace_s, 1, "srun_grace_s")
         if self.emulated_nodes and self.network_interface not in (None, "lo"):
             raise LayoutError("network_interface", "emulated nodes talk over 'lo'; leave network_interface unset")
         for i, line in enumerate(self.setup):

@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from marlaas_hpc.launch.layout import COMPONENTS, JobLayout, LayoutError, parse_slurm_time
@@ -59,11 +60,19 @@ def srun_args(layout: JobLayout) -> list[str]:
     return [f"--het-group=0-{len(COMPONENTS) - 1}", f"--mpi={layout.mpi}", "--kill-on-bad-exit=1"]
 
 
+def guarded_srun(layout: JobLayout, python: str, *extra: str) -> str:
+    """The batch script's srun line, run under launch/step_guard.py (ends an srun that outlives its step).
+    `python`: the interpreter as a shell word (already quoted, as submitit keeps it)."""
+    return f"{python} " + shlex.join(["-m", "marlaas_hpc.launch.step_guard", f"--grace={layout.srun_grace_s}",
+                                      "--", "srun", "--unbuffered", *srun_args(layout), *extra])
+
+
 def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | Path,
-                  requeue_marker: str | Path | None = None) -> str:
+                  requeue_marker: str | Path | None = None, python: str = sys.executable) -> str:
     """The sbatch script running `command` (a shell command line) on every rank of `layout`.
     Slurm writes the batch log to FOLDER/<job_name>-<jobid>.out (the folder must exist at submission).
-    `requeue_marker`: a file the command leaves when it checkpointed on USR2; the script then requeues."""
+    `requeue_marker`: a file the command leaves when it checkpointed on USR2; the script then requeues.
+    `python`: the interpreter (with marlaas_hpc importable) that runs the step guard on the leader node."""
     import jinja2
 
     layout.validate()
@@ -84,7 +93,7 @@ def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | 
         job_name=job_name, world_size=layout.world_size, trainer_tp=layout.trainer_tp,
         trainer_dp=layout.trainer_dp, blocks=blocks, setup=layout.setup,
         exports=[f"export {k}={shlex.quote(v)}" for k, v in layout.exports_for_job().items()],
-        srun=shlex.join(["srun", *srun_args(layout)]), command=command,
+        srun=guarded_srun(layout, shlex.quote(python)), grace_s=layout.srun_grace_s, command=command,
         requeue_marker=shlex.quote(str(requeue_marker)) if requeue_marker else "")
 
 

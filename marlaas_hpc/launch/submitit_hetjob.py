@@ -25,7 +25,7 @@ from submitit.core import utils
 from submitit.slurm import slurm as _slurm
 
 from marlaas_hpc.launch.layout import COMPONENTS, JobLayout
-from marlaas_hpc.launch.sbatch import component_options, srun_args, time_minutes
+from marlaas_hpc.launch.sbatch import component_options, guarded_srun, time_minutes
 
 # options the layout owns; setting them through update_parameters would desynchronise the components
 _LAYOUT_OWNED = {"partition", "nodes", "ntasks_per_node", "cpus_per_task", "cpus_per_gpu", "num_gpus",
@@ -119,7 +119,7 @@ class HetJobExecutor(_slurm.SlurmExecutor):
         params["additional_parameters"] = extra
         params["setup"] = (self._header_lines() + self.layout.setup + list(params.get("setup") or [])
                            + [f"export {k}={shlex.quote(v)}" for k, v in self.layout.exports_for_job().items()])
-        srun = shlex.join(["srun", "--unbuffered", *srun_args(self.layout), *(params.pop("srun_args", None) or [])])
+        srun = guarded_srun(self.layout, self.python, *(params.pop("srun_args", None) or []))
         return _slurm._make_sbatch_string(command=f"{srun} {command}", folder=self.folder, **params)
 
     def _header_lines(self) -> tp.List[str]:

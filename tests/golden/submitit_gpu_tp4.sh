@@ -69,4 +69,4 @@ export NCCL_IB_HCA=mlx5
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --het-group=0-3 --mpi=pmix --kill-on-bad-exit=1 /opt/marlaas/.venv/bin/python -u -m marlaas_hpc.launch.hetjob_task /scratch/marlaas/runs/demo
+/opt/marlaas/.venv/bin/python -m marlaas_hpc.launch.step_guard --grace=60 -- srun --unbuffered --het-group=0-3 --mpi=pmix --kill-on-bad-exit=1 /opt/marlaas/.venv/bin/python -u -m marlaas_hpc.launch.hetjob_task /scratch/marlaas/runs/demo

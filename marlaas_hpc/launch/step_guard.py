@@ -1,0 +1,132 @@
+"""Runs the job's one srun step from the batch script and ends srun if it outlives its step.
+
+    python -m marlaas_hpc.launch.step_guard [--poll S] [--grace S] -- srun --het-group=0-3 ... CMD
+
+On the emulated cluster (Slurm 22.05, several slurmd on one host) srun of a het step sometimes never
+returns after every rank has exited: slurmd logs "done with job" for all components and sacct records
+each step component COMPLETED 0:0, yet srun, and with it the batch script, keeps the allocation until
+the time limit (2 of 216 jobs). The guard watches the step in slurmctld (squeue --steps); once it has
+seen the step and the step has been gone for `grace` seconds while srun still runs, it stops srun and
+exits with the step's own result from accounting (sacct), so the job ends as it would have.
+A step shorter than one poll is never seen and so not guarded; ours run for minutes (rank start alone
+takes tens of seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+STOP_WAIT_S = 10.0
+"""How long srun gets to exit after SIGTERM before SIGKILL."""
+
+
+def running_steps(squeue_out: str) -> set[str]:
+    """Numbered step ids ('0', '1') in `squeue -h --steps -o %i` output; batch/extern steps are skipped."""
+    steps = set()
+    for line in squeue_out.split():
+        _, dot, step = line.partition(".")
+        if dot and step.isdigit():
+            steps.add(step)
+    return steps
+
+
+def step_exit_status(sacct_out: str, job_id: str, step: str) -> int | None:
+    """The exit status of step `step` from `sacct -n -P -o JobID,State,ExitCode` output: the worst over its
+    het components (JOB+i.STEP) or the plain JOB.STEP row; None when accounting has no finished row."""
+    pattern = re.compile(rf"{re.escape(job_id)}(\+\d+)?\.{re.escape(step)}")
+    status = None
+    for line in sacct_out.splitlines():
+        fields = line.split("|")
+        if len(fields) < 3 or not pattern.fullmatch(fields[0]):
+            continue
+        state, code = fields[1].split()[0], fields[2]
+        if state in ("RUNNING", "PENDING", "COMPLETING"):
+            return None
+        exit_code, _, signal = code.partition(":")
+        value = int(exit_code or 0) or (128 + int(signal) if signal.isdigit() and int(signal) else 0)
+        if state != "COMPLETED" and value == 0:
+            value = 1
+        status = max(status or 0, value)
+    return status
+
+
+def _query(argv: list[str]) -> str | None:
+    """stdout of a Slurm client command, None when it fails (controller busy, no accounting)."""
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _log(message: str) -> None:
+    print(f"[marlaas step-guard {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def guard(argv: list[str], job_id: str, poll_s: float = 5.0, grace_s: float = 60.0) -> int:
+    """Runs `argv` (the srun command) and returns its exit status, or the step's status from sacct when
+    srun is still alive `grace_s` after slurmctld stopped listing a step it listed before."""
+    proc = subprocess.Popen(argv)
+    seen: set[str] = set()
+    gone_since = None
+    while True:
+        try:
+            code = proc.wait(timeout=poll_s)
+            return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+        except subprocess.TimeoutExpired:
+            pass
+        listing = _query(["squeue", "-h", "--steps", "-j", job_id, "-o", "%i"])
+        if listing is None:
+            continue  # no answer this time: decide nothing
+        steps = running_steps(listing)
+        if steps or not seen:  # still running, or not started yet (srun waits for its nodes)
+            seen |= steps
+            gone_since = None
+            continue
+        gone_since = gone_since or time.monotonic()
+        if time.monotonic() - gone_since < grace_s:
+            continue
+        step = max(seen, key=int)
+        _log(f"srun still running {grace_s:.0f} s after step {job_id}.{step} ended in slurmctld; stopping it")
+        _stop(proc)
+        status = step_exit_status(_query(["sacct", "-n", "-P", "-o", "JobID,State,ExitCode", "-j", job_id]) or "",
+                                  job_id, step)
+        if status is None:
+            _log("accounting has no result for the step; exiting 1")
+            return 1
+        _log(f"step {job_id}.{step} ended with status {status} (sacct)")
+        return status
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m marlaas_hpc.launch.step_guard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--poll", type=float, default=5.0, help="seconds between squeue polls")
+    parser.add_argument("--grace", type=float, default=60.0,
+                        help="seconds srun may outlive its step before it is stopped")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- srun ARGS...")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no srun command given (after --)")
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:  # outside an allocation there is no step to watch
+        os.execvp(command[0], command)
+    raise SystemExit(guard(command, job_id, args.poll, args.grace))
+
+
+if __name__ == "__main__":
+    main()
