@@ -1,7 +1,6 @@
 """Job configuration: one YAML file maps 1:1 onto these validated dataclasses."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ import yaml
 from marlaas_hpc.env.pool import EnvPoolConfig
 from marlaas_hpc.launch.layout import JobLayout
 from marlaas_hpc.service.quotas import TenantQuota
-from marlaas_hpc.tasks.spec import SpecError, TaskSpec
+from marlaas_hpc.tasks.spec import SpecError, TaskSpec, check_fields
 
 ENGINES = ("vllm", "hf")
 MODES = ("async", "sync", "sequential")
@@ -105,12 +104,7 @@ class JobConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
-        if not isinstance(data, dict):
-            raise SpecError("config", "must be a mapping")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise SpecError(unknown[0], f"unknown field (known: {sorted(known)})")
+        check_fields(cls, data, "config")
         kwargs = dict(data)
         try:
             kwargs["layout"] = JobLayout.from_dict(kwargs.get("layout") or {})
@@ -142,10 +136,5 @@ class JobConfig:
 
 
 def _env_pool(data: Any) -> EnvPoolConfig:
-    if not isinstance(data, dict):
-        raise SpecError("env_pool", "must be a mapping")
-    known = {f.name for f in dataclasses.fields(EnvPoolConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise SpecError(f"env_pool.{unknown[0]}", f"unknown field (known: {sorted(known)})")
+    check_fields(EnvPoolConfig, data, "env_pool", "env_pool.")
     return EnvPoolConfig(**data)

@@ -2,6 +2,7 @@
 atomic hand-over, `marlaas tasks add/cancel/close` refusals, and how long a serving job stays up."""
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,8 @@ def test_reward_functions_come_only_from_allowed_roots(tmp_path, monkeypatch):
     (tmp_path / "elsewhere" / "their_reward.py").write_text("def score(sample, completion):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path / "data"))
     monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    for name in ("my_reward", "their_reward"):  # another test's module of the same name, already imported
+        monkeypatch.delitem(sys.modules, name, raising=False)
     custom = {"kind": "custom", "path": str(tmp_path / "data" / "d.jsonl")}
     assert check_spec(spec_with(dataset={**custom, "reward_fn": "my_reward:score"}), rules(tmp_path), [], tmp_path)
     for module in ("os:system", "subprocess:call", "their_reward:score", "sys:exit"):

@@ -20,7 +20,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from marlaas_hpc.tasks.spec import SpecError
+from marlaas_hpc.tasks.spec import SpecError, check_fields
 
 COMPONENTS = ("control", "env", "rollout", "trainer")
 """Het-group order; index = Slurm het group = position in the MPI world."""
@@ -340,13 +340,7 @@ def _int_at_least(value: Any, low: int, name: str, why: str = "") -> None:
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
-    where = prefix.rstrip(".") or "layout"
-    if not isinstance(data, dict):
-        raise LayoutError(where, f"must be a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise LayoutError(f"{prefix}{unknown[0]}", f"unknown field (known: {sorted(fields)})")
+    check_fields(cls, data, prefix.rstrip(".") or "layout", prefix, LayoutError)
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():

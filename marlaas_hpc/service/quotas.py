@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from marlaas_hpc.tasks.spec import SpecError, TaskSpec
+from marlaas_hpc.tasks.spec import SpecError, TaskSpec, check_fields
 
 LIVE_STATES = ("pending", "queued", "running")
 """Task states that hold a place in the max_tasks quota (pending = in the queue dir, not yet seen by rank 0)."""
@@ -28,11 +28,7 @@ class TenantQuota:
 
     @classmethod
     def from_dict(cls, data: Any, prefix: str) -> "TenantQuota":
-        if not isinstance(data, dict):
-            raise SpecError(prefix, f"must be a mapping with max_tasks / max_total_steps, got {data!r}")
-        unknown = sorted(set(data) - {"max_tasks", "max_total_steps"})
-        if unknown:
-            raise SpecError(f"{prefix}.{unknown[0]}", "unknown field (known: ['max_tasks', 'max_total_steps'])")
+        check_fields(cls, data, prefix, f"{prefix}.")
         return cls(**data).validate(prefix)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from marlaas_hpc.sim.units import BANDWIDTH, SIZE, TIME, TOKENS, format_quantity, parse_quantity
-from marlaas_hpc.tasks.spec import SpecError
+from marlaas_hpc.tasks.spec import SpecError, check_fields
 
 DISTRIBUTIONS = ("constant", "uniform", "lognormal", "exponential", "empirical")
 BATCHING = ("continuous", "static")
@@ -208,13 +208,7 @@ def workload_from_dict(data: Any) -> Workload:
 
 
 def _build(cls, data: Any, prefix: str):
-    where = prefix.rstrip(".") or "workload"
-    if not isinstance(data, dict):
-        raise SpecError(where, f"must be a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise SpecError(f"{prefix}{unknown[0]}", f"unknown field (known: {sorted(fields)})")
+    fields = check_fields(cls, data, prefix.rstrip(".") or "workload", prefix)
     kwargs = {name: _value(fields[name], value, f"{prefix}{name}") for name, value in data.items()}
     return cls(**kwargs)
 
@@ -268,10 +262,7 @@ def _distribution(value: Any, dimension: str, name: str) -> Distribution:
     dist = value.get("dist", "constant")
     if dist not in DISTRIBUTIONS:
         raise SpecError(f"{name}.dist", f"unknown distribution {dist!r}; known: {list(DISTRIBUTIONS)}")
-    known = {f.name for f in dataclasses.fields(Distribution)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise SpecError(f"{name}.{unknown[0]}", f"unknown field (known: {sorted(known)})")
+    check_fields(Distribution, value, name, f"{name}.")
     needs = {"constant": ("value",), "uniform": ("low", "high"), "lognormal": ("median", "sigma"),
              "exponential": ("mean",), "empirical": ("values",)}[dist]
     for key in needs:

@@ -23,6 +23,20 @@ class SpecError(ValueError):
         super().__init__(f"{field_name}: {message}")
 
 
+def check_fields(cls: type, data: Any, where: str, prefix: str = "",
+                 error: type[SpecError] = SpecError) -> dict[str, dataclasses.Field]:
+    """Refuses `data` unless it is a mapping whose keys are all fields of the dataclass `cls`; returns
+    those fields by name. Every config reader (task spec, job config, layout, workload) starts here, so a
+    misspelt key is reported the same way everywhere: `where` names the mapping, `prefix` its keys."""
+    if not isinstance(data, dict):
+        raise error(where, f"must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise error(f"{prefix}{unknown[0]}", f"unknown field (known: {sorted(fields)})")
+    return fields
+
+
 @dataclass(kw_only=True)
 class LoraSpec:
     rank: int = 8
@@ -190,13 +204,7 @@ _NESTED = {"dataset": DatasetSpec, "lora": LoraSpec, "algo": AlgoSpec}
 
 
 def _build(cls: type, data: Any, prefix: str):
-    where = prefix.rstrip(".") or "spec"
-    if not isinstance(data, dict):
-        raise SpecError(where, f"must be a mapping, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise SpecError(f"{prefix}{unknown[0]}", f"unknown field (known: {sorted(known)})")
+    check_fields(cls, data, prefix.rstrip(".") or "spec", prefix)
     kwargs = {}
     for key, value in data.items():
         if cls is TaskSpec and key in _NESTED:
