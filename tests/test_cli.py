@@ -16,7 +16,8 @@ def test_sbatch_renders_a_four_component_hetjob_running_every_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr
     script = proc.stdout
     assert script.startswith("#!") and script.count("#SBATCH hetjob") == 3
-    srun = next(line for line in script.splitlines() if line.lstrip().startswith("srun "))
+    srun = next(line for line in script.splitlines() if " srun " in line and not line.startswith("#"))
+    assert srun.startswith(f"{sys.executable} -m marlaas_hpc.launch.step_guard ")  # see launch/step_guard.py
     assert "--het-group=0-3" in srun and "--mpi=pmix" in srun
     assert "marlaas_hpc.runtime.main" in script and str(tmp_path / "run") in script
     assert "--signal=USR2@" in script

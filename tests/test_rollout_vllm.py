@@ -94,3 +94,31 @@ def test_vllm_unknown_version_raises_and_queues_nothing(vllm_engine, codec):
         vllm_engine.submit([GenerationRequest("bad2", "nosuch", 0, prompt)])
     assert not vllm_engine.has_unfinished() and vllm_engine.versions.in_flight[("t1", 0)] == 0
     assert not vllm_engine.engine.has_unfinished_requests()
+
+
+def test_vllm_diverged_adapter_does_not_disturb_other_tasks(vllm_engine, adapters, codec, tmp_path):
+    """A task whose adapter diverged (NaN weights) shares batches with healthy tasks: the engine keeps
+    serving, healthy rows are exactly what they are without it, and the diverged rows carry non-finite
+    logprobs, which make the trainer fail that task alone (runtime/trainer_rank.py), as with the HF engine."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    diverged = tmp_path / "diverged"
+    shutil.copytree(adapters["t1"], diverged)
+    weights = load_file(diverged / "adapter_model.safetensors")
+    save_file({k: torch.full_like(v, float("nan")) for k, v in weights.items()},
+              str(diverged / "adapter_model.safetensors"))
+    vllm_engine.add_adapter(AdapterRef("diverged", 0, str(diverged)))
+    for temperature in (0.0, 0.7):
+        sick = [GenerationRequest(f"nan-{i}-T{temperature}", "diverged", 0, codec.encode_prompt(text),
+                                  temperature=temperature, max_new_tokens=8, seed=7 + i)
+                for i, text in enumerate(PROMPTS)]
+        mixed = vllm_engine.generate(sick + mixed_requests(codec, temperature, tag="with-nan-"))
+        alone = vllm_engine.generate(mixed_requests(codec, temperature, tag="without-nan-"))
+        for gen, ref in zip(mixed[len(sick):], alone):
+            assert (gen.adapter_version, gen.completion_ids) == (ref.adapter_version, ref.completion_ids)
+            np.testing.assert_allclose(gen.logprobs, ref.logprobs, atol=1e-4)
+        for gen in mixed[:len(sick)]:
+            assert gen.completion_ids and not np.isfinite(gen.logprobs).all(), gen
