@@ -98,8 +98,9 @@ def test_vllm_unknown_version_raises_and_queues_nothing(vllm_engine, codec):
 
 def test_vllm_diverged_adapter_does_not_disturb_other_tasks(vllm_engine, adapters, codec, tmp_path):
     """A task whose adapter diverged (NaN weights) shares batches with healthy tasks: the engine keeps
-    serving, healthy rows are exactly what they are without it, and the diverged rows carry non-finite
-    logprobs, which make the trainer fail that task alone (runtime/trainer_rank.py), as with the HF engine."""
+    serving, healthy rows are exactly what they are without it (in the same batch and in later ones, whose
+    KV blocks the diverged requests used before: vllm_engine.py zeroes their NaN), and the diverged rows carry
+    non-finite logprobs, which make the trainer fail that task alone (runtime/trainer_rank.py)."""
     import shutil
 
     import torch
@@ -122,3 +123,7 @@ def test_vllm_diverged_adapter_does_not_disturb_other_tasks(vllm_engine, adapter
             np.testing.assert_allclose(gen.logprobs, ref.logprobs, atol=1e-4)
         for gen in mixed[:len(sick)]:
             assert gen.completion_ids and not np.isfinite(gen.logprobs).all(), gen
+    assert vllm_engine.kv_scrubs and vllm_engine.kv_scrubs[0] > 0  # NaN had reached the KV cache
+    for gen, ref in zip(vllm_engine.generate(mixed_requests(codec, 0.0, tag="after-nan-")),
+                        vllm_engine.generate(mixed_requests(codec, 0.0, tag="after-nan-again-"))):
+        assert np.isfinite(gen.logprobs).all() and gen.completion_ids == ref.completion_ids

@@ -11,9 +11,16 @@ wrong at temperature != 1). At temperature 0 (greedy) it is log softmax(logits).
 
 Adapter files must stay on disk until the engine retires them (`pop_retired()` lists those it dropped):
 vLLM reloads LRU-evicted or still-referenced adapters from their paths.
+
+A diverged adapter (inf/NaN activations) writes NaN keys/values. Its own rows come back with non-finite
+logprobs (the trainer then fails that task alone), but the NaN stays in the KV blocks it frees, and on the
+CPU attention backend a later request of any task that gets such a block reads it through the masked tail
+(0 x NaN = NaN): its output turns to NaN. So when a generation finishes with a non-finite logprob, the
+engine zeroes every non-finite KV-cache entry before the next step can hand those blocks out.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -27,6 +34,17 @@ def _set_vllm_env(cache_dir: Path, kv_cache_gib: float) -> None:
     os.environ["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm_cache")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor_cache")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))  # GiB; CPU only
+
+
+def _zero_non_finite_kv(worker) -> int:
+    """Runs inside each vLLM worker (collective_rpc): zeroes inf/NaN entries of its KV cache; returns how many."""
+    import torch
+
+    count = 0
+    for cache in worker.model_runner.kv_caches:
+        count += int((~torch.isfinite(cache)).sum())
+        torch.nan_to_num_(cache, nan=0.0, posinf=0.0, neginf=0.0)
+    return count
 
 
 class VllmEngine(RolloutEngine):
@@ -76,6 +94,7 @@ class VllmEngine(RolloutEngine):
         self._refs: dict[tuple[str, int], AdapterRef] = {}
         self._retired: list[AdapterRef] = []
         self._pending: dict[str, GenerationRequest] = {}
+        self.kv_scrubs: list[int] = []  # non-finite KV entries zeroed, one entry per scrub (see the docstring)
         self.startup_s = time.perf_counter() - start
         if warmup:
             self._warmup()
@@ -180,6 +199,8 @@ class VllmEngine(RolloutEngine):
                 prompt_ids=list(req.prompt_ids), completion_ids=token_ids, logprobs=logprobs,
                 finish_reason="length" if comp.finish_reason == "length" else "stop",
                 meta={} if comp.finish_reason in ("stop", "length") else {"vllm_finish_reason": comp.finish_reason}))
+        if any(not math.isfinite(lp) for gen in done for lp in gen.logprobs):
+            self.kv_scrubs.append(sum(self.llm.collective_rpc(_zero_non_finite_kv)))
         return done
 
     def has_unfinished(self) -> bool:

@@ -56,8 +56,9 @@ class TrainerRank:
                 check_bound(order, trajectories, self.trainer.version(order.task_id))
             metrics = self.trainer.train_steps({order.task_id: trajectories for order, trajectories in batches})
             for order, _ in batches:
-                if math.isfinite(metrics[order.task_id].get("loss", 0.0)):
-                    self._publish(order.task_id)
+                task_metrics = metrics[order.task_id]
+                if math.isfinite(task_metrics.get("loss", 0.0)) and self._publish(order.task_id) is None:
+                    task_metrics["diverged"] = "non-finite adapter weights after the step (not published)"
             return metrics
         if op.kind == "checkpoint":
             return self._checkpoint()
@@ -81,7 +82,11 @@ class TrainerRank:
             if self.trainer.version(spec.task_id) != admit.resume_version:
                 raise RuntimeError(f"{path} holds v{self.trainer.version(spec.task_id)}, the scheduler "
                                    f"resumes v{admit.resume_version}")
-        return self._publish(spec.task_id)
+        version = self._publish(spec.task_id)
+        if version is None:
+            raise FloatingPointError(f"adapter of {spec.task_id} v{self.trainer.version(spec.task_id)} has "
+                                     "non-finite weights")
+        return version
 
     def _checkpoint(self) -> dict[str, int]:
         """Every TP rank saves its shard of every live task (adapter, optimizer state, version) and its RNG."""
@@ -93,11 +98,18 @@ class TrainerRank:
         save_torch(torch.get_rng_state(), trainer_rng_path(self.run_dir, self.trainer.tp_rank))
         return {task_id: self.trainer.version(task_id) for task_id in self.trainer.task_ids()}
 
-    def _publish(self, task_id: str):
-        """Gathers the adapter once (collective over TP); the leader checkpoints it and broadcasts it."""
+    def _publish(self, task_id: str) -> int | None:
+        """Gathers the adapter once (collective over TP); the leader checkpoints it and broadcasts it.
+        A diverged adapter (inf/NaN weights) is neither written nor sent, and None is returned: on a vLLM
+        engine the NaN keys/values its requests write stay in freed KV-cache blocks and turn later requests
+        of other tasks to NaN (tests/test_rollout_vllm.py), so it must never reach a rollout rank."""
+        import torch
+
         spec = self.specs[task_id]
         version = self.trainer.version(task_id)
         tensors = self.trainer.adapter_tensors(task_id)
+        if not all(torch.isfinite(t).all() for t in tensors.values()):  # same gathered tensors on every TP rank
+            return None
         if self.rank == self.leader:
             t0 = time.time()
             write_peft_adapter(adapter_dir(self.run_dir, spec, version), tensors, spec.lora,
@@ -219,6 +231,9 @@ class TrainerRank:
     def _step_done(self, order: Train, trajectories, metrics: dict, train_s: float, fused: int) -> None:
         if not math.isfinite(metrics.get("loss", 0.0)):
             self._fail(order.task_id, FloatingPointError(f"non-finite loss {metrics.get('loss')}"))
+            return
+        if "diverged" in metrics:
+            self._fail(order.task_id, FloatingPointError(metrics["diverged"]))
             return
         version = order.from_version + 1
         record = {**metrics, "version": version, "time": time.time(), "train_s": train_s, "fused_tasks": fused,
