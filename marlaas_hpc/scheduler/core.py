@@ -212,22 +212,20 @@ class Scheduler:
     # ---------------------------------------------------------------- events
     def handle(self, event) -> list:
         """Applies one event and returns the commands it makes possible."""
-        out: list = []
-        if isinstance(event, Submit):
-            self._submit(event.spec, event.resume)
-        elif isinstance(event, Cancel):
-            out += self._cancel(event.task_id)
-        elif isinstance(event, Generated):
-            out += self._generated(event)
-        elif isinstance(event, Scored):
-            out += self._scored(event)
-        elif isinstance(event, StepDone):
-            out += self._step_done(event)
-        elif isinstance(event, TaskFailed):
-            out += self._end(event.task_id, FAILED, event.error)
-        else:
+        handler = self._HANDLERS.get(type(event))
+        if handler is None:
             raise TypeError(f"unknown event {event!r}")
-        return out + self.dispatch()
+        return handler(self, event) + self.dispatch()
+
+    def _on_submit(self, event: Submit) -> list:
+        self._submit(event.spec, event.resume)
+        return []
+
+    def _on_cancel(self, event: Cancel) -> list:
+        return self._cancel(event.task_id)
+
+    def _on_failed(self, event: TaskFailed) -> list:
+        return self._end(event.task_id, FAILED, event.error)
 
     def _submit(self, spec: TaskSpec, resume: dict | None = None) -> None:
         if spec.task_id in self.tasks:
@@ -351,9 +349,15 @@ class Scheduler:
         """Fills free capacity: admits queued tasks, starts a train step, keeps rollout ranks busy."""
         if self.draining:
             return []
-        out = self._admit()
-        self._new_round()
-        return out + self._train() + self._generate()
+        # each pass is skipped outright when its index says it has nothing to do (the common case per event)
+        out = self._admit() if self._queued else []
+        if self.config.mode != "async":
+            self._new_round()
+        if self._train_heap and len(self.training) < self.config.trainer_slots:
+            out += self._train()
+        if self._issuable and self._free_ranks:
+            out += self._generate()
+        return out
 
     def _admit(self) -> list:
         out = []
@@ -447,19 +451,27 @@ class Scheduler:
 
     def _quota(self, task: TaskState) -> int:
         """Groups this task may have issued now, by the mode's rule."""
-        if task.version < 0 or task.finished_issuing():
+        version = task.version
+        if version < 0:
             return 0
-        remaining = (task.spec.total_steps - task.version) * task.batch - task.outstanding()
+        # task.outstanding() and task.finished_issuing() inlined: this runs several times per event
+        issued = len(task.generating) + len(task.scoring) + len(task.ready)
+        in_step = len(task.training) if task.training is not None else 0
+        steps_left = task.spec.total_steps - version
+        if issued >= (steps_left - (1 if in_step else 0)) * task.batch:
+            return 0  # finished issuing: the groups out there suffice for the remaining steps
+        outstanding = issued + in_step
+        remaining = steps_left * task.batch - outstanding
         mode = self.config.mode
         if mode == "async":
-            allowed = (task.bound + 1) * task.batch - task.outstanding()
+            allowed = (task.bound + 1) * task.batch - outstanding
         elif mode == "sync":
-            round_version = min(self._round_versions)
-            allowed = task.batch - task.outstanding() if task.version == round_version else 0
+            allowed = task.batch - outstanding if version == min(self._round_versions) else 0
         else:  # sequential: only the first unfinished task, one synchronous step at a time
             first = self._first_sequential()
-            allowed = task.batch - task.outstanding() if task is first and task.training is None else 0
-        return max(0, min(allowed, remaining))
+            allowed = task.batch - outstanding if task is first and task.training is None else 0
+        allowed = allowed if allowed < remaining else remaining
+        return allowed if allowed > 0 else 0
 
     def _env_load_changed(self, rank: int, change: int) -> None:
         self.env_load[rank] += change
@@ -551,8 +563,10 @@ class Scheduler:
         idle = running and task.training is None and task.version >= 0
         if self.config.mode == "sync":
             self._recount(task, running, idle)
-        if idle and task.ready and (len(task.ready) >= task.batch
-                                    or min(g.version for g in task.ready) < task.version - task.bound):
+        ready = task.ready
+        oldest_allowed = task.version - task.bound  # versions are >= 0: nothing is stale while this is <= 0
+        if idle and ready and (len(ready) >= task.batch
+                               or (oldest_allowed > 0 and min(g.version for g in ready) < oldest_allowed)):
             if task.task_id not in self._trainable:
                 stamp = next(self._stamps)
                 self._trainable[task.task_id] = stamp
@@ -606,3 +620,8 @@ class Scheduler:
             self._last_round = min(self._round_versions)
             for task in self._running():
                 self._refile_issuable(task)
+
+
+# event type -> handler (one dict lookup per event instead of a chain of isinstance checks)
+Scheduler._HANDLERS = {Submit: Scheduler._on_submit, Cancel: Scheduler._on_cancel, Generated: Scheduler._generated,
+                       Scored: Scheduler._scored, StepDone: Scheduler._step_done, TaskFailed: Scheduler._on_failed}

@@ -8,7 +8,7 @@ from marlaas_hpc.tasks.spec import TaskSpec
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
 
 
-@dataclass
+@dataclass(slots=True)
 class Group:
     """G completions of one prompt: the unit the scheduler routes, trains or drops."""
 
@@ -85,26 +85,26 @@ class TaskState:
             task.resume_version = version
         return task
 
-    @property
-    def task_id(self) -> str:
-        return self.spec.task_id
-
-    @property
-    def batch(self) -> int:
-        return self.spec.algo.batch_prompts
-
-    @property
-    def bound(self) -> int:
-        return self.spec.max_staleness
+    def __post_init__(self):
+        # read on every scheduler event: plain attributes, not lookups through spec (simulations of 1024 tasks)
+        self.task_id: str = self.spec.task_id
+        self.batch: int = self.spec.algo.batch_prompts
+        """B: prompt groups per optimizer step."""
+        self.bound: int = self.spec.max_staleness
+        """k: the staleness bound."""
 
     def outstanding(self) -> int:
         """Groups generated or in flight beyond what the trainer has consumed (admission control)."""
-        return len(self.generating) + len(self.scoring) + len(self.ready) + len(self.training or [])
+        training = self.training
+        return (len(self.generating) + len(self.scoring) + len(self.ready)
+                + (len(training) if training is not None else 0))
 
     def finished_issuing(self) -> bool:
         """True when the groups already issued suffice for the remaining steps (no more are needed)."""
-        steps_left = self.spec.total_steps - self.version - (1 if self.training else 0)
-        return self.outstanding() - len(self.training or []) >= steps_left * self.batch
+        if self.training:
+            issued = len(self.generating) + len(self.scoring) + len(self.ready)
+            return issued >= (self.spec.total_steps - self.version - 1) * self.batch
+        return self.outstanding() >= (self.spec.total_steps - self.version) * self.batch
 
     @property
     def active(self) -> bool:
