@@ -7,7 +7,9 @@ What each parameter is fitted from (spans are the BusyClock records every rank w
     rollout.step_overhead                median gap between consecutive engine steps (< 20 ms: host time)
     rollout.adapter_load                 median load_delta span minus the transfer
     rollout.join_wait_steps              publishes that met a busy engine vs those that did not
-    env.group_overhead, reward_per_sample  score spans vs samples (least squares; lognormal spread)
+    env.reward_per_sample                one-episode (eval) score spans (mean; lognormal spread)
+    env.group_overhead, rollout_ /       training-group score spans minus their samples' reward time: least
+      trainer_contention                 squares on the share of the span the rollout / trainer ranks were busy
     trainer.step_fixed, per_token,       train spans minus their publishes: least squares on tokens, fused
       per_task, overlap_cost             tasks and the share of the span the rollout ranks were busy (>= 0)
     trainer.admit, publish_fixed,        admit spans minus publish; lower quartile of publish spans minus
@@ -116,16 +118,34 @@ def _publish_bytes(runs: list[RunData]) -> list[float]:
 
 
 def fit_env(runs: list[RunData]) -> EnvModel:
-    """score span = group_overhead + sum of per-sample reward times (least squares on samples); the spread
-    of per-sample times sets the lognormal's sigma, its median keeps the fitted mean."""
-    spans = [r for run in runs for r in run.stage("env", "score")]
-    rows = np.array([[1.0, r["samples"]] for r in spans])
-    overhead, per_sample = _nonnegative_least_squares(rows, np.array([r["end"] - r["start"] for r in spans]))
-    logs = [math.log(max((r["end"] - r["start"]) / r["samples"], 1e-7)) for r in spans]
+    """score span = per-sample reward times + (for a group of several episodes) group_overhead + contention
+    with the rollout and trainer ranks, pro rata of the span they were busy (least squares, coefficients >= 0).
+    One-episode spans (evals) alone give the per-sample time, so the fan-out overhead does not inflate it;
+    their spread sets the lognormal's sigma, its median keeps the fitted mean."""
+    single, groups = [], []
+    for run in runs:
+        generate, train = run.stage("rollout", "generate"), run.stage("trainer", "train")
+        for span in run.stage("env", "score"):
+            duration = span["end"] - span["start"]
+            if span["samples"] == 1:
+                single.append(duration)
+            else:
+                groups.append((duration, span["samples"], _overlap(span, generate), _overlap(span, train)))
+    per_sample = _mean(single)
+    overhead = rollout = trainer = 0.0
+    if groups:
+        rows = np.array([[1.0, on_rollout, on_trainer] for _, _, on_rollout, on_trainer in groups])
+        rest = np.array([duration - samples * per_sample for duration, samples, _, _ in groups])
+        overhead, rollout, trainer = _nonnegative_least_squares(rows, rest)
+    logs = [math.log(max(d, 1e-7)) for d in single]
     sigma = statistics.pstdev(logs) if len(logs) > 1 else 0.0
-    return EnvModel(group_overhead=overhead,
+    return EnvModel(group_overhead=overhead, rollout_contention=rollout, trainer_contention=trainer,
                     reward_per_sample=Distribution(dist="lognormal", median=per_sample / math.exp(sigma ** 2 / 2),
                                                    sigma=sigma))
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else 0.0
 
 
 def _inside(span: dict, records: list[dict]) -> list[dict]:

@@ -282,9 +282,15 @@ class EnvSim:
         self.free_at = 0.0
         self.meter = BusyMeter(sim.keep_timeline)
 
-    def score(self, group: SimGroup, samples: int) -> None:
-        env = self.sim.workload.env
-        seconds = env.group_overhead + sum(env.reward_per_sample.sample(self.sim.rng) for _ in range(samples))
+    def score(self, group: SimGroup, samples: int, rollout_rank: int) -> None:
+        env, sim = self.sim.workload.env, self.sim
+        seconds = sum(env.reward_per_sample.sample(sim.rng) for _ in range(samples))
+        if samples > 1:  # fan-out to the pool's workers, and contention with the ranks the group shares a host with
+            seconds += env.group_overhead
+            if env.rollout_contention and sim.rollout[rollout_rank].busy_now():
+                seconds += env.rollout_contention
+            if env.trainer_contention and sim.trainers[sim.replica_of(group.task_id)].working:
+                seconds += env.trainer_contention
         start = max(self.sim.queue.now, self.free_at)
         self.free_at = start + seconds
         self.meter.add("score", start, self.free_at)
@@ -422,6 +428,10 @@ class Simulation:
         else:
             raise TypeError(f"unknown command {command!r}")
 
+    def replica_of(self, task_id: str) -> int:
+        """The trainer replica that trains this task."""
+        return self._replica[task_id]
+
     def _deliver_generate(self, command: Generate) -> None:
         spec = self._specs[command.task_id]
         profile = self.workload.profile(spec.dataset.kind)
@@ -452,7 +462,7 @@ class Simulation:
             self.queue.after(self.latency, self.scheduler_event,
                              Generated(rollout_rank, (group.group_id,), (group.version,)))
         samples = 1 if group.eval else self._specs[group.task_id].algo.group_size
-        self.queue.after(self.latency, self.env[group.env_rank].score, group, samples)
+        self.queue.after(self.latency, self.env[group.env_rank].score, group, samples, rollout_rank)
 
     def group_scored(self, group: SimGroup) -> None:
         if group.eval:

@@ -105,7 +105,13 @@ class EnvModel:
     reward_per_sample: Distribution = field(default_factory=Distribution, metadata=_unit(TIME))
     """Verifier time of one completion."""
     group_overhead: float = field(default=0.0, metadata=_unit(TIME))
-    """Fixed cost per scored group (advantages, sending the trajectories)."""
+    """Fixed cost of scoring a group of several episodes (a training group): fanning its episodes out to the
+    env pool's workers and collecting them. A one-episode group (the greedy evals) does not pay it."""
+    rollout_contention: float = field(default=0.0, metadata=_unit(TIME))
+    """Extra time of scoring a training group while its rollout rank decodes: on the CPU twin the ranks share
+    the cores; with env ranks on CPU nodes of their own (a cluster) it is about 0."""
+    trainer_contention: float = field(default=0.0, metadata=_unit(TIME))
+    """Extra time of scoring a training group while its task's trainer computes (as rollout_contention)."""
 
 
 @dataclass(kw_only=True, slots=True)
