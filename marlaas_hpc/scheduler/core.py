@@ -491,14 +491,15 @@ class Scheduler:
 
     def _has_room(self, rank: int, issued: int) -> None:
         """Adds issued groups to (or, negative, finished ones from) a rollout rank's load."""
-        self.rollout_load[rank] += issued
+        load = self.rollout_load[rank] = self.rollout_load[rank] + issued
+        slots = self.config.rollout_slots
+        if (load < slots) == (load - issued < slots):
+            return  # listed in _free_ranks iff load < slots: unchanged
         index = self._rank_index[rank]
-        at = bisect.bisect_left(self._free_ranks, index)
-        listed = at < len(self._free_ranks) and self._free_ranks[at] == index
-        if self.rollout_load[rank] < self.config.rollout_slots and not listed:
-            self._free_ranks.insert(at, index)
-        elif self.rollout_load[rank] >= self.config.rollout_slots and listed:
-            del self._free_ranks[at]
+        if load < slots:
+            bisect.insort(self._free_ranks, index)
+        else:
+            del self._free_ranks[bisect.bisect_left(self._free_ranks, index)]
 
     def _first_sequential(self) -> TaskState:
         """The task sequential mode serves: the running task first by (-priority, submitted_at, task_id)."""
@@ -543,7 +544,11 @@ class Scheduler:
             task.next_prompt += 1
         self._has_room(rank, count)
         self._env_load_changed(env_rank, count)
-        self._serve(task, rollout=True)
+        # served (fair order: to the back of the rollout queue); issuing changes only the quota, so of the
+        # indexes only the issuable one needs re-filing (what _serve(rollout=True) would do via _touch)
+        self._served_rollout[task.task_id] = next(self._seq)
+        self._issuable.pop(task.task_id, None)
+        self._refile_issuable(task)
         return Generate(rank, env_rank, task.task_id, task.version, tuple(groups))
 
     # ---------------------------------------------------------------- queries
