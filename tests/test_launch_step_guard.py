@@ -3,8 +3,13 @@ Its behaviour against a real srun that outlives its step is in test_slurm_cluste
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from marlaas_hpc.launch.step_guard import running_steps, step_exit_status
 
@@ -50,3 +55,48 @@ def test_outside_an_allocation_it_just_runs_the_command():
     usage = subprocess.run([sys.executable, "-m", "marlaas_hpc.launch.step_guard", "--"], env=env,
                            capture_output=True, text=True)
     assert usage.returncode == 2 and "no srun command" in usage.stderr
+
+
+def _guarded_sleep(tmp_path):
+    """The guard inside a (made-up) allocation, running a child that records its pid and sleeps."""
+    pid_file = tmp_path / "child.pid"
+    env = dict(os.environ, SLURM_JOB_ID="999999")  # squeue knows no such job: the guard keeps waiting
+    guard = subprocess.Popen([sys.executable, "-m", "marlaas_hpc.launch.step_guard", "--poll", "0.2", "--",
+                              "sh", "-c", f"echo $$ > {pid_file}; exec sleep 300"], env=env,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (pid_file.is_file() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline and guard.poll() is None, "the child never started"
+        time.sleep(0.05)
+    return guard, int(pid_file.read_text())
+
+
+def _gone(pid: int, timeout: float = 15.0) -> bool:
+    """The process ended (absent, or a zombie nobody reaped yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_ending_the_guard_ends_srun(tmp_path, signum):
+    """A requeue or scancel ends the batch step: srun must not outlive it (it did, reparented to init)."""
+    guard, child = _guarded_sleep(tmp_path)
+    guard.send_signal(signum)
+    assert guard.wait(30) == 128 + signum
+    assert _gone(child), "the guarded command outlived the guard"
+    assert "passing it on to srun" in guard.stderr.read()
+
+
+def test_srun_gets_sigterm_when_the_guard_is_killed_outright(tmp_path):
+    guard, child = _guarded_sleep(tmp_path)
+    guard.kill()
+    guard.wait(30)
+    assert _gone(child), "the guarded command outlived a SIGKILLed guard"

@@ -10,12 +10,19 @@ seen the step and the step has been gone for `grace` seconds while srun still ru
 exits with the step's own result from accounting (sacct), so the job ends as it would have.
 A step shorter than one poll is never seen and so not guarded; ours run for minutes (rank start alone
 takes tens of seconds).
+
+When the batch step itself is ended (scancel, a requeue after a checkpoint) the guard ends srun with it:
+it forwards SIGTERM / SIGINT / SIGHUP to srun, and srun gets SIGTERM if the guard dies outright (parent-
+death signal). Without that, a requeue left the first run's srun behind, reparented to init: with
+proctrack/linuxproc (the emulated cluster) Slurm finds processes only through their parents.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -76,10 +83,35 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals that end the batch step: passed on to srun, then the guard exits."""
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the guard dies, even by SIGKILL (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _forward_signals(proc: subprocess.Popen) -> None:
+    def forward(signum, _frame):
+        _log(f"got signal {signum}: passing it on to srun and stopping it")
+        proc.send_signal(signum)
+        _stop(proc)
+        raise SystemExit(128 + signum)
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+
+
 def guard(argv: list[str], job_id: str, poll_s: float = 5.0, grace_s: float = 60.0) -> int:
     """Runs `argv` (the srun command) and returns its exit status, or the step's status from sacct when
     srun is still alive `grace_s` after slurmctld stopped listing a step it listed before."""
-    proc = subprocess.Popen(argv)
+    proc = subprocess.Popen(argv, preexec_fn=_die_with_parent)
+    _forward_signals(proc)
     seen: set[str] = set()
     gone_since = None
     while True:
