@@ -259,7 +259,7 @@ class Scheduler:
             task = self.tasks[group.task_id]
             if task.generating.pop(gid, None) is None:
                 continue  # already scored (or dropped)
-            if not task.active:
+            if task.status != RUNNING:
                 out.append(self._forget([group], task, "task ended"))
                 continue
             task.scoring[gid] = group  # generating -> scoring: outstanding and ready unchanged, no re-filing
@@ -273,7 +273,7 @@ class Scheduler:
         task = self.tasks[group.task_id]
         if task.scoring.pop(group.group_id, None) is None and task.generating.pop(group.group_id, None) is None:
             return []  # not in flight any more
-        if not task.active:
+        if task.status != RUNNING:
             return [self._forget([group], task, "task ended")]
         group.reward_mean = event.reward_mean
         task.ready.append(group)
@@ -378,11 +378,12 @@ class Scheduler:
     def _order_key(self, task: TaskState, served: dict[str, int] | None = None):
         """Train order by `_served` (default); rollout order by `_served_rollout`."""
         served = self._served if served is None else served
-        if self.config.order == "priority":
+        order = self.config.order
+        if order == "fair":
+            return served[task.task_id]
+        if order == "priority":
             return (-task.spec.priority, served[task.task_id])
-        if self.config.order == "fifo":
-            return (task.submitted_at, task.task_id)
-        return served[task.task_id]
+        return (task.submitted_at, task.task_id)  # fifo
 
     def _ordered(self, tasks) -> list[TaskState]:
         return sorted(tasks, key=self._order_key)
