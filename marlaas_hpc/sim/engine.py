@@ -32,20 +32,24 @@ class EventQueue:
 
     def __init__(self):
         self.now = 0.0
+        self.handled = 0
+        """Callbacks run so far (the simulation's own events, of which the scheduler's are a part)."""
         self._heap: list = []
         self._order = itertools.count()
 
     def at(self, time: float, callback, *args) -> None:
-        heapq.heappush(self._heap, (max(time, self.now), next(self._order), callback, args))
+        heapq.heappush(self._heap, (time if time > self.now else self.now, next(self._order), callback, args))
 
     def after(self, delay: float, callback, *args) -> None:
         self.at(self.now + delay, callback, *args)
 
     def run(self, until_idle) -> None:
-        heap = self._heap
+        heap, handled = self._heap, 0
         while heap and not until_idle():
             self.now, _, callback, args = heapq.heappop(heap)
             callback(*args)
+            handled += 1
+        self.handled += handled
 
 
 class BusyMeter:
@@ -104,6 +108,8 @@ class RolloutSim:
         self.last = 0.0
         self.stall_until = 0.0
         self.wakeup = None
+        self.wakeup_at = 0.0
+        """When the pending wake-up (token `wakeup`) fires."""
         self.meter = BusyMeter(sim.keep_timeline)
         self._seq = itertools.count()
 
@@ -155,7 +161,7 @@ class RolloutSim:
     def _advance(self) -> None:
         """Brings the token counter and the busy time up to now."""
         now = self.sim.queue.now
-        start = max(self.last, self.stall_until)
+        start = self.last if self.last > self.stall_until else self.stall_until
         if self.running and now > start:
             per_token = self._step_time(len(self.running))
             overhead = self.model.step_overhead
@@ -167,10 +173,12 @@ class RolloutSim:
         if seconds <= 0:
             return
         self._advance()
-        begin = max(self.sim.queue.now, self.stall_until)
+        now = self.sim.queue.now
+        begin = now if now > self.stall_until else self.stall_until
         self.stall_until = begin + seconds
         self.meter.add(stage, begin, self.stall_until)
-        self._schedule()
+        if self.wakeup is None:  # a stall only delays completions: a pending wake-up is early enough
+            self._schedule()
 
     def _prefill(self, tokens: int) -> None:
         self._stall(tokens * self.model.prefill_per_token, "generate")
@@ -187,16 +195,24 @@ class RolloutSim:
         heapq.heappush(self.running, (sequence.need, next(self._seq), sequence))
 
     def _schedule(self) -> None:
+        """Makes sure a wake-up comes by the next sequence's completion. A pending one that comes no later is
+        kept (it finds nothing finished and schedules again): every adapter broadcast stalls every engine, and
+        re-filing each engine's wake-up per stall was most of a large simulation's events."""
         if not self.running:
             return
+        now, stall_until = self.sim.queue.now, self.stall_until
         per_token = self._step_time(len(self.running)) + self.model.step_overhead
-        when = max(self.sim.queue.now, self.stall_until) + max(0.0, self.running[0][0] - self.tokens) * per_token
-        self.wakeup = token = object()
+        left = self.running[0][0] - self.tokens
+        when = (stall_until if stall_until > now else now) + (left * per_token if left > 0 else 0.0)
+        if self.wakeup is not None and self.wakeup_at <= when:
+            return
+        self.wakeup, self.wakeup_at = (token := object()), when
         self.sim.queue.at(when, self._wake, token)
 
     def _wake(self, token) -> None:
         if token is not self.wakeup:
-            return  # superseded by a later change of the batch
+            return  # superseded by an earlier wake-up
+        self.wakeup = None
         self._advance()
         finished = []
         while self.running and self.running[0][0] <= self.tokens + 1e-9:
