@@ -522,7 +522,8 @@ class Scheduler:
                 if self._issuable.get(task_id) != stamp:
                     continue
                 task = self.tasks[task_id]
-                take = min(free, self._quota(task))
+                quota = self._quota(task)
+                take = free if free < quota else quota
                 if take <= 0:  # cannot happen while the indexes are true; never issue nothing
                     del self._issuable[task_id]
                     continue
@@ -535,14 +536,12 @@ class Scheduler:
     def _issue(self, task: TaskState, rank: int, count: int) -> Generate:
         env_rank = self._least_loaded_env_rank()
         groups = []
-        now = self.clock()
-        for _ in range(count):
-            gid = f"{task.task_id}/g{task.next_prompt}"
-            group = Group(gid, task.task_id, task.next_prompt, task.version, rank, env_rank, now)
-            task.generating[gid] = group
-            self._group_of[gid] = group
-            groups.append((gid, task.next_prompt))
-            task.next_prompt += 1
+        now, task_id, version, group_of = self.clock(), task.task_id, task.version, self._group_of
+        for prompt in range(task.next_prompt, task.next_prompt + count):
+            gid = f"{task_id}/g{prompt}"
+            group_of[gid] = task.generating[gid] = Group(gid, task_id, prompt, version, rank, env_rank, now)
+            groups.append((gid, prompt))
+        task.next_prompt += count
         self._has_room(rank, count)
         self._env_load_changed(env_rank, count)
         # served (fair order: to the back of the rollout queue); issuing changes only the quota, so of the
