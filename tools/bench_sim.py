@@ -6,8 +6,9 @@ The scheduler's own rate is events handled per second of time spent in `Schedule
 included) during the simulation, and again ("replay") when a fresh scheduler is fed the recorded event
 stream alone; the simulator's rate is scheduler events per wall second of the whole run (simulated ranks,
 event queue, trace hashing), and "all sim ev/s" counts every event the simulation steps through (engine
-wake-ups, tool returns, scoring, trainer steps, broadcasts, and the scheduler's). Rollout ranks grow with the tasks (one per 8 tasks), so the load per rank is
-the same at every scale and a flat scheduler rate means its cost per event does not grow with task count.
+wake-ups, tool returns, scoring, trainer steps, broadcasts, and the scheduler's). Rollout ranks grow with
+the tasks (one per 8 tasks), so the load per rank is the same at every scale and a flat scheduler rate means
+its cost per event does not grow with task count.
 """
 from __future__ import annotations
 

@@ -425,14 +425,16 @@ class Scheduler:
         return min(self._short_of_batch) <= min(v for v in self._round_versions if v >= 0)
 
     def _serve(self, task: TaskState, rollout: bool = False) -> None:
-        """The task was just served (fair order): it moves to the back of that resource's queue only."""
+        """The task was just served (fair order): it moves to the back of that resource's queue only. Issuing
+        prompts changes only the task's rollout quota, so then only the issuable index is re-filed."""
         if rollout:
             self._served_rollout[task.task_id] = next(self._seq)
             self._issuable.pop(task.task_id, None)
+            self._refile_issuable(task)
         else:
             self._served[task.task_id] = next(self._seq)
             self._trainable.pop(task.task_id, None)
-        self._touch(task)
+            self._touch(task)
 
     def _drop_stale(self, task: TaskState) -> list:
         oldest_allowed = task.version - task.bound
@@ -455,7 +457,8 @@ class Scheduler:
         version = task.version
         if version < 0:
             return 0
-        # task.outstanding() and task.finished_issuing() inlined: this runs several times per event
+        # task.outstanding() inlined (this runs several times per event); a task whose issued groups suffice for
+        # its remaining steps is finished issuing
         issued = len(task.generating) + len(task.scoring) + len(task.ready)
         in_step = len(task.training) if task.training is not None else 0
         steps_left = task.spec.total_steps - version
@@ -544,12 +547,8 @@ class Scheduler:
         task.next_prompt += count
         self._has_room(rank, count)
         self._env_load_changed(env_rank, count)
-        # served (fair order: to the back of the rollout queue); issuing changes only the quota, so of the
-        # indexes only the issuable one needs re-filing (what _serve(rollout=True) would do via _touch)
-        self._served_rollout[task.task_id] = next(self._seq)
-        self._issuable.pop(task.task_id, None)
-        self._refile_issuable(task)
-        return Generate(rank, env_rank, task.task_id, task.version, tuple(groups))
+        self._serve(task, rollout=True)
+        return Generate(rank, env_rank, task_id, version, tuple(groups))
 
     # ---------------------------------------------------------------- queries
     def settled(self) -> bool:

@@ -99,17 +99,6 @@ class TaskState:
         return (len(self.generating) + len(self.scoring) + len(self.ready)
                 + (len(training) if training is not None else 0))
 
-    def finished_issuing(self) -> bool:
-        """True when the groups already issued suffice for the remaining steps (no more are needed)."""
-        if self.training:
-            issued = len(self.generating) + len(self.scoring) + len(self.ready)
-            return issued >= (self.spec.total_steps - self.version - 1) * self.batch
-        return self.outstanding() >= (self.spec.total_steps - self.version) * self.batch
-
-    @property
-    def active(self) -> bool:
-        return self.status == RUNNING
-
     def ttfs(self) -> float | None:
         return self.step_times[0] - self.submitted_at if self.step_times else None
 
