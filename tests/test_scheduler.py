@@ -86,6 +86,29 @@ def test_scored_overtaking_generated_does_not_leak_a_group():
     assert_bound_and_progress(scheduler, result, specs)
 
 
+def test_late_generated_with_a_newer_version_keeps_the_oldest_groups_first():
+    """A group's Scored can overtake its Generated, which may then report a newer sampling version than the one
+    issued: the group, already ready, must move behind the older ones (they are closest to the bound)."""
+    now = [0.0]
+    sched = Scheduler(SchedulerConfig(rollout_ranks=(1,), env_ranks=(2,), rollout_slots=50), clock=lambda: now[0])
+    sched.handle(Submit(spec("a", 2, steps=4, batch=3)))
+    gids = [g for c in sched.handle(StepDone("a", 0)) if isinstance(c, Generate) for g, _ in c.groups]
+    assert len(gids) == 9  # (k+1)·B at v0
+    sched.handle(Generated(1, tuple(gids[:3])))
+    assert [type(c) for gid in gids[:3] for c in sched.handle(Scored(gid, 1.0))] == [Train]
+    sched.handle(StepDone("a", 1))
+    sched.handle(Scored(gids[3], 0.0))
+    sched.handle(Scored(gids[4], 0.0))
+    sched.handle(Generated(1, (gids[3], gids[4]), versions=(1, 0)))  # gids[3] was sampled with v1
+    assert [g.group_id for g in sched.tasks["a"].ready] == [gids[4], gids[3]]
+    sched.handle(Generated(1, (gids[5],)))
+    (train,) = [c for c in sched.handle(Scored(gids[5], 0.0)) if isinstance(c, Train)]
+    assert train.group_ids == (gids[4], gids[5], gids[3])
+    assert train.behaviour_versions == (0, 0, 1)
+    sched.handle(StepDone("a", 2))
+    assert {r.group_id: r.behaviour_version for r in sched.audit if r.trained_into == 2}[gids[3]] == 1
+
+
 def test_on_policy_k0_trains_only_current_version():
     specs = [spec("a", 0, steps=6), spec("b", 0, steps=6)]
     scheduler, result = simulate(specs, seed=3)
@@ -125,7 +148,7 @@ def test_stale_groups_are_dropped_not_trained():
     assert train.behaviour_versions == (0,)
     late = sched.tasks["a"]
     from marlaas_hpc.scheduler.state import Group
-    ghost = Group("a/ghost", "a", 99, 0, 1, 2, 0.0)
+    ghost = Group("a/ghost", "a", 99, 0, 1, 2)
     sched._group_of[ghost.group_id] = ghost
     late.scoring[ghost.group_id] = ghost
     sched.env_load[2] += 1

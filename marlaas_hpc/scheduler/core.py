@@ -18,6 +18,7 @@ import heapq
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable
 
 from marlaas_hpc.scheduler.state import CANCELLED, DONE, FAILED, QUEUED, RUNNING, Group, TaskState
@@ -25,22 +26,27 @@ from marlaas_hpc.tasks.spec import TaskSpec
 
 MODES = ("async", "sync", "sequential")
 ORDERS = ("fair", "priority", "fifo")
+_version = attrgetter("version")
 
+
+# Events and commands are plain slotted dataclasses, not frozen ones: a frozen dataclass sets each field
+# through object.__setattr__, which makes it 4x dearer to build (1.2 us against 0.3), and a simulation builds
+# one or more of each per event. Nothing mutates one once it is sent: treat them as values.
 
 # ---- events (into the scheduler) ----
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Submit:
     spec: TaskSpec
     resume: dict | None = field(default=None, compare=False)
     """A checkpointed task record (`TaskState.checkpoint()`): the task continues at its saved version."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Cancel:
     task_id: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Generated:
     rollout_rank: int
     group_ids: tuple[str, ...]
@@ -49,13 +55,13 @@ class Generated:
     the one asked for if the older one is gone; never an older one). Empty: as issued."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Scored:
     group_id: str
     reward_mean: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepDone:
     """The trainer applied a step (or, at version 0, created the adapter) and published `version`."""
 
@@ -64,21 +70,21 @@ class StepDone:
     metrics: dict = field(default_factory=dict, compare=False)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TaskFailed:
     task_id: str
     error: str
 
 
 # ---- commands (out of the scheduler) ----
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Admit:
     spec: TaskSpec
     resume_version: int | None = None
     """Restore the adapter and optimizer saved at this version instead of creating a fresh adapter."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Generate:
     rollout_rank: int
     env_rank: int
@@ -88,7 +94,7 @@ class Generate:
     """(group_id, prompt index in the task's training stream)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Train:
     task_id: str
     from_version: int
@@ -98,21 +104,21 @@ class Train:
     """The task's staleness bound k; the trainer re-checks every version against it."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Discard:
     task_id: str
     group_ids: tuple[str, ...]
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TaskEnded:
     task_id: str
     status: str
     error: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AuditRecord:
     task_id: str
     group_id: str
@@ -174,7 +180,6 @@ class Scheduler:
         self._served_rollout: dict[str, int] = {}
         """... and rollout slots, counted apart: issuing a waiting task's prompts must not push it back in
         the trainer's queue (it could then be overtaken again and again)."""
-        self._tick = itertools.count()
         self._seq = itertools.count()
         # Incremental indexes, so that one event costs O(log tasks), not a scan of every task (simulations
         # run 1024 tasks). Each is kept true by `_touch(task)` after any change to that task.
@@ -247,16 +252,14 @@ class Scheduler:
         # overtake its Generated (from its rollout rank). Only a group still generating moves to scoring.
         out = []
         versions = event.versions or (None,) * len(event.group_ids)
-        self._has_room(event.rollout_rank, -len(event.group_ids))
+        self._rank_freed(event.rollout_rank, len(event.group_ids))
         for gid, version in zip(event.group_ids, versions):
             group = self._group_of.get(gid)
             if group is None:
                 continue
-            if version is not None:
-                if version < group.version:
-                    raise RuntimeError(f"{gid}: sampled with v{version}, older than the v{group.version} issued")
-                group.version = version
             task = self.tasks[group.task_id]
+            if version is not None and version != group.version:
+                self._sampled_newer(task, group, version)
             if task.generating.pop(gid, None) is None:
                 continue  # already scored (or dropped)
             if task.status != RUNNING:
@@ -265,18 +268,31 @@ class Scheduler:
             task.scoring[gid] = group  # generating -> scoring: outstanding and ready unchanged, no re-filing
         return out
 
+    def _sampled_newer(self, task: TaskState, group: Group, version: int) -> None:
+        """The rollout rank sampled a group with a newer version than the one issued (never an older one)."""
+        if version < group.version:
+            raise RuntimeError(f"{group.group_id}: sampled with v{version}, older than the v{group.version} issued")
+        group.version = version
+        if any(g is group for g in task.ready):  # its Scored overtook this Generated: keep ready in version order
+            task.ready.sort(key=_version)
+            self._touch(task, quota_changed=False)
+
     def _scored(self, event: Scored) -> list:
         group = self._group_of.get(event.group_id)
         if group is None:
             return []
-        self._env_load_changed(group.env_rank, -1)
+        self._env_rank_freed(group.env_rank)
         task = self.tasks[group.task_id]
         if task.scoring.pop(group.group_id, None) is None and task.generating.pop(group.group_id, None) is None:
             return []  # not in flight any more
         if task.status != RUNNING:
             return [self._forget([group], task, "task ended")]
         group.reward_mean = event.reward_mean
-        task.ready.append(group)
+        ready = task.ready  # kept in version order (stable: equal versions in arrival order), oldest first
+        if not ready or ready[-1].version <= group.version:
+            ready.append(group)  # the common case: groups are mostly scored in the order they were sampled
+        else:
+            bisect.insort_right(ready, group, key=_version)
         self._touch(task, quota_changed=False)  # scoring -> ready: outstanding (the quota's input) unchanged
         return []
 
@@ -292,11 +308,13 @@ class Scheduler:
             return []
         if task.training is None or event.version != task.version + 1:
             raise RuntimeError(f"{task.task_id}: unexpected StepDone v{event.version} at v{task.version}")
+        audit, group_of, task_id, bound = self.audit, self._group_of, task.task_id, task.bound
         for group in task.training:
-            record = AuditRecord(task.task_id, group.group_id, group.version, event.version, task.bound)
-            self.audit.append(record)
-            task.max_trained_staleness = max(task.max_trained_staleness, record.staleness)
-            self._group_of.pop(group.group_id, None)
+            audit.append(AuditRecord(task_id, group.group_id, group.version, event.version, bound))
+            group_of.pop(group.group_id, None)
+        stalest = event.version - 1 - min([g.version for g in task.training])  # as AuditRecord.staleness
+        if stalest > task.max_trained_staleness:
+            task.max_trained_staleness = stalest
         task.trained_groups += len(task.training)
         rewards = [g.reward_mean for g in task.training if g.reward_mean is not None]
         task.reward_history.append(sum(rewards) / max(1, len(rewards)))
@@ -306,7 +324,7 @@ class Scheduler:
         self._touch(task)
         if task.cancel_requested:
             return self._end(task.task_id, CANCELLED)
-        if task.version >= task.spec.total_steps:
+        if task.version >= task.total_steps:
             return self._end(task.task_id, DONE)
         return []
 
@@ -385,9 +403,6 @@ class Scheduler:
             return (-task.spec.priority, served[task.task_id])
         return (task.submitted_at, task.task_id)  # fifo
 
-    def _ordered(self, tasks) -> list[TaskState]:
-        return sorted(tasks, key=self._order_key)
-
     def _train(self) -> list:
         out: list = []
         if len(self.training) >= self.config.trainer_slots or not self._train_heap or self._round_incomplete():
@@ -406,7 +421,7 @@ class Scheduler:
             if len(task.ready) < task.batch:
                 self._touch(task)
                 continue
-            task.ready.sort(key=lambda g: g.version)  # oldest versions first: they are closest to the bound
+            # oldest versions first (ready is in version order): they are closest to the bound
             batch, task.ready = task.ready[: task.batch], task.ready[task.batch:]
             task.training = batch
             self.training.add(task.task_id)
@@ -424,24 +439,19 @@ class Scheduler:
             return False
         return min(self._short_of_batch) <= min(v for v in self._round_versions if v >= 0)
 
-    def _serve(self, task: TaskState, rollout: bool = False) -> None:
-        """The task was just served (fair order): it moves to the back of that resource's queue only. Issuing
-        prompts changes only the task's rollout quota, so then only the issuable index is re-filed."""
-        if rollout:
-            self._served_rollout[task.task_id] = next(self._seq)
-            self._issuable.pop(task.task_id, None)
-            self._refile_issuable(task)
-        else:
-            self._served[task.task_id] = next(self._seq)
-            self._trainable.pop(task.task_id, None)
-            self._touch(task)
+    def _serve(self, task: TaskState) -> None:
+        """The task was just given a train order (fair order): it moves to the back of the trainer's queue only
+        (issuing prompts moves it in the rollout queue, `_issue`)."""
+        self._served[task.task_id] = next(self._seq)
+        self._trainable.pop(task.task_id, None)
+        self._touch(task)
 
     def _drop_stale(self, task: TaskState) -> list:
         oldest_allowed = task.version - task.bound
-        stale = [g for g in task.ready if g.version < oldest_allowed]
-        if not stale:
+        cut = bisect.bisect_left(task.ready, oldest_allowed, key=_version)  # ready is in version order
+        if not cut:
             return []
-        task.ready = [g for g in task.ready if g.version >= oldest_allowed]
+        stale, task.ready = task.ready[:cut], task.ready[cut:]
         task.dropped_groups += len(stale)
         return [self._forget(stale, task, f"staler than k={task.bound} at v{task.version}")]
 
@@ -453,57 +463,60 @@ class Scheduler:
         return not any(version <= task.version for version in self._short_of_batch)
 
     def _quota(self, task: TaskState) -> int:
-        """Groups this task may have issued now, by the mode's rule."""
+        """Groups this task may have issued now, by the mode's rule (never more than its remaining steps need)."""
         version = task.version
         if version < 0:
             return 0
-        # task.outstanding() inlined (this runs several times per event); a task whose issued groups suffice for
-        # its remaining steps is finished issuing
-        issued = len(task.generating) + len(task.scoring) + len(task.ready)
-        in_step = len(task.training) if task.training is not None else 0
-        steps_left = task.spec.total_steps - version
-        if issued >= (steps_left - (1 if in_step else 0)) * task.batch:
+        # task.outstanding() inlined: this runs about once per event
+        training = task.training
+        outstanding = (len(task.generating) + len(task.scoring) + len(task.ready)
+                       + (len(training) if training is not None else 0))
+        remaining = (task.total_steps - version) * task.batch - outstanding
+        if remaining <= 0:
             return 0  # finished issuing: the groups out there suffice for the remaining steps
-        outstanding = issued + in_step
-        remaining = steps_left * task.batch - outstanding
         mode = self.config.mode
         if mode == "async":
             allowed = (task.bound + 1) * task.batch - outstanding
         elif mode == "sync":
             allowed = task.batch - outstanding if version == min(self._round_versions) else 0
         else:  # sequential: only the first unfinished task, one synchronous step at a time
-            first = self._first_sequential()
-            allowed = task.batch - outstanding if task is first and task.training is None else 0
+            allowed = task.batch - outstanding if task is self._first_sequential() and training is None else 0
         allowed = allowed if allowed < remaining else remaining
         return allowed if allowed > 0 else 0
 
-    def _env_load_changed(self, rank: int, change: int) -> None:
-        self.env_load[rank] += change
-        heapq.heappush(self._env_heap, (self.env_load[rank], rank))
+    def _env_rank_freed(self, rank: int) -> None:
+        """A group left an env rank: its load falls by one (re-filed in the heap; its old entry goes stale)."""
+        load = self.env_load[rank] = self.env_load[rank] - 1
+        heapq.heappush(self._env_heap, (load, rank))
         if len(self._env_heap) > 8 * len(self.env_load) + 64:  # drop the stale entries now and then
             self._env_heap = sorted((load, r) for r, load in self.env_load.items())
 
-    def _least_loaded_env_rank(self) -> int:
-        """min over env ranks of (load, rank), from the heap: stale entries are dropped (and, had the load
-        been raised from outside, re-filed) until the top is current."""
+    def _take_env_rank(self, count: int) -> int:
+        """The least loaded env rank (ties: the lowest), which takes `count` groups. Stale heap entries on top
+        are replaced by their rank's load now (which may have been raised from outside) until the top is
+        current; the top then makes way for its rank's new load."""
+        heap, env_load = self._env_heap, self.env_load
         while True:
-            load, rank = self._env_heap[0]
-            if load == self.env_load[rank]:
-                return rank
-            heapq.heappop(self._env_heap)
-            heapq.heappush(self._env_heap, (self.env_load[rank], rank))
+            load, rank = heap[0]
+            if load == env_load[rank]:
+                break
+            heapq.heapreplace(heap, (env_load[rank], rank))
+        env_load[rank] = load + count
+        heapq.heapreplace(heap, (load + count, rank))
+        return rank
 
-    def _has_room(self, rank: int, issued: int) -> None:
-        """Adds issued groups to (or, negative, finished ones from) a rollout rank's load."""
-        load = self.rollout_load[rank] = self.rollout_load[rank] + issued
+    def _rank_freed(self, rank: int, count: int) -> None:
+        """A rollout rank finished `count` groups; it is listed in _free_ranks iff its load is below its slots."""
         slots = self.config.rollout_slots
-        if (load < slots) == (load - issued < slots):
-            return  # listed in _free_ranks iff load < slots: unchanged
-        index = self._rank_index[rank]
-        if load < slots:
-            bisect.insort(self._free_ranks, index)
-        else:
-            del self._free_ranks[bisect.bisect_left(self._free_ranks, index)]
+        load = self.rollout_load[rank] = self.rollout_load[rank] - count
+        if load < slots <= load + count:
+            bisect.insort(self._free_ranks, self._rank_index[rank])
+
+    def _rank_taken(self, rank: int, count: int) -> None:
+        """A rollout rank (one listed in _free_ranks) was given `count` groups."""
+        load = self.rollout_load[rank] = self.rollout_load[rank] + count
+        if load >= self.config.rollout_slots:
+            del self._free_ranks[bisect.bisect_left(self._free_ranks, self._rank_index[rank])]
 
     def _first_sequential(self) -> TaskState:
         """The task sequential mode serves: the running task first by (-priority, submitted_at, task_id)."""
@@ -513,41 +526,50 @@ class Scheduler:
 
     def _generate(self) -> list:
         out = []
-        if not self._issuable:
-            return out
-        while self._issuable and self._free_ranks:
-            rank = self.config.rollout_ranks[self._free_ranks[0]]  # the first rank (config order) with room
-            free = self.config.rollout_slots - self.rollout_load[rank]
+        slots, ranks, load = self.config.rollout_slots, self.config.rollout_ranks, self.rollout_load
+        heap, issuable, tasks, free_ranks = self._issue_heap, self._issuable, self.tasks, self._free_ranks
+        while issuable and free_ranks:
+            rank = ranks[free_ranks[0]]  # the first rank (config order) with room
+            free = slots - load[rank]
             # tasks with quota > 0 in order; each one popped is issued (take > 0), so none needs re-pushing
             # unless it keeps quota, which means the rank is full and this rank's pass ends
-            while free > 0 and self._issue_heap:
-                _, stamp, task_id = heapq.heappop(self._issue_heap)
-                if self._issuable.get(task_id) != stamp:
+            while free > 0 and heap:
+                _, stamp, task_id = heapq.heappop(heap)
+                if issuable.get(task_id) != stamp:
                     continue
-                task = self.tasks[task_id]
+                task = tasks[task_id]
                 quota = self._quota(task)
                 take = free if free < quota else quota
                 if take <= 0:  # cannot happen while the indexes are true; never issue nothing
-                    del self._issuable[task_id]
+                    del issuable[task_id]
                     continue
-                out.append(self._issue(task, rank, take))
+                out.append(self._issue(task, rank, take, quota - take))
                 free -= take
             if free > 0:
                 break  # nothing left to issue
         return out
 
-    def _issue(self, task: TaskState, rank: int, count: int) -> Generate:
-        env_rank = self._least_loaded_env_rank()
+    def _issue(self, task: TaskState, rank: int, count: int, quota_left: int) -> Generate:
+        """Issues `count` prompts of a task (popped from the issue heap) to a rollout rank. `quota_left` is its
+        quota less `count`, which is exactly its quota afterwards: issuing raises only outstanding, and every
+        mode's quota falls one for one with it (down to the clamp at 0)."""
+        env_rank = self._take_env_rank(count)
         groups = []
-        now, task_id, version, group_of = self.clock(), task.task_id, task.version, self._group_of
+        task_id, version, group_of, generating = task.task_id, task.version, self._group_of, task.generating
         for prompt in range(task.next_prompt, task.next_prompt + count):
             gid = f"{task_id}/g{prompt}"
-            group_of[gid] = task.generating[gid] = Group(gid, task_id, prompt, version, rank, env_rank, now)
+            group_of[gid] = generating[gid] = Group(gid, task_id, prompt, version, rank, env_rank)
             groups.append((gid, prompt))
         task.next_prompt += count
-        self._has_room(rank, count)
-        self._env_load_changed(env_rank, count)
-        self._serve(task, rollout=True)
+        self._rank_taken(rank, count)
+        # served (fair order): the task moves to the back of the rollout queue only (its train order must not
+        # change: it could be overtaken again and again); only the issuable index is re-filed
+        self._served_rollout[task_id] = next(self._seq)
+        if quota_left > 0:
+            stamp = self._issuable[task_id] = next(self._stamps)
+            heapq.heappush(self._issue_heap, (self._order_key(task, self._served_rollout), stamp, task_id))
+        else:
+            del self._issuable[task_id]
         return Generate(rank, env_rank, task_id, version, tuple(groups))
 
     # ---------------------------------------------------------------- queries
@@ -568,9 +590,9 @@ class Scheduler:
         if self.config.mode == "sync":
             self._recount(task, running, idle)
         ready = task.ready
-        oldest_allowed = task.version - task.bound  # versions are >= 0: nothing is stale while this is <= 0
+        oldest_allowed = task.version - task.bound
         if idle and ready and (len(ready) >= task.batch
-                               or (oldest_allowed > 0 and min(g.version for g in ready) < oldest_allowed)):
+                               or ready[0].version < oldest_allowed):  # ready is in version order
             if task.task_id not in self._trainable:
                 stamp = next(self._stamps)
                 self._trainable[task.task_id] = stamp

@@ -20,7 +20,6 @@ class Group:
     """Adapter version the rollout rank was told to sample with (the behaviour version)."""
     rollout_rank: int
     env_rank: int
-    issued_at: float
     reward_mean: float | None = None
 
 
@@ -92,6 +91,7 @@ class TaskState:
         """B: prompt groups per optimizer step."""
         self.bound: int = self.spec.max_staleness
         """k: the staleness bound."""
+        self.total_steps: int = self.spec.total_steps
 
     def outstanding(self) -> int:
         """Groups generated or in flight beyond what the trainer has consumed (admission control)."""
