@@ -150,9 +150,8 @@ def test_async_beats_sync_and_sequential_at_scale():
 def test_calibrated_simulation_predicts_the_measured_runs():
     """Fit one workload on every measured run (three repeats of each mode, pooled), then simulate the config
     in each mode: e2e time and the rollout / trainer / env busy fractions within 25% of the mode's mean measured
-    value (repeats on this shared 2-core machine differ by up to 2x, so one run is a noisy target). The env
-    rank is busy only 1-6% of the time (0.1-0.4 s of a run): there, 0.5 percentage points also pass (sequential
-    mode: 1.3% simulated vs 1.0% measured, repeats 0.8-1.1%)."""
+    value (repeats on this shared 2-core machine differ by up to 1.5x, so one run is a noisy target). TTFS and
+    TPTS are printed too."""
     runs = {mode: sorted((FIXTURES / mode).glob("run*")) for mode in MODES}
     workload = calibrate([run for mode in MODES for run in runs[mode]])
     failures = []
@@ -161,9 +160,7 @@ def test_calibrated_simulation_predicts_the_measured_runs():
             error = (simulated - measured) / measured
             print(f"{mode:<10} {metric:<13} simulated {simulated:8.3f} measured {measured:8.3f} error {error:+6.1%}"
                   f"  runs {[round(v, 3) for v in each]}")
-            if metric in ("e2e_s", "busy_rollout", "busy_trainer") and abs(error) > 0.25:
-                failures.append((mode, metric, round(error, 3)))
-            if metric == "busy_env" and abs(error) > 0.25 and abs(simulated - measured) > 0.005:
+            if (metric == "e2e_s" or metric.startswith("busy_")) and abs(error) > 0.25:
                 failures.append((mode, metric, round(error, 3)))
     assert not failures, failures
 

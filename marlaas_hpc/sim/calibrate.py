@@ -7,9 +7,9 @@ What each parameter is fitted from (spans are the BusyClock records every rank w
     rollout.step_overhead                median gap between consecutive engine steps (< 20 ms: host time)
     rollout.adapter_load                 median load_delta span minus the transfer
     rollout.join_wait_steps              publishes that met a busy engine vs those that did not
-    env.reward_per_sample                one-episode (eval) score spans (mean; lognormal spread)
-    env.group_overhead, rollout_ /       training-group score spans minus their samples' reward time: least
-      trainer_contention                 squares on the share of the span the rollout / trainer ranks were busy
+    env.group_overhead, reward_per_      env 'turn' spans (book-keeping) vs the group turns and episodes in them
+      sample, rollout_ / trainer_        and the share of the span the rollout / trainer ranks were busy (least
+      contention                         squares), plus the pool's step time over its workers per episode
     trainer.step_fixed, per_token,       train spans minus their publishes: least squares on tokens, fused
       per_task, overlap_cost             tasks and the share of the span the rollout ranks were busy (>= 0)
     trainer.admit, publish_fixed,        admit spans minus publish; lower quartile of publish spans minus
@@ -118,30 +118,46 @@ def _publish_bytes(runs: list[RunData]) -> list[float]:
 
 
 def fit_env(runs: list[RunData]) -> EnvModel:
-    """score span = per-sample reward times + (for a group of several episodes) group_overhead + contention
-    with the rollout and trainer ranks, pro rata of the span they were busy (least squares, coefficients >= 0).
-    One-episode spans (evals) alone give the per-sample time, so the fan-out overhead does not inflate it;
-    their spread sets the lognormal's sigma, its median keeps the fitted mean."""
-    single, groups = [], []
+    """The env rank is busy with its own book-keeping of every group turn (opening the group, resetting its
+    episodes' envs, handing their steps to the pool: the 'turn' spans) and with the env steps themselves, which
+    its pool spreads over several workers. The group turn of an unmerged turn span is the 'score' record that
+    starts in it (merged spans also cover the gaps between their turns), so
+
+        turn span = group_overhead * groups + per_sample * episodes + contention with the rollout / trainer ranks
+
+    (pro rata of the span they were busy; least squares, coefficients >= 0). The pool's mean step time over its
+    workers (tools, verifier: summary.json env_ranks) is added to the per-sample time. The spread of the spans
+    holding one eval group (one episode) sets the lognormal's sigma; its median keeps the fitted mean."""
+    rows, durations, single = [], [], []
     for run in runs:
         generate, train = run.stage("rollout", "generate"), run.stage("trainer", "train")
-        for span in run.stage("env", "score"):
-            duration = span["end"] - span["start"]
-            if span["samples"] == 1:
-                single.append(duration)
-            else:
-                groups.append((duration, span["samples"], _overlap(span, generate), _overlap(span, train)))
-    per_sample = _mean(single)
-    overhead = rollout = trainer = 0.0
-    if groups:
-        rows = np.array([[1.0, on_rollout, on_trainer] for _, _, on_rollout, on_trainer in groups])
-        rest = np.array([duration - samples * per_sample for duration, samples, _, _ in groups])
-        overhead, rollout, trainer = _nonnegative_least_squares(rows, rest)
+        starts = sorted((s["start"], s["samples"]) for s in run.stage("env", "score"))
+        for span in run.stage("env", "turn"):
+            if span["steps"] != 1:
+                continue  # merged back-to-back turns: the span also covers the (< 5 ms) gaps between them
+            inside = starts[bisect.bisect_left(starts, (span["start"] - 1e-6,)):
+                            bisect.bisect_right(starts, (span["end"] + 1e-6, math.inf))]
+            episodes = sum(samples for _, samples in inside)
+            rows.append([len(inside), episodes, _overlap(span, generate), _overlap(span, train)])
+            durations.append(span["end"] - span["start"])
+            if len(inside) == 1 and episodes == 1:
+                single.append(durations[-1])
+    overhead, per_sample, rollout, trainer = (_nonnegative_least_squares(np.array(rows), np.array(durations))
+                                              if rows else (0.0, 0.0, 0.0, 0.0))
+    per_sample += _mean([_pool_step_s(run) for run in runs])
     logs = [math.log(max(d, 1e-7)) for d in single]
     sigma = statistics.pstdev(logs) if len(logs) > 1 else 0.0
     return EnvModel(group_overhead=overhead, rollout_contention=rollout, trainer_contention=trainer,
                     reward_per_sample=Distribution(dist="lognormal", median=per_sample / math.exp(sigma ** 2 / 2),
                                                    sigma=sigma))
+
+
+def _pool_step_s(run: RunData) -> float:
+    """Busy seconds of the env pool per env step (mean step time over the pool's workers), over the env ranks."""
+    figures = [(stats["pool"]["stages"]["step"], stats["pool"]["workers"])
+               for stats in (run.summary.get("env_ranks") or {}).values()
+               if "step" in stats.get("pool", {}).get("stages", {})]
+    return _mean([step["mean"] / workers for step, workers in figures])
 
 
 def _mean(values: list[float]) -> float:

@@ -300,13 +300,12 @@ class EnvSim:
 
     def score(self, group: SimGroup, samples: int, rollout_rank: int) -> None:
         env, sim = self.sim.workload.env, self.sim
-        seconds = sum(env.reward_per_sample.sample(sim.rng) for _ in range(samples))
-        if samples > 1:  # fan-out to the pool's workers, and contention with the ranks the group shares a host with
-            seconds += env.group_overhead
-            if env.rollout_contention and sim.rollout[rollout_rank].busy_now():
-                seconds += env.rollout_contention
-            if env.trainer_contention and sim.trainers[sim.replica_of(group.task_id)].working:
-                seconds += env.trainer_contention
+        seconds = env.group_overhead + sum(env.reward_per_sample.sample(sim.rng) for _ in range(samples))
+        # contention with the ranks the group shares a host with
+        if env.rollout_contention and sim.rollout[rollout_rank].busy_now():
+            seconds += env.rollout_contention
+        if env.trainer_contention and sim.trainers[sim.replica_of(group.task_id)].training:
+            seconds += env.trainer_contention
         start = max(self.sim.queue.now, self.free_at)
         self.free_at = start + seconds
         self.meter.add("score", start, self.free_at)
@@ -327,6 +326,8 @@ class TrainerSim:
         """Group id -> trained tokens, for groups whose data reached the trainer."""
         self.busy_until = 0.0
         self.working = False
+        self.training = False
+        """Working on a train step (not an admit): what env contention is fitted against."""
         self.broadcasts = 0
         self.meter = BusyMeter(sim.keep_timeline)
 
@@ -368,12 +369,12 @@ class TrainerSim:
                               StepDone(order.task_id, order.from_version + 1))
 
     def _busy(self, start: float, end: float, stage: str) -> None:
-        self.working = True
+        self.working, self.training = True, stage == "train"
         self.meter.add(stage, start, end)
         self.sim.queue.at(end, self._idle)
 
     def _idle(self) -> None:
-        self.working = False
+        self.working = self.training = False
         self.next_job()
 
 

@@ -100,18 +100,19 @@ class RolloutModel:
 
 @dataclass(kw_only=True, slots=True)
 class EnvModel:
-    """One env rank (CPU): scores groups one after another."""
+    """One env rank (CPU): scores groups one after another (a group's busy time on the rank)."""
 
     reward_per_sample: Distribution = field(default_factory=Distribution, metadata=_unit(TIME))
-    """Verifier time of one completion."""
+    """Env-rank time of one episode: its env's reset and book-keeping, plus its verifier (and tool) time over
+    the env pool's workers."""
     group_overhead: float = field(default=0.0, metadata=_unit(TIME))
-    """Fixed cost of scoring a group of several episodes (a training group): fanning its episodes out to the
-    env pool's workers and collecting them. A one-episode group (the greedy evals) does not pay it."""
+    """Fixed cost of every group (a one-episode eval too): opening it, handing its episodes to the env pool,
+    collecting them and sending the trajectories."""
     rollout_contention: float = field(default=0.0, metadata=_unit(TIME))
-    """Extra time of scoring a training group while its rollout rank decodes: on the CPU twin the ranks share
-    the cores; with env ranks on CPU nodes of their own (a cluster) it is about 0."""
+    """Extra time of scoring a group while its rollout rank decodes: on the CPU twin the ranks share the
+    cores; with env ranks on CPU nodes of their own (a cluster) it is about 0."""
     trainer_contention: float = field(default=0.0, metadata=_unit(TIME))
-    """Extra time of scoring a training group while its task's trainer computes (as rollout_contention)."""
+    """Extra time of scoring a group while its task's trainer computes (as rollout_contention)."""
 
 
 @dataclass(kw_only=True, slots=True)
