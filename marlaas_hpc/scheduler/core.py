@@ -405,7 +405,7 @@ class Scheduler:
 
     def _train(self) -> list:
         out: list = []
-        if len(self.training) >= self.config.trainer_slots or not self._train_heap or self._round_incomplete():
+        if self._round_incomplete():  # dispatch only comes here with a trainer slot free and the heap not empty
             return out
         # only tasks in _trainable would do anything in this pass, taken in order from their heap
         skipped = []
@@ -467,10 +467,7 @@ class Scheduler:
         version = task.version
         if version < 0:
             return 0
-        # task.outstanding() inlined: this runs about once per event
-        training = task.training
-        outstanding = (len(task.generating) + len(task.scoring) + len(task.ready)
-                       + (len(training) if training is not None else 0))
+        outstanding = task.outstanding()
         remaining = (task.total_steps - version) * task.batch - outstanding
         if remaining <= 0:
             return 0  # finished issuing: the groups out there suffice for the remaining steps
@@ -480,7 +477,7 @@ class Scheduler:
         elif mode == "sync":
             allowed = task.batch - outstanding if version == min(self._round_versions) else 0
         else:  # sequential: only the first unfinished task, one synchronous step at a time
-            allowed = task.batch - outstanding if task is self._first_sequential() and training is None else 0
+            allowed = task.batch - outstanding if task is self._first_sequential() and task.training is None else 0
         allowed = allowed if allowed < remaining else remaining
         return allowed if allowed > 0 else 0
 
@@ -566,8 +563,7 @@ class Scheduler:
         # change: it could be overtaken again and again); only the issuable index is re-filed
         self._served_rollout[task_id] = next(self._seq)
         if quota_left > 0:
-            stamp = self._issuable[task_id] = next(self._stamps)
-            heapq.heappush(self._issue_heap, (self._order_key(task, self._served_rollout), stamp, task_id))
+            self._file_issuable(task)
         else:
             del self._issuable[task_id]
         return Generate(rank, env_rank, task_id, version, tuple(groups))
@@ -606,9 +602,12 @@ class Scheduler:
         if task.status != RUNNING or self._quota(task) <= 0:
             self._issuable.pop(task.task_id, None)
         elif task.task_id not in self._issuable:
-            stamp = next(self._stamps)
-            self._issuable[task.task_id] = stamp
-            heapq.heappush(self._issue_heap, (self._order_key(task, self._served_rollout), stamp, task.task_id))
+            self._file_issuable(task)
+
+    def _file_issuable(self, task: TaskState) -> None:
+        """Lists a task with quota in the issue heap, in rollout order, under a fresh stamp."""
+        stamp = self._issuable[task.task_id] = next(self._stamps)
+        heapq.heappush(self._issue_heap, (self._order_key(task, self._served_rollout), stamp, task.task_id))
 
     def _recount(self, task: TaskState, running: bool, idle: bool) -> None:
         """The sync-mode counters: round versions, and tasks short of a batch per version."""

@@ -190,7 +190,7 @@ def fit_trainer(runs: list[RunData]) -> TrainerModel:
     return TrainerModel(step_fixed=fixed, per_token=per_token, per_task=per_task, overlap_cost=overlap,
                         tp_exponent=ASSUMED_TP_EXPONENT,
                         admit=max(0.0, _median(admits)), publish_fixed=_lower_quartile(publishes),
-                        broadcast_setup=float(np.mean(setups)) if setups else 0.0,
+                        broadcast_setup=_mean(setups),
                         warm_up_broadcasts=max(1, round(_median(warm_ups, 1))))
 
 
