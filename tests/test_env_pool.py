@@ -19,7 +19,8 @@ from marlaas_hpc.tasks.synthetic import SyntheticTask
 def codec():
     """Built lazily: process workers import this module to unpickle FaultyTask, and the tokenizer needs
     transformers (seconds to import), which env workers should not pay for."""
-    from marlaas_hpc.model.tokenizer import TextCodec, build_char_tokenizer
+    from marlaas_hpc.model.codec import TextCodec
+    from marlaas_hpc.model.tokenizer import build_char_tokenizer
 
     return TextCodec(build_char_tokenizer())
 

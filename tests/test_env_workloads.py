@@ -10,7 +10,8 @@ from marlaas_hpc.env import (EnvPool, EnvPoolConfig, EpisodeLimits, EpisodeReque
                              LookupTask, build_env_task, environment_for)
 from marlaas_hpc.env.scripted import ScriptedEngine
 from marlaas_hpc.env.workloads import exact_match, f1_score
-from marlaas_hpc.model.tokenizer import TextCodec, build_char_tokenizer
+from marlaas_hpc.model.codec import TextCodec
+from marlaas_hpc.model.tokenizer import build_char_tokenizer
 from marlaas_hpc.tasks import DatasetSpec, SpecError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "env"

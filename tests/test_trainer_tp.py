@@ -1,8 +1,12 @@
 """The megatron-core multi-LoRA trainer on CPU: TP=2 equals TP=1, equals transformers(+PEFT), tasks are isolated.
 
-One scenario per TP size (tests/trainer_scenarios.py) runs in spawned gloo processes -- TP=1 and TP=2
-concurrently -- and every test here checks part of their records against each other or against HF/PEFT.
-TP=2 also runs with micro-batches of 5 rows (TP=1: whole batch), so it checks gradient accumulation too.
+Every check runs on three checkpoints: the tiny char model, and two random-weight checkpoints with real Qwen3
+traits (model/random_qwen3.py): Qwen3-0.6B-like (151,936-row vocabulary, tied input/output embeddings, GQA,
+qk-norm, head_dim 64) and Qwen3-8B-like (the same, untied). At TP=2 megatron pads that vocabulary to 152,064 rows,
+so the padded logits must stay out of every softmax. One scenario per TP size (tests/trainer_scenarios.py) runs
+in spawned gloo processes -- TP=1 and TP=2 concurrently -- and every test checks part of their records against
+each other or against HF/PEFT. TP=2 also runs with a micro-batch token budget (TP=1: the whole batch at once),
+so it checks gradient accumulation too.
 """
 from __future__ import annotations
 
@@ -13,17 +17,36 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from trainer_scenarios import FUSED_STEPS, PROBE_IDS, TASKS, make_trajectories, run_scenario
+from trainer_scenarios import FUSED_STEPS, TASKS, base_logits, make_trajectories, probe_ids, run_scenario
 
 TOL = 1e-5
+LOGIT_TOL = 1e-4
+"""Megatron vs transformers forward (fp32): the real checkpoints' 151,936-way logits sum longer dot products."""
+MICRO_BATCH_TOKENS = 40
+"""TP=2's micro-batch budget: the 24 trajectories (5-16 tokens each) split into several passes."""
 pytestmark = pytest.mark.slow  # ~25 s of megatron imports per process before anything runs
+CHECKPOINTS = ["tiny", "random:qwen3-0.6b-mini", "random:qwen3-8b-mini"]
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS)
+def model_path(request, tiny_model_path):
+    if request.param == "tiny":
+        return tiny_model_path
+    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+
+    return ensure_random_qwen3(request.param.split(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
-def hf_base(tiny_model_path):
+def hf_base(model_path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def probe(hf_base):
+    return probe_ids(hf_base.config.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +58,7 @@ def batches(hf_base):
     noise = random.Random(0)
     out = {}
     for index, (task_id, (_, algo)) in enumerate(TASKS.items()):
-        trajs = make_trajectories(task_id, seed=100 + index)
+        trajs = make_trajectories(task_id, seed=100 + index, vocab=hf_base.config.vocab_size)
         for traj in trajs:
             ids = torch.tensor([traj.prompt_ids + traj.completion_ids])
             with torch.no_grad():
@@ -49,14 +72,14 @@ def batches(hf_base):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_path, batches, tmp_path_factory):
-    """{tp: [record of rank 0, ...]} for TP=1 (whole batch) and TP=2 (micro-batches of 5 rows)."""
+def runs(model_path, batches, probe, tmp_path_factory):
+    """{tp: [record of rank 0, ...]} for TP=1 (whole batch) and TP=2 (micro-batches by token budget)."""
     from marlaas_hpc.trainer.launch_local import run_local
 
     out_dir = str(tmp_path_factory.mktemp("trainer_exports"))
     with ThreadPoolExecutor(2) as pool:
-        futures = {tp: pool.submit(run_local, run_scenario, tp, str(tiny_model_path), tp, batches, out_dir,
-                                   0 if tp == 1 else 5, timeout=240) for tp in (1, 2)}
+        futures = {tp: pool.submit(run_local, run_scenario, tp, str(model_path), tp, batches, out_dir,
+                                   0 if tp == 1 else MICRO_BATCH_TOKENS, probe, timeout=600) for tp in (1, 2)}
         return {tp: f.result() for tp, f in futures.items()}
 
 
@@ -65,14 +88,12 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _peft_logits(tiny_model_path, adapter_dir) -> torch.Tensor:
+def _peft_model(model_path, adapter_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(PROBE_IDS)).logits
+    base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
 
 
 def test_tp2_equals_tp1_losses_and_grads_over_steps(runs):
@@ -97,13 +118,25 @@ def test_tp2_equals_tp1_losses_and_grads_over_steps(runs):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_forward_equals_transformers(runs, hf_base, tp):
+def test_megatron_forward_equals_transformers(runs, hf_base, probe, tp):
     with torch.no_grad():
-        reference = hf_base(input_ids=torch.tensor(PROBE_IDS)).logits
+        reference = hf_base(input_ids=torch.tensor(probe)).logits
     record = runs[tp][0]
-    assert record["base_logits"].shape == reference.shape
-    assert float((record["base_logits"] - reference).abs().max()) < TOL
+    assert record["base_logits"].shape == reference.shape  # [b, s, vocab]: the padding rows are cut off
+    assert float((record["base_logits"] - reference).abs().max()) <= LOGIT_TOL
     assert record["shims_idempotent"]
+
+
+def test_megatron_forward_equals_transformers_at_tp4(model_path, hf_base, probe):
+    """TP=4 divides the real checkpoints' 8 heads and 4 KV heads; their vocabulary is padded to 152,064."""
+    if hf_base.config.num_key_value_heads % 4:
+        pytest.skip("TP=4 does not divide this checkpoint's KV heads")
+    from marlaas_hpc.trainer.launch_local import run_local
+
+    with torch.no_grad():
+        reference = hf_base(input_ids=torch.tensor(probe)).logits
+    record = run_local(base_logits, 4, str(model_path), 4, probe, timeout=600)[0]
+    assert float((record["base_logits"] - reference).abs().max()) <= LOGIT_TOL
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -116,7 +149,7 @@ def test_training_one_task_leaves_others_and_base_untouched(runs, tp):
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("task_id", list(TASKS))
-def test_exported_adapter_reproduces_trainer_logits_in_peft(runs, tiny_model_path, tp, task_id):
+def test_exported_adapter_reproduces_trainer_logits_in_peft(runs, model_path, hf_base, probe, tp, task_id):
     from safetensors.torch import load_file
 
     from marlaas_hpc.trainer.lora import peft_key
@@ -128,25 +161,32 @@ def test_exported_adapter_reproduces_trainer_logits_in_peft(runs, tiny_model_pat
     assert (config["r"], config["lora_alpha"], config["task_type"]) == (lora.rank, lora.alpha, "CAUSAL_LM")
     assert sorted(config["target_modules"]) == sorted(lora.target_modules)
     tensors = load_file(f"{export}/adapter_model.safetensors")
-    expected = {peft_key(layer, m, w) for layer in range(4) for m in lora.target_modules for w in "AB"}
+    layers = hf_base.config.num_hidden_layers
+    expected = {peft_key(layer, m, w) for layer in range(layers) for m in lora.target_modules for w in "AB"}
     assert set(tensors) == expected  # a subset of targets exports only those modules
     assert all(tensors[k].abs().max() > 0 for k in tensors if "lora_B" in k)  # trained: B is non-zero
-    peft_logits = _peft_logits(tiny_model_path, export)
-    assert float((record["logits"][task_id] - peft_logits).abs().max()) < TOL
+    with torch.no_grad():
+        peft_logits = _peft_model(model_path, export)(input_ids=torch.tensor(probe)).logits
+    assert float((record["logits"][task_id] - peft_logits).abs().max()) <= LOGIT_TOL
     assert float((record["logits"][task_id] - record["base_logits"]).abs().max()) > 1e-3  # the adapter acts
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_logprobs_match_peft_and_mixed_rows(runs, batches, peft_reference, tp):
+def test_logprobs_match_peft_and_mixed_rows(runs, batches, model_path, tp):
+    from marlaas_hpc.trainer.grpo import token_logprobs
+
     record = runs[tp][0]
     mixed = record["mixed_logits"]
     assert float((mixed[0] - record["logits"]["a"][0]).abs().max()) < TOL  # row 0 uses a
     assert float((mixed[1] - record["base_logits"][1]).abs().max()) < TOL  # row 1 uses the base only
     for task_id, per_traj in record["logprobs"].items():  # the DESIGN §4 oracle, at the task's temperature
         temperature = TASKS[task_id][1].temperature
+        peft = _peft_model(model_path, record["exports"][task_id])
         for traj, logprobs in zip(batches[task_id], per_traj):
-            reference = peft_reference.logprobs(record["exports"][task_id], traj.prompt_ids,
-                                                traj.completion_ids, temperature)
+            with torch.no_grad():  # teacher forcing, one unpadded row
+                logits = peft(input_ids=torch.tensor([traj.prompt_ids + traj.completion_ids])).logits[0]
+            reference = token_logprobs(logits[len(traj.prompt_ids) - 1:-1], torch.tensor(traj.completion_ids),
+                                       temperature).tolist()
             assert len(logprobs) == len(traj.completion_ids)
             assert max(abs(x - y) for x, y in zip(logprobs, reference)) < TOL
 

@@ -16,9 +16,14 @@ def test_trainer_config_names_the_bad_field(tiny_model_path, tmp_path):
     assert TrainerConfig(model_path=str(tiny_model_path)).validate().tensor_parallel == 1
     cases = [({"model_path": str(tmp_path)}, "model_path"),
              ({"model_path": str(tiny_model_path), "tensor_parallel": 0}, "tensor_parallel"),
-             ({"model_path": str(tiny_model_path), "micro_batch_size": -1}, "micro_batch_size"),
+             ({"model_path": str(tiny_model_path), "micro_batch_tokens": -1}, "micro_batch_tokens"),
              ({"model_path": str(tiny_model_path), "seed": 1.5}, "seed"),
-             ({"model_path": str(tiny_model_path), "device": "tpu"}, "device")]
+             ({"model_path": str(tiny_model_path), "device": "tpu"}, "device"),
+             ({"model_path": str(tiny_model_path), "device": "cuda:x"}, "device"),
+             ({"model_path": str(tiny_model_path), "dtype": "float16"}, "dtype"),
+             ({"model_path": str(tiny_model_path), "recompute": "yes"}, "recompute")]
+    if not torch.cuda.is_available():
+        cases.append(({"model_path": str(tiny_model_path), "device": "cuda:0"}, "device"))
     for kwargs, field in cases:
         with pytest.raises(SpecError) as info:
             TrainerConfig(**kwargs).validate()

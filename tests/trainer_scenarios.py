@@ -20,16 +20,31 @@ TASKS = {
     "c": (LoraSpec(rank=3, alpha=3.0, target_modules=("k_proj", "up_proj", "down_proj")), AlgoSpec(lr=5e-3)),
 }
 FUSED_STEPS = 3
-PROBE_IDS = [[5, 9, 17, 33, 65, 100, 101, 7, 8, 44], [12, 13, 14, 15, 16, 90, 91, 92, 93, 94]]
+TINY_PROBE_IDS = [[5, 9, 17, 33, 65, 100, 101, 7, 8, 44], [12, 13, 14, 15, 16, 90, 91, 92, 93, 94]]
 
 
-def make_trajectories(task_id: str, seed: int, n: int = 8) -> list[Trajectory]:
+def probe_ids(vocab: int) -> list[list[int]]:
+    """Two probe rows; on a real vocabulary they include Qwen's special ids and the last rows, which sit in the
+    last TP shard next to megatron's padding."""
+    if vocab <= 128:
+        return TINY_PROBE_IDS
+    return [[5, 900, 151644, 151645, 151643, vocab - 1, 3, 77, 4000, 12],
+            [151644, 20, 30, 40, 50, 60, vocab - 2, 2000, 151645, 9]]
+
+
+def _token(rng: random.Random, vocab: int) -> int:
+    if vocab <= 128 or rng.random() < 0.8:
+        return rng.randrange(3, min(vocab, 4096))
+    return rng.randrange(vocab - 400, vocab)  # special tokens and the rows next to the vocabulary padding
+
+
+def make_trajectories(task_id: str, seed: int, n: int = 8, vocab: int = 128) -> list[Trajectory]:
     """Random token sequences (behaviour logprobs filled in later from the HF base model)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        prompt = [rng.randrange(3, 128) for _ in range(rng.randrange(3, 9))]
-        completion = [rng.randrange(3, 128) for _ in range(rng.randrange(2, 9))]
+        prompt = [_token(rng, vocab) for _ in range(rng.randrange(3, 9))]
+        completion = [_token(rng, vocab) for _ in range(rng.randrange(2, 9))]
         mask = None
         if i % 3 == 2:  # a multi-turn episode: a tool observation in the middle is not trained
             mask = [1] * len(completion)
@@ -49,8 +64,16 @@ def _optimizer_tensors(trainer, task_id: str) -> dict[str, torch.Tensor]:
     return {f"{i}.{k}": v.clone() for i, s in state.items() for k, v in s.items() if torch.is_tensor(v)}
 
 
+def base_logits(rank: int, model_path: str, tp: int, probe: list[list[int]]) -> dict:
+    """Only the base model's logits (a TP size too costly for the whole scenario)."""
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp))
+    return {"base_logits": trainer.logits(None, probe)}
+
+
 def run_scenario(rank: int, model_path: str, tp: int, batches: dict[str, list[Trajectory]], out_dir: str,
-                 micro_batch_size: int) -> dict:
+                 micro_batch_tokens: int, probe: list[list[int]]) -> dict:
     import time
 
     start = time.perf_counter()
@@ -59,11 +82,11 @@ def run_scenario(rank: int, model_path: str, tp: int, batches: dict[str, list[Tr
 
     imported = time.perf_counter()
     trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, seed=7,
-                                             micro_batch_size=micro_batch_size))
+                                             micro_batch_tokens=micro_batch_tokens))
     record: dict = {"shims_idempotent": apply_cpu_shims() and apply_cpu_shims()}
     built = time.perf_counter()
     base_before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
-    record["base_logits"] = trainer.logits(None, PROBE_IDS)
+    record["base_logits"] = trainer.logits(None, probe)
     for task_id, (lora, algo) in TASKS.items():
         trainer.add_task(task_id, lora, algo)
     record["init_tensors"] = {t: trainer.adapter_tensors(t) for t in TASKS}
@@ -92,8 +115,8 @@ def run_scenario(rank: int, model_path: str, tp: int, batches: dict[str, list[Tr
     base_after = {k: v.detach() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
     record["base_untouched"] = _params_equal(base_before, base_after)
 
-    record["logits"] = {t: trainer.logits(t, PROBE_IDS) for t in TASKS}
-    record["mixed_logits"] = trainer.logits(["a", None], PROBE_IDS)
+    record["logits"] = {t: trainer.logits(t, probe) for t in TASKS}
+    record["mixed_logits"] = trainer.logits(["a", None], probe)
     record["logprobs"] = {t: trainer.logprobs(t, batches[t][:3], TASKS[t][1].temperature) for t in TASKS}
     record["exports"] = {t: str(trainer.export_adapter(t, Path(out_dir) / f"tp{tp}" / t)) for t in TASKS}
 
@@ -108,9 +131,60 @@ def run_scenario(rank: int, model_path: str, tp: int, batches: dict[str, list[Tr
 
     # import: the exported c loaded as a new task gives c's logits
     trainer.load_adapter("c2", record["exports"]["c"], algo=TASKS["c"][1], version=trainer.version("c"))
-    record["imported_logits_diff"] = float((trainer.logits("c2", PROBE_IDS) - record["logits"]["c"]).abs().max())
+    record["imported_logits_diff"] = float((trainer.logits("c2", probe) - record["logits"]["c"]).abs().max())
     trainer.remove_task("c2")
     record["task_ids"] = trainer.task_ids()
     trainer.close()
     record["seconds"] = {"import": imported - start, "build": built - imported, "run": time.perf_counter() - built}
     return record
+
+
+MEMORY_VARIANTS = {
+    "whole": {},
+    "micro": {"micro_batch_tokens": 40},
+    "recompute": {"micro_batch_tokens": 40, "recompute": True},
+    "bf16": {"dtype": "bfloat16"},
+}
+"""TrainerConfig variants of one fused step from the same initial adapters (micro-batches of <= 40 padded
+tokens split the 24 trajectories into several passes)."""
+
+
+def memory_variants_scenario(rank: int, model_path: str, batches: dict[str, list[Trajectory]]) -> dict:
+    """One fused multi-task step per variant of MEMORY_VARIANTS: metrics, gradients, and the logprobs of the
+    batch before the step (base weights only differ in bf16)."""
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    out = {}
+    for name, kwargs in MEMORY_VARIANTS.items():
+        trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, seed=7, **kwargs))
+        for task_id, (lora, algo) in TASKS.items():
+            trainer.add_task(task_id, lora, algo)
+        logprobs = {t: trainer.logprobs(t, batches[t], TASKS[t][1].temperature) for t in TASKS}
+        metrics = trainer.train_steps(batches)
+        out[name] = {"metrics": metrics, "grads": {t: trainer.adapter_tensors(t, grads=True) for t in TASKS},
+                     "logprobs": logprobs,
+                     "lora_dtypes": sorted({str(p.dtype) for t in TASKS for p in trainer.lora.parameters(t)}),
+                     "base_dtype": str(next(trainer.model.parameters()).dtype)}
+        trainer.close()
+    return out
+
+
+def train_and_export_scenario(rank: int, model_path: str, tp: int, batch: list[Trajectory], out_dir: str) -> dict:
+    """Task 'a' after one GRPO step (its adapter is no longer the base), exported as v1 in PEFT format."""
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, seed=3))
+    lora, algo = TASKS["a"]
+    trainer.add_task("a", lora, algo)
+    trainer.train_step("a", batch)
+    return {"export": str(trainer.export_adapter("a", out_dir)), "version": trainer.version("a")}
+
+
+def logprobs_scenario(rank: int, model_path: str, tp: int, adapter: str, version: int,
+                      trajectories: list[Trajectory], temperature: float) -> dict:
+    """The trainer's logprobs of given completions with a PEFT adapter loaded at `version`."""
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, seed=3))
+    trainer.load_adapter("a", adapter, algo=TASKS["a"][1], version=version)
+    return {"logprobs": trainer.logprobs("a", trajectories, temperature), "version": trainer.version("a")}

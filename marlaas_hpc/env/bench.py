@@ -77,7 +77,8 @@ def _oracle(kind: str, answers: dict[str, str]):
 
 
 def bench(kind: str, task, episodes: int, mode: str, workers: int) -> dict:
-    from marlaas_hpc.model.tokenizer import TextCodec, build_char_tokenizer
+    from marlaas_hpc.model.codec import TextCodec
+    from marlaas_hpc.model.tokenizer import build_char_tokenizer
 
     codec = TextCodec(build_char_tokenizer())
     samples = [task.train_sample(i) for i in range(episodes)]

@@ -34,7 +34,7 @@ from marlaas_hpc.tasks.base import Sample
 from marlaas_hpc.trajectory import Trajectory
 
 if TYPE_CHECKING:  # marlaas_hpc.model imports torch: env workers stay light without it
-    from marlaas_hpc.model.tokenizer import TextCodec
+    from marlaas_hpc.model.codec import TextCodec
 
 FINISH_REASONS = ("answer", "max_turns", "max_tokens", "error")
 
@@ -90,6 +90,8 @@ class _Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     transcript: list[tuple[str, str]] = field(default_factory=list)
+    last_turn: list[int] = field(default_factory=list)
+    """Token ids of the latest model turn."""
     env_s: float = 0.0
     started: float = 0.0
     pinned: bool = False
@@ -177,6 +179,7 @@ class EpisodeRunner:
             raise RuntimeError(f"engine broke its contract on {gen.request_id}: version {gen.adapter_version} "
                                f"(asked {ep.version}), {len(gen.completion_ids)} ids / {len(gen.logprobs)} logprobs")
         ep.completion_ids += gen.completion_ids
+        ep.last_turn = list(gen.completion_ids)
         ep.logprobs += gen.logprobs
         ep.mask += [1] * len(gen.completion_ids)
         ep.turns += 1
@@ -200,7 +203,7 @@ class EpisodeRunner:
         if ep.turns >= self.limits.max_turns:
             self._done(ep, results, ep.env.truncated("max_turns"))
             return False
-        observation_ids = self.codec.tokenizer.encode(result.text, add_special_tokens=False)
+        observation_ids = self.codec.encode_observation(result.text, ep.last_turn)
         if ep.total_tokens + len(observation_ids) + 1 > self.limits.max_total_tokens:
             self._done(ep, results, ep.env.truncated("max_tokens"))
             return False

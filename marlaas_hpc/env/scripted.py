@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
 
 if TYPE_CHECKING:  # marlaas_hpc.model imports torch
-    from marlaas_hpc.model.tokenizer import TextCodec
+    from marlaas_hpc.model.codec import TextCodec
 
 Policy = Callable[[GenerationRequest, str], str]
 """(request, decoded context with special tokens as text, e.g. '<bos>c4+7=?<eos>23+7=') -> completion text."""

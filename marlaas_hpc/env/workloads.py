@@ -22,7 +22,6 @@ from __future__ import annotations
 import random
 import re
 import string
-import threading
 from collections import Counter
 from typing import Any
 
@@ -30,7 +29,8 @@ from marlaas_hpc.env.protocol import Environment, SingleTurnEnv
 from marlaas_hpc.env.tools import (SYNTAXES, Bm25Index, Calculator, Document, Lookup, Search, ToolBox, ToolOutcome,
                                    ToolTask)
 from marlaas_hpc.tasks.base import Sample
-from marlaas_hpc.tasks.files import _FileTask, gsm8k_gold, load_reward_fn, read_jsonl_rows
+from marlaas_hpc.tasks.files import _FileTask, load_reward_fn, read_jsonl_rows
+from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_file_samples
 from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
 
 
@@ -68,25 +68,6 @@ def context_documents(context: Any, where: str, field_name: str = "dataset.path"
 
 
 # ---------------------------------------------------------------- verifiers
-_main_thread_lock = threading.Lock()
-
-
-def math_verify_reward(gold: str, completion: str) -> float:
-    """1.0 if the text after the last '####' (or the whole turn) equals `gold` by math-verify, else 0.0.
-
-    math-verify's own timeouts use SIGALRM, which only works on the main thread; elsewhere they are off and
-    the env pool's per-call timeout bounds the call instead."""
-    from math_verify import parse, verify
-
-    on_main = threading.current_thread() is threading.main_thread()
-    timeout = 5 if on_main else None
-    tail = completion.split("####")[-1]
-    gold_parsed = parse(gold, parsing_timeout=timeout)
-    if not gold_parsed:
-        return 0.0
-    return 1.0 if verify(gold_parsed, parse(tail, parsing_timeout=timeout), timeout_seconds=timeout) else 0.0
-
-
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.S)
@@ -123,30 +104,19 @@ def extract_answer(turn: str) -> str:
 GSM8K_TOOL_HINT = 'Use <tool name="calculator">expression</tool> for arithmetic. End with #### and the number.'
 
 
-class Gsm8kEnvTask(_FileTask, ToolTask):
+class Gsm8kEnvTask(Gsm8kTask, _FileTask, ToolTask):
     """GSM8K-format math, reward by math-verify; with `calculator=True` a multi-turn calculator episode."""
 
-    def __init__(self, spec: DatasetSpec, calculator: bool):
+    def __init__(self, spec: DatasetSpec, calculator: bool, prompt_format: str = "raw"):
         self.kind = "gsm8k_tool" if calculator else "gsm8k_plain"
         self.calculator = calculator
+        self.answer_format = spec.answer_format
         self.tools = ToolBox([Calculator()] if calculator else [])
-        samples = []
-        for lineno, row in read_jsonl_rows(spec.path, ("question", "answer")):
-            if "####" not in row["answer"]:
-                raise SpecError("dataset.path", f"{spec.path}:{lineno}: answer has no '#### N' final answer")
-            hint = f"\n{GSM8K_TOOL_HINT}" if calculator else ""
-            samples.append(Sample(len(samples), f"Q: {row['question']}{hint}\nA:", gsm8k_gold(row["answer"])))
-        super().__init__(spec, samples)
+        hint = f"\n{GSM8K_TOOL_HINT}" if calculator else ""
+        super().__init__(spec, gsm8k_file_samples(spec, prompt_format, hint))
 
     def new_env(self) -> Environment:
         return super().new_env() if self.calculator else SingleTurnEnv(self)
-
-    def score(self, sample: Sample, completion: str) -> float:
-        return math_verify_reward(sample.answer, completion)
-
-    def warm_up(self) -> None:
-        """Imports math-verify / sympy / latex2sympy (seconds) before the first timed reward."""
-        math_verify_reward("1", "1")
 
 
 # ---------------------------------------------------------------- HotpotQA-style search QA
@@ -276,19 +246,19 @@ class LookupTask(ToolTask):
 ENV_TASK_KINDS = ("gsm8k_tool", "gsm8k_plain", "hotpotqa", "lookup")
 
 
-def build_env_task(spec: DatasetSpec) -> ToolTask:
+def build_env_task(spec: DatasetSpec, prompt_format: str = "raw") -> ToolTask:
     """Builds an env workload; optional spec fields (read if the DatasetSpec has them): corpus, metric,
-    syntax, tool_latency_s, reward_fn (replaces the workload's verifier)."""
-    task = _env_task(spec)
+    syntax, tool_latency_s, reward_fn (replaces the workload's verifier). `prompt_format` words GSM8K prompts."""
+    task = _env_task(spec, prompt_format)
     if getattr(spec, "reward_fn", None):
         # an instance attribute shadows the method; a module-level function still pickles (process pools)
         task.score = load_reward_fn(spec.reward_fn)
     return task
 
 
-def _env_task(spec: DatasetSpec) -> ToolTask:
+def _env_task(spec: DatasetSpec, prompt_format: str) -> ToolTask:
     if spec.kind in ("gsm8k_tool", "gsm8k_plain"):
-        return Gsm8kEnvTask(spec, calculator=spec.kind == "gsm8k_tool")
+        return Gsm8kEnvTask(spec, calculator=spec.kind == "gsm8k_tool", prompt_format=prompt_format)
     if spec.kind == "hotpotqa":
         return HotpotQATask(spec, corpus=getattr(spec, "corpus", None), metric=getattr(spec, "metric", None) or "f1")
     if spec.kind == "lookup":

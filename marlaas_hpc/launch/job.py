@@ -60,11 +60,13 @@ def submit(job, config_path: str, job_name: str = "marlaas", max_requeues: int =
     job.layout.validate()
     if check_cluster:
         check_partitions(job.layout)
+    # the tiny model (or a random checkpoint) is built here once, not in every rank at once; rollout ranks run
+    # vLLM on CPU when their component asks Slurm for no GPU
+    job.check_model(job.model_path(), vllm_on_cpu=not job.layout.rollout.requests_gpus())
     run_dir = Path(job.run_dir).resolve()
     job.run_dir = str(run_dir)
     check_run_dir(job, resume=False)
     save_job_file(job, config_path)
-    job.model_path()  # build the tiny model once here, not in every rank at once
     executor = HetJobExecutor(run_dir / "slurm", job.layout)
     executor.update_parameters(job_name=job_name)
     handle = executor.submit(MarlaasJob(max_requeues), str(run_dir / "job.yaml"), str(run_dir))

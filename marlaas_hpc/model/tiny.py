@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from marlaas_hpc.model.tokenizer import VOCAB_SIZE, TextCodec, build_char_tokenizer
+from marlaas_hpc.model.codec import TextCodec
+from marlaas_hpc.model.tokenizer import VOCAB_SIZE, build_char_tokenizer
 from marlaas_hpc.tasks import SYNTHETIC_KINDS, DatasetSpec, Sample, build_task_data
 
 
@@ -69,6 +70,7 @@ class TinyModelConfig:
         from marlaas_hpc.env.workloads import LookupTask
 
         source = Path(__file__).read_bytes() + Path(__file__).with_name("tokenizer.py").read_bytes()
+        source += inspect.getsource(TextCodec.encode_prompt).encode()  # how the pre-training prompts are encoded
         source += inspect.getsource(LookupTask).encode()  # its generator and demonstrations are in the mix
         blob = json.dumps(asdict(self), sort_keys=True).encode() + source
         return hashlib.sha256(blob).hexdigest()[:12]

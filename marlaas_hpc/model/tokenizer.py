@@ -31,35 +31,3 @@ def build_char_tokenizer():
 
 def save_char_tokenizer(out_dir: str | Path) -> None:
     build_char_tokenizer().save_pretrained(str(out_dir))
-
-
-class TextCodec:
-    """The one place that turns prompt text into token ids and sampled ids back into completion text.
-
-    Works for the char tokenizer and for a real model's HF tokenizer: a prompt is [bos] (if the tokenizer
-    has one) + the text's tokens; a completion ends at eos.
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.bos_id = tokenizer.bos_token_id
-        self.eos_id = tokenizer.eos_token_id
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> "TextCodec":
-        from transformers import AutoTokenizer
-
-        return cls(AutoTokenizer.from_pretrained(str(path)))
-
-    def encode_prompt(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return ([self.bos_id] if self.bos_id is not None else []) + ids
-
-    def encode_completion(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) + [self.eos_id]
-
-    def decode_completion(self, token_ids: list[int]) -> str:
-        if self.eos_id in token_ids:
-            token_ids = token_ids[: token_ids.index(self.eos_id)]
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

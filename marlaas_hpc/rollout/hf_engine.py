@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from marlaas_hpc.model.checkpoint import stop_token_ids
 from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
 
 BASE_ADAPTER = "__base__"
@@ -78,10 +79,8 @@ class HfEngine(RolloutEngine):
         self.base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
         tok = AutoTokenizer.from_pretrained(str(model_path))
         self.eos_id = tok.eos_token_id
-        # stop ids as vLLM has them: the tokenizer's eos plus the generation config's (e.g. Qwen3 chat models)
-        extra = self.base.generation_config.eos_token_id
-        extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
-        self.stop_ids = [i for i in dict.fromkeys([self.eos_id, *extra]) if i is not None]
+        # the tokenizer's eos plus generation_config.json's (Qwen3: <|im_end|>, <|endoftext|>), as the vLLM engine
+        self.stop_ids = stop_token_ids(model_path, tok)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.model = None  # PeftModel once the first adapter is loaded
         self.versions = AdapterVersions()

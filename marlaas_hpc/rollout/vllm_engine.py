@@ -5,6 +5,9 @@ requests join the running batch at any step. Each (task, version) adapter is one
 int id; a request stays on the version it was submitted with. A superseded version is removed from vLLM only
 once no request uses it: vLLM silently reloads a removed adapter from its path if a request still names it.
 
+Stopping: at every stop id of the checkpoint (the tokenizer's eos and generation_config.json's eos list), the
+stop token kept as the completion's last token.
+
 Behaviour logprobs: `logprobs=0` returns the sampled token's logprob, and
 `logprobs_mode="processed_logprobs"` makes it log softmax(logits / temperature) (the default raw mode is
 wrong at temperature != 1). At temperature 0 (greedy) it is log softmax(logits).
@@ -25,6 +28,7 @@ import os
 import time
 from pathlib import Path
 
+from marlaas_hpc.model.checkpoint import stop_token_ids
 from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
 
 
@@ -89,6 +93,9 @@ class VllmEngine(RolloutEngine):
         self._set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
         self.llm = LLM(str(model_path), **kwargs)
         self.engine = self.llm.llm_engine
+        # generation_config="vllm" keeps the checkpoint's sampling defaults out, and with them its eos list:
+        # every request names the stop ids itself (the tokenizer's eos + generation_config.json's)
+        self.stop_ids = stop_token_ids(model_path, self.llm.get_tokenizer())
         self.versions = AdapterVersions()
         self._key_of_id: dict[int, tuple[str, int]] = {}  # every adapter vLLM may still hold
         self._refs: dict[tuple[str, int], AdapterRef] = {}
@@ -151,6 +158,7 @@ class VllmEngine(RolloutEngine):
                 params = SamplingParams(
                     n=1, temperature=req.temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=req.max_new_tokens,
                     seed=None if req.temperature == 0 else req.seed, logprobs=0, detokenize=False,
+                    stop_token_ids=self.stop_ids,
                     output_kind=RequestOutputKind.FINAL_ONLY)
                 self.engine.add_request(req.request_id, TokensPrompt(prompt_token_ids=list(req.prompt_ids)), params,
                                         lora_request=lora)

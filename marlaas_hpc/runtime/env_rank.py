@@ -56,6 +56,8 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     turn_versions: list[int | None] = field(default_factory=list)
     newest_versions: list[int | None] = field(default_factory=list)
+    last_turn_tokens: int = 0
+    """Tokens of the latest model turn (the end of completion_ids)."""
     tool_calls: int = 0
     tool_errors: int = 0
     final: Final | None = None
@@ -84,6 +86,8 @@ class EnvRank:
         self.rank = comm.Get_rank()
         self.tasks: dict = {}
         self.specs: dict = {}
+        self.codecs: dict[str, TextCodec] = {}
+        """Per task: the codec of its prompt format (raw or chat)."""
         self.eval_samples: dict[str, dict[int, object]] = {}
         self.failed: set[str] = set()
         self.early: list[tuple[GroupData, int]] = []
@@ -122,7 +126,8 @@ class EnvRank:
     def _admit(self, command: Admit) -> None:
         spec = command.spec
         self.specs[spec.task_id] = spec
-        self.tasks[spec.task_id] = task = build_task_data(spec.dataset)  # rank 0 already checked it loads
+        self.tasks[spec.task_id] = task = build_task_data(spec.dataset, spec.prompt.format)  # rank 0 checked it
+        self.codecs[spec.task_id] = self.codec.for_prompt(spec.prompt)
         # rank 0 names an eval prompt by its Sample.index (a file task's line, not its place in the eval split)
         self.eval_samples[spec.task_id] = {sample.index: sample for sample in task.eval_samples()}
         self.pool.add_task(spec.task_id, task)
@@ -153,7 +158,7 @@ class EnvRank:
             else task.train_sample(data.prompt_index)
         envs = [environment_for(task) for _ in data.completions]
         for env in envs:
-            if self.codec.encode_prompt(env.reset(sample)) != data.prompt_ids:
+            if self.codecs[data.task_id].encode_prompt(env.reset(sample)) != data.prompt_ids:
                 self._fail(data.task_id, f"env rank {self.rank}: env reset() gave a different prompt than rank "
                                          "0's (resets must be deterministic)")
                 if is_multi_turn(task):
@@ -171,12 +176,13 @@ class EnvRank:
                                f"pinned to v{first.version}")
         episode = group.episodes[j]
         episode.completion_ids += ids
+        episode.last_turn_tokens = len(ids)
         episode.logprobs += logprobs
         episode.mask += [1] * len(ids)
         episode.turn_versions.append(version)
         episode.newest_versions.append(newest)
         episode.goes_on = False
-        future = self.pool.submit(first.task_id, episode.env, self.codec.decode_completion(ids))
+        future = self.pool.submit(first.task_id, episode.env, self.codecs[first.task_id].decode_completion(ids))
         self.in_pool[future] = (first.group_id, j)
         group.stepping += 1
 
@@ -210,7 +216,8 @@ class EnvRank:
         episode.tool_calls += result.tool_calls
         episode.tool_errors += result.tool_errors
         limits = episode_limits(self.specs[task_id].algo)
-        observation = self.codec.tokenizer.encode(result.text, add_special_tokens=False)
+        turn = episode.completion_ids[len(episode.completion_ids) - episode.last_turn_tokens:]
+        observation = self.codecs[task_id].encode_observation(result.text, turn)
         if len(episode.turn_versions) >= limits.max_turns:
             episode.final = episode.env.truncated("max_turns")
         elif len(group.first.prompt_ids) + len(episode.completion_ids) + len(observation) + 1 \

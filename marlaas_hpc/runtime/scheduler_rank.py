@@ -31,6 +31,8 @@ class SchedulerRank:
             rollout_slots=job.rollout_slots, max_active_tasks=job.max_adapters, trainer_slots=job.trainer_slots),
             clock=time.time)
         self.data: dict = {}
+        self.codecs: dict[str, TextCodec] = {}
+        """Per task: the codec of its prompt format (raw or chat)."""
         self.rejected: dict[str, str] = {}
         self.evals: dict[tuple[str, str], list[float]] = {}
         self.pending_evals: dict[tuple[str, str], int] = {}
@@ -50,12 +52,20 @@ class SchedulerRank:
         try:
             if spec.base_model not in (None, self.job.model):
                 raise SpecError("base_model", f"{spec.base_model!r} differs from the job's base model {self.job.model!r}")
-            self.data[spec.task_id] = build_task_data(spec.dataset)
+            self.data[spec.task_id] = build_task_data(spec.dataset, spec.prompt.format)
+            self.codecs[spec.task_id] = self._codec_for(spec)
             return self.scheduler.handle(Submit(spec, resume))
         except (SpecError, ValueError) as exc:
             self.rejected[spec.task_id] = str(exc)
             self.log(f"[intake] task {spec.task_id!r} refused: {exc}")
             return []
+
+    def _codec_for(self, spec):
+        """The codec of the spec's prompt format; a chat task on a tokenizer without a template is refused."""
+        try:
+            return self.codec.for_prompt(spec.prompt)
+        except ValueError as exc:
+            raise SpecError("prompt.format", f"{exc} ({self.job.model})") from None
 
     # ---- loop ----
     def run(self) -> dict:
@@ -232,7 +242,8 @@ class SchedulerRank:
 
     def _work(self, command: Generate) -> GenerateWork:
         data, algo = self.data[command.task_id], self.scheduler.tasks[command.task_id].spec.algo
-        groups = [PromptGroup(gid, index, self.codec.encode_prompt(first_prompt(data, data.train_sample(index))))
+        codec = self.codecs[command.task_id]
+        groups = [PromptGroup(gid, index, codec.encode_prompt(first_prompt(data, data.train_sample(index))))
                   for gid, index in command.groups]
         return GenerateWork(command.task_id, command.version, command.env_rank, groups, algo.group_size,
                             algo.temperature, algo.max_new_tokens, **self._episodes(command.task_id))
@@ -251,7 +262,8 @@ class SchedulerRank:
         env = self.roles["env"][self._eval_turn % len(self.roles["env"])]
         self._eval_turn += 1
         groups = [PromptGroup(f"{task_id}/eval{s.index}", s.index,
-                              self.codec.encode_prompt(first_prompt(self.data[task_id], s))) for s in samples]
+                              self.codecs[task_id].encode_prompt(first_prompt(self.data[task_id], s)))
+                  for s in samples]
         self.pending_evals[(task_id, "before" if version is None else "after")] = len(groups)
         self.outbox.send(GenerateWork(task_id, version, env, groups, 1, 0.0, spec.algo.max_new_tokens, eval=True,
                                       **self._episodes(task_id)), rollout, TAG_CMD)

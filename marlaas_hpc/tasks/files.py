@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from marlaas_hpc.tasks.base import Sample, TaskData
+from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_file_samples
 from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
 
 
@@ -69,30 +70,14 @@ class _FileTask(TaskData):
         return list(self._eval)
 
 
-def gsm8k_gold(answer: str) -> str:
-    """The final answer of a GSM8K solution: the text after '####'."""
-    return answer.split("####")[-1].strip().replace(",", "")
-
-
-class Gsm8kTask(_FileTask):
-    """GSM8K format: {"question": ..., "answer": "... #### N"}; reward by math-verify."""
+class Gsm8kFileTask(Gsm8kTask, _FileTask):
+    """GSM8K format: {"question": ..., "answer": "... #### N"} per line; reward by math-verify."""
 
     kind = "gsm8k"
 
-    def __init__(self, spec: DatasetSpec):
-        rows = read_jsonl(spec.path, ("question", "answer"))
-        for lineno, row in enumerate(rows, start=1):
-            if "####" not in row["answer"]:
-                raise SpecError("dataset.path", f"{spec.path}: sample {lineno}: answer has no '#### N' final answer")
-        samples = [Sample(i, f"Q: {row['question']}\nA:", gsm8k_gold(row["answer"])) for i, row in enumerate(rows)]
-        super().__init__(spec, samples)
-
-    def score(self, sample: Sample, completion: str) -> float:
-        from math_verify import parse, verify
-
-        tail = completion.split("####")[-1]
-        gold = parse(sample.answer)
-        return 1.0 if gold and verify(gold, parse(tail)) else 0.0
+    def __init__(self, spec: DatasetSpec, prompt_format: str = "raw"):
+        self.answer_format = spec.answer_format
+        super().__init__(spec, gsm8k_file_samples(spec, prompt_format))
 
 
 def load_reward_fn(import_path: str, field_name: str = "dataset.reward_fn") -> Callable[[Sample, str], float]:

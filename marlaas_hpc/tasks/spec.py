@@ -111,7 +111,9 @@ class AlgoSpec:
 @dataclass(kw_only=True)
 class DatasetSpec:
     kind: str = "addition"
-    """Task type: a synthetic task (addition, reverse, count, sort), 'gsm8k' (JSONL file) or 'custom'."""
+    """Task type: a synthetic task (addition, reverse, count, sort), 'gsm8k' (GSM8K JSONL file), 'gsm8k_synth'
+    (generated GSM8K-style word problems), 'custom', or an env workload (gsm8k_tool, gsm8k_plain, hotpotqa,
+    lookup)."""
     path: str | None = None
     """Data file for file-backed kinds (gsm8k, custom): JSONL, one sample per line."""
     reward_fn: str | None = None
@@ -127,6 +129,9 @@ class DatasetSpec:
     """QA reward: 'f1' (default) or 'em' (exact match)."""
     syntax: str | None = None
     """Tool-call syntax of the lookup workload: 'compact' (default, for the tiny model) or 'xml'."""
+    answer_format: str | None = None
+    """GSM8K kinds: where the scored final answer is, and what chat prompts ask for: 'hash' (after '####'),
+    'boxed' (the last \\boxed{...}), or None: after '####', else boxed, else the whole completion."""
     tool_latency_s: float = 0.0
     """Lookup workload: extra seconds every lookup call takes (a remote key-value service; tests and
     benchmarks of slow tools). 0: answer at once."""
@@ -141,12 +146,41 @@ class DatasetSpec:
             raise SpecError(f"{prefix}.metric", f"must be 'f1' or 'em', got {self.metric!r}")
         if not isinstance(self.tool_latency_s, (int, float)) or not 0 <= self.tool_latency_s <= 60:
             raise SpecError(f"{prefix}.tool_latency_s", f"must be seconds in [0, 60], got {self.tool_latency_s!r}")
+        if self.answer_format not in (None, "hash", "boxed"):
+            raise SpecError(f"{prefix}.answer_format", f"must be 'hash' or 'boxed' (or unset), got {self.answer_format!r}")
         if self.syntax not in (None, "compact", "xml"):
             raise SpecError(f"{prefix}.syntax", f"must be 'compact' or 'xml', got {self.syntax!r}")
         if self.kind in ("gsm8k", "custom", "gsm8k_tool", "gsm8k_plain", "hotpotqa") and not self.path:
             raise SpecError(f"{prefix}.path", f"task type {self.kind!r} needs a data file")
         if self.kind == "custom" and not self.reward_fn:
             raise SpecError(f"{prefix}.reward_fn", "custom tasks name a reward function as 'module:function'")
+
+
+PROMPT_FORMATS = ("raw", "chat")
+
+
+@dataclass(kw_only=True)
+class PromptSpec:
+    format: str = "raw"
+    """'raw': the task's prompt text as is, after the tokenizer's bos token if it has one (base models, the tiny
+    model). 'chat': the prompt is the user message, rendered with the tokenizer's chat template and
+    add_generation_prompt (instruct models such as Qwen3); tool output of multi-turn tasks becomes a tool turn."""
+    system: str | None = None
+    """Chat only: a system message before the user message (None: none)."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Chat only: extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3."""
+
+    def validate(self, prefix: str = "prompt") -> None:
+        if self.format not in PROMPT_FORMATS:
+            raise SpecError(f"{prefix}.format", f"must be one of {list(PROMPT_FORMATS)}, got {self.format!r}")
+        if self.system is not None and not isinstance(self.system, str):
+            raise SpecError(f"{prefix}.system", f"must be a string, got {self.system!r}")
+        if not isinstance(self.template_kwargs, dict) or not all(
+                isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in self.template_kwargs.items()):
+            raise SpecError(f"{prefix}.template_kwargs", "must map names to strings, numbers or booleans")
+        if self.format == "raw" and (self.system is not None or self.template_kwargs):
+            field_name = "system" if self.system is not None else "template_kwargs"
+            raise SpecError(f"{prefix}.{field_name}", "applies to chat prompts only (set prompt.format: chat)")
 
 
 @dataclass(kw_only=True)
@@ -159,6 +193,8 @@ class TaskSpec:
     """Base model path; must equal the job's (None: the job's)."""
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
     """Where samples and rewards come from."""
+    prompt: PromptSpec = field(default_factory=PromptSpec)
+    """How prompts reach the model: raw text or the tokenizer's chat template."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     """This task's adapter shape."""
     algo: AlgoSpec = field(default_factory=AlgoSpec)
@@ -181,6 +217,7 @@ class TaskSpec:
         if not isinstance(self.priority, int):
             raise SpecError("priority", f"must be an integer, got {self.priority!r}")
         self.dataset.validate()
+        self.prompt.validate()
         self.lora.validate()
         self.algo.validate()
         return self
@@ -200,7 +237,7 @@ def _int_at_least(value: Any, low: int, name: str) -> None:
         raise SpecError(name, f"must be an integer >= {low}, got {value!r}")
 
 
-_NESTED = {"dataset": DatasetSpec, "lora": LoraSpec, "algo": AlgoSpec}
+_NESTED = {"dataset": DatasetSpec, "prompt": PromptSpec, "lora": LoraSpec, "algo": AlgoSpec}
 
 
 def _build(cls: type, data: Any, prefix: str):

@@ -14,6 +14,7 @@ import random
 import string
 
 from marlaas_hpc.tasks.base import Sample, TaskData
+from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_sample, synthetic_gsm8k
 from marlaas_hpc.tasks.spec import DatasetSpec
 
 _LETTERS = "abcdef"
@@ -45,12 +46,25 @@ def _sort(rng: random.Random) -> tuple[str, str, str]:
 GENERATORS = {"addition": _addition, "reverse": _reverse, "count": _count, "sort": _sort}
 
 
-class SyntheticTask(TaskData):
-    """A generated task: exact-match reward on the stripped completion."""
+class _WithMistake:
+    """A kind's generator as (prompt, answer, {'mistake': ...}) (a class, not a closure: tasks must pickle for
+    process pools)."""
 
-    def __init__(self, spec: DatasetSpec):
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __call__(self, rng: random.Random) -> tuple[str, str, dict]:
+        prompt, answer, mistake = GENERATORS[self.kind](rng)
+        return prompt, answer, {"mistake": mistake}
+
+
+class SyntheticTask(TaskData):
+    """A generated task: exact-match reward on the stripped completion. `make(rng)` draws one
+    (prompt, answer, meta); by default the kind's generator (meta: its systematic mistake)."""
+
+    def __init__(self, spec: DatasetSpec, make=None):
         self.kind = spec.kind
-        self._make = GENERATORS[spec.kind]
+        self._make = make or _WithMistake(spec.kind)
         self._seed = spec.seed
         rng = random.Random(f"{spec.kind}-eval-{spec.seed}")
         self._eval: list[Sample] = []
@@ -58,21 +72,41 @@ class SyntheticTask(TaskData):
         for _ in range(spec.eval_size * 20):
             if len(self._eval) == spec.eval_size:
                 break
-            prompt, answer, mistake = self._make(rng)
+            prompt, answer, meta = self._make(rng)
             if prompt not in seen:
                 seen.add(prompt)
-                self._eval.append(Sample(len(self._eval), prompt, answer, {"mistake": mistake}))
+                self._eval.append(Sample(len(self._eval), prompt, answer, meta))
         self._eval_prompts = frozenset(seen)
 
     def train_sample(self, cursor: int) -> Sample:
         rng = random.Random(f"{self.kind}-train-{self._seed}-{cursor}")
         while True:
-            prompt, answer, mistake = self._make(rng)
+            prompt, answer, meta = self._make(rng)
             if prompt not in self._eval_prompts:
-                return Sample(cursor, prompt, answer, {"mistake": mistake})
+                return Sample(cursor, prompt, answer, meta)
 
     def eval_samples(self) -> list[Sample]:
         return list(self._eval)
 
     def score(self, sample: Sample, completion: str) -> float:
         return 1.0 if completion.strip() == sample.answer else 0.0
+
+
+class _Gsm8kStory:
+    """A generated GSM8K-style problem worded for the prompt format (a class: tasks must pickle)."""
+
+    def __init__(self, prompt_format: str, answer_format: str | None):
+        self.prompt_format, self.answer_format = prompt_format, answer_format
+
+    def __call__(self, rng: random.Random) -> tuple[str, str, dict]:
+        question, answer, meta = synthetic_gsm8k(rng)
+        sample = gsm8k_sample(0, question, answer, meta, self.prompt_format, self.answer_format)
+        return sample.prompt, answer, sample.meta
+
+
+class Gsm8kSyntheticTask(Gsm8kTask, SyntheticTask):
+    """Generated GSM8K-style word problems (tasks/gsm8k.py `synthetic_gsm8k`); reward by math-verify."""
+
+    def __init__(self, spec: DatasetSpec, prompt_format: str = "raw"):
+        self.answer_format = spec.answer_format
+        super().__init__(spec, _Gsm8kStory(prompt_format, spec.answer_format))

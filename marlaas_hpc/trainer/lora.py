@@ -172,8 +172,9 @@ class LoraSite:
         mask = None
         if len(targeted) < len(self.parts):
             mask = torch.isin(self.part_ids(full=False), torch.tensor(targeted)).float().unsqueeze(1)
-            mask = mask.to(device=weight.device, dtype=weight.dtype)
-        adapter = LoraAdapter(a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype),
+            mask = mask.to(device=weight.device)
+        # float32 whatever the base dtype (bf16 on GPU): the optimizer state and updates stay exact
+        adapter = LoraAdapter(a.to(weight.device, torch.float32), b.to(weight.device, torch.float32),
                               spec.scaling, mask, a_sharded=not self.column, b_sharded=self.column)
         self.adapters[name] = adapter
         return adapter
@@ -190,7 +191,7 @@ class LoraSite:
         from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                                    reduce_from_tensor_model_parallel_region)
 
-        hidden = F.linear(x, adapter.lora_A)
+        hidden = F.linear(x.to(adapter.lora_A.dtype), adapter.lora_A)  # the LoRA path runs in float32
         if self.column:
             hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
         else:
@@ -210,9 +211,9 @@ class LoraSite:
             if adapter is None:
                 continue
             if rows is None:
-                out = out + self._delta(adapter, x)
+                out = out + self._delta(adapter, x).to(out.dtype)
             else:
-                out = out.index_add(1, rows, self._delta(adapter, x.index_select(1, rows)))
+                out = out.index_add(1, rows, self._delta(adapter, x.index_select(1, rows)).to(out.dtype))
         return out, bias
 
     # -- HF layout ----------------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ class LoraSite:
                                  f"megatron site '{self.site}' shares one A across them")
         a_full = a_list[0]
         part_ids = self.part_ids(full=True)
-        b_full = torch.zeros(len(part_ids), spec.rank, dtype=a_full.dtype)
+        b_full = torch.zeros(len(part_ids), spec.rank, dtype=torch.float32)
         for index, part in targeted:
             b_full[part_ids == index] = tensors[peft_key(self.layer, part, "B")].to(b_full.dtype)
         if self.column:

@@ -36,14 +36,13 @@ def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = 
 
     The default group must span exactly the trainer ranks; its size must equal `tensor_parallel`
     (data parallelism is not implemented). Idempotent when already initialised with the same TP size.
+    On CUDA the caller selects this rank's device first (`torch.cuda.set_device`): NCCL binds to it.
     """
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
 
     apply_cpu_shims()
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend or default_backend())
         elif tensor_parallel == 1:
             init_single_process_group(backend)
@@ -63,6 +62,16 @@ def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = 
     tracker = mcore_tp.get_cuda_rng_tracker()
     if "model-parallel-rng" not in tracker.get_states():
         mcore_tp.model_parallel_cuda_manual_seed(seed)
+
+
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+"""Megatron's default: the embedding has a multiple of 128 * TP rows (Megatron-LM `_vocab_size_with_padding`)."""
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    """The embedding / output rows megatron allocates for `vocab_size` tokens at this TP size."""
+    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
 
 
 def _local_qwen3_bridge_cls():
@@ -118,47 +127,70 @@ class LoadedModel:
     """The checkpoint's transformers config."""
     bridge: object
     """mbridge bridge (HF <-> megatron weight mapping)."""
+    vocab_size: int
+    """Tokens of the checkpoint (rows of its embedding)."""
+    padded_vocab_size: int
+    """Rows of the megatron embedding / output layer: vocab_size padded to a multiple of 128 * TP."""
 
 
-def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu") -> LoadedModel:
-    """Builds the GPTModel for this rank's TP shard and loads the HF checkpoint into it (fp32, frozen).
+def check_tensor_parallel(hf_config, tensor_parallel: int) -> None:
+    """Refuses a TP size that does not split the checkpoint's heads, KV heads and MLP evenly (the vocabulary is
+    padded instead)."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(hf_config, name)
+        if value % tensor_parallel:
+            raise ValueError(f"tensor_parallel={tensor_parallel} must divide {name}={value}")
 
-    Needs `init_distributed` first (all TP ranks call this together: weights are scattered from TP rank 0).
+
+def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32, recompute: bool = False) -> LoadedModel:
+    """Builds the GPTModel for this rank's TP shard on `device` and loads the HF checkpoint into it (frozen).
+
+    Tied input/output embeddings (Qwen3-0.6B..4B) share one megatron weight, mapped from
+    `model.embed_tokens.weight`; untied ones load `lm_head.weight` into the output layer. The vocabulary is
+    padded as megatron pads it (zero rows past `vocab_size`); callers keep padded logits out of every softmax.
+    Parameters are allocated on `device` before any weight is loaded, because mbridge scatters each weight
+    from TP rank 0 over the TP group (NCCL on GPU cannot scatter CPU tensors). `dtype`: base weights
+    (bfloat16 on GPU, float32 for exact CPU tests). `recompute`: full activation recompute of every layer.
+    Needs `init_distributed` first (all TP ranks call this together).
     """
     from megatron.core.models.gpt.gpt_model import GPTModel
     from transformers import AutoConfig
 
     apply_cpu_shims()
+    device = torch.device(device)
     hf_config = AutoConfig.from_pretrained(str(model_path))
     if hf_config.model_type != "qwen3":
         raise NotImplementedError(f"trainer supports Qwen3 checkpoints, got model_type={hf_config.model_type!r}")
-    if getattr(hf_config, "tie_word_embeddings", False):
-        raise NotImplementedError("tied input/output embeddings are not supported")
-    bridge = _local_qwen3_bridge_cls()(hf_config, dtype=torch.float32)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    bridge = _local_qwen3_bridge_cls()(hf_config, dtype=dtype)
+    recompute_args = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+        if recompute else {}
     bridge.set_extra_args(
-        sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
+        sequence_parallel=False, use_cpu_initialization=device.type == "cpu", perform_initialization=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         cross_entropy_loss_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
-        attention_softmax_in_fp32=True, variable_seq_lengths=True)
+        attention_softmax_in_fp32=True, variable_seq_lengths=True, **recompute_args)
     tp = bridge.mpu.tp_size
-    for name, value in (("num_key_value_heads", hf_config.num_key_value_heads),
-                        ("num_attention_heads", hf_config.num_attention_heads),
-                        ("intermediate_size", hf_config.intermediate_size), ("vocab_size", hf_config.vocab_size)):
-        if value % tp:
-            raise ValueError(f"tensor_parallel={tp} must divide {name}={value}")
+    check_tensor_parallel(hf_config, tp)
+    vocab = int(hf_config.vocab_size)
+    padded = padded_vocab_size(vocab, tp)
+    bridge.make_vocab_size_divisible_by = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp  # mbridge pads with zero rows
+    bridge.vocab_size, bridge.padded_vocab_size = vocab, padded
+    args = {**bridge._get_gptmodel_args(), "vocab_size": padded}
+    if device.type == "cuda":  # megatron allocates non-CPU-initialised parameters on the current device
+        torch.cuda.set_device(device)
     model = GPTModel(config=bridge.config, transformer_layer_spec=local_layer_spec(),
-                     share_embeddings_and_output_weights=False, pre_process=True, post_process=True,
-                     **bridge._get_gptmodel_args())
-    bridge.vocab_size = bridge.padded_vocab_size = hf_config.vocab_size
+                     share_embeddings_and_output_weights=tied, pre_process=True, post_process=True, **args)
+    model.to(device)  # buffers (rotary inv_freq) follow the parameters
     with torch.no_grad():
         bridge.load_weights([model], str(model_path))
     for param in model.parameters():
         param.requires_grad_(False)
     model.eval()  # dropout is 0 anyway; no train-mode-only paths
-    model.to(device)
-    return LoadedModel(model=model, hf_config=hf_config, bridge=bridge)
+    return LoadedModel(model=model, hf_config=hf_config, bridge=bridge, vocab_size=vocab, padded_vocab_size=padded)
 
 
 def causal_mask(batch: int, seq: int, device=None) -> torch.Tensor:

