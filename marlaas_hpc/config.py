@@ -18,6 +18,32 @@ ORDERS = ("fair", "priority", "fifo")
 
 
 @dataclass(kw_only=True)
+class TrainerSettings:
+    """How the trainer ranks hold the base model and run a step (marlaas_hpc.trainer.trainer.TrainerConfig)."""
+
+    dtype: str = "auto"
+    """Base weights: 'float32', 'bfloat16', or 'auto' (bfloat16 on GPU, float32 on CPU). LoRA weights, optimizer
+    state, logprobs and the loss are float32 in every case."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one forward/backward pass (rows x longest row, padding included): a fused step's rows are
+    packed into micro-batches within it and gradients accumulate. The logits of a pass take
+    tokens x vocab/TP x 4 bytes (8192 tokens of Qwen3's 151,936-word vocabulary: ~5 GB at TP=1). 0: one pass."""
+    recompute: bool = False
+    """Activation recompute of every decoder layer (megatron 'full'): less activation memory on long sequences
+    for ~1/3 more compute."""
+
+    def validate(self) -> "TrainerSettings":
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise SpecError("trainer.dtype", f"must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if not isinstance(self.micro_batch_tokens, int) or isinstance(self.micro_batch_tokens, bool) \
+                or self.micro_batch_tokens < 0:
+            raise SpecError("trainer.micro_batch_tokens", f"must be an integer >= 0, got {self.micro_batch_tokens!r}")
+        if not isinstance(self.recompute, bool):
+            raise SpecError("trainer.recompute", f"must be true or false, got {self.recompute!r}")
+        return self
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     model: str = "tiny"
     """Base model: a local HF checkpoint dir (e.g. a downloaded Qwen3-0.6B), 'tiny' (the project's own 0.8M-param
@@ -43,6 +69,8 @@ class JobConfig:
     """Train orders of different tasks the trainer may fuse into one step (shared base forward/backward)."""
     layout: JobLayout = field(default_factory=JobLayout)
     """Ranks per role (env, rollout, trainer TP x DP) and, under Slurm, each component's resources."""
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    """Trainer precision and memory: base dtype, micro-batch token budget, activation recompute."""
     env_pool: EnvPoolConfig = field(default_factory=EnvPoolConfig)
     """Each env rank's worker pool: mode 'thread' | 'process' | 'inline', workers (concurrent env steps),
     step_timeout_s (per env-step limit; a step past it fails its task)."""
@@ -70,6 +98,7 @@ class JobConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(name, f"must be an integer >= 1, got {value!r}")
         self.layout.validate()
+        self.trainer.validate()
         try:
             self.env_pool.validate()
         except ValueError as exc:
@@ -100,15 +129,17 @@ class JobConfig:
             if self.model[len(RANDOM_PREFIX):] not in SHAPES:
                 raise SpecError("model", f"unknown random checkpoint {self.model!r}; known: "
                                          f"{[RANDOM_PREFIX + name for name in SHAPES]}")
-        elif self.model != "tiny" and not Path(self.model, "config.json").is_file():
-            raise SpecError("model", f"{self.model!r} is not an HF checkpoint dir with config.json (nor 'tiny' or "
-                                     f"'{RANDOM_PREFIX}<shape>')")
+        elif not isinstance(self.model, str) or not self.model:
+            raise SpecError("model", f"must be a checkpoint path, 'tiny' or '{RANDOM_PREFIX}<shape>', got {self.model!r}")
 
     def check_model(self, path: Path, vllm_on_cpu: bool = False) -> None:
         """Refuses a checkpoint this job cannot serve, and chat tasks on a tokenizer without a chat template,
         naming the field (model/checkpoint.py). `vllm_on_cpu`: the rollout engine will run on CPU (head_dim)."""
         from marlaas_hpc.model.checkpoint import check_checkpoint, read_checkpoint
 
+        if not Path(path, "config.json").is_file():
+            raise SpecError("model", f"{str(path)!r} is not an HF checkpoint dir with config.json (nor 'tiny' or "
+                                     "'random:<shape>'): download the checkpoint there or fix the path")
         info = read_checkpoint(path)
         check_checkpoint(info, trainer_tp=self.layout.trainer_tp, vllm_on_cpu=vllm_on_cpu and self.engine == "vllm")
         for i, task in enumerate(self.tasks):
@@ -137,6 +168,8 @@ class JobConfig:
         except SpecError as exc:
             raise SpecError(f"layout.{exc.field}", str(exc).split(": ", 1)[1]) from None
         kwargs["env_pool"] = _env_pool(kwargs.get("env_pool") or {})
+        check_fields(TrainerSettings, kwargs.get("trainer") or {}, "trainer", "trainer.")
+        kwargs["trainer"] = TrainerSettings(**(kwargs.get("trainer") or {}))
         tasks = []
         for i, task in enumerate(kwargs.pop("tasks", []) or []):
             try:

@@ -89,7 +89,8 @@ def _trainer(comm, job, roles, model_path: Path):
     os.environ.update(MASTER_ADDR=address[0], MASTER_PORT=str(address[1]), RANK=str(trainers.index(me)),
                       WORLD_SIZE=str(len(trainers)), LOCAL_RANK=str(trainers.index(me)))
     trainer = MultiLoraTrainer(TrainerConfig(model_path=str(model_path), tensor_parallel=job.layout.trainer_tp,
-                                             seed=job.seed))
+                                             seed=job.seed, dtype=job.trainer.dtype, recompute=job.trainer.recompute,
+                                             micro_batch_tokens=job.trainer.micro_batch_tokens))
     _restore_rng(Path(job.run_dir), trainer.tp_rank)
     return trainer
 

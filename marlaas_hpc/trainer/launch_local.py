@@ -1,9 +1,9 @@
-"""Runs a function on N local processes joined in a gloo default process group (tests, CPU TP checks).
+"""Runs a function on N local processes joined in a default process group (tests, TP checks, benchmarks).
 
-`run_local(fn, world_size, *args)` spawns N processes (spawn start method, 1 intra-op thread each), sets the
-torchrun-style env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), initialises the default group and
-calls `fn(rank, *args)`; returns the list of per-rank results (picklable via torch.save) or raises with the
-failing rank's traceback. `fn` must be importable by module path (defined at module level).
+`run_local(fn, world_size, *args)` spawns N processes (spawn start method, `threads` intra-op threads each), sets
+the torchrun-style env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), initialises the default group
+(gloo, or nccl with rank i on cuda:i) and calls `fn(rank, *args)`; returns the list of per-rank results
+(picklable via torch.save) or raises with the failing rank's traceback. `fn` must be importable by module path.
 """
 from __future__ import annotations
 
@@ -27,17 +27,19 @@ def _save(torch, record: dict, path: Path) -> None:
     os.replace(staging, path)
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, backend: str, threads: int) -> None:
     import torch
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
     result_path = Path(out_dir) / f"rank{rank}.pt"
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank, selected before NCCL binds to the current device
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, *args)
     except BaseException:
         _save(torch, {"ok": False, "error": traceback.format_exc()}, result_path)
@@ -46,16 +48,16 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> No
     dist.destroy_process_group()
 
 
-def run_local(fn, world_size: int, *args, timeout: float = 300.0) -> list:
-    """fn(rank, *args) on `world_size` spawned gloo processes; returns [result of rank 0, ...]."""
+def run_local(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo", threads: int = 1) -> list:
+    """fn(rank, *args) on `world_size` spawned processes in a `backend` group; returns [result of rank 0, ...]."""
     import torch
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="marlaas-local-") as out_dir:
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(rank, world_size, port, out_dir, fn, args), daemon=False)
-                 for rank in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(rank, world_size, port, out_dir, fn, args, backend, threads),
+                             daemon=False) for rank in range(world_size)]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + timeout

@@ -1,0 +1,110 @@
+"""A job on a real-shaped checkpoint end to end, and checkpoints the job cannot serve refused up front.
+
+`marlaas run configs/qwen3-gsm8k-cpu.yaml` (the CPU twin of the paper's GSM8K setting: a random-weight checkpoint
+with Qwen3-0.6B's traits, vLLM engine, trainer TP=2 over a padded vocabulary, chat prompts) finishes every task
+with PEFT-loadable adapters. A checkpoint of another model type, a TP size that does not divide the KV heads,
+a head_dim vLLM's CPU attention lacks, a missing path, or chat prompts on a tokenizer without a chat template:
+`marlaas run` exits 2 with the field and the reason before mpirun starts."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_runtime_mpi import _env
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+TWIN = ROOT / "configs" / "qwen3-gsm8k-cpu.yaml"
+
+
+def _run(config_path: Path, run_dir: Path, timeout: int):
+    return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "run", str(config_path), "--run-dir", str(run_dir)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def qwen_path():
+    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+
+    return ensure_random_qwen3("qwen3-0.6b-mini")
+
+
+def test_cpu_twin_of_the_gsm8k_setting_runs_end_to_end(tmp_path, qwen_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    proc = _run(TWIN, tmp_path / "run", timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["model"] == "random:qwen3-0.6b-mini" and summary["engine"] == "vllm"
+    assert {t: (s["status"], s["steps_done"]) for t, s in summary["tasks"].items()} == \
+        {"gsm8k-hash": ("done", 2), "gsm8k-boxed": ("done", 2)}
+    audit = [json.loads(line) for line in (tmp_path / "run" / "audit.jsonl").read_text().splitlines()]
+    assert len(audit) == 2 * 2 * 2 * 4  # tasks x steps x B x G
+    assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] < r["trained_into"] for r in audit)
+    base = AutoModelForCausalLM.from_pretrained(str(qwen_path), dtype=torch.float32)
+    ids = torch.tensor([[151644, 882, 198, 151645]])
+    with torch.no_grad():
+        reference = base(input_ids=ids).logits
+    for tenant, task in (("alice", "gsm8k-hash"), ("bob", "gsm8k-boxed")):
+        adapters = sorted((tmp_path / "run" / "tasks" / tenant / task / "adapters").iterdir())
+        assert [a.name for a in adapters] == ["v0000", "v0001", "v0002"]
+        config = json.loads((adapters[-1] / "adapter_config.json").read_text())
+        assert config["r"] == 32 and config["base_model_name_or_path"] == str(qwen_path)
+        model = PeftModel.from_pretrained(base, str(adapters[-1])).eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        assert logits.shape == reference.shape and torch.isfinite(logits).all()
+        assert float((logits - reference).abs().max()) > 0  # trained: the adapter changes the model
+        base = model.unload()
+
+
+def _checkpoint_copy(src: Path, dst: Path, **config_changes) -> Path:
+    """Config and tokenizer of `src` (no weights: a refused checkpoint is never loaded) with changes."""
+    dst.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / name, dst / name)
+    config = json.loads((src / "config.json").read_text())
+    config.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _refusal(tmp_path, config: dict) -> subprocess.CompletedProcess:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = _run(path, tmp_path / "run", timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "local mode" not in proc.stdout and not (tmp_path / "run").exists(), "refused before mpirun"
+    return proc
+
+
+@pytest.mark.parametrize("case", ["model_type", "trainer_tp", "head_dim", "missing", "chat_on_tiny"])
+def test_checkpoints_the_job_cannot_serve_are_refused_before_mpirun(tmp_path, qwen_path, case):
+    import torch
+
+    if case == "head_dim" and torch.cuda.is_available():
+        pytest.skip("with CUDA, local vLLM runs on the GPU, whose attention has no such limit")
+    config = yaml.safe_load(TWIN.read_text())
+    expect = {"model_type": ("model:", "model_type 'llama' is not supported"),
+              "trainer_tp": ("layout.trainer_tp:", "8 does not divide num_key_value_heads=4"),
+              "head_dim": ("model:", "head_dim 48 is not supported by vLLM's CPU attention"),
+              "missing": ("model:", "is not an HF checkpoint dir"),
+              "chat_on_tiny": ("tasks[0].prompt.format:", "need a chat template")}[case]
+    if case == "model_type":
+        config["model"] = str(_checkpoint_copy(qwen_path, tmp_path / "ckpt", model_type="llama"))
+    elif case == "trainer_tp":
+        config["layout"]["trainer_tp"] = 8
+    elif case == "head_dim":
+        config["model"] = str(_checkpoint_copy(qwen_path, tmp_path / "ckpt", head_dim=48))
+    elif case == "missing":
+        config["model"] = str(tmp_path / "not-downloaded-yet")
+    else:
+        config["model"] = "tiny"
+    proc = _refusal(tmp_path, config)
+    assert expect[0] in proc.stderr and expect[1] in proc.stderr, proc.stderr

@@ -1,0 +1,143 @@
+"""One trainer step and one rollout batch at the full Qwen3-0.6B shape (random weights, built locally), on this
+machine: tokens/s of each and the peak RSS of each process. Prints figures; asserts nothing about speed.
+
+    python tools/bench_real.py [--shape qwen3-0.6b] [--prompts 4] [--group 4] [--prompt-tokens 64]
+                               [--new-tokens 64] [--lora-rank 32] [--tp 1]
+
+The checkpoint (28 layers, 151,936-word vocabulary, tied embeddings, ~0.6B parameters, 2.4 GB in fp32) is built
+once into the cache (`model: random:qwen3-0.6b`). Each part runs in a process of its own, so each peak RSS is
+that part's alone: first the trainer (megatron-core, fp32 on CPU; one GRPO step of one LoRA task over
+prompts x group rows, which also exports the adapter), then the rollout (vLLM in-process engine with that
+adapter, prompts x group sequences of --new-tokens, temperature 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def _rows(args) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) rows drawn from the tokenizer's ordinary tokens, seeded."""
+    import random
+
+    rng = random.Random(0)
+    return [([rng.randrange(300, 4000) for _ in range(args.prompt_tokens)],
+             [rng.randrange(300, 4000) for _ in range(args.new_tokens)]) for _ in range(args.prompts * args.group)]
+
+
+def trainer_part(args, model_path: str, out_dir: str) -> dict:
+    from marlaas_hpc.trainer.grpo import assign_advantages
+    from marlaas_hpc.trainer.launch_local import run_local
+    from marlaas_hpc.trajectory import Trajectory
+
+    trajectories = [Trajectory("bench", f"g{i // args.group}", p, c, [-11.9] * len(c), 0, reward=float(i % 2))
+                    for i, (p, c) in enumerate(_rows(args))]
+    assign_advantages(trajectories)
+    threads = max(1, (os.cpu_count() or 1) // args.tp)
+    records = run_local(_train, args.tp, model_path, args.tp, trajectories, args.lora_rank, out_dir,
+                        timeout=3600, threads=threads)
+    return records[0]
+
+
+def _train(rank: int, model_path: str, tp: int, trajectories, lora_rank: int, out_dir: str) -> dict:
+    from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    start = time.perf_counter()
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp))
+    trainer.add_task("bench", LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank), AlgoSpec(lr=1e-5))
+    built = time.perf_counter()
+    metrics = trainer.train_step("bench", trajectories)
+    stepped = time.perf_counter()
+    export = trainer.export_adapter("bench", Path(out_dir) / "adapter")
+    tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
+    return {"load_s": built - start, "step_s": stepped - built, "tokens": tokens,
+            "tokens_per_s": tokens / (stepped - built), "loss": metrics["loss"], "adapter": str(export),
+            "peak_rss_gib": _peak_rss_gib(), "params": sum(p.numel() for p in trainer.model.parameters())}
+
+
+def rollout_part(args, model_path: str, adapter: str, work_dir: str) -> dict:
+    from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
+
+    start = time.perf_counter()
+    engine = make_engine("vllm", model_path, work_dir=work_dir, max_loras=1, max_lora_rank=args.lora_rank,
+                         max_model_len=args.prompt_tokens + args.new_tokens + 8, seed=0)
+    engine.add_adapter(AdapterRef("bench", 1, adapter))
+    ready = time.perf_counter()
+    requests = [GenerationRequest(f"r{i}", "bench", 1, prompt, temperature=1.0, max_new_tokens=args.new_tokens,
+                                  seed=i) for i, (prompt, _) in enumerate(_rows(args))]
+    gens = engine.generate(requests)
+    done = time.perf_counter()
+    engine.close()
+    generated = sum(len(g.completion_ids) for g in gens)
+    return {"start_s": ready - start, "batch_s": done - ready, "sequences": len(gens), "generated_tokens": generated,
+            "tokens_per_s": generated / (done - ready), "peak_rss_gib": _peak_rss_gib()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--prompts", type=int, default=4, help="prompt groups (B)")
+    parser.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--tp", type=int, default=1, help="trainer tensor parallelism (gloo processes)")
+    parser.add_argument("--part", choices=["trainer", "rollout"], help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    parser.add_argument("--adapter", help=argparse.SUPPRESS)
+    parser.add_argument("--work-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))  # the rollout engine uses every core
+    if args.part == "trainer":
+        print(json.dumps(trainer_part(args, args.model_path, args.work_dir)))
+        return 0
+    if args.part == "rollout":
+        print(json.dumps(rollout_part(args, args.model_path, args.adapter, args.work_dir)))
+        return 0
+
+    from marlaas_hpc.model.random_qwen3 import SHAPES, ensure_random_qwen3
+
+    start = time.perf_counter()
+    model_path = str(ensure_random_qwen3(args.shape))
+    print(f"[bench_real] checkpoint {args.shape} ({SHAPES[args.shape]}) at {model_path} "
+          f"({time.perf_counter() - start:.0f} s)", flush=True)
+    common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+              ("shape", "prompts", "group", "prompt_tokens", "new_tokens", "lora_rank", "tp")]
+    with tempfile.TemporaryDirectory() as work:
+        trainer = _child(common + ["--part=trainer", f"--model-path={model_path}", f"--work-dir={work}"])
+        rollout = _child(common + ["--part=rollout", f"--model-path={model_path}", f"--adapter={trainer['adapter']}",
+                                   f"--work-dir={work}/vllm"])
+    rows = args.prompts * args.group
+    print(f"[bench_real] {args.shape}: {trainer['params'] / 1e6:.0f}M parameters (this TP rank), "
+          f"{os.cpu_count()} CPU cores, all of them used by each part")
+    print(f"trainer  TP={args.tp} fp32, LoRA r{args.lora_rank}, {rows} rows x {args.prompt_tokens}+{args.new_tokens} "
+          f"tokens: step {trainer['step_s']:.1f} s = {trainer['tokens_per_s']:.0f} tokens/s "
+          f"(load {trainer['load_s']:.1f} s), peak RSS {trainer['peak_rss_gib']:.2f} GiB")
+    print(f"rollout  vLLM fp32, LoRA r{args.lora_rank}, {rollout['sequences']} sequences x {args.new_tokens} new tokens: "
+          f"batch {rollout['batch_s']:.1f} s = {rollout['tokens_per_s']:.1f} generated tokens/s "
+          f"(engine start {rollout['start_s']:.1f} s), peak RSS {rollout['peak_rss_gib']:.2f} GiB")
+    return 0
+
+
+def _child(argv: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"[bench_real] {' '.join(argv)} failed with exit status {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
