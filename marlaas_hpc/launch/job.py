@@ -58,6 +58,7 @@ def submit(job, config_path: str, job_name: str = "marlaas", max_requeues: int =
     from marlaas_hpc.runtime.main import check_run_dir, save_job_file
 
     job.layout.validate()
+    job.require_model()  # a placeholder checkpoint path renders (marlaas sbatch) but is not submitted
     if check_cluster:
         check_partitions(job.layout)
     run_dir = Path(job.run_dir).resolve()
