@@ -18,7 +18,7 @@ def test_vllm_settings_defaults_keep_the_cpu_twin_exact():
     kwargs = JobConfig.from_dict({}).vllm.engine_kwargs(max_adapters=8, max_lora_rank=16)
     assert kwargs == dict(dtype="float32", gpu_memory_utilization=0.5, max_model_len=None, enforce_eager=True,
                           tensor_parallel_size=1, max_num_seqs=None, max_loras=8, max_cpu_loras=16,
-                          max_lora_rank=16, enable_prefix_caching=None, kv_cache_gib=1.0)
+                          max_lora_rank=16, enable_prefix_caching=None, kv_cache_gib=1)
 
 
 def test_vllm_settings_map_one_to_one_from_yaml():
@@ -42,7 +42,8 @@ vllm: {dtype: bfloat16, gpu_memory_utilization: 0.9, max_model_len: 2048, enforc
     ({"vllm": {"enforce_eager": "no"}}, "vllm.enforce_eager", "true or false"),
     ({"vllm": {"enable_prefix_caching": 1}}, "vllm.enable_prefix_caching", "true or false"),
     ({"vllm": {"tensor_parallel_size": 0}}, "vllm.tensor_parallel_size", ">= 1"),
-    ({"vllm": {"cpu_kv_cache_gib": -1}}, "vllm.cpu_kv_cache_gib", "> 0"),
+    ({"vllm": {"cpu_kv_cache_gib": -1}}, "vllm.cpu_kv_cache_gib", ">= 1"),
+    ({"vllm": {"cpu_kv_cache_gib": 1.5}}, "vllm.cpu_kv_cache_gib", "integer"),
     ({"vllm": {"max_loras": 4, "max_cpu_loras": 2}}, "vllm.max_cpu_loras", "below max_loras"),
     ({"vllm": {"max_cpu_loras": 4}}, "vllm.max_cpu_loras", "8 LoRA slots"),
     ({"vllm": {"tensor_paralel_size": 2}}, "vllm.tensor_paralel_size", "unknown field"),

@@ -28,7 +28,7 @@ from pathlib import Path
 from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
 
 
-def _set_vllm_env(cache_dir: Path, kv_cache_gib: float) -> None:
+def _set_vllm_env(cache_dir: Path, kv_cache_gib: int) -> None:
     """Must run before `import vllm` (some values are read at import) and before the engine starts."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core (~2.5 s start, no spawn)
     os.environ["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm_cache")
@@ -76,7 +76,7 @@ class VllmEngine(RolloutEngine):
                  max_cpu_loras: int | None = None, dtype: str = "float32", seed: int = 0,
                  max_model_len: int | None = None, enforce_eager: bool = True,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int | None = None,
-                 enable_prefix_caching: bool | None = None, kv_cache_gib: float = 1, warmup: bool = True,
+                 enable_prefix_caching: bool | None = None, kv_cache_gib: int = 1, warmup: bool = True,
                  **llm_kwargs):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)

