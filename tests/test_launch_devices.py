@@ -268,3 +268,36 @@ def test_count_driver_gpus_device_files(tmp_path):
         (dev / name).touch()
     assert count_driver_gpus(str(tmp_path / "none"), str(dev)) == 3
     assert count_driver_gpus(str(tmp_path / "none"), str(tmp_path / "none")) == 0
+
+
+APPLY_ON_THIS_MACHINE = """
+import json, os
+from marlaas_hpc.launch.devices import apply_binding, bind_device, count_driver_gpus
+from marlaas_hpc.launch.layout import JobLayout
+
+layout = JobLayout(rollout_ranks=1, trainer_tp=1, share_gpus=True).validate()
+binding = bind_device(os.environ, 3, layout, driver_gpus=count_driver_gpus(), node_ranks=range(4))
+apply_binding(binding)
+import torch
+print(json.dumps({"driver": count_driver_gpus(), "device": binding.device, "gpus": binding.gpus,
+                  "torch_count": torch.cuda.device_count(), "current": torch.cuda.current_device()}))
+"""
+
+
+@pytest.mark.gpu
+def test_device_binding_applied_on_a_real_gpu():
+    """A fresh process (CUDA not started yet): the driver count is right, and the trainer rank of a one-node job
+    sees exactly its own GPU as cuda:0 after apply_binding."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    proc = subprocess.run([sys.executable, "-c", APPLY_ON_THIS_MACHINE], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["driver"] >= 1 and result["device"] == "cuda:0" and len(result["gpus"]) == 1
+    assert result["torch_count"] == 1 and result["current"] == 0
