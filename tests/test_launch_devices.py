@@ -301,3 +301,21 @@ def test_device_binding_applied_on_a_real_gpu():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["driver"] >= 1 and result["device"] == "cuda:0" and len(result["gpus"]) == 1
     assert result["torch_count"] == 1 and result["current"] == 0
+
+
+@pytest.mark.mpi
+def test_device_refusal_stops_every_rank_under_mpirun(tmp_path):
+    """`layout.accelerator: cuda` on a machine without GPUs: every rank stops (no rank left waiting in MPI),
+    the message names the field, exit status 2."""
+    import torch
+
+    from test_runtime_mpi import run_marlaas, small_config
+
+    if count_driver_gpus() or torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    config = small_config()
+    config["layout"] = dict(config["layout"], accelerator="cuda")
+    proc, run_dir = run_marlaas(config, tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "marlaas: layout.accelerator: is 'cuda' but rank 2 (rollout) cannot use a GPU" in proc.stderr
+    assert "rank 3 (trainer)" in proc.stderr and not (run_dir / "summary.json").exists()
