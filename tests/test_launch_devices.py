@@ -179,9 +179,9 @@ def test_device_share_gpus_puts_engine_and_trainer_on_one_gpu():
 def test_device_refuses_sharing_within_the_trainer_group():
     envs = _recorded("device_env/mpirun_one_node_8_ranks.json")[:5]
     layout = JobLayout(rollout_ranks=1, trainer_tp=2, share_gpus=True).validate()
-    with pytest.raises(DeviceError, match="even shared, the trainer ranks") as info:
+    with pytest.raises(DeviceError, match="even with layout.share_gpus, the trainer ranks") as info:
         bind_device(envs[3], 3, layout, driver_gpus=1, node_ranks=range(5))
-    assert info.value.field == "layout.share_gpus"
+    assert info.value.field == "layout.trainer_tp"
 
 
 def test_device_refuses_a_tp2_engine_bound_to_one_gpu():

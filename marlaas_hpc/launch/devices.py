@@ -124,9 +124,8 @@ def _bound_per_task(environ: Mapping[str, str], visible: tuple[str, ...]) -> boo
 def _own_gpus(rank, role, need, visible, source) -> DeviceBinding:
     if len(visible) < need:
         field = f"layout.{role}.gpus_per_task"
-        raise DeviceError(field, f"rank {rank} ({role}) needs {need} GPU(s) but Slurm bound it to "
-                                 f"{len(visible)} ({source}={','.join(visible)}): submit the component with "
-                                 f"--gpus-per-task={need}")
+        raise DeviceError(field, f"rank {rank} ({role}) needs {need} GPU(s) but Slurm bound it to {len(visible)} "
+                                 f"({source}={','.join(visible)}): submit the component with --gpus-per-task={need}")
     mine = visible[:need]
     return DeviceBinding(rank=rank, role=role, device="cuda:0", gpus=mine, cuda_visible_devices=",".join(mine),
                          how=f"Slurm per-task binding ({source})")
@@ -143,12 +142,12 @@ def _node_pool(rank, role, layout, node, visible, source) -> DeviceBinding:
         mine = visible[offset: offset + gpus_needed(role, layout)]
         return DeviceBinding(rank=rank, role=role, device="cuda:0", gpus=mine,
                              cuda_visible_devices=",".join(mine), how=f"node pool of {len(visible)} ({source})")
-    counts = ", ".join(f"{sum(1 for _, k, _ in users if k == kind)} {kind}" for kind in GPU_ROLES)
     if not layout.share_gpus:
-        raise DeviceError("layout.share_gpus", f"rank {rank}'s node runs {counts} rank(s) needing {total} GPUs but "
-                                        f"{len(visible)} are visible ({source}={','.join(visible)}); give the job "
-                                        "more GPUs or fewer ranks per node, or set layout.share_gpus: true to let "
-                                        "rollout and trainer ranks share")
+        counts = ", ".join(f"{sum(1 for _, k, _ in users if k == kind)} {kind}" for kind in GPU_ROLES)
+        raise DeviceError("layout.share_gpus",
+                          f"rank {rank}'s node runs {counts} rank(s) needing {total} GPUs but {len(visible)} are "
+                          f"visible ({source}={','.join(visible)}); give the job more GPUs or fewer ranks per node, "
+                          "or set layout.share_gpus: true to let rollout and trainer ranks share")
     return _shared_pool(rank, role, users, visible, source)
 
 
@@ -156,10 +155,11 @@ def _shared_pool(rank, role, users, visible, source) -> DeviceBinding:
     slices: dict[int, tuple[str, ...]] = {}
     for kind in GPU_ROLES:
         mine = [(r, n) for r, k, n in users if k == kind]
-        if sum(n for _, n in mine) > len(visible):
-            raise DeviceError("layout.share_gpus", f"even shared, the {kind} ranks of rank {rank}'s node need "
-                                            f"{sum(n for _, n in mine)} GPUs of their own but {len(visible)} are "
-                                            f"visible ({source}={','.join(visible)})")
+        if sum(n for _, n in mine) > len(visible):  # NCCL refuses two ranks of one group on one GPU
+            raise DeviceError("layout.trainer_tp" if kind == "trainer" else "layout.rollout_ranks",
+                              f"even with layout.share_gpus, the {kind} ranks of rank {rank}'s node need "
+                              f"{sum(n for _, n in mine)} GPUs of their own but {len(visible)} are visible "
+                              f"({source}={','.join(visible)}): give the job more GPUs or fewer {kind} ranks per node")
         offset = 0
         for r, n in mine:
             start = offset if kind == "trainer" else len(visible) - offset - n
