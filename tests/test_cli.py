@@ -33,3 +33,16 @@ def test_sbatch_refuses_a_bad_layout(tmp_path):
 def test_status_of_a_dir_that_is_not_a_run(tmp_path):
     proc = marlaas("status", str(tmp_path))
     assert proc.returncode == 2 and "no status.json" in proc.stderr
+
+
+def test_gpu_config_renders_and_run_submit_refuse_its_placeholder_model(tmp_path):
+    """configs/qwen3-0.6b-gsm8k.yaml ships with a placeholder checkpoint path: it renders, but neither runs nor
+    submits (the check is JobConfig.model_path, before any process or Slurm call)."""
+    proc = marlaas("sbatch", "configs/qwen3-0.6b-gsm8k.yaml", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("#SBATCH --gpus-per-task=1") == 2 and proc.stdout.count("#SBATCH hetjob") == 3
+    for command in ("run", "submit"):
+        proc = marlaas(command, "configs/qwen3-0.6b-gsm8k.yaml", "--run-dir", str(tmp_path / "run"))
+        assert proc.returncode == 2 and "model: '/path/to/Qwen3-0.6B' is not an HF checkpoint dir" \
+            in proc.stderr, (command, proc.stderr)
+    assert not (tmp_path / "run").exists(), "nothing written for a refused job"

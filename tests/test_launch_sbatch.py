@@ -17,7 +17,9 @@ from marlaas_hpc.launch.sbatch import check_partitions, component_options, rende
 from marlaas_hpc.launch.submitit_hetjob import HetJobExecutor, HetJobInfoWatcher, fold_states
 
 GOLDEN = Path(__file__).parent / "golden"
-LAYOUTS = ["cpu_small", "gpu_tp4"]
+SHIPPED = {"qwen3_0.6b": Path(__file__).parents[1] / "configs" / "qwen3-0.6b-gsm8k.yaml"}
+"""Shipped job configs whose layouts are golden-tested too (loaded as `marlaas sbatch` loads them)."""
+LAYOUTS = ["cpu_small", "gpu_tp4", *SHIPPED]
 COMMAND = ("python -m marlaas_hpc.runtime.main /scratch/marlaas/job.yaml --run-dir /scratch/marlaas/runs/demo "
            "--auto-resume")
 FOLDER = "/scratch/marlaas/runs/demo"
@@ -25,6 +27,10 @@ PYTHON = "/opt/marlaas/.venv/bin/python"
 
 
 def _layout(name: str) -> JobLayout:
+    if name in SHIPPED:
+        from marlaas_hpc.config import JobConfig
+
+        return JobConfig.load(SHIPPED[name]).layout
     return JobLayout.from_dict(yaml.safe_load((GOLDEN / f"layout_{name}.yaml").read_text()))
 
 

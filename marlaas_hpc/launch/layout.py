@@ -74,7 +74,9 @@ class ComponentResources:
     cpus_per_task: int = 1
     """CPU cores per rank (--cpus-per-task)."""
     gpus_per_task: int = 0
-    """GPUs per rank (--gpus-per-task); only rollout and trainer may ask for GPUs."""
+    """GPUs per rank (--gpus-per-task); only rollout and trainer may ask for GPUs. Rollout: the GPUs of one
+    engine (= vllm.tensor_parallel_size when above 1); trainer: at most 1 (one GPU per TP rank). Also read in
+    local mode (mpirun) to size each rollout rank's share of the node's GPUs (launch/devices.py)."""
     mem: str | None = None
     """Memory per node as sbatch --mem takes it, e.g. '64G'; None: the partition default."""
     partition: str | None = None
@@ -139,6 +141,15 @@ class JobLayout:
     """Het group 2: rollout ranks (GPU partition on a cluster)."""
     trainer: ComponentResources = field(default_factory=ComponentResources)
     """Het group 3: trainer ranks (GPU partition on a cluster)."""
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    """Devices of rollout and trainer ranks (launch/devices.py): 'auto' runs them on GPUs where the driver lists
+    GPUs and the rank is given some, else on the CPU; 'cuda' refuses to start a rollout or trainer rank without
+    its GPU(s); 'cpu' never uses GPUs. Scheduler and env ranks always run on the CPU."""
+    share_gpus: bool = False
+    """Let rollout and trainer ranks on one node share GPUs when the node has fewer GPUs than they need (e.g. one
+    vLLM engine and a TP=1 trainer on a one-GPU machine). Without it such a node is refused. Trainer ranks among
+    themselves and engines among themselves still get distinct GPUs; leave room for the trainer with
+    vllm.gpu_memory_utilization."""
     time: str | int = "01:00:00"
     """Default wall-clock limit of every component without its own `time`."""
     mpi: Literal["pmix", "pmi2"] = "pmix"
@@ -207,6 +218,10 @@ class JobLayout:
             raise LayoutError("time", str(exc)) from None
         if self.mpi not in MPI_PLUGINS:
             raise LayoutError("mpi", f"unknown srun MPI plugin {self.mpi!r}; use one of {list(MPI_PLUGINS)}")
+        if self.accelerator not in ("auto", "cpu", "cuda"):
+            raise LayoutError("accelerator", f"must be 'auto', 'cpu' or 'cuda', got {self.accelerator!r}")
+        if not isinstance(self.share_gpus, bool):
+            raise LayoutError("share_gpus", f"must be true or false, got {self.share_gpus!r}")
         _int_at_least(self.signal_lead_s, 0, "signal_lead_s")
         _int_at_least(self.srun_grace_s, 1, "srun_grace_s")
         if self.emulated_nodes and self.network_interface not in (None, "lo"):
@@ -240,6 +255,9 @@ class JobLayout:
                                                 "to derive it")
         if res.nodes > ntasks:
             raise LayoutError(f"{name}.nodes", f"{res.nodes} nodes for {ntasks} task(s): a node would stay empty")
+        if name == "trainer" and res.gpus_per_task > 1:
+            raise LayoutError("trainer.gpus_per_task", f"is {res.gpus_per_task}, but a trainer rank drives one GPU "
+                                                       "(its TP group is one rank per GPU): use trainer_tp for more")
         if name in CPU_ONLY_COMPONENTS and res.requests_gpus():
             raise LayoutError(f"{name}.gpus_per_task" if res.gpus_per_task else f"{name}.extra_sbatch",
                               f"the {name} component is CPU-only; ask for GPUs on rollout or trainer")

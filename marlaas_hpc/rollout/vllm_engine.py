@@ -32,12 +32,12 @@ from marlaas_hpc.model.checkpoint import stop_token_ids
 from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
 
 
-def _set_vllm_env(cache_dir: Path, kv_cache_gib: float) -> None:
+def _set_vllm_env(cache_dir: Path, kv_cache_gib: int) -> None:
     """Must run before `import vllm` (some values are read at import) and before the engine starts."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core (~2.5 s start, no spawn)
     os.environ["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm_cache")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor_cache")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))  # GiB; CPU only
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # GiB; CPU only (vllm.cpu_kv_cache_gib)
 
 
 def _zero_non_finite_kv(worker) -> int:
@@ -58,6 +58,7 @@ class VllmEngine(RolloutEngine):
         model_path: HF model directory (tokenizer included).
         work_dir: the engine's directory (created); vLLM / inductor caches go there unless cache_dir is given.
         cache_dir: persistent cache directory: a cold inductor cache costs ~10-60 s of C++ compiles at start.
+        The settings below come from the job config's `vllm:` section (rollout/vllm_settings.py documents them).
         max_loras: adapters usable in one batch (vLLM LoRA slots).
         max_lora_rank: largest adapter rank (vLLM accepts 1, 8, 16, 32, 64, ...).
         max_cpu_loras: adapters kept loaded (LRU); default max(2 * max_loras, 8).
@@ -66,6 +67,9 @@ class VllmEngine(RolloutEngine):
         max_model_len: context cap (default: the model's).
         enforce_eager: no CUDA graphs / torch.compile (fast start; required on CPU).
         gpu_memory_utilization: GPU only: fraction of GPU memory vLLM may take (weights + KV cache).
+        tensor_parallel_size: GPUs of this engine (all of the rank's visible GPUs: launch/devices.py).
+        max_num_seqs: sequences per continuous batch (None: vLLM's default).
+        enable_prefix_caching: reuse KV blocks of shared prefixes (None: vLLM's default).
         kv_cache_gib: CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).
         warmup: run a few tiny generations at start (vLLM compiles sampling ops on first use).
         llm_kwargs: passed to `vllm.LLM` as-is.
@@ -75,7 +79,9 @@ class VllmEngine(RolloutEngine):
                  max_loras: int = 4, max_lora_rank: int = 8,
                  max_cpu_loras: int | None = None, dtype: str = "float32", seed: int = 0,
                  max_model_len: int | None = None, enforce_eager: bool = True,
-                 gpu_memory_utilization: float = 0.5, kv_cache_gib: float = 1, warmup: bool = True, **llm_kwargs):
+                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int | None = None,
+                 enable_prefix_caching: bool | None = None, kv_cache_gib: int = 1, warmup: bool = True,
+                 **llm_kwargs):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         _set_vllm_env(Path(cache_dir) if cache_dir else self.work_dir, kv_cache_gib)
@@ -88,6 +94,11 @@ class VllmEngine(RolloutEngine):
                       generation_config="vllm")  # no sampling defaults from the model's generation_config.json
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = tensor_parallel_size
+        # unset: vLLM's own defaults (which differ by platform and version)
+        kwargs.update({k: v for k, v in (("max_num_seqs", max_num_seqs),
+                                         ("enable_prefix_caching", enable_prefix_caching)) if v is not None})
         kwargs.update(llm_kwargs)
         start = time.perf_counter()
         self._set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide

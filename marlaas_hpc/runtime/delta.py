@@ -2,7 +2,8 @@
 
 The group {trainer leader} ∪ {rollout ranks} is built straight from a TCPStore, not from the default group:
 on rollout ranks an in-process vLLM engine owns the default group (world size 1), and on trainer ranks the
-default group is megatron's (the trainer ranks). gloo on CPU; NCCL on GPU (FACTS.md: vLLM section).
+default group is megatron's (the trainer ranks). NCCL when every member has a GPU of its own, gloo otherwise
+(FACTS.md: vLLM section).
 """
 from __future__ import annotations
 
@@ -15,6 +16,22 @@ import torch.distributed as dist
 from marlaas_hpc.runtime.messages import TAG_DELTA, DeltaAnnounce
 
 
+def gpu_key(device: torch.device) -> str | None:
+    """Identifies the physical GPU behind `device` across the job (host + UUID; indices repeat between
+    ranks once each sees only its own GPUs); None for a CPU device."""
+    if device.type != "cuda":
+        return None
+    return f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}"
+
+
+def _process_group(backend: str, store, member: int, size: int, timeout: timedelta):
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, member, size, options)
+    return dist.ProcessGroupGloo(store, member, size, timeout)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -22,30 +39,33 @@ def free_port() -> int:
 
 
 class DeltaGroup:
-    """Member 0 is the trainer leader (source of every broadcast); members 1.. are rollout ranks."""
+    """Member 0 is the trainer leader (source of every broadcast); members 1.. are rollout ranks.
 
-    def __init__(self, comm, leader: int, rollout_ranks: list[int], host: str | None = None,
-                 timeout_s: float = 600.0):
+    Each member passes its own device (its binding, launch/devices.py). The group uses NCCL when every member
+    is on a GPU of its own, with the broadcast buffer on that GPU; otherwise gloo with the buffer in host
+    memory (a CPU member, or two members on one GPU under layout.share_gpus: NCCL refuses a duplicate GPU)."""
+
+    def __init__(self, comm, leader: int, rollout_ranks: list[int], device: torch.device | str = "cpu",
+                 host: str | None = None, timeout_s: float = 600.0):
         self.comm, self.leader, self.rollout_ranks = comm, leader, list(rollout_ranks)
         members = [leader] + self.rollout_ranks
         me = comm.Get_rank()
         self.member = members.index(me)
         self.size = len(members)
+        own = torch.device(device)
         if me == leader:
+            keys = [gpu_key(own)] + [comm.recv(source=rank, tag=TAG_DELTA) for rank in self.rollout_ranks]
+            self.backend = "nccl" if all(keys) and len(set(keys)) == len(keys) else "gloo"
             address = (host or socket.gethostname(), free_port())
             for rank in self.rollout_ranks:
-                comm.send(address, dest=rank, tag=TAG_DELTA)
+                comm.send((address, self.backend), dest=rank, tag=TAG_DELTA)
         else:
-            address = comm.recv(source=leader, tag=TAG_DELTA)
+            comm.send(gpu_key(own), dest=leader, tag=TAG_DELTA)
+            address, self.backend = comm.recv(source=leader, tag=TAG_DELTA)
         store = dist.TCPStore(address[0], address[1], self.size, is_master=self.member == 0,
                               timeout=timedelta(seconds=timeout_s))
-        self.use_cuda = torch.cuda.is_available()
-        if self.use_cuda:  # the GPU path: NCCL outside the default group
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            self.group = dist.ProcessGroupNCCL(store, self.member, self.size)
-        else:
-            self.device = torch.device("cpu")
-            self.group = dist.ProcessGroupGloo(store, self.member, self.size)
+        self.device = own if self.backend == "nccl" else torch.device("cpu")
+        self.group = _process_group(self.backend, store, self.member, self.size, timedelta(seconds=timeout_s))
 
     def send(self, task_id: str, version: int, tensors: dict[str, torch.Tensor], lora) -> None:
         """Leader: announce over MPI, then broadcast one flat buffer of every tensor."""

@@ -3,7 +3,8 @@
     python -m marlaas_hpc.runtime.main CONFIG --run-dir DIR [--mode MODE]
     python -m marlaas_hpc.runtime.main --resume DIR          (continue a preempted job from its checkpoint)
 
-Roles come from assign_role(rank, layout); the world size must equal the layout's. SIGUSR2 checkpoints every
+Roles come from assign_role(rank, layout); the world size must equal the layout's. Each rank's device comes
+from launch/devices.py (bind_device) and is applied before anything starts CUDA. SIGUSR2 checkpoints every
 task at a step boundary and ends the job with exit status 75 (runtime/checkpoint.py).
 """
 from __future__ import annotations
@@ -71,8 +72,41 @@ def save_job_file(job: JobConfig, config_path: str) -> None:
         path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def _trainer(comm, job, roles, model_path: Path):
-    """Sets up the trainer ranks' own torch.distributed world (their TP group) from MPI, then the trainer."""
+def bind_rank_device(comm, job: JobConfig):
+    """This rank's device (launch/devices.py), applied: CUDA_VISIBLE_DEVICES narrowed to its GPUs before
+    anything starts CUDA. Collective: the ranks sharing a node come from MPI (a shared-memory split), which
+    knows the placement whatever the launcher. Returns (binding, None) or (None, the refusal)."""
+    from mpi4py import MPI
+
+    from marlaas_hpc.launch.devices import apply_binding, bind_device, count_driver_gpus
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node_ranks = node.allgather(comm.Get_rank())
+    node.Free()
+    try:
+        binding = bind_device(os.environ, comm.Get_rank(), job.layout, driver_gpus=count_driver_gpus(),
+                              node_ranks=node_ranks)
+        apply_binding(binding)
+    except (SpecError, RuntimeError) as exc:
+        return None, str(exc)
+    return binding, None
+
+
+def _log_devices(bindings, log) -> None:
+    """Rank 0: every GPU rank's binding, or one line when the whole job runs on the CPU."""
+    if bindings is None:
+        return
+    gpu_roles = [b for b in bindings if b.role in ("rollout", "trainer")]
+    if not any(b.is_cuda for b in gpu_roles):
+        log(f"[device] every rank on the CPU ({gpu_roles[0].how})")
+        return
+    for binding in gpu_roles:
+        log(f"[device] {binding.describe()}")
+
+
+def _trainer(comm, job, roles, model_path: Path, device: str):
+    """Sets up the trainer ranks' own torch.distributed world (their TP group) from MPI, then the trainer on
+    `device` (the rank's binding: its GPU is cuda:0 once CUDA_VISIBLE_DEVICES is narrowed)."""
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 
     trainers = roles["trainer"]
@@ -86,10 +120,12 @@ def _trainer(comm, job, roles, model_path: Path):
             comm.send(address, dest=rank, tag=21)
     else:
         address = comm.recv(source=leader, tag=21)
+    # LOCAL_RANK is the rank's CUDA device index, not its index among trainers: each rank sees only its own GPU
     os.environ.update(MASTER_ADDR=address[0], MASTER_PORT=str(address[1]), RANK=str(trainers.index(me)),
-                      WORLD_SIZE=str(len(trainers)), LOCAL_RANK=str(trainers.index(me)))
+                      WORLD_SIZE=str(len(trainers)), LOCAL_RANK="0")
     trainer = MultiLoraTrainer(TrainerConfig(model_path=str(model_path), tensor_parallel=job.layout.trainer_tp,
-                                             seed=job.seed, dtype=job.trainer.dtype, recompute=job.trainer.recompute,
+                                             seed=job.seed, device=device, dtype=job.trainer.dtype,
+                                             recompute=job.trainer.recompute,
                                              micro_batch_tokens=job.trainer.micro_batch_tokens))
     _restore_rng(Path(job.run_dir), trainer.tp_rank)
     return trainer
@@ -105,10 +141,10 @@ def _restore_rng(run_dir: Path, tp_rank: int) -> None:
         torch.set_rng_state(torch.load(path))
 
 
-def run_rank(comm, job: JobConfig, log=print, preempt=None, resume: dict | None = None) -> dict | None:
-    """Sets up this rank's role, waits until every rank is ready (so TTFS and busy fractions measure the
-    job, not engine start-up), then runs the role's loop. Rank 0 returns the summary. `resume` (rank 0):
-    the checkpoint this run continues from."""
+def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dict | None = None) -> dict | None:
+    """Sets up this rank's role on its device (`binding`, from bind_rank_device), waits until every rank is ready
+    (so TTFS and busy fractions measure the job, not engine start-up), then runs the role's loop. Rank 0
+    returns the summary. `resume` (rank 0): the checkpoint this run continues from."""
     import time
 
     from marlaas_hpc.model import TextCodec
@@ -146,19 +182,22 @@ def run_rank(comm, job: JobConfig, log=print, preempt=None, resume: dict | None 
 
         work = run_dir / "rollout" / f"rank{rank}"
         # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
-        kwargs = {"work_dir": work, "cache_dir": default_cache_dir() / "vllm", "max_loras": job.max_adapters,
-                  "max_lora_rank": job.max_lora_rank} if job.engine == "vllm" else {}
+        if job.engine == "vllm":  # vLLM finds its GPUs through CUDA_VISIBLE_DEVICES (all of them: its TP size)
+            kwargs = {"work_dir": work, "cache_dir": default_cache_dir() / "vllm",
+                      **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank)}
+        else:
+            kwargs = {"device": binding.device}
         engine = make_engine(job.engine, model_path, seed=seed + rank, **kwargs)
-        delta = DeltaGroup(comm, leader, roles["rollout"])
+        delta = DeltaGroup(comm, leader, roles["rollout"], device=binding.device)
         worker = RolloutRank(comm, engine, delta, work / "adapters", seed=seed, run_dir=run_dir)
         comm.Barrier()
         worker.run()
     else:
         from marlaas_hpc.runtime.trainer_rank import TrainerRank
 
-        trainer = _trainer(comm, job, roles, model_path)
+        trainer = _trainer(comm, job, roles, model_path, binding.device)
         if rank == leader:
-            delta = DeltaGroup(comm, leader, roles["rollout"])
+            delta = DeltaGroup(comm, leader, roles["rollout"], device=binding.device)
             worker = TrainerRank(comm, trainer, run_dir, leader, roles["trainer"][1:], delta)
             comm.Barrier()
             worker.run_leader()
@@ -198,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     state = None
     if comm.Get_rank() == 0:
         try:
+            job.model_path()  # a missing checkpoint stops every rank here, naming `model`
             state = check_run_dir(job, resume)
             if not resume:
                 save_job_file(job, args.config)
@@ -212,9 +252,17 @@ def main(argv: list[str] | None = None) -> int:
         if comm.Get_rank() == 0:
             print(f"marlaas: {ok}", file=sys.stderr, flush=True)
         return 2
+    binding, refused = bind_rank_device(comm, job)
+    refusals = comm.allgather(refused)
+    if any(refusals):
+        if comm.Get_rank() == 0:
+            for message in dict.fromkeys(r for r in refusals if r):
+                print(f"marlaas: {message}", file=sys.stderr, flush=True)
+        return 2
     log = (lambda message: print(message, flush=True)) if comm.Get_rank() == 0 else (lambda message: None)
+    _log_devices(comm.gather(binding, root=0), log)
     try:
-        summary = run_rank(comm, job, log=log, preempt=preempt, resume=state)
+        summary = run_rank(comm, job, binding, log=log, preempt=preempt, resume=state)
     except BaseException:
         # one dead rank would leave the others blocked in MPI or a collective: take the whole job down
         import traceback

