@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from marlaas_hpc.env.protocol import first_prompt, is_multi_turn
+from marlaas_hpc.env.tenant_code import check_reward_code
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.checkpoint import PreemptFlag, save_job_checkpoint
 from marlaas_hpc.runtime.comm import Outbox, poll
@@ -50,7 +51,8 @@ class SchedulerRank:
         try:
             if spec.base_model not in (None, self.job.model):
                 raise SpecError("base_model", f"{spec.base_model!r} differs from the job's base model {self.job.model!r}")
-            self.data[spec.task_id] = build_task_data(spec.dataset)
+            self.data[spec.task_id] = build_task_data(spec.dataset, self.job.sandbox)
+            check_reward_code(spec.dataset, self.job.sandbox)  # loads in a sandboxed worker, never here
             return self.scheduler.handle(Submit(spec, resume))
         except (SpecError, ValueError) as exc:
             self.rejected[spec.task_id] = str(exc)
@@ -142,8 +144,11 @@ class SchedulerRank:
             else:
                 self._refused_from_queue(entry, reason)
             self.intake.settle(entry, reason, self.scheduler.tasks.get(spec.task_id) if spec else None, self.start)
-        cancels = self.intake.cancels()
-        for task_id in cancels:
+        cancels = self.intake.cancels(self.scheduler.tasks)
+        for task_id, refused in cancels:
+            if refused is not None:
+                self.log(f"[intake] cancel of {task_id!r} refused: {refused}")
+                continue
             if task_id not in self.scheduler.tasks:
                 self.log(f"[intake] cancel of unknown task {task_id!r} ignored")
                 continue

@@ -3,6 +3,7 @@ filesystem, so the same commands work for local and Slurm jobs)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -60,10 +61,14 @@ def cmd_add(args) -> int:
                      "; it takes no more tasks")
     try:
         data = yaml.safe_load(spec_path.read_text())
-        spec = check_spec(data, IntakeRules.load(run_dir), known_tasks(run_dir), base_dir=spec_path.resolve().parent)
+        rules = IntakeRules.load(run_dir)
+        spec = check_spec(data, rules, known_tasks(run_dir), base_dir=spec_path.resolve().parent,
+                          owner_uid=os.getuid())
+        from marlaas_hpc.env.tenant_code import check_reward_code
         from marlaas_hpc.tasks import build_task_data
 
-        build_task_data(spec.dataset)  # a missing or malformed data file is refused now, not later
+        build_task_data(spec.dataset, rules.sandbox)  # a missing or malformed data file is refused now, not later
+        check_reward_code(spec.dataset, rules.sandbox)  # loaded in a sandboxed worker, never here
     except (OSError, yaml.YAMLError) as exc:
         return _fail(f"cannot read spec {spec_path}: {exc}")
     except (SpecError, ValueError) as exc:
@@ -103,6 +108,11 @@ def cmd_cancel(args) -> int:
         return _fail(f"no task {args.task_id!r} in {run_dir}")
     if known[args.task_id].state in ENDED:
         return _fail(f"task {args.task_id!r} has already ended ({known[args.task_id].state})", 1)
+    if (run_dir / JOB_FILE).is_file():
+        try:
+            IntakeRules.load(run_dir).check_owner(os.getuid(), known[args.task_id].tenant, "cancel tasks of")
+        except SpecError as exc:
+            return _fail(f"cancel of {args.task_id!r} refused: {exc}")
     TaskQueue(run_dir).request_cancel(args.task_id)
     print(f"cancel of {args.task_id!r} requested: it stops at its next step boundary and keeps its last adapter")
     return 0

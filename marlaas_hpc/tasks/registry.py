@@ -12,15 +12,16 @@ ENV_TASK_KINDS = ("gsm8k_tool", "gsm8k_plain", "hotpotqa", "lookup")
 TASK_KINDS = frozenset(SYNTHETIC_KINDS) | {"gsm8k", "custom"} | frozenset(ENV_TASK_KINDS)
 
 
-def build_task_data(spec: DatasetSpec) -> TaskData:
-    """Loads a task's data (files are read and checked here, at admission)."""
+def build_task_data(spec: DatasetSpec, sandbox=None) -> TaskData:
+    """Loads a task's data (files are read and checked here, at admission). A tenant reward file is read, not
+    imported: it runs only in sandboxed workers, under `sandbox` (the job's SandboxConfig; None: defaults)."""
     spec.validate()
     if spec.kind in GENERATORS:
         return SyntheticTask(spec)
     if spec.kind in ENV_TASK_KINDS:
         from marlaas_hpc.env.workloads import build_env_task  # lazy: env workers stay light
 
-        return build_env_task(spec)
+        return build_env_task(spec, sandbox)
     if spec.kind == "gsm8k":
         return Gsm8kTask(spec)
-    return CustomTask(spec)
+    return CustomTask(spec, sandbox)
