@@ -5,7 +5,10 @@ level this node offers, with the audit hook off. Every attempt must fail and lea
 work dir, its task's data file, the interpreter and threads keep working."""
 import json
 import os
+import shutil
 import socket
+import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import pytest
 from marlaas_hpc.env.sandbox import LEVELS, SandboxLimits, SandboxUnavailable, node_isolation, run_python
 from marlaas_hpc.env.tenant_code import CodeRef, SandboxConfig, TenantFunction
 from marlaas_hpc.tasks.base import RewardError, Sample
+from unix_users import SKIP_REASON, can_make_users, run_as, unix_users
 
 SECRET = "marlaas-test-secret-7b1e"
 
@@ -23,7 +27,7 @@ ATTACKS = {
     "read another tenant's adapter": "open({adapter!r}, 'rb').read()",
     "list the run dir": "assert os.listdir({run_dir!r}) is not None",
     "read the run dir's job.json": "open({job_json!r}).read()",
-    "read the env rank's environment": "assert {secret!r} in open('/proc/{parent}/environ').read()",
+    "read the env rank's environment": "assert {secret!r} in open(f'/proc/{{os.getppid()}}/environ').read()",
     "read a /proc environ": "assert any({secret!r} in open(f'/proc/{{p}}/environ').read() "
                             "for p in os.listdir('/proc') if p.isdigit())",
     "write outside (/tmp)": "open({outside_tmp!r}, 'w').write('x')",
@@ -33,28 +37,29 @@ ATTACKS = {
     "fork": "pid = os.fork()\nif pid == 0: os._exit(0)\nos.waitpid(pid, 0)",
     "connect over TCP": "import socket; socket.create_connection(('127.0.0.1', {tcp_port}), timeout=2).close()",
     "connect to a unix socket": "import socket; s = socket.socket(socket.AF_UNIX); s.connect({unix_path!r})",
-    "signal the env rank": "os.kill({parent}, 0)",
+    "signal the env rank": "os.kill(os.getppid(), 0)",
+    "signal the test process": "os.kill({parent}, 0)",
     "new user namespace": "import ctypes; assert ctypes.CDLL(None).unshare(0x10000000) == 0",
     "setuid back to root": "os.setuid(0); assert os.getuid() == 0; open('/etc/shadow').read()",
 }
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A job's run dir with two tenants' outputs, a listening TCP and unix socket, and a secret in our env."""
-    tmp = tmp_path_factory.mktemp("escape")
+def world():
+    """A job's run dir with two tenants' outputs, a listening TCP and unix socket, and a secret in our env; all
+    of it readable to anyone (0755 / 0644), so that only the sandbox can refuse."""
+    tmp = Path(tempfile.mkdtemp(prefix="marlaas-escape-", dir="/tmp"))
     run_dir = tmp / "run"
     adapter = run_dir / "tasks" / "bob" / "t2" / "adapters" / "v0001" / "adapter_model.safetensors"
     adapter.parent.mkdir(parents=True)
     adapter.write_bytes(b"bob's weights")
     (run_dir / "job.json").write_text("{}")
-    for path in (tmp, run_dir, *adapter.parents):  # readable to anyone: only the sandbox may refuse
-        if str(path).startswith(str(tmp)):
-            path.chmod(0o755)
-    adapter.chmod(0o644)
     data = tmp / "alice" / "data.jsonl"
     data.parent.mkdir()
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    for path in tmp.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    tmp.chmod(0o755)
     tcp = socket.create_server(("127.0.0.1", 0))
     unix_path = str(tmp / "svc.sock")
     unix = socket.socket(socket.AF_UNIX)
@@ -74,6 +79,7 @@ def world(tmp_path_factory):
     tcp.close()
     unix.close()
     Path(values["outside_tmp"]).unlink(missing_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _accept(server, accepted):
@@ -138,6 +144,35 @@ def test_model_code_cannot_escape(world, level, uid_range):
           f"/etc/shadow -> {outcomes['read /etc/shadow']}; adapter -> {adapter}")
 
 
+@pytest.mark.skipif(not can_make_users(), reason=SKIP_REASON)
+@pytest.mark.parametrize("level", LEVELS[:2])
+def test_model_code_cannot_escape_under_a_normal_user(world, level):
+    """A job run by a normal user (as on a Slurm compute node): no root, no uid change; the same attempts fail
+    (bwrap then runs in a user namespace)."""
+    runner = ("import json, sys\nfrom marlaas_hpc.env.sandbox import SandboxLimits, SandboxUnavailable, "
+              "node_isolation, run_python\n"
+              f"limits = SandboxLimits(isolation={level!r}, audit_hook=False, wall_seconds=60, cpu_seconds=30, "
+              "max_output_chars=20000)\n"
+              "try:\n    node_isolation(limits)\nexcept SandboxUnavailable as exc:\n"
+              "    print(json.dumps({'unavailable': str(exc)})); sys.exit(0)\n"
+              f"result = run_python({_probe_script(world['values'])!r}, limits)\n"
+              "print(json.dumps({'level': node_isolation(limits).describe(), 'status': result.status, "
+              "'stdout': result.stdout, 'stderr': result.stderr_tail}))\n")
+    with unix_users(["mlscarol"]):
+        proc = run_as("mlscarol", [sys.executable, "-c", runner],
+                      {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "MARLAAS_TEST_SECRET": SECRET})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "unavailable" in report:
+        pytest.skip(f"level {level!r} is not available to a normal user here: {report['unavailable']}")
+    assert report["status"] == "ok", report
+    outcomes = json.loads(report["stdout"])
+    leaked = {name: outcome for name, outcome in outcomes.items() if not outcome.startswith("refused")}
+    assert leaked == {} and set(outcomes) == set(ATTACKS), (report["level"], leaked)
+    _assert_no_trace(world)
+    print(f"\n[sandbox] as a normal user, {report['level']}: all {len(ATTACKS)} attempts refused")
+
+
 @pytest.mark.parametrize("level, uid_range", _levels())
 def test_model_code_keeps_what_it_needs(level, uid_range):
     code = ("import json, threading, numpy\nopen('out.txt', 'w').write('ok')\nt = threading.Thread(target=print, "
@@ -188,3 +223,20 @@ def test_unisolated_level_is_refused_for_tenant_code(world):
         assert allowed(Sample(0, "p", "a"), "") == 1.0
     finally:
         allowed.close()
+
+
+def test_rlimits_level_is_no_file_boundary_but_still_refuses_processes_and_network(world):
+    """What the last level guarantees, shown by the same probe (and proof that the probe can see a leak): files
+    its uid may read are readable, but spawning, connecting and signalling stay refused (seccomp)."""
+    limits = SandboxLimits(isolation="rlimits", allow_unisolated=True, audit_hook=False, wall_seconds=60,
+                           cpu_seconds=30, max_output_chars=20000)
+    result = run_python(_probe_script(world["values"]), limits)
+    assert result.ok, result
+    outcomes = json.loads(result.stdout)
+    assert outcomes["read another tenant's adapter"] == "LEAKED"
+    assert outcomes["list the run dir"] == "LEAKED"
+    for name in ("spawn a program", "posix_spawn", "fork", "connect over TCP", "connect to a unix socket",
+                 "signal the env rank", "signal the test process", "new user namespace"):
+        assert outcomes[name].startswith("refused"), (name, outcomes[name])
+    Path(world["values"]["outside_run"]).unlink(missing_ok=True)
+    Path(world["values"]["outside_tmp"]).unlink(missing_ok=True)
