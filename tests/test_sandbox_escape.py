@@ -240,3 +240,12 @@ def test_rlimits_level_is_no_file_boundary_but_still_refuses_processes_and_netwo
         assert outcomes[name].startswith("refused"), (name, outcomes[name])
     Path(world["values"]["outside_run"]).unlink(missing_ok=True)
     Path(world["values"]["outside_tmp"]).unlink(missing_ok=True)
+
+
+def test_this_node_offers_file_isolation():
+    """Tenant code is refused where only rlimits are left; a CI or cluster node must offer bubblewrap or Landlock."""
+    isolation = node_isolation(SandboxLimits())
+    assert isolation.level in ("bwrap", "landlock"), (
+        f"no file isolation here ({'; '.join(isolation.notes)}): install bubblewrap (tools/setup_env.sh does, as "
+        "root) or run on Linux >= 5.13 with Landlock enabled")
+    print(f"\n[sandbox] this node: {isolation.describe()}")

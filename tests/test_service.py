@@ -228,6 +228,16 @@ def test_example_serving_config_and_spec_are_valid(tmp_path):
     assert job.serve_idle_s > 0 and job.tenant_quotas["default"].max_tasks == 2
     spec = yaml.safe_load((root / "configs" / "tasks" / "reverse-bob.yaml").read_text())
     assert check_spec(spec, IntakeRules.from_job(job, tmp_path), [], root / "configs" / "tasks").tenant == "bob"
+    spec = yaml.safe_load((root / "configs" / "tasks" / "sums-carol.yaml").read_text())
+    checked = check_spec(spec, IntakeRules.from_job(job, tmp_path), [], root / "configs" / "tasks")
+    assert checked.dataset.reward_fn == f"{root / 'configs' / 'tasks' / 'sums_reward.py'}:score"
+    from marlaas_hpc.env.tenant_code import check_reward_code
+    from marlaas_hpc.tasks import build_task_data
+
+    check_reward_code(checked.dataset, job.sandbox)  # loads in a sandboxed worker
+    task = build_task_data(checked.dataset, job.sandbox)
+    sample = task.train_sample(0)
+    assert task.reward(sample, sample.answer) == 1.0 and task.reward(sample, "x") == 0.0
 
 
 def test_reward_files_resolve_next_to_the_spec_and_stay_under_allowed_roots(tmp_path):

@@ -8,7 +8,7 @@ inside a bubblewrap namespace where marlaas_hpc is not even visible. Order of `c
    up every capability (bounding, permitted, effective, inheritable, ambient) -- the case of a user
    namespace's root or of an interpreter the sandbox uid cannot read;
 2. rlimits: address space, file size, open files, core dumps, CPU seconds and processes where configured;
-3. Landlock (kernel >= 5.13, ABI probed): reads only beneath cfg["read_paths"] (the interpreter) and the
+3. Landlock (the `landlock` level; ABI probed): reads only beneath cfg["read_paths"] (the interpreter) and the
    files of cfg["read_files"] (the task's data), writes only beneath cfg["write_paths"] (the work dir), no
    execute anywhere; ABI >= 4: no TCP bind/connect; ABI >= 6: no signals to, and no abstract unix sockets
    of, processes outside the sandbox;

@@ -1,28 +1,33 @@
-"""Runs untrusted Python -- model-written code (the python tool) and tenant code (reward functions) -- in a
-confined child process. The parent side: choosing the isolation level, building the command, limits, killing.
+"""Runs untrusted Python -- model-written code (the python tool) and tenant code (reward files) -- in a confined
+child process. This is the parent side: choosing the isolation level, building the command, limits, killing;
+confine.py is what runs inside the child before the untrusted code.
 
-Isolation levels, strongest first. `isolation: auto` takes the first one this node can run (probed once per
-process by starting a real sandbox); naming a level insists on it.
+Isolation levels, strongest first. `isolation: auto` takes the first one this node can run, found once per
+process by starting a real sandbox at each level; naming a level insists on it (SandboxUnavailable if not).
 
-| level      | needs (no root required)                      | what the code sees                                  |
-|------------|-----------------------------------------------|-----------------------------------------------------|
-| `bwrap`    | bubblewrap + user namespaces (as root: none)  | its own mount, pid, net, ipc, uts namespaces: only  |
-|            |                                               | the interpreter (read-only), its work dir, the      |
-|            |                                               | task's data files (read-only), /dev basics, a /proc |
-|            |                                               | of its own processes. Nothing else exists.          |
-| `landlock` | Linux >= 5.13 with Landlock enabled           | the real tree, but the kernel refuses every read    |
-|            |                                               | outside the interpreter, the work dir and the data  |
-|            |                                               | files, every write outside the work dir, TCP; a     |
-|            |                                               | network namespace too where `unshare -n` works      |
-| `rlimits`  | nothing                                       | everything its uid may read: NOT a file boundary.   |
-|            |                                               | Refused for tenant code unless allow_unisolated     |
+| level      | needs (no root required)                    | the code sees / is refused                            |
+|------------|---------------------------------------------|-------------------------------------------------------|
+| `bwrap`    | bubblewrap and unprivileged user namespaces | its own mount, pid, net, ipc and uts namespaces. The  |
+|            | (as root: bubblewrap only)                  | filesystem is the interpreter, the work dir (rw) and  |
+|            |                                             | the task's data files, all else read-only and absent: |
+|            |                                             | no /etc, /home, run dir, other tenants; a /proc of    |
+|            |                                             | its own processes; no network interface.              |
+| `landlock` | Linux >= 5.13 with Landlock enabled         | the real tree, but the kernel refuses reads outside   |
+|            |                                             | the interpreter, work dir and data files, writes      |
+|            |                                             | outside the work dir, execute, TCP (ABI >= 4), signals |
+|            |                                             | and abstract sockets out of the sandbox (ABI >= 6);   |
+|            |                                             | an empty network namespace where `unshare -n` works.  |
+| `rlimits`  | nothing                                     | every file its uid may read or write: NOT a file      |
+|            |                                             | boundary. Refused unless `allow_unisolated`.          |
 
-On every level, inside the child (confine.py): the dedicated unprivileged uid when the job runs as root (one
-per call / worker from `uid_range`; as a normal user the code keeps the job's uid, confined by the layers
-above), no capabilities, a seccomp filter (no new processes, exec, sockets, ptrace, signals to others,
-mounts, namespaces, io_uring, ...), Landlock wherever the kernel has it, rlimits (memory, file size, CPU,
-open files), a wall-clock limit that kills it, no inherited environment or file descriptors, and the Python
-audit hook as a last, non-security layer (`audit_hook`).
+Every level adds, inside the child: the dedicated unprivileged uid when the job runs as root (one per call or
+worker from `uid_range`; at `landlock`/`rlimits` only if that uid can read the interpreter, else uid 0
+stripped of every capability), no capabilities, no_new_privs, a seccomp filter (x86_64, aarch64: no new
+processes, exec, sockets, ptrace, signals to other processes, mounts, namespaces, io_uring, bpf, keyrings),
+rlimits (address space, file size, CPU, open files, processes for a dedicated uid), a wall-clock limit that
+SIGKILLs it (and, for a dedicated uid, every process of that uid), no inherited environment or file
+descriptors, death with its parent, and the Python audit hook as a last, non-security layer (`audit_hook`).
+As a normal user (a Slurm job) the code keeps the job's uid: the namespaces or Landlock are then the boundary.
 """
 from __future__ import annotations
 
