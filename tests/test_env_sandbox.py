@@ -6,7 +6,7 @@ import time
 import pytest
 
 from marlaas_hpc.env import EnvPool, EnvPoolConfig, Observation, ToolBox, ToolEnv, ToolTask
-from marlaas_hpc.env.sandbox import SandboxLimits, run_python
+from marlaas_hpc.env.sandbox import SandboxLimits, node_isolation, run_python
 from marlaas_hpc.env.tools import Python
 from marlaas_hpc.tasks import Sample
 
@@ -24,6 +24,12 @@ ATTACKS = {
     "output_flood": ("while True: print('x' * 4096)", "output_limit"),
     "write_outside": ("open('/tmp/marlaas-sandbox-escape.txt', 'w').write('x')", "blocked"),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def probed():
+    """The node's isolation level is found once per process, by trial runs: not part of any attack's time."""
+    node_isolation(LIMITS)
 
 
 class PythonTask(ToolTask):

@@ -44,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -252,14 +253,10 @@ def _child_config(workdir: Path, limits: SandboxLimits, isolation: Isolation, ui
             "write_paths": [str(workdir)], "device_files": list(DEVICE_FILES), **extra}
 
 
-_CHILD_SOURCE = None
-
-
+@functools.lru_cache(maxsize=1)
 def _child_source() -> str:
-    global _CHILD_SOURCE
-    if _CHILD_SOURCE is None:
-        _CHILD_SOURCE = Path(confine.__file__).read_text() + "\nmain(json.loads(sys.argv[1]))\n"
-    return _CHILD_SOURCE
+    """confine.py's source and its entry call: what `python -I -c` runs in the child."""
+    return Path(confine.__file__).read_text() + "\nmain(json.loads(sys.argv[1]))\n"
 
 
 def _command(workdir: Path, isolation: Isolation, cfg: dict, limits: SandboxLimits) -> list[str]:
@@ -307,12 +304,18 @@ def _child_env(workdir: Path) -> dict[str, str]:
             "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+_launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-launcher")
+"""Starts every sandbox child. The child dies with the *thread* that started it (PR_SET_PDEATHSIG, bwrap's
+--die-with-parent), so that thread must live as long as the process: not an env-pool thread, which may end
+(abandoned after a step timeout) while a worker it started serves another task."""
+
+
 def _popen(workdir: Path, isolation: Isolation, cfg: dict, limits: SandboxLimits, uid: int | None,
            **streams) -> subprocess.Popen:
     if uid is not None:
         os.chown(workdir, uid, uid)
-    return subprocess.Popen(_command(workdir, isolation, cfg, limits), cwd=workdir, env=_child_env(workdir),
-                            start_new_session=True, close_fds=True, **streams)
+    return _launcher.submit(subprocess.Popen, _command(workdir, isolation, cfg, limits), cwd=workdir,
+                            env=_child_env(workdir), start_new_session=True, close_fds=True, **streams).result()
 
 
 def _kill(proc: subprocess.Popen, uid: int | None) -> None:

@@ -46,13 +46,17 @@ class SchedulerRank:
         self.intake = QueueIntake(job, self.run_dir)
 
     # ---- intake ----
-    def submit(self, spec, resume: dict | None = None) -> list:
-        """Admission check of a spec (its data must load); a bad one is refused and never disturbs others."""
+    def submit(self, spec, resume: dict | None = None, check_code: bool = True) -> list:
+        """Admission check of a spec (its data must load); a bad one is refused and never disturbs others.
+        check_code: a sandboxed worker loads its reward file first (config tasks; a queued spec's was checked
+        by `tasks add`, and one written by hand fails its task at first use: a file that hangs while loading
+        must not stall rank 0)."""
         try:
             if spec.base_model not in (None, self.job.model):
                 raise SpecError("base_model", f"{spec.base_model!r} differs from the job's base model {self.job.model!r}")
             self.data[spec.task_id] = build_task_data(spec.dataset, self.job.sandbox)
-            check_reward_code(spec.dataset, self.job.sandbox)  # loads in a sandboxed worker, never here
+            if check_code:
+                check_reward_code(spec.dataset, self.job.sandbox)  # loads in a sandboxed worker, never here
             return self.scheduler.handle(Submit(spec, resume))
         except (SpecError, ValueError) as exc:
             self.rejected[spec.task_id] = str(exc)
@@ -139,7 +143,7 @@ class SchedulerRank:
         taken = self.intake.take(self.scheduler.tasks)
         for entry, spec, reason in taken:
             if spec is not None:
-                self._execute(self.submit(spec))
+                self._execute(self.submit(spec, check_code=False))
                 reason = None if spec.task_id in self.scheduler.tasks else self.rejected.get(spec.task_id)
             else:
                 self._refused_from_queue(entry, reason)
