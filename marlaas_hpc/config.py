@@ -102,7 +102,7 @@ class JobConfig:
 
     def _validate_service(self) -> None:
         if not isinstance(self.serve_idle_s, (int, float)) or isinstance(self.serve_idle_s, bool) \
-                or self.serve_idle_s < 0:
+                or not self.serve_idle_s >= 0:  # NaN fails this too
             raise SpecError("serve_idle_s", f"must be a number of seconds >= 0, got {self.serve_idle_s!r}")
         if not isinstance(self.data_roots, list) or not all(isinstance(r, str) and r for r in self.data_roots):
             raise SpecError("data_roots", f"must be a list of directory paths, got {self.data_roots!r}")

@@ -128,3 +128,14 @@ def test_two_users_add_and_cancel_only_their_own(shared, users):
     allowed = shared["intake"].cancels(tasks)
     assert sorted(allowed) == [("a1", None), ("b1", None), ("lab1", None)], allowed
     assert list((run / "queue" / "cancel").glob("*@*")) == [], "every request was taken"
+
+    # only the job's owner may close the job; a CLOSE marker written by anyone else is ignored
+    proc = marlaas_as(BOB, "tasks", "close", "--run", run)
+    assert proc.returncode == 2 and "only the job's owner" in proc.stderr, proc.stderr
+    write_as(BOB, run / "queue" / "CLOSE", "{}")
+    shared["intake"].next_poll = 0.0
+    assert shared["intake"].due() and not shared["intake"].closed
+    (run / "queue" / "CLOSE").unlink()
+    assert marlaas_as("root", "tasks", "close", "--run", run).returncode == 0
+    shared["intake"].next_poll = 0.0
+    assert shared["intake"].due() and shared["intake"].closed

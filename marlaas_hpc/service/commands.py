@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from marlaas_hpc.service.identity import user_name
 from marlaas_hpc.service.intake import JOB_FILE, IntakeRules, check_spec
 from marlaas_hpc.service.queue import TaskQueue
 from marlaas_hpc.service.quotas import TaskRecord
@@ -56,7 +57,7 @@ def cmd_add(args) -> int:
     run_dir, spec_path = Path(args.run), Path(args.spec)
     if not (run_dir / JOB_FILE).is_file():
         return _fail(f"{run_dir} has no {JOB_FILE}: no job has started there yet (rank 0 writes it at start)")
-    if job_finished(run_dir) or TaskQueue(run_dir).closed():
+    if job_finished(run_dir) or TaskQueue(run_dir).closed(owners={IntakeRules.load(run_dir).owner_uid, 0}):
         return _fail(f"the job of {run_dir} has {'finished' if job_finished(run_dir) else 'been closed'}"
                      "; it takes no more tasks")
     try:
@@ -122,6 +123,9 @@ def cmd_close(args) -> int:
     run_dir = Path(args.run)
     if not (run_dir / JOB_FILE).is_file():
         return _fail(f"{run_dir} has no {JOB_FILE}: not a started run dir")
+    owner = IntakeRules.load(run_dir).owner_uid
+    if os.getuid() not in (owner, 0):
+        return _fail(f"only the job's owner ({user_name(owner)!r}) may close it")
     TaskQueue(run_dir).close()
     print(f"{run_dir}: closed; the job takes no more tasks and ends once its tasks have ended")
     return 0

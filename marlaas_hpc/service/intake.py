@@ -114,7 +114,7 @@ class QueueIntake:
         if now < self.next_poll:
             return False
         self.next_poll = now + self.poll_s
-        self.closed = self.queue.closed()
+        self.closed = self.queue.closed(owners={self.rules.owner_uid, 0})
         return True
 
     def take(self, tasks: dict) -> list[tuple[QueueEntry, TaskSpec | None, str | None]]:

@@ -61,8 +61,16 @@ class TaskQueue:
         atomic_write_text(path, json.dumps({"closed_at": time.time()}))
         return path
 
-    def closed(self) -> bool:
-        return (self.root / "CLOSE").is_file()
+    def closed(self, owners: set[int] | None = None) -> bool:
+        """The stop marker is there (and, with `owners`, was written by one of those uids: nobody else may
+        close the job)."""
+        path = self.root / "CLOSE"
+        if owners is None:
+            return path.is_file()
+        try:
+            return read_owned(path)[1] in owners
+        except OSError:
+            return False
 
     # ---- rank 0 side ----
     def prepare(self) -> None:
