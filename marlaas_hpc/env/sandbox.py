@@ -388,28 +388,29 @@ def _kill_uid(uid: int) -> None:
     """kill(-1) as `uid` SIGKILLs every process of that uid (escapees from the process group too); repeated
     until none is left running, since a process forked during one sweep can miss it."""
     for _ in range(50):
+        if not _running_processes_of(uid):
+            return
         try:
             subprocess.run(["kill", "-9", "-1"], user=uid, group=uid, extra_groups=[], capture_output=True,
                            timeout=10)
         except (OSError, subprocess.SubprocessError):
             return
-        if not _running_processes_of(uid):
-            return
         time.sleep(0.02)
 
 
 def _running_processes_of(uid: int) -> list[int]:
-    """Pids of `uid` that are not zombies (from /proc)."""
+    """Pids of `uid` that are not zombies (from /proc: a stat per process, its status only for that uid's)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            state = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
             continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields.get("Uid", "-1 ").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
+        if state != "Z":
             pids.append(int(entry))
     return pids
 
