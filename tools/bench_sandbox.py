@@ -6,6 +6,7 @@ tenant reward function (worker start, then per call), median and p90 over repeat
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -21,7 +22,8 @@ from marlaas_hpc.tasks.base import Sample  # noqa: E402
 
 def quantiles(values: list[float]) -> str:
     ordered = sorted(values)
-    return f"p50 {statistics.median(ordered) * 1e3:7.1f} ms  p90 {ordered[int(0.9 * (len(ordered) - 1))] * 1e3:7.1f} ms"
+    p90 = ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+    return f"p50 {statistics.median(ordered) * 1e3:7.1f} ms  p90 {p90 * 1e3:7.1f} ms  (n={len(ordered)})"
 
 
 def main() -> None:
