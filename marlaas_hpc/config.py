@@ -8,8 +8,10 @@ from typing import Any
 import yaml
 
 from marlaas_hpc.env.pool import EnvPoolConfig
+from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.launch.layout import JobLayout
 from marlaas_hpc.rollout.vllm_settings import VllmSettings
+from marlaas_hpc.service.identity import TenantOwners, owners_from_dict
 from marlaas_hpc.service.quotas import TenantQuota
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec, check_fields
 
@@ -92,6 +94,14 @@ class JobConfig:
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
     """Per tenant (a 'default' entry applies to the others): max_tasks queued or running at once and
     max_total_steps over the run, checked by `marlaas tasks add` and when rank 0 admits."""
+    tenants: dict[str, TenantOwners] = field(default_factory=dict)
+    """Tenant -> {users: [...], groups: [...]}: the Unix identities that may add and cancel its tasks (the owner
+    of a queue file is checked, service/identity.py). A tenant not named here belongs to the user of that name;
+    the job's owner acts for every tenant."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """How tenant code (dataset.reward_fn files) runs, on env ranks and at intake: isolation level
+    ('auto' | 'bwrap' | 'landlock' | 'rlimits'), allow_unisolated, uid_range (as root), reward_timeout_s,
+    reward_memory_mb (env/tenant_code.py, env/sandbox.py)."""
 
     def validate(self) -> "JobConfig":
         if self.engine not in ENGINES:
@@ -171,7 +181,7 @@ class JobConfig:
 
     def _validate_service(self) -> None:
         if not isinstance(self.serve_idle_s, (int, float)) or isinstance(self.serve_idle_s, bool) \
-                or self.serve_idle_s < 0:
+                or not self.serve_idle_s >= 0:  # NaN fails this too
             raise SpecError("serve_idle_s", f"must be a number of seconds >= 0, got {self.serve_idle_s!r}")
         if not isinstance(self.data_roots, list) or not all(isinstance(r, str) and r for r in self.data_roots):
             raise SpecError("data_roots", f"must be a list of directory paths, got {self.data_roots!r}")
@@ -180,6 +190,10 @@ class JobConfig:
         for tenant, quota in list(self.tenant_quotas.items()):
             if not isinstance(quota, TenantQuota):
                 self.tenant_quotas[tenant] = TenantQuota.from_dict(quota, f"tenant_quotas.{tenant}")
+        self.tenants = owners_from_dict(self.tenants)
+        if not isinstance(self.sandbox, SandboxConfig):
+            self.sandbox = SandboxConfig.from_dict(self.sandbox)
+        self.sandbox.validate()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JobConfig":

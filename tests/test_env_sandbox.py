@@ -6,7 +6,7 @@ import time
 import pytest
 
 from marlaas_hpc.env import EnvPool, EnvPoolConfig, Observation, ToolBox, ToolEnv, ToolTask
-from marlaas_hpc.env.sandbox import SandboxLimits, network_isolation_prefix, run_python
+from marlaas_hpc.env.sandbox import SandboxLimits, node_isolation, run_python
 from marlaas_hpc.env.tools import Python
 from marlaas_hpc.tasks import Sample
 
@@ -24,6 +24,12 @@ ATTACKS = {
     "output_flood": ("while True: print('x' * 4096)", "output_limit"),
     "write_outside": ("open('/tmp/marlaas-sandbox-escape.txt', 'w').write('x')", "blocked"),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def probed():
+    """The node's isolation level is found once per process, by trial runs: not part of any attack's time."""
+    node_isolation(LIMITS)
 
 
 class PythonTask(ToolTask):
@@ -85,7 +91,8 @@ def test_env_pool_keeps_serving_while_attacks_run():
 
 @pytest.mark.skipif(os.getuid() != 0, reason="running each call as its own uid needs root")
 def test_kernel_process_cap_holds_without_the_audit_hook():
-    """With the audit hook off, a fork bomb run as its own uid is capped by RLIMIT_NPROC and fully killed."""
+    """With the audit hook off, a fork bomb run as its own uid gets no process (seccomp; RLIMIT_NPROC behind it)
+    and nothing of it is left running."""
     uid_range = (61500, 61510)
     limits = SandboxLimits(cpu_seconds=1, wall_seconds=2.0, max_processes=8, uid_range=uid_range, audit_hook=False)
     start = time.monotonic()
@@ -97,9 +104,9 @@ def test_kernel_process_cap_holds_without_the_audit_hook():
     assert alive == []
 
 
-@pytest.mark.skipif(not network_isolation_prefix(), reason="kernel refuses network namespaces here")
-def test_network_namespace_holds_without_the_audit_hook():
+def test_network_is_refused_without_the_audit_hook():
+    """No socket at all (seccomp: EPERM), on top of the empty network namespace where the node allows one."""
     code = "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\nexcept OSError as e:\n" \
            "    print(type(e).__name__, e.errno)"
     result = run_python(code, SandboxLimits(audit_hook=False))
-    assert result.ok and result.stdout.startswith("OSError 101"), result  # ENETUNREACH: no interfaces
+    assert result.ok and result.stdout.startswith("PermissionError 1"), result

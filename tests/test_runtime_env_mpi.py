@@ -30,7 +30,7 @@ def job_config():
             _lookup("lookup", 4, tool_latency_s=0.5),
             _lookup("short_turns", 2, {"max_turns": 1}),       # any tool call hits max_turns
             _lookup("short_tokens", 2, {"max_episode_tokens": 12}),  # no observation fits the budget
-            _lookup("nan_reward", 2, reward_fn="nan_reward:reward"),
+            _lookup("nan_reward", 2, reward_fn="nan_reward.py:reward"),  # a file; the fixture makes it absolute
             {"task_id": "add", "tenant": "plain", "total_steps": 3, "max_staleness": 1,
              "dataset": {"kind": "addition", "eval_size": 16}, "lora": {"rank": 8, "alpha": 16},
              "algo": {"group_size": 4, "batch_prompts": 4, "lr": 0.003, "max_new_tokens": 6}},
@@ -41,7 +41,9 @@ def job_config():
 def finished_run(tmp_path_factory, tiny_model_path):
     tmp_path = tmp_path_factory.mktemp("envrun")
     (tmp_path / "nan_reward.py").write_text("def reward(sample, completion):\n    return float('nan')\n")
-    proc, run_dir = run_marlaas(job_config(), tmp_path, extra_path=tmp_path, timeout=400)
+    config = job_config()
+    config["tasks"][3]["dataset"]["reward_fn"] = f"{tmp_path / 'nan_reward.py'}:reward"
+    proc, run_dir = run_marlaas(config, tmp_path, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     timeline = [json.loads(line) for path in sorted((run_dir / "timeline").glob("rank*.jsonl"))

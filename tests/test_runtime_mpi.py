@@ -77,20 +77,28 @@ def test_two_tasks_with_different_bounds_end_to_end(tmp_path, tiny_model_path):
 
 
 def test_failing_reward_fails_its_task_alone(tmp_path):
+    """Reward files (FILE.py:FUNCTION, no PYTHONPATH) run in the env rank's sandboxed workers: one that raises, one
+    that hangs and one that eats memory each fail their own task; the others finish."""
     (tmp_path / "bad_reward.py").write_text(
-        "def reward(sample, completion):\n    raise RuntimeError('verifier crashed on purpose')\n")
+        "def reward(sample, completion):\n    raise RuntimeError('verifier crashed on purpose')\n"
+        "def hang(sample, completion):\n    while True:\n        pass\n"
+        "def hog(sample, completion):\n    hoard = []\n    while True:\n        hoard.append(bytearray(2**26))\n")
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
-    config = small_config()
-    config["tasks"].append({"task_id": "broken", "tenant": "eve", "total_steps": 4,
-                            "dataset": {"kind": "custom", "path": str(data), "reward_fn": "bad_reward:reward",
-                                        "eval_size": 4},
-                            "algo": {"group_size": 4, "batch_prompts": 4, "max_new_tokens": 4}})
-    proc, run_dir = run_marlaas(config, tmp_path, extra_path=tmp_path)
+    config = small_config(sandbox={"reward_timeout_s": 3, "reward_memory_mb": 256})
+    for task_id, function in (("broken", "reward"), ("hangs", "hang"), ("hog", "hog")):
+        config["tasks"].append({"task_id": task_id, "tenant": "eve", "total_steps": 4,
+                                "dataset": {"kind": "custom", "path": str(data),
+                                            "reward_fn": f"{tmp_path / 'bad_reward.py'}:{function}", "eval_size": 4},
+                                "algo": {"group_size": 4, "batch_prompts": 4, "max_new_tokens": 4}})
+    proc, run_dir = run_marlaas(config, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tasks = json.loads((run_dir / "summary.json").read_text())["tasks"]
-    assert tasks["broken"]["status"] == "failed"
+    assert {t: tasks[t]["status"] for t in ("broken", "hangs", "hog")} == dict.fromkeys(("broken", "hangs", "hog"),
+                                                                                         "failed")
     assert "verifier crashed on purpose" in tasks["broken"]["error"]
+    assert "did not return within 3 s" in tasks["hangs"]["error"], tasks["hangs"]["error"]
+    assert "MemoryError" in tasks["hog"]["error"], tasks["hog"]["error"]
     assert tasks["add"]["status"] == tasks["sort"]["status"] == "done"
     assert tasks["add"]["steps_done"] == tasks["sort"]["steps_done"] == 4
 

@@ -62,8 +62,9 @@ def test_data_paths_must_stay_under_allowed_roots(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "ok.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     (tmp_path / "secret.jsonl").write_text('{"prompt": "x", "answer": "y"}\n')
+    (tmp_path / "data" / "m.py").write_text("def f(sample, completion):\n    return 1.0\n")
     os.symlink(tmp_path / "secret.jsonl", tmp_path / "data" / "link.jsonl")
-    custom = {"kind": "custom", "reward_fn": "m:f"}
+    custom = {"kind": "custom", "reward_fn": "m.py:f"}
     spec = check_spec(spec_with(dataset={**custom, "path": "ok.jsonl"}), rules(tmp_path), [], tmp_path / "data")
     assert spec.dataset.path == str(tmp_path / "data" / "ok.jsonl"), "relative paths resolve against the spec's dir"
     for path in ("../secret.jsonl", "link.jsonl", str(tmp_path / "secret.jsonl")):
@@ -227,21 +228,36 @@ def test_example_serving_config_and_spec_are_valid(tmp_path):
     assert job.serve_idle_s > 0 and job.tenant_quotas["default"].max_tasks == 2
     spec = yaml.safe_load((root / "configs" / "tasks" / "reverse-bob.yaml").read_text())
     assert check_spec(spec, IntakeRules.from_job(job, tmp_path), [], root / "configs" / "tasks").tenant == "bob"
+    spec = yaml.safe_load((root / "configs" / "tasks" / "sums-carol.yaml").read_text())
+    checked = check_spec(spec, IntakeRules.from_job(job, tmp_path), [], root / "configs" / "tasks")
+    assert checked.dataset.reward_fn == f"{root / 'configs' / 'tasks' / 'sums_reward.py'}:score"
+    from marlaas_hpc.env.tenant_code import check_reward_code
+    from marlaas_hpc.tasks import build_task_data
+
+    check_reward_code(checked.dataset, job.sandbox)  # loads in a sandboxed worker
+    task = build_task_data(checked.dataset, sandbox=job.sandbox)
+    sample = task.train_sample(0)
+    assert task.reward(sample, sample.answer) == 1.0 and task.reward(sample, "x") == 0.0
 
 
-def test_reward_functions_come_only_from_allowed_roots(tmp_path, monkeypatch):
-    (tmp_path / "data").mkdir()
+def test_reward_files_resolve_next_to_the_spec_and_stay_under_allowed_roots(tmp_path):
+    """FILE.py:FUNCTION is relative to the spec and must lie under the data roots; module names are refused
+    (tenant code is a file, never an installed module), and nothing of it is imported by the check."""
+    (tmp_path / "data" / "sub").mkdir(parents=True)
     (tmp_path / "data" / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    (tmp_path / "data" / "my_reward.py").write_text("def score(sample, completion):\n    return 1.0\n")
+    (tmp_path / "data" / "sub" / "my_reward.py").write_text("raise SystemExit('imported!')\n")
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "their_reward.py").write_text("def score(sample, completion):\n    return 1.0\n")
-    monkeypatch.syspath_prepend(str(tmp_path / "data"))
-    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
-    for name in ("my_reward", "their_reward"):  # another test's module of the same name, already imported
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    custom = {"kind": "custom", "path": str(tmp_path / "data" / "d.jsonl")}
-    assert check_spec(spec_with(dataset={**custom, "reward_fn": "my_reward:score"}), rules(tmp_path), [], tmp_path)
-    for module in ("os:system", "subprocess:call", "their_reward:score", "sys:exit"):
+    os.symlink(tmp_path / "elsewhere" / "their_reward.py", tmp_path / "data" / "link.py")
+    custom = {"kind": "custom", "path": "d.jsonl"}
+    spec = check_spec(spec_with(dataset={**custom, "reward_fn": "sub/my_reward.py:score"}), rules(tmp_path), [],
+                      tmp_path / "data")
+    assert spec.dataset.reward_fn == f"{tmp_path / 'data' / 'sub' / 'my_reward.py'}:score"
+    for value, words in (("os:system", "names a module"), ("subprocess:call", "names a module"),
+                         ("../elsewhere/their_reward.py:score", "allowed data roots"),
+                         ("link.py:score", "allowed data roots"), ("missing.py:score", "not found"),
+                         ("sub/my_reward.py", "not of the form"), ("d.jsonl:score", "tenant code is a file"),
+                         ("sub/my_reward.txt:score", "not a Python file")):
         with pytest.raises(SpecError) as err:
-            check_spec(spec_with(dataset={**custom, "reward_fn": module}), rules(tmp_path), [], tmp_path)
-        assert err.value.field == "dataset.reward_fn" and "allowed data roots" in str(err.value)
+            check_spec(spec_with(dataset={**custom, "reward_fn": value}), rules(tmp_path), [], tmp_path / "data")
+        assert err.value.field == "dataset.reward_fn" and words in str(err.value), (value, str(err.value))

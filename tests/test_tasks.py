@@ -1,5 +1,7 @@
 """Task specs, synthetic tasks, file-backed tasks and their verifiers."""
 import json
+import os
+import sys
 
 import pytest
 
@@ -28,6 +30,22 @@ def _spec(**over):
     (_spec(algo={"lr": "fast"}), "algo.lr"),
     (_spec(dataset={"kind": "gsm8k"}), "dataset.path"),
     (_spec(dataset={"kind": "custom", "path": "x.jsonl"}), "dataset.reward_fn"),
+    # non-finite and out-of-range numbers (YAML `.nan`, `.inf`) name their field at intake
+    (_spec(algo={"lr": float("nan")}), "algo.lr"),
+    (_spec(algo={"lr": float("inf")}), "algo.lr"),
+    (_spec(algo={"temperature": float("nan")}), "algo.temperature"),
+    (_spec(algo={"kl_beta": float("-inf")}), "algo.kl_beta"),
+    (_spec(algo={"grad_clip": float("nan")}), "algo.grad_clip"),
+    (_spec(algo={"clip_eps": 1.5}), "algo.clip_eps"),
+    (_spec(algo={"weight_decay": float("nan")}), "algo.weight_decay"),
+    (_spec(lora={"alpha": float("nan")}), "lora.alpha"),
+    (_spec(lora={"rank": True}), "lora.rank"),
+    (_spec(dataset={"kind": "addition", "tool_latency_s": float("nan")}), "dataset.tool_latency_s"),
+    (_spec(dataset={"kind": "addition", "seed": -1}), "dataset.seed"),
+    (_spec(dataset={"kind": "addition", "eval_size": 10**12}), "dataset.eval_size"),
+    (_spec(total_steps=10**12), "total_steps"),
+    (_spec(priority=2**70), "priority"),
+    (_spec(algo={"group_size": 10**9}), "algo.group_size"),
 ])
 def test_bad_spec_names_field(data, field):
     with pytest.raises(SpecError) as err:
@@ -102,27 +120,46 @@ def test_gsm8k_bad_files_name_file_and_line(tmp_path, content, needle):
     assert err.value.field == "dataset.path" and needle in str(err.value) and "bad.jsonl" in str(err.value)
 
 
-def test_custom_dataset_and_reward_by_import_path(tmp_path, monkeypatch):
+def test_custom_dataset_and_reward_file(tmp_path):
+    """A reward function given as FILE.py:FUNCTION (no PYTHONPATH): never imported here, it runs in a sandboxed
+    worker process and sees the sample's fields; its failures come back as RewardError."""
     (tmp_path / "my_reward.py").write_text(
+        "import os\n"
         "def partial(sample, completion):\n"
+        "    assert os.getpid() != %d, 'runs in its own process'\n"
         "    return sum(a == b for a, b in zip(sample.answer, completion)) / len(sample.answer)\n"
         "def broken(sample, completion):\n    raise ZeroDivisionError('oops')\n"
-        "def nan(sample, completion):\n    return float('nan')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+        "def nan(sample, completion):\n    return float('nan')\n"
+        "def words(sample, completion):\n    return 'high'\n" % os.getpid())
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": "abcd", "level": i}) + "\n" for i in range(6)))
-    task = build_task_data(DatasetSpec(kind="custom", path=str(data), reward_fn="my_reward:partial", eval_size=1))
+    reward = f"{tmp_path / 'my_reward.py'}:partial"
+    task = build_task_data(DatasetSpec(kind="custom", path=str(data), reward_fn=reward, eval_size=1))
+    assert "my_reward" not in sys.modules
     sample = task.train_sample(0)
     assert sample.meta["level"] in range(6)
     assert task.reward(sample, "abzz") == 0.5
-    for name, message in (("broken", "ZeroDivisionError"), ("nan", r"outside \[0, 1\]")):
-        bad = build_task_data(DatasetSpec(kind="custom", path=str(data), reward_fn=f"my_reward:{name}"))
+    for name, message in (("broken", "ZeroDivisionError: oops"), ("nan", r"outside \[0, 1\]"),
+                          ("words", "not a number")):
+        bad = build_task_data(DatasetSpec(kind="custom", path=str(data), reward_fn=reward.replace("partial", name)))
         with pytest.raises(RewardError, match=message):
             bad.reward(sample, "abcd")
-    with pytest.raises(SpecError, match="cannot import") as err:
-        build_task_data(DatasetSpec(kind="custom", path=str(data), reward_fn="my_reward:missing"))
+    missing = build_task_data(DatasetSpec(kind="custom", path=str(data), reward_fn=reward.replace("partial", "x")))
+    with pytest.raises(RewardError, match="has no function 'x'"):
+        missing.reward(sample, "abcd")
+    with pytest.raises(SpecError, match="names a module") as err:
+        build_task_data(DatasetSpec(kind="custom", path=str(data), reward_fn="my_reward:partial"))
     assert err.value.field == "dataset.reward_fn"
 
 
 def test_sample_meta_does_not_affect_equality():
     assert Sample(1, "p", "a", {"x": 1}) == Sample(1, "p", "a", {"x": 2})
+
+
+def test_nan_in_a_yaml_spec_is_refused_naming_the_field():
+    import yaml
+
+    data = yaml.safe_load("task_id: t1\ndataset: {kind: addition}\nalgo: {lr: .nan}\n")
+    with pytest.raises(SpecError) as err:
+        TaskSpec.from_dict(data)
+    assert err.value.field == "algo.lr" and "finite" in str(err.value)

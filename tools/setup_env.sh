@@ -9,6 +9,13 @@ if [ "$(id -u)" = 0 ] && ! command -v mpirun >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         openmpi-bin libopenmpi-dev >/dev/null
 fi
+# bubblewrap: the strongest sandbox level for model-written and tenant code (marlaas_hpc/env/sandbox.py);
+# without it the sandbox falls back to Landlock (Linux >= 5.13), then refuses tenant code.
+if [ "$(id -u)" = 0 ] && ! command -v bwrap >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap (Debian)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        bubblewrap >/dev/null
+fi
 [ -x "$VENV/bin/python" ] || python3.11 -m venv "$VENV"
 PY="$VENV/bin/python"
 # pip with the site's find-links warnings filtered out (pip's own status still decides, via pipefail)

@@ -29,7 +29,7 @@ from marlaas_hpc.env.protocol import Environment, SingleTurnEnv
 from marlaas_hpc.env.tools import (SYNTAXES, Bm25Index, Calculator, Document, Lookup, Search, ToolBox, ToolOutcome,
                                    ToolTask)
 from marlaas_hpc.tasks.base import Sample
-from marlaas_hpc.tasks.files import _FileTask, load_reward_fn, read_jsonl_rows
+from marlaas_hpc.tasks.files import _FileTask, read_jsonl_rows, reward_function
 from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_file_samples
 from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
 
@@ -246,13 +246,14 @@ class LookupTask(ToolTask):
 ENV_TASK_KINDS = ("gsm8k_tool", "gsm8k_plain", "hotpotqa", "lookup")
 
 
-def build_env_task(spec: DatasetSpec, prompt_format: str = "raw") -> ToolTask:
+def build_env_task(spec: DatasetSpec, prompt_format: str = "raw", sandbox=None) -> ToolTask:
     """Builds an env workload; optional spec fields (read if the DatasetSpec has them): corpus, metric,
-    syntax, tool_latency_s, reward_fn (replaces the workload's verifier). `prompt_format` words GSM8K prompts."""
+    syntax, tool_latency_s, reward_fn (replaces the workload's verifier; a tenant file runs sandboxed under
+    `sandbox`, the job's SandboxConfig). `prompt_format` words GSM8K prompts."""
     task = _env_task(spec, prompt_format)
     if getattr(spec, "reward_fn", None):
-        # an instance attribute shadows the method; a module-level function still pickles (process pools)
-        task.score = load_reward_fn(spec.reward_fn)
+        # an instance attribute shadows the method; it pickles (process pools) as the file's source
+        task.score = reward_function(spec, sandbox)
     return task
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from marlaas_hpc.env.pool import EnvPool, EnvPoolConfig, StepOutcome
 from marlaas_hpc.env.protocol import Environment, Final, environment_for, episode_limits, is_multi_turn
+from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupData,
@@ -80,8 +81,10 @@ class _Group:
 
 class EnvRank:
     def __init__(self, comm, codec: TextCodec, trainer_leader: int, run_dir=None,
-                 pool_config: EnvPoolConfig = EnvPoolConfig()):
+                 pool_config: EnvPoolConfig = EnvPoolConfig(), sandbox: SandboxConfig | None = None):
         self.comm, self.codec, self.trainer_leader = comm, codec, trainer_leader
+        self.sandbox = sandbox or SandboxConfig()
+        """How tenant reward files run here (sandboxed workers; env/tenant_code.py)."""
         self.run_dir = run_dir
         self.rank = comm.Get_rank()
         self.tasks: dict = {}
@@ -126,7 +129,8 @@ class EnvRank:
     def _admit(self, command: Admit) -> None:
         spec = command.spec
         self.specs[spec.task_id] = spec
-        self.tasks[spec.task_id] = task = build_task_data(spec.dataset, spec.prompt.format)  # rank 0 checked it
+        # rank 0 already checked it loads; a tenant reward file is only read here, it runs in sandboxed workers
+        self.tasks[spec.task_id] = task = build_task_data(spec.dataset, spec.prompt.format, sandbox=self.sandbox)
         self.codecs[spec.task_id] = self.codec.for_prompt(spec.prompt)
         # rank 0 names an eval prompt by its Sample.index (a file task's line, not its place in the eval split)
         self.eval_samples[spec.task_id] = {sample.index: sample for sample in task.eval_samples()}

@@ -172,7 +172,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     if role.kind == "env":
         from marlaas_hpc.runtime.env_rank import EnvRank
 
-        worker = EnvRank(comm, codec, leader, run_dir=run_dir, pool_config=job.env_pool)
+        worker = EnvRank(comm, codec, leader, run_dir=run_dir, pool_config=job.env_pool, sandbox=job.sandbox)
         comm.Barrier()
         worker.run()
     elif role.kind == "rollout":

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from marlaas_hpc.env.protocol import first_prompt, is_multi_turn
+from marlaas_hpc.env.tenant_code import check_reward_code
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.checkpoint import PreemptFlag, save_job_checkpoint
 from marlaas_hpc.runtime.comm import Outbox, poll
@@ -47,13 +48,18 @@ class SchedulerRank:
         self.intake = QueueIntake(job, self.run_dir)
 
     # ---- intake ----
-    def submit(self, spec, resume: dict | None = None) -> list:
-        """Admission check of a spec (its data must load); a bad one is refused and never disturbs others."""
+    def submit(self, spec, resume: dict | None = None, check_code: bool = True) -> list:
+        """Admission check of a spec (its data must load); a bad one is refused and never disturbs others.
+        check_code: a sandboxed worker loads its reward file first (config tasks; a queued spec's was checked
+        by `tasks add`, and one written by hand fails its task at first use: a file that hangs while loading
+        must not stall rank 0)."""
         try:
             if spec.base_model not in (None, self.job.model):
                 raise SpecError("base_model", f"{spec.base_model!r} differs from the job's base model {self.job.model!r}")
-            self.data[spec.task_id] = build_task_data(spec.dataset, spec.prompt.format)
+            self.data[spec.task_id] = build_task_data(spec.dataset, spec.prompt.format, sandbox=self.job.sandbox)
             self.codecs[spec.task_id] = self._codec_for(spec)
+            if check_code:
+                check_reward_code(spec.dataset, self.job.sandbox)  # loads in a sandboxed worker, never here
             return self.scheduler.handle(Submit(spec, resume))
         except (SpecError, ValueError) as exc:
             self.rejected[spec.task_id] = str(exc)
@@ -147,13 +153,16 @@ class SchedulerRank:
         taken = self.intake.take(self.scheduler.tasks)
         for entry, spec, reason in taken:
             if spec is not None:
-                self._execute(self.submit(spec))
+                self._execute(self.submit(spec, check_code=False))
                 reason = None if spec.task_id in self.scheduler.tasks else self.rejected.get(spec.task_id)
             else:
                 self._refused_from_queue(entry, reason)
             self.intake.settle(entry, reason, self.scheduler.tasks.get(spec.task_id) if spec else None, self.start)
-        cancels = self.intake.cancels()
-        for task_id in cancels:
+        cancels = self.intake.cancels(self.scheduler.tasks)
+        for task_id, refused in cancels:
+            if refused is not None:
+                self.log(f"[intake] cancel of {task_id!r} refused: {refused}")
+                continue
             if task_id not in self.scheduler.tasks:
                 self.log(f"[intake] cancel of unknown task {task_id!r} ignored")
                 continue

@@ -3,11 +3,13 @@ filesystem, so the same commands work for local and Slurm jobs)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import yaml
 
+from marlaas_hpc.service.identity import user_name
 from marlaas_hpc.service.intake import JOB_FILE, IntakeRules, check_spec
 from marlaas_hpc.service.queue import TaskQueue
 from marlaas_hpc.service.quotas import TaskRecord
@@ -55,15 +57,20 @@ def cmd_add(args) -> int:
     run_dir, spec_path = Path(args.run), Path(args.spec)
     if not (run_dir / JOB_FILE).is_file():
         return _fail(f"{run_dir} has no {JOB_FILE}: no job has started there yet (rank 0 writes it at start)")
-    if job_finished(run_dir) or TaskQueue(run_dir).closed():
+    if job_finished(run_dir) or TaskQueue(run_dir).closed(owners={IntakeRules.load(run_dir).owner_uid, 0}):
         return _fail(f"the job of {run_dir} has {'finished' if job_finished(run_dir) else 'been closed'}"
                      "; it takes no more tasks")
     try:
         data = yaml.safe_load(spec_path.read_text())
-        spec = check_spec(data, IntakeRules.load(run_dir), known_tasks(run_dir), base_dir=spec_path.resolve().parent)
+        rules = IntakeRules.load(run_dir)
+        spec = check_spec(data, rules, known_tasks(run_dir), base_dir=spec_path.resolve().parent,
+                          owner_uid=os.getuid())
+        from marlaas_hpc.env.tenant_code import check_reward_code
         from marlaas_hpc.tasks import build_task_data
 
-        build_task_data(spec.dataset)  # a missing or malformed data file is refused now, not later
+        # a missing or malformed data file is refused now, not later
+        build_task_data(spec.dataset, spec.prompt.format, sandbox=rules.sandbox)
+        check_reward_code(spec.dataset, rules.sandbox)  # loaded in a sandboxed worker, never here
     except (OSError, yaml.YAMLError) as exc:
         return _fail(f"cannot read spec {spec_path}: {exc}")
     except (SpecError, ValueError) as exc:
@@ -103,6 +110,11 @@ def cmd_cancel(args) -> int:
         return _fail(f"no task {args.task_id!r} in {run_dir}")
     if known[args.task_id].state in ENDED:
         return _fail(f"task {args.task_id!r} has already ended ({known[args.task_id].state})", 1)
+    if (run_dir / JOB_FILE).is_file():
+        try:
+            IntakeRules.load(run_dir).check_owner(os.getuid(), known[args.task_id].tenant, "cancel tasks of")
+        except SpecError as exc:
+            return _fail(f"cancel of {args.task_id!r} refused: {exc}")
     TaskQueue(run_dir).request_cancel(args.task_id)
     print(f"cancel of {args.task_id!r} requested: it stops at its next step boundary and keeps its last adapter")
     return 0
@@ -112,6 +124,9 @@ def cmd_close(args) -> int:
     run_dir = Path(args.run)
     if not (run_dir / JOB_FILE).is_file():
         return _fail(f"{run_dir} has no {JOB_FILE}: not a started run dir")
+    owner = IntakeRules.load(run_dir).owner_uid
+    if os.getuid() not in (owner, 0):
+        return _fail(f"only the job's owner ({user_name(owner)!r}) may close it")
     TaskQueue(run_dir).close()
     print(f"{run_dir}: closed; the job takes no more tasks and ends once its tasks have ended")
     return 0

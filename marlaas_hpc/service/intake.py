@@ -3,13 +3,16 @@ the queue: taking pending specs and cancel requests, and deciding how long a ser
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.runtime.outputs import atomic_write_text
-from marlaas_hpc.service.isolation import (allowed_roots, check_data_paths, check_reward_module, check_unique_id,
+from marlaas_hpc.service.identity import TenantOwners, check_tenant, owners_from_dict, user_name
+from marlaas_hpc.service.isolation import (allowed_roots, check_data_paths, check_reward_file, check_unique_id,
                                           resolve_data_paths)
 from marlaas_hpc.service.queue import QueueEntry, TaskQueue
 from marlaas_hpc.service.quotas import TaskRecord, TenantQuota, check_quota
@@ -29,12 +32,18 @@ class IntakeRules:
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
     run_dir: str = "."
     serve_idle_s: float = 0.0
+    owner_uid: int = field(default_factory=os.getuid)
+    """The job's owner (the uid running rank 0): may add and cancel tasks of every tenant."""
+    tenants: dict[str, TenantOwners] = field(default_factory=dict)
+    """Tenant -> the Unix users / groups that may act as it (JobConfig.tenants)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """How tenant code is checked at intake (the env ranks run it under the same settings)."""
 
     @classmethod
     def from_job(cls, job, run_dir: str | Path) -> "IntakeRules":
         return cls(model=job.model, max_lora_rank=job.max_lora_rank, data_roots=list(job.data_roots),
                    tenant_quotas=dict(job.tenant_quotas), run_dir=str(Path(run_dir).resolve()),
-                   serve_idle_s=job.serve_idle_s)
+                   serve_idle_s=job.serve_idle_s, tenants=dict(job.tenants), sandbox=job.sandbox)
 
     def save(self) -> None:
         atomic_write_text(Path(self.run_dir) / JOB_FILE, json.dumps(asdict(self), indent=1) + "\n")
@@ -43,17 +52,30 @@ class IntakeRules:
     def load(cls, run_dir: str | Path) -> "IntakeRules":
         data = json.loads((Path(run_dir) / JOB_FILE).read_text())
         quotas = {name: TenantQuota(**quota) for name, quota in data.pop("tenant_quotas").items()}
-        return cls(**data, tenant_quotas=quotas)
+        tenants = owners_from_dict(data.pop("tenants", {}))
+        sandbox = SandboxConfig.from_dict(data.pop("sandbox", {}))
+        return cls(**data, tenant_quotas=quotas, tenants=tenants, sandbox=sandbox)
+
+    def check_owner(self, uid: int, tenant: str, doing: str = "add tasks as") -> None:
+        """SpecError (field `tenant`) unless the Unix user `uid` may act as `tenant`."""
+        check_tenant(uid, tenant, self.tenants, self.owner_uid, doing)
 
 
 def _same_model(a: str, b: str) -> bool:
     return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
 
 
-def check_spec(data: Any, rules: IntakeRules, existing: Iterable[TaskRecord], base_dir: str | Path) -> TaskSpec:
+def check_spec(data: Any, rules: IntakeRules, existing: Iterable[TaskRecord], base_dir: str | Path,
+               owner_uid: int | None = None) -> TaskSpec:
     """The validated spec, its data paths made absolute against base_dir; SpecError (naming the field) if the
-    spec is malformed, names another base model, escapes the data roots, reuses an id or breaks a quota."""
+    spec is malformed, names another base model, escapes the data roots, reuses an id, breaks a quota or
+    (with owner_uid: who submits it) names a tenant that user may not act as. A spec without a tenant is
+    the submitter's own (their user name). Tenant code is only located here, never loaded."""
+    if owner_uid is not None and isinstance(data, dict) and "tenant" not in data:
+        data = {**data, "tenant": user_name(owner_uid)}
     spec = resolve_data_paths(TaskSpec.from_dict(data), base_dir)
+    if owner_uid is not None:
+        rules.check_owner(owner_uid, spec.tenant)
     if spec.base_model is not None and not _same_model(spec.base_model, rules.model):
         raise SpecError("base_model", f"{spec.base_model!r} differs from the job's base model {rules.model!r}")
     if spec.lora.rank > rules.max_lora_rank:
@@ -62,7 +84,7 @@ def check_spec(data: Any, rules: IntakeRules, existing: Iterable[TaskRecord], ba
     check_unique_id(spec, [t.task_id for t in existing])
     roots = allowed_roots(rules.data_roots, rules.run_dir)
     check_data_paths(spec, roots)
-    check_reward_module(spec, roots)
+    check_reward_file(spec, roots)
     check_quota(spec, rules.tenant_quotas, existing)
     return spec
 
@@ -78,8 +100,9 @@ class QueueIntake:
 
     def __init__(self, job, run_dir: str | Path, poll_s: float = 0.5, clock: Callable[[], float] = time.time):
         self.rules = IntakeRules.from_job(job, run_dir)
-        self.rules.save()
         self.queue = TaskQueue(run_dir)
+        self.queue.prepare()
+        self.rules.save()
         (self.queue.root / "CLOSE").unlink(missing_ok=True)  # a previous job's stop marker in a reused run dir
         self.poll_s, self.clock = poll_s, clock
         self.next_poll = 0.0
@@ -91,7 +114,7 @@ class QueueIntake:
         if now < self.next_poll:
             return False
         self.next_poll = now + self.poll_s
-        self.closed = self.queue.closed()
+        self.closed = self.queue.closed(owners={self.rules.owner_uid, 0})
         return True
 
     def take(self, tasks: dict) -> list[tuple[QueueEntry, TaskSpec | None, str | None]]:
@@ -103,7 +126,7 @@ class QueueIntake:
                 continue
             try:
                 out.append((entry, check_spec(entry.data["spec"], self.rules, scheduler_records(tasks),
-                                              self.rules.run_dir), None))
+                                              self.rules.run_dir, owner_uid=entry.owner_uid), None))
             except SpecError as exc:
                 out.append((entry, None, str(exc)))
         if out:
@@ -120,11 +143,23 @@ class QueueIntake:
         if task is not None:
             task.submitted_at = max(float(entry.data.get("added_at", task.submitted_at)), job_start)
 
-    def cancels(self) -> list[str]:
-        requests = self.queue.cancel_requests()
-        for task_id in requests:
-            self.queue.cancel_done(task_id)
-        return requests
+    def cancels(self, tasks: dict) -> list[tuple[str, str | None]]:
+        """(task id, None or why the request is refused) of each cancel request: only the task's owner (a user
+        who may act as its tenant) or the job's owner may cancel it."""
+        out = []
+        for path, task_id, uid in self.queue.cancel_entries():
+            self.queue.cancel_done(path)
+            task = tasks.get(task_id)
+            reason = None
+            if uid is None:
+                reason = "unreadable request file"
+            elif task is not None:
+                try:
+                    self.rules.check_owner(uid, task.spec.tenant, doing="cancel tasks of")
+                except SpecError as exc:
+                    reason = str(exc)
+            out.append((task_id, reason))
+        return out
 
     def keep_serving(self) -> bool:
         """Asked once every task has ended: stay up for more until closed or idle for serve_idle_s."""

@@ -1,5 +1,5 @@
-"""Tenant isolation: a task's names cannot leave tasks/<tenant>/<task_id>/, its data files come only from
-allowed roots, and its id is unique in the run.
+"""Tenant isolation: a task's names cannot leave tasks/<tenant>/<task_id>/, its data files and reward file come
+only from allowed roots, and its id is unique in the run.
 
 TaskSpec.validate already restricts task_id and tenant to safe names (no '/', no '..', no leading dot);
 this module adds what needs the run's context: duplicates (also those differing only in case, which
@@ -16,8 +16,6 @@ PROJECT_FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 """The project's own small data files (GSM8K / HotpotQA / corpus samples): always readable."""
 PATH_FIELDS = ("path", "corpus")
 """DatasetSpec fields that name files."""
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
-"""marlaas_hpc itself: its reward functions are always allowed."""
 
 
 def allowed_roots(data_roots: Iterable[str], run_dir: str | Path) -> list[Path]:
@@ -26,12 +24,18 @@ def allowed_roots(data_roots: Iterable[str], run_dir: str | Path) -> list[Path]:
 
 
 def resolve_data_paths(spec: TaskSpec, base_dir: str | Path) -> TaskSpec:
-    """Makes the spec's relative data paths absolute against base_dir (the spec file's directory): rank 0
-    runs elsewhere, so a queued spec must not depend on the submitter's working directory."""
+    """Makes the spec's relative data paths and reward file absolute against base_dir (the spec file's
+    directory): rank 0 runs elsewhere, so a queued spec must not depend on the submitter's working directory."""
+    from marlaas_hpc.env.tenant_code import is_file_ref, with_path
+
     for name in PATH_FIELDS:
         value = getattr(spec.dataset, name)
         if value:
             setattr(spec.dataset, name, str((Path(base_dir) / Path(value).expanduser()).resolve()))
+    reward = spec.dataset.reward_fn
+    if isinstance(reward, str) and ":" in reward and is_file_ref(reward.rpartition(":")[0]):
+        path = reward.rpartition(":")[0]
+        spec.dataset.reward_fn = with_path(reward, str((Path(base_dir) / Path(path).expanduser()).resolve()))
     return spec
 
 
@@ -55,22 +59,20 @@ def check_unique_id(spec: TaskSpec, existing_ids: Iterable[str]) -> None:
             raise SpecError("task_id", f"task id {spec.task_id!r} {same} in this run")
 
 
-def check_reward_module(spec: TaskSpec, roots: list[Path]) -> None:
-    """A custom reward function runs inside the env ranks: its module must be the tenant's own file under an
-    allowed root (or marlaas_hpc's), not any installed module (`os:system`, ...). A module this process cannot
-    find is left to rank 0, where loading the task's data imports it or refuses the spec."""
-    import importlib.util
+def check_reward_file(spec: TaskSpec, roots: list[Path]) -> None:
+    """A tenant reward function is a readable .py file under an allowed root ('path/to/file.py:function',
+    made absolute by resolve_data_paths); `marlaas_hpc.<module>:<function>` names the project's own code.
+    Only located here: the file is loaded and run in sandboxed workers only (env/tenant_code.py)."""
+    from marlaas_hpc.env.tenant_code import CodeRef
 
     if not spec.dataset.reward_fn:
         return
-    module = spec.dataset.reward_fn.partition(":")[0]
-    try:
-        found = importlib.util.find_spec(module) if module else None
-    except (ImportError, ValueError):
-        found = None
-    if found is None:
+    ref = CodeRef.parse(spec.dataset.reward_fn)
+    if ref.path is None:
         return
-    origin = Path(found.origin).resolve() if found.origin and found.origin not in ("built-in", "frozen") else None
-    if origin is None or not any(root in origin.parents for root in [*roots, PACKAGE_DIR]):
-        raise SpecError("dataset.reward_fn", f"module {module!r} ({found.origin}) is not a file under the job's "
-                                             "allowed data roots (JobConfig.data_roots)")
+    real = Path(ref.path).resolve()
+    if not any(root in real.parents for root in roots):
+        raise SpecError("dataset.reward_fn", f"{ref.path!r} resolves to {str(real)!r}, outside the job's allowed "
+                                             f"data roots {[str(r) for r in roots]} (JobConfig.data_roots)")
+    if not real.is_file():
+        raise SpecError("dataset.reward_fn", f"reward file not found: {ref.path}")

@@ -42,6 +42,8 @@ class TaskData(ABC):
         """Checked reward in [0, 1]; anything else raises RewardError naming the task kind."""
         try:
             value = float(self.score(sample, completion))
+        except RewardError:  # a sandboxed tenant function's own account of what went wrong
+            raise
         except Exception as exc:  # a user reward function may raise anything
             raise RewardError(f"reward function of {self.kind!r} task raised {type(exc).__name__}: {exc}") from exc
         if math.isnan(value) or not 0.0 <= value <= 1.0:

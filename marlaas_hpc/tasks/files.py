@@ -1,7 +1,6 @@
 """File-backed tasks: GSM8K-format JSONL (math-verify reward) and a user's own JSONL + reward function."""
 from __future__ import annotations
 
-import importlib
 import json
 import random
 from pathlib import Path
@@ -80,18 +79,13 @@ class Gsm8kFileTask(Gsm8kTask, _FileTask):
         super().__init__(spec, gsm8k_file_samples(spec, prompt_format))
 
 
-def load_reward_fn(import_path: str, field_name: str = "dataset.reward_fn") -> Callable[[Sample, str], float]:
-    """Imports 'package.module:function'."""
-    module_name, _, func_name = import_path.partition(":")
-    if not module_name or not func_name:
-        raise SpecError(field_name, f"{import_path!r} is not of the form 'module:function'")
-    try:
-        func = getattr(importlib.import_module(module_name), func_name)
-    except (ImportError, AttributeError) as exc:
-        raise SpecError(field_name, f"cannot import {import_path!r}: {exc}") from None
-    if not callable(func):
-        raise SpecError(field_name, f"{import_path!r} is not callable")
-    return func
+def reward_function(spec: DatasetSpec, sandbox=None) -> Callable[[Sample, str], float]:
+    """The spec's reward_fn: a tenant file's function, run only in a sandboxed worker (env/tenant_code.py;
+    `sandbox` is the job's SandboxConfig), or a function of this package."""
+    from marlaas_hpc.env.tenant_code import SandboxConfig, reward_function as make
+
+    limits = (sandbox or SandboxConfig()).reward_limits()
+    return make(spec.reward_fn or "", limits, read_files=(spec.path, getattr(spec, "corpus", None)))
 
 
 class CustomTask(_FileTask):
@@ -99,8 +93,8 @@ class CustomTask(_FileTask):
 
     kind = "custom"
 
-    def __init__(self, spec: DatasetSpec):
-        self._reward_fn = load_reward_fn(spec.reward_fn or "")
+    def __init__(self, spec: DatasetSpec, sandbox=None):
+        self._reward_fn = reward_function(spec, sandbox)
         rows = read_jsonl(spec.path, ("prompt", "answer"))
         samples = [Sample(i, row["prompt"], row["answer"],
                           {k: v for k, v in row.items() if k not in ("prompt", "answer")})

@@ -14,18 +14,20 @@ GSM8K_KINDS = ("gsm8k", "gsm8k_synth", "gsm8k_tool", "gsm8k_plain")
 TASK_KINDS = frozenset(SYNTHETIC_KINDS) | {"gsm8k", "gsm8k_synth", "custom"} | frozenset(ENV_TASK_KINDS)
 
 
-def build_task_data(spec: DatasetSpec, prompt_format: str = "raw") -> TaskData:
+def build_task_data(spec: DatasetSpec, prompt_format: str = "raw", sandbox=None) -> TaskData:
     """Loads a task's data (files are read and checked here, at admission). `prompt_format` (the task's
-    `prompt.format`) words the prompts of kinds that differ by format (GSM8K: 'Q:/A:' raw, instruction chat)."""
+    `prompt.format`) words the prompts of kinds that differ by format (GSM8K: 'Q:/A:' raw, instruction chat).
+    A tenant reward file is read, not imported: it runs only in sandboxed workers, under `sandbox` (the job's
+    SandboxConfig; None: defaults)."""
     spec.validate()
     if spec.kind in GENERATORS:
         return SyntheticTask(spec)
     if spec.kind in ENV_TASK_KINDS:
         from marlaas_hpc.env.workloads import build_env_task  # lazy: env workers stay light
 
-        return build_env_task(spec, prompt_format)
+        return build_env_task(spec, prompt_format, sandbox)
     if spec.kind == "gsm8k":
         return Gsm8kFileTask(spec, prompt_format)
     if spec.kind == "gsm8k_synth":
         return Gsm8kSyntheticTask(spec, prompt_format)
-    return CustomTask(spec)
+    return CustomTask(spec, sandbox)

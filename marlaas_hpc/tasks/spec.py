@@ -6,12 +6,14 @@ reject it with a clear message without touching any running task.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 # HF module names of a Qwen3 decoder layer that a LoRA may target (DESIGN.md §6).
 QWEN3_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_LORA_RANK = 4096
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -47,10 +49,9 @@ class LoraSpec:
     """HF module names (per decoder layer) that get an adapter."""
 
     def validate(self, prefix: str = "lora") -> None:
-        if not isinstance(self.rank, int) or self.rank <= 0:
-            raise SpecError(f"{prefix}.rank", f"must be a positive integer, got {self.rank!r}")
-        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
-            raise SpecError(f"{prefix}.alpha", f"must be > 0, got {self.alpha!r}")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 < self.rank <= MAX_LORA_RANK:
+            raise SpecError(f"{prefix}.rank", f"must be a positive integer <= {MAX_LORA_RANK}, got {self.rank!r}")
+        _real_in(self.alpha, f"{prefix}.alpha", 0.0, None, low_open=True)
         if not self.target_modules:
             raise SpecError(f"{prefix}.target_modules", "must name at least one module")
         unknown = [m for m in self.target_modules if m not in QWEN3_LORA_TARGETS]
@@ -93,19 +94,18 @@ class AlgoSpec:
     observation that does not fit ends the episode with the truncation reward (0.0)."""
 
     def validate(self, prefix: str = "algo") -> None:
-        _int_at_least(self.group_size, 2, f"{prefix}.group_size")
-        _int_at_least(self.max_turns, 1, f"{prefix}.max_turns")
-        _int_at_least(self.max_episode_tokens, 2, f"{prefix}.max_episode_tokens")
-        _int_at_least(self.batch_prompts, 1, f"{prefix}.batch_prompts")
-        _int_at_least(self.max_new_tokens, 1, f"{prefix}.max_new_tokens")
-        for name, lo in (("lr", 0.0), ("temperature", 0.0)):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= lo:
-                raise SpecError(f"{prefix}.{name}", f"must be > {lo}, got {value!r}")
-        for name in ("clip_eps", "kl_beta", "weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise SpecError(f"{prefix}.{name}", f"must be >= 0, got {value!r}")
+        _int_at_least(self.group_size, 2, f"{prefix}.group_size", high=4096)
+        _int_at_least(self.max_turns, 1, f"{prefix}.max_turns", high=1024)
+        _int_at_least(self.max_episode_tokens, 2, f"{prefix}.max_episode_tokens", high=2**24)
+        _int_at_least(self.batch_prompts, 1, f"{prefix}.batch_prompts", high=65536)
+        _int_at_least(self.max_new_tokens, 1, f"{prefix}.max_new_tokens", high=2**20)
+        # NaN passes every comparison test and inf every lower bound: each number is checked finite first
+        _real_in(self.lr, f"{prefix}.lr", 0.0, None, low_open=True)
+        _real_in(self.temperature, f"{prefix}.temperature", 0.0, 100.0, low_open=True)
+        _real_in(self.clip_eps, f"{prefix}.clip_eps", 0.0, 1.0)  # the ratio's lower clip 1 - eps stays >= 0
+        _real_in(self.weight_decay, f"{prefix}.weight_decay", 0.0, 1.0)
+        for name in ("kl_beta", "grad_clip"):
+            _real_in(getattr(self, name), f"{prefix}.{name}", 0.0, None)
 
 
 @dataclass(kw_only=True)
@@ -117,8 +117,9 @@ class DatasetSpec:
     path: str | None = None
     """Data file for file-backed kinds (gsm8k, custom): JSONL, one sample per line."""
     reward_fn: str | None = None
-    """'module:function' computing reward(sample, completion) -> float in [0, 1] (custom kind); for an env
-    workload (gsm8k_tool, gsm8k_plain, hotpotqa, lookup) it replaces the built-in verifier of the final turn."""
+    """'path/to/file.py:function' (relative to the spec; run only in env ranks' sandboxed workers) computing
+    reward(sample, completion) -> float in [0, 1] (custom kind); for an env workload (gsm8k_tool, gsm8k_plain,
+    hotpotqa, lookup) it replaces the built-in verifier of the final turn."""
     seed: int = 0
     """Seed of the train/eval split and of synthetic generation."""
     eval_size: int = 128
@@ -141,7 +142,8 @@ class DatasetSpec:
 
         if self.kind not in TASK_KINDS:
             raise SpecError(f"{prefix}.kind", f"unknown task type {self.kind!r}; known: {sorted(TASK_KINDS)}")
-        _int_at_least(self.eval_size, 1, f"{prefix}.eval_size")
+        _int_at_least(self.eval_size, 1, f"{prefix}.eval_size", high=10**7)
+        _int_at_least(self.seed, 0, f"{prefix}.seed", high=2**63 - 1)
         if self.metric not in (None, "f1", "em"):
             raise SpecError(f"{prefix}.metric", f"must be 'f1' or 'em', got {self.metric!r}")
         if not isinstance(self.tool_latency_s, (int, float)) or not 0 <= self.tool_latency_s <= 60:
@@ -153,7 +155,7 @@ class DatasetSpec:
         if self.kind in ("gsm8k", "custom", "gsm8k_tool", "gsm8k_plain", "hotpotqa") and not self.path:
             raise SpecError(f"{prefix}.path", f"task type {self.kind!r} needs a data file")
         if self.kind == "custom" and not self.reward_fn:
-            raise SpecError(f"{prefix}.reward_fn", "custom tasks name a reward function as 'module:function'")
+            raise SpecError(f"{prefix}.reward_fn", "custom tasks name a reward function as 'path/to/file.py:function'")
 
 
 PROMPT_FORMATS = ("raw", "chat")
@@ -212,10 +214,9 @@ class TaskSpec:
             if not isinstance(value, str) or not _SAFE_NAME.match(value) or ".." in value:
                 raise SpecError(name, f"{value!r} is not a safe name (letters, digits, '_', '-', '.'; "
                                       "no path separators or '..', at most 64 chars)")
-        _int_at_least(self.total_steps, 1, "total_steps")
-        _int_at_least(self.max_staleness, 0, "max_staleness")
-        if not isinstance(self.priority, int):
-            raise SpecError("priority", f"must be an integer, got {self.priority!r}")
+        _int_at_least(self.total_steps, 1, "total_steps", high=10**7)
+        _int_at_least(self.max_staleness, 0, "max_staleness", high=10**6)
+        _int_at_least(self.priority, -2**31, "priority", high=2**31 - 1)
         self.dataset.validate()
         self.prompt.validate()
         self.lora.validate()
@@ -232,9 +233,20 @@ class TaskSpec:
         return dataclasses.asdict(self)
 
 
-def _int_at_least(value: Any, low: int, name: str) -> None:
+def _int_at_least(value: Any, low: int, name: str, high: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise SpecError(name, f"must be an integer >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise SpecError(name, f"must be an integer <= {high}, got {value!r}")
+
+
+def _real_in(value: Any, name: str, low: float, high: float | None, low_open: bool = False) -> None:
+    """A finite number in [low, high] ((low, high] with low_open; no upper bound for high=None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SpecError(name, f"must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        span = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+        raise SpecError(name, f"must be in {span}, got {value!r}")
 
 
 _NESTED = {"dataset": DatasetSpec, "prompt": PromptSpec, "lora": LoraSpec, "algo": AlgoSpec}
