@@ -1,7 +1,7 @@
 """Trainer memory and precision settings on the tied Qwen3-0.6B-like checkpoint (CPU twin of the GPU paths):
-micro-batches by a token budget with gradient accumulation equal one whole-batch pass, activation recompute
-changes nothing, and bf16 base weights keep LoRA weights, optimizer, logprobs and loss in float32 within a
-stated tolerance of the float32 trainer."""
+micro-batches by a token budget with gradient accumulation equal one whole-batch pass, activation recompute and
+skipping the frozen weights' gradients change nothing, and bf16 base weights keep LoRA weights, optimizer,
+logprobs and loss in float32 within a stated tolerance of the float32 trainer."""
 from __future__ import annotations
 
 import random
@@ -46,9 +46,10 @@ def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("variant", ["micro", "recompute"])
+@pytest.mark.parametrize("variant", ["micro", "recompute", "megatron_wgrad"])
 def test_micro_batches_and_recompute_equal_one_whole_batch(records, variant):
-    """A fused step of three tasks keeps each task's token-mean loss whatever the micro-batching."""
+    """A fused step of three tasks keeps each task's token-mean loss whatever the micro-batching; skipping the
+    frozen base weights' gradients (trainer/frozen_base.py) changes no LoRA gradient."""
     whole, other = records["whole"], records[variant]
     for task_id in TASKS:
         for key in ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens"):

@@ -144,9 +144,11 @@ MEMORY_VARIANTS = {
     "micro": {"micro_batch_tokens": 40},
     "recompute": {"micro_batch_tokens": 40, "recompute": True},
     "bf16": {"dtype": "bfloat16"},
+    "megatron_wgrad": {},
 }
 """TrainerConfig variants of one fused step from the same initial adapters (micro-batches of <= 40 padded
-tokens split the 24 trajectories into several passes)."""
+tokens split the 24 trajectories into several passes); 'megatron_wgrad' runs megatron's unpatched linear
+backward (trainer/frozen_base.py skips the frozen weights' gradients)."""
 
 
 def memory_variants_scenario(rank: int, model_path: str, batches: dict[str, list[Trajectory]]) -> dict:
@@ -154,9 +156,13 @@ def memory_variants_scenario(rank: int, model_path: str, batches: dict[str, list
     batch before the step (base weights only differ in bf16)."""
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Linear
+
     out = {}
     for name, kwargs in MEMORY_VARIANTS.items():
         trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, seed=7, **kwargs))
+        if name == "megatron_wgrad":  # megatron's own backward, computing the frozen weights' gradients too
+            Linear.backward = Linear.original_backward
         for task_id, (lora, algo) in TASKS.items():
             trainer.add_task(task_id, lora, algo)
         logprobs = {t: trainer.logprobs(t, batches[t], TASKS[t][1].temperature) for t in TASKS}

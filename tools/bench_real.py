@@ -58,13 +58,15 @@ def _train(rank: int, model_path: str, tp: int, trajectories, lora_rank: int, ou
     trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp))
     trainer.add_task("bench", LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank), AlgoSpec(lr=1e-5))
     built = time.perf_counter()
+    load_rss = _peak_rss_gib()
     metrics = trainer.train_step("bench", trajectories)
     stepped = time.perf_counter()
     export = trainer.export_adapter("bench", Path(out_dir) / "adapter")
     tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
     return {"load_s": built - start, "step_s": stepped - built, "tokens": tokens,
             "tokens_per_s": tokens / (stepped - built), "loss": metrics["loss"], "adapter": str(export),
-            "peak_rss_gib": _peak_rss_gib(), "params": sum(p.numel() for p in trainer.model.parameters())}
+            "peak_rss_gib": _peak_rss_gib(), "load_peak_rss_gib": load_rss,
+            "params": sum(p.numel() for p in trainer.model.parameters())}
 
 
 def rollout_part(args, model_path: str, adapter: str, work_dir: str) -> dict:
@@ -124,7 +126,8 @@ def main() -> int:
           f"{os.cpu_count()} CPU cores, all of them used by each part")
     print(f"trainer  TP={args.tp} fp32, LoRA r{args.lora_rank}, {rows} rows x {args.prompt_tokens}+{args.new_tokens} "
           f"tokens: step {trainer['step_s']:.1f} s = {trainer['tokens_per_s']:.0f} tokens/s "
-          f"(load {trainer['load_s']:.1f} s), peak RSS {trainer['peak_rss_gib']:.2f} GiB")
+          f"(load {trainer['load_s']:.1f} s), peak RSS {trainer['peak_rss_gib']:.2f} GiB "
+          f"({trainer['load_peak_rss_gib']:.2f} GiB after loading)")
     print(f"rollout  vLLM fp32, LoRA r{args.lora_rank}, {rollout['sequences']} sequences x {args.new_tokens} new tokens: "
           f"batch {rollout['batch_s']:.1f} s = {rollout['tokens_per_s']:.1f} generated tokens/s "
           f"(engine start {rollout['start_s']:.1f} s), peak RSS {rollout['peak_rss_gib']:.2f} GiB")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from marlaas_hpc.trainer.cpu_shims import apply_cpu_shims
+from marlaas_hpc.trainer.frozen_base import skip_frozen_weight_grads
 
 
 def default_backend() -> str:
@@ -158,6 +159,7 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     from transformers import AutoConfig
 
     apply_cpu_shims()
+    skip_frozen_weight_grads()
     device = torch.device(device)
     hf_config = AutoConfig.from_pretrained(str(model_path))
     if hf_config.model_type != "qwen3":

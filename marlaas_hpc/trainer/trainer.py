@@ -91,6 +91,19 @@ class _Task:
     version: int = 0
 
 
+def _task_slices(rows: Sequence[str]) -> list[tuple[str, slice]]:
+    """(task, its rows) of a micro-batch whose rows are grouped by task (`_micro_batches` keeps them so)."""
+    out: list[tuple[str, slice]] = []
+    for i, task_id in enumerate(rows):
+        if out and out[-1][0] == task_id:
+            out[-1] = (task_id, slice(out[-1][1].start, i + 1))
+        else:
+            if any(task_id == t for t, _ in out):
+                raise ValueError(f"rows of task {task_id!r} are not contiguous in the micro-batch")
+            out.append((task_id, slice(i, i + 1)))
+    return out
+
+
 def _scale(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
@@ -213,7 +226,7 @@ class MultiLoraTrainer:
                 current.append(index)
             else:
                 batches.append([index])
-        return batches
+        return [sorted(batch) for batch in batches]  # items come grouped by task: keep each task's rows together
 
     @staticmethod
     def _length(traj: Trajectory) -> int:
@@ -312,17 +325,16 @@ class MultiLoraTrainer:
         """Sum over the micro-batch's tasks of (task loss x its share of the task's trained tokens)."""
         vp = self._forward(batch["ids"])[:, :-1]
         total_loss = None
-        for task_id in dict.fromkeys(rows):
+        for task_id, rows_of_task in _task_slices(rows):  # views: no copy of the (vocab-wide) logits per task
             algo = self.tasks[task_id].algo
-            idx = torch.tensor([i for i, t in enumerate(rows) if t == task_id], device=self.device)
-            mask, behaviour = batch["mask"][idx], batch["behaviour"][idx]
+            mask, behaviour = batch["mask"][rows_of_task], batch["behaviour"][rows_of_task]
             n_tokens = float(mask.sum())
             if n_tokens == 0:
                 continue
-            logp = self._token_logprobs(vp.index_select(0, idx), batch["labels"][idx], algo.temperature)
-            base = base_logp[algo.temperature][idx] if algo.kl_beta > 0 else None
-            loss, mb_stats = grpo_loss(logp, behaviour, batch["advantages"][idx], mask, clip_eps=algo.clip_eps,
-                                       kl_beta=algo.kl_beta, base_logp=base)
+            logp = self._token_logprobs(vp[rows_of_task], batch["labels"][rows_of_task], algo.temperature)
+            base = base_logp[algo.temperature][rows_of_task] if algo.kl_beta > 0 else None
+            loss, mb_stats = grpo_loss(logp, behaviour, batch["advantages"][rows_of_task], mask,
+                                       clip_eps=algo.clip_eps, kl_beta=algo.kl_beta, base_logp=base)
             weight = n_tokens / totals[task_id]
             total_loss = loss * weight if total_loss is None else total_loss + loss * weight
             acc = stats[task_id]
