@@ -38,9 +38,9 @@ class JobConfig:
     rollout_slots: int = 4
     """Prompt groups one rollout rank generates concurrently (its continuous batch, in groups)."""
     trainer_slots: int = 4
-    """Train orders of different tasks the trainer may fuse into one step (shared base forward/backward)."""
+    """Train orders of different tasks each trainer group may fuse into one step (shared base forward/backward)."""
     layout: JobLayout = field(default_factory=JobLayout)
-    """Ranks per role (env, rollout, trainer TP x DP) and, under Slurm, each component's resources."""
+    """Ranks per role (env, rollout, trainer groups x DP x TP) and, under Slurm, each component's resources."""
     env_pool: EnvPoolConfig = field(default_factory=EnvPoolConfig)
     """Each env rank's worker pool: mode 'thread' | 'process' | 'inline', workers (concurrent env steps),
     step_timeout_s (per env-step limit; a step past it fails its task)."""
@@ -72,9 +72,6 @@ class JobConfig:
             self.env_pool.validate()
         except ValueError as exc:
             raise SpecError(str(exc).split()[0], str(exc).split(" ", 1)[1]) from None
-        if self.layout.trainer_dp != 1:
-            raise SpecError("layout.trainer_dp", "data-parallel trainer replicas are not implemented yet; "
-                                                 "use trainer_dp: 1 (scale with trainer_tp)")
         if self.model != "tiny" and not Path(self.model, "config.json").is_file():
             raise SpecError("model", f"{self.model!r} is neither 'tiny' nor an HF checkpoint dir with config.json")
         seen: set[str] = set()

@@ -17,7 +17,7 @@ from marlaas_hpc.launch.sbatch import check_partitions, component_options, rende
 from marlaas_hpc.launch.submitit_hetjob import HetJobExecutor, HetJobInfoWatcher, fold_states
 
 GOLDEN = Path(__file__).parent / "golden"
-LAYOUTS = ["cpu_small", "gpu_tp4"]
+LAYOUTS = ["cpu_small", "gpu_tp4", "gpu_groups2"]
 COMMAND = ("python -m marlaas_hpc.runtime.main /scratch/marlaas/job.yaml --run-dir /scratch/marlaas/runs/demo "
            "--auto-resume")
 FOLDER = "/scratch/marlaas/runs/demo"
