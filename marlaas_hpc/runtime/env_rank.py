@@ -38,7 +38,7 @@ from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupData,
                                           GroupEnded, RankStats, ScoredGroup, Shutdown)
-from marlaas_hpc.scheduler import Admit, Generated, Scored, TaskFailed
+from marlaas_hpc.scheduler import Admit, Generated, Move, Scored, TaskFailed
 from marlaas_hpc.tasks import build_task_data
 from marlaas_hpc.trainer.grpo import assign_advantages
 from marlaas_hpc.trajectory import Trajectory
@@ -78,8 +78,12 @@ class _Group:
 
 class EnvRank:
     def __init__(self, comm, codec: TextCodec, trainer_leader: int, run_dir=None,
-                 pool_config: EnvPoolConfig = EnvPoolConfig()):
+                 pool_config: EnvPoolConfig = EnvPoolConfig(), group_leaders: list[int] | None = None):
         self.comm, self.codec, self.trainer_leader = comm, codec, trainer_leader
+        self.group_leaders = group_leaders or [trainer_leader]
+        """World rank of each trainer group's leader (layout.trainer_groups)."""
+        self.trainer_of: dict[str, int] = {}
+        """Task -> the leader of the trainer group that owns it (Admit, Move): its scored groups go there."""
         self.run_dir = run_dir
         self.rank = comm.Get_rank()
         self.tasks: dict = {}
@@ -103,6 +107,8 @@ class EnvRank:
                 break
             if isinstance(command, Admit):
                 self._admit(command)
+            elif isinstance(command, Move):  # groups scored from now on go to the new owner (the old one forwards)
+                self.trainer_of[command.task_id] = self.group_leaders[command.to_group]
             data, source = poll(self.comm, TAG_DATA)
             if isinstance(data, GroupData):
                 if data.task_id not in self.tasks:
@@ -122,6 +128,7 @@ class EnvRank:
     def _admit(self, command: Admit) -> None:
         spec = command.spec
         self.specs[spec.task_id] = spec
+        self.trainer_of[spec.task_id] = self.group_leaders[command.trainer_group]
         self.tasks[spec.task_id] = task = build_task_data(spec.dataset)  # rank 0 already checked it loads
         # rank 0 names an eval prompt by its Sample.index (a file task's line, not its place in the eval split)
         self.eval_samples[spec.task_id] = {sample.index: sample for sample in task.eval_samples()}
@@ -252,7 +259,7 @@ class EnvRank:
         for trajectory in trajectories:
             trajectory.check()
         assign_advantages(trajectories, self.specs[first.task_id].algo.normalize_adv_std)
-        self.outbox.send(ScoredGroup(first.group_id, trajectories), self.trainer_leader, TAG_DATA)
+        self.outbox.send(ScoredGroup(first.group_id, trajectories), self.trainer_of[first.task_id], TAG_DATA)
         if group.multi_turn:  # same channel as Scored, so rank 0 sees the group generated before scored
             self.outbox.send(Generated(group.rollout_rank, (first.group_id,), (first.version,)), 0, TAG_EVENT)
         self.outbox.send(Scored(first.group_id, sum(rewards) / len(rewards)), 0, TAG_EVENT)
