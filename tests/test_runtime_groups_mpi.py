@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_runtime_mpi import run_marlaas
+from test_runtime_mpi import ROOT, run_marlaas
 from test_runtime_resume import _marlaas, _preempt_after
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -31,13 +31,9 @@ def _task(task_id, tenant, kind, steps, k, batch=4, tokens=6, rank=8):
 
 
 def groups_config():
-    # estimated tokens per step: big 8 prompts x 4 samples x 8 tokens = 256, the others 4 x 4 x 6 = 96 each.
-    # Least loaded first: big -> group 0 (256); add -> 1 (96); count -> 1 (192 < 256); rev -> 1 (192 < 256)
-    return {"model": "tiny", "engine": "hf", "mode": "async", "rollout_slots": 6,
-            "layout": {"env_ranks": 1, "rollout_ranks": 1, "trainer_tp": 1, "trainer_groups": 2},
-            "tasks": [_task("big", "alice", "sort", 2, 1, batch=8, tokens=8),
-                      _task("add", "bob", "addition", 6, 0), _task("count", "bob", "count", 6, 0, rank=4),
-                      _task("rev", "carol", "reverse", 6, 0, rank=4)]}
+    """configs/groups-demo.yaml. Estimated tokens per step: big 8 prompts x 4 samples x 8 tokens = 256, the others
+    4 x 4 x 6 = 96 each. Least loaded first: big -> group 0; add -> 1 (96); count -> 1 (192 < 256); rev -> 1."""
+    return yaml.safe_load((ROOT / "configs" / "groups-demo.yaml").read_text())
 
 
 def _load(run_dir: Path, config: dict):
