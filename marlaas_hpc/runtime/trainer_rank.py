@@ -155,7 +155,10 @@ class TrainerRank:
                 write_timeline(self.run_dir, self.rank, "trainer", self.clock)
                 self.outbox.flush()
                 break
-            tasks = [order.task_id for order, _ in op.payload] if op.kind == "train" else [op.task_id] * bool(op.task_id)
+            if op.kind == "train":
+                tasks = [order.task_id for order, _ in op.payload]
+            else:
+                tasks = [op.task_id] if op.task_id else []
             with self.clock.track(op.kind, tasks):
                 try:
                     self.execute(op)
@@ -180,8 +183,8 @@ class TrainerRank:
             for scored in data:
                 if scored.group_id in self.discarded:
                     self.discarded.discard(scored.group_id)
-                elif self.moved_to and self._owner_elsewhere(scored) is not None:
-                    self.outbox.send(scored, self._owner_elsewhere(scored), TAG_DATA)
+                elif self.moved_to and (owner := self._owner_elsewhere(scored)) is not None:
+                    self.outbox.send(scored, owner, TAG_DATA)
                 else:
                     self.buffer[scored.group_id] = scored.trajectories
             ran = self._run_ready_orders()

@@ -370,7 +370,8 @@ class TrainerSim:
         data buffered for it to the target group, which then answers Moved."""
         now = self.sim.queue.now
         net = self.sim.workload.network
-        end = now + 3 * net.adapter_bytes_per_rank * self.sim.task_spec(move.task_id).lora.rank / net.delta_bandwidth
+        state_bytes = 3 * net.adapter_bytes_per_rank * self.sim.task_spec(move.task_id).lora.rank
+        end = now + state_bytes / net.delta_bandwidth
         buffered = {g: entry for g, entry in self.arrived.items() if entry[0] == move.task_id}
         for group_id in buffered:
             del self.arrived[group_id]
