@@ -50,11 +50,16 @@ class Placement:
         """The least-loaded group (ties: the lowest index) takes the task."""
         if task_id in self.owner:
             raise ValueError(f"task {task_id!r} is already placed on trainer group {self.owner[task_id]}")
-        group = min(range(self.groups), key=self.load.__getitem__)
+        group = self.least_loaded()
         self.owner[task_id], self.cost[task_id] = group, float(tokens_per_step)
         self.load[group] += self.cost[task_id]
         self.tasks[group] += 1
         return group
+
+    def least_loaded(self) -> int:
+        """The group with the least load (ties: the lowest index)."""
+        load = self.load
+        return load.index(min(load))  # two C-level scans: the scheduler asks at every step boundary
 
     def observe(self, task_id: str, step_tokens: float) -> None:
         """A step of the task trained `step_tokens` tokens: its cost becomes the mean of its measured steps."""
@@ -68,7 +73,7 @@ class Placement:
     def move_target(self, task_id: str) -> int | None:
         """The group the task should move to now (at its step boundary), or None."""
         source = self.owner[task_id]
-        target = min(range(self.groups), key=self.load.__getitem__)
+        target = self.least_loaded()
         if target == source:
             return None
         cost = self.cost[task_id]
