@@ -70,10 +70,10 @@ class JobConfig:
     rollout_slots: int = 4
     """Prompt groups one rollout rank generates concurrently (its continuous batch, in groups)."""
     trainer_slots: int = 4
-    """Train orders of different tasks the trainer may fuse into one step (shared base forward/backward)."""
+    """Train orders of different tasks each trainer group may fuse into one step (shared base forward/backward)."""
     layout: JobLayout = field(default_factory=JobLayout)
-    """Ranks per role (env, rollout, trainer TP x DP), their devices (accelerator, share_gpus) and, under Slurm,
-    each component's resources."""
+    """Ranks per role (env, rollout, trainer groups x DP x TP), their devices (accelerator, share_gpus) and, under
+    Slurm, each component's resources."""
     vllm: VllmSettings = field(default_factory=VllmSettings)
     """The vLLM engine of every rollout rank (engine: vllm): dtype, gpu_memory_utilization, max_model_len,
     enforce_eager, tensor_parallel_size, max_num_seqs, max_loras, max_cpu_loras, enable_prefix_caching,
@@ -120,9 +120,6 @@ class JobConfig:
             self.env_pool.validate()
         except ValueError as exc:
             raise SpecError(str(exc).split()[0], str(exc).split(" ", 1)[1]) from None
-        if self.layout.trainer_dp != 1:
-            raise SpecError("layout.trainer_dp", "data-parallel trainer replicas are not implemented yet; "
-                                                 "use trainer_dp: 1 (scale with trainer_tp)")
         self._validate_model_name()
         self._validate_engine()
         seen: set[str] = set()

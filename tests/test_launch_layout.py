@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from marlaas_hpc.launch.layout import (COMPONENTS, ComponentResources, JobLayout, LayoutError, assign_role,
-                                       parse_slurm_time, ranks_of, require_world_size, world_size_matches)
+                                       parse_slurm_time, ranks_of, require_world_size, trainer_group_ranks,
+                                       world_size_matches)
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -30,6 +31,20 @@ def test_assign_role_orders_control_env_rollout_trainer():
     assert list(ranks_of("scheduler", layout)) == [0]
 
 
+def test_trainer_groups_are_consecutive_blocks_of_dp_times_tp_ranks():
+    layout = JobLayout(env_ranks=1, rollout_ranks=1, trainer_tp=2, trainer_dp=2, trainer_groups=3).validate()
+    assert layout.trainer_ranks == 12 and layout.world_size == 15 and layout.component_sizes[3] == 12
+    groups = trainer_group_ranks(layout)
+    assert groups == [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]]
+    for g, ranks in enumerate(groups):
+        roles = [assign_role(r, layout) for r in ranks]
+        assert {r.group for r in roles} == {g}
+        # position j is the same (tp, dp) in every group: a task's state moves position to position
+        assert [(r.tp_rank, r.dp_rank) for r in roles] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert assign_role(0, layout).group is None
+    assert trainer_group_ranks(JobLayout()) == [[3]]
+
+
 @pytest.mark.parametrize("rank", [-1, 4, "0", None])
 def test_assign_role_refuses_ranks_outside_the_world(rank):
     with pytest.raises(ValueError, match="outside the world of 4"):
@@ -37,16 +52,18 @@ def test_assign_role_refuses_ranks_outside_the_world(rank):
 
 
 @settings(max_examples=60, deadline=None)
-@given(env=st.integers(1, 9), rollout=st.integers(1, 9), tp=st.integers(1, 8), dp=st.integers(1, 4))
-def test_roles_partition_the_world(env, rollout, tp, dp):
-    layout = JobLayout(env_ranks=env, rollout_ranks=rollout, trainer_tp=tp, trainer_dp=dp).validate()
+@given(env=st.integers(1, 9), rollout=st.integers(1, 9), tp=st.integers(1, 8), dp=st.integers(1, 4),
+       groups=st.integers(1, 3))
+def test_roles_partition_the_world(env, rollout, tp, dp, groups):
+    layout = JobLayout(env_ranks=env, rollout_ranks=rollout, trainer_tp=tp, trainer_dp=dp,
+                       trainer_groups=groups).validate()
     roles = [assign_role(r, layout) for r in range(layout.world_size)]
     for kind, want in zip(("scheduler", "env", "rollout", "trainer"), layout.component_sizes):
         indices = [r.index for r in roles if r.kind == kind]
         assert indices == list(range(want))
         assert [assign_role(r, layout).kind for r in ranks_of(kind, layout)] == [kind] * want
-    grid = {(r.tp_rank, r.dp_rank) for r in roles if r.kind == "trainer"}
-    assert grid == {(t, d) for t in range(tp) for d in range(dp)}
+    grid = [(r.group, r.tp_rank, r.dp_rank) for r in roles if r.kind == "trainer"]
+    assert sorted(grid) == sorted((g, t, d) for g in range(groups) for t in range(tp) for d in range(dp))
     assert [r.component for r in roles] == sorted(r.component for r in roles)
 
 
@@ -58,6 +75,9 @@ def test_roles_partition_the_world(env, rollout, tp, dp):
     ({"trainer": ComponentResources(ntasks=0)}, "trainer.ntasks", "at least one task"),
     ({"trainer_tp": 4, "trainer": ComponentResources(ntasks=6)}, "trainer.ntasks", "not a multiple of trainer_tp=4"),
     ({"trainer_tp": 2, "trainer": ComponentResources(ntasks=4)}, "trainer.ntasks", "must be 2"),
+    ({"trainer_groups": 0}, "trainer_groups", ">= 1"),
+    ({"trainer_tp": 2, "trainer_groups": 2, "trainer": ComponentResources(ntasks=2)}, "trainer.ntasks",
+     "must be 4 .trainer_groups . trainer_dp . trainer_tp = 2 . 1 . 2"),
     ({"control": ComponentResources(ntasks=2)}, "control.ntasks", "scheduler"),
     ({"env_ranks": 3, "env": ComponentResources(ntasks=2)}, "env.ntasks", "env_ranks=3"),
     ({"control": ComponentResources(gpus_per_task=1)}, "control.gpus_per_task", "CPU-only"),

@@ -19,7 +19,7 @@ from marlaas_hpc.launch.submitit_hetjob import HetJobExecutor, HetJobInfoWatcher
 GOLDEN = Path(__file__).parent / "golden"
 SHIPPED = {"qwen3_0.6b": Path(__file__).parents[1] / "configs" / "qwen3-0.6b-gsm8k.yaml"}
 """Shipped job configs whose layouts are golden-tested too (loaded as `marlaas sbatch` loads them)."""
-LAYOUTS = ["cpu_small", "gpu_tp4", *SHIPPED]
+LAYOUTS = ["cpu_small", "gpu_tp4", "gpu_groups2", *SHIPPED]
 COMMAND = ("python -m marlaas_hpc.runtime.main /scratch/marlaas/job.yaml --run-dir /scratch/marlaas/runs/demo "
            "--auto-resume")
 FOLDER = "/scratch/marlaas/runs/demo"

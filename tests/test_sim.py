@@ -114,13 +114,13 @@ def test_every_task_finishes_within_bound(mode):
 
 
 def test_staleness_bound_holds_at_1024_tasks():
-    """1024 tasks with bounds 0..3 over 64 rollout ranks and 8 trainer replicas: every trained group's
+    """1024 tasks with bounds 0..3 over 64 rollout ranks and 8 trainer groups: every trained group's
     behaviour version is >= trained_from - k (the runtime's audit), and off-policy groups do occur."""
     job = small_job()
     tasks = [dataclasses.replace(t, max_staleness=i % 4, total_steps=2)
              for i, t in enumerate(copies_to(job.tasks, 1024))]
     setup = setup_from_job(job, tasks=tasks, max_active_tasks=1024, rollout_ranks=64, env_ranks=8,
-                           trainer_replicas=8, trainer_slots=32)
+                           trainer_groups=8, trainer_slots=4)
     sim = Simulation(setup, load_workload(ROOT / "configs/workloads/tiny-cpu.yaml"), seed=3, trace=False)
     outcome = sim.run()
     assert list(outcome.ended.values()).count("done") == 1024
@@ -226,9 +226,10 @@ def test_scaling_study_quick_writes_csv_and_plots(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = list(csv.DictReader(open(tmp_path / "scaling.csv")))
     assert {r["mode"] for r in rows} == set(MODES) and {r["sweep"] for r in rows} == {"paper", "tasks", "gpus",
-                                                                                      "staleness"}
+                                                                                      "staleness", "groups"}
     assert all(float(r["e2e_s"]) > 0 for r in rows)
-    assert len(list(tmp_path.glob("scaling_*.png"))) == 4
+    assert {int(r["trainer_groups"]) for r in rows if r["sweep"] == "groups"} == {1, 2}
+    assert len(list(tmp_path.glob("scaling_*.png"))) == 5
 
 
 def test_static_batching_engine_runs_whole_batches():

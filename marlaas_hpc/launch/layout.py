@@ -2,10 +2,15 @@
 
 World (one MPI_COMM_WORLD, DESIGN.md §2), components in this order::
 
-    rank 0                       | 1 .. E          | E+1 .. E+R       | E+R+1 .. E+R+TP*DP
-    control (scheduler + intake) | env (CPU)       | rollout (GPU)    | trainer (GPU), TP-major:
-    het group 0                  | het group 1     | het group 2      |   trainer i -> tp_rank i % TP, dp_rank i // TP
+    rank 0                       | 1 .. E          | E+1 .. E+R       | E+R+1 .. E+R+G*DP*TP
+    control (scheduler + intake) | env (CPU)       | rollout (GPU)    | trainer (GPU): G groups of DP*TP ranks,
+    het group 0                  | het group 1     | het group 2      |   TP-major inside a group: trainer i ->
+                                                                      |   group i // (DP*TP), j = i % (DP*TP),
+                                                                      |   tp_rank j % TP, dp_rank j // TP
                                                                       | het group 3
+
+A trainer group (DP x TP ranks, its own torch.distributed world) owns a set of tasks; groups never exchange
+gradients. With G = 1 (the default) the trainer component is one group, as before.
 
 `assign_role(rank, layout)` is pure; the same function is used under `mpirun -np N` (local mode) and
 under `srun --het-group=0-3` (Slurm), where the component of a rank can also be read from the Slurm
@@ -70,7 +75,7 @@ class ComponentResources:
     """Nodes of this component (het components never share a node)."""
     ntasks: int | None = None
     """MPI ranks of this component. None: derived from the layout (control 1, env `env_ranks`, rollout
-    `rollout_ranks`, trainer `trainer_tp * trainer_dp`); when given it must equal that number."""
+    `rollout_ranks`, trainer `trainer_groups * trainer_dp * trainer_tp`); when given it must equal that number."""
     cpus_per_task: int = 1
     """CPU cores per rank (--cpus-per-task)."""
     gpus_per_task: int = 0
@@ -132,7 +137,12 @@ class JobLayout:
     trainer_tp: int = 1
     """Tensor-parallel size of the trainer (a TP group should sit inside one node)."""
     trainer_dp: int = 1
-    """Data-parallel replicas of the trainer; trainer ranks = trainer_tp * trainer_dp."""
+    """Data-parallel replicas inside each trainer group: a task's batch is split over them and its LoRA
+    gradients are all-reduced over the DP group."""
+    trainer_groups: int = 1
+    """Independent trainer groups (each trainer_dp x trainer_tp ranks, its own megatron world). Every task is
+    owned by one group (its adapter shards and optimizer live there); the scheduler places each new task on
+    the least-loaded group by tokens per step. Trainer ranks = trainer_groups * trainer_dp * trainer_tp."""
     control: ComponentResources = field(default_factory=ComponentResources)
     """Het group 0: rank 0 (scheduler + intake), exactly one task, CPU only."""
     env: ComponentResources = field(default_factory=ComponentResources)
@@ -172,8 +182,13 @@ class JobLayout:
 
     # -- derived ----------------------------------------------------------------------------------------
     @property
-    def trainer_ranks(self) -> int:
+    def trainer_group_size(self) -> int:
+        """Ranks of one trainer group: DP x TP."""
         return self.trainer_tp * self.trainer_dp
+
+    @property
+    def trainer_ranks(self) -> int:
+        return self.trainer_groups * self.trainer_group_size
 
     @property
     def component_sizes(self) -> tuple[int, int, int, int]:
@@ -210,6 +225,7 @@ class JobLayout:
         _int_at_least(self.rollout_ranks, 1, "rollout_ranks", "a job needs at least one rollout rank to generate")
         _int_at_least(self.trainer_tp, 1, "trainer_tp")
         _int_at_least(self.trainer_dp, 1, "trainer_dp")
+        _int_at_least(self.trainer_groups, 1, "trainer_groups")
         for name, expected in zip(COMPONENTS, self.component_sizes):
             self._validate_component(name, expected)
         try:
@@ -250,7 +266,8 @@ class JobLayout:
         if ntasks != expected:
             why = {"control": "rank 0 alone runs the scheduler",
                    "env": f"env_ranks={self.env_ranks}", "rollout": f"rollout_ranks={self.rollout_ranks}",
-                   "trainer": f"trainer_tp * trainer_dp = {self.trainer_tp} * {self.trainer_dp}"}[name]
+                   "trainer": f"trainer_groups * trainer_dp * trainer_tp = {self.trainer_groups} * "
+                              f"{self.trainer_dp} * {self.trainer_tp}"}[name]
             raise LayoutError(f"{name}.ntasks", f"is {ntasks} but must be {expected} ({why}); leave it unset "
                                                 "to derive it")
         if res.nodes > ntasks:
@@ -292,7 +309,9 @@ class Role:
     tp_rank: int | None = None
     """Trainers only: rank inside the TP group (TP groups are consecutive world ranks)."""
     dp_rank: int | None = None
-    """Trainers only: which data-parallel replica."""
+    """Trainers only: which data-parallel replica inside its trainer group."""
+    group: int | None = None
+    """Trainers only: which trainer group (its own torch.distributed world of DP x TP ranks)."""
 
 
 def assign_role(rank: int, layout: JobLayout) -> Role:
@@ -304,8 +323,9 @@ def assign_role(rank: int, layout: JobLayout) -> Role:
         if rank < start + size:
             index = rank - start
             if ROLE_KINDS[component] == "trainer":
-                return Role(kind="trainer", index=index, component=component,
-                            tp_rank=index % layout.trainer_tp, dp_rank=index // layout.trainer_tp)
+                group, inside = divmod(index, layout.trainer_group_size)
+                return Role(kind="trainer", index=index, component=component, tp_rank=inside % layout.trainer_tp,
+                            dp_rank=inside // layout.trainer_tp, group=group)
             return Role(kind=ROLE_KINDS[component], index=index, component=component)
         start += size
     raise AssertionError("unreachable")
@@ -316,6 +336,14 @@ def ranks_of(kind: str, layout: JobLayout) -> range:
     component = ROLE_KINDS.index(kind)
     start = sum(layout.component_sizes[:component])
     return range(start, start + layout.component_sizes[component])
+
+
+def trainer_group_ranks(layout: JobLayout) -> list[list[int]]:
+    """World ranks of each trainer group, in group order; a group's first rank is its leader (TP rank 0 of DP
+    replica 0), and position j in every group is the same (tp_rank, dp_rank)."""
+    trainers = list(ranks_of("trainer", layout))
+    size = layout.trainer_group_size
+    return [trainers[g * size:(g + 1) * size] for g in range(layout.trainer_groups)]
 
 
 class WorldCheck(NamedTuple):

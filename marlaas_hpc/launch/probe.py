@@ -40,6 +40,7 @@ def hetjob_probe(layout: JobLayout) -> dict[str, Any]:
     view = {"rank": rank, "world_size": size, "slurm_component": placement.component,
             "slurm_component_rank": placement.component_rank, "role": role and role.kind,
             "role_index": role and role.index, "tp_rank": role and role.tp_rank, "dp_rank": role and role.dp_rank,
+            "trainer_group": role and role.group,
             "node": placement.node_name, "host": socket.gethostname(), "job_id": placement.job_id,
             "rendezvous_host": placement.rendezvous_host,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "problems": problems}

@@ -91,7 +91,7 @@ def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | 
                               keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     return tmpl.get_template("hetjob.sbatch.j2").render(
         job_name=job_name, world_size=layout.world_size, trainer_tp=layout.trainer_tp,
-        trainer_dp=layout.trainer_dp, blocks=blocks, setup=layout.setup,
+        trainer_dp=layout.trainer_dp, trainer_groups=layout.trainer_groups, blocks=blocks, setup=layout.setup,
         exports=[f"export {k}={shlex.quote(v)}" for k, v in layout.exports_for_job().items()],
         srun=guarded_srun(layout, shlex.quote(python)), grace_s=layout.srun_grace_s, command=command,
         requeue_marker=shlex.quote(str(requeue_marker)) if requeue_marker else "")

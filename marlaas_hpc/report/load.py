@@ -5,7 +5,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BUSY_STAGES = {"rollout": ("generate", "load_delta"), "env": ("score",), "trainer": ("train", "admit")}
+BUSY_STAGES = {"rollout": ("generate", "load_delta"), "env": ("score",),
+               "trainer": ("train", "admit", "move_out", "move_in")}
 """Timeline stages that are a rank's busy time. 'group' (a prompt group's life in the engine) and 'publish'
 (inside a train/admit span) are notes, not busy time of their own."""
 

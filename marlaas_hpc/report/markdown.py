@@ -32,6 +32,11 @@ def run_section(run: RunData, figures: dict[str, str]) -> list[str]:
     busy = s.get("busy_fraction") or {}
     if busy:
         lines.append("- busy fraction: " + ", ".join(f"{role} {fmt(v)}" for role, v in busy.items()))
+    groups = s.get("trainer_groups") or {}
+    if len(groups) > 1:
+        lines.append("- trainer groups: " + "; ".join(
+            f"g{g} (ranks {', '.join(map(str, info['ranks']))}) busy {fmt(info['busy_fraction'])}, tasks "
+            f"{', '.join(info['tasks']) or '-'}" for g, info in groups.items()))
     lines += ["", *table(["task", "tenant"] + [name for name, _ in TASK_COLUMNS],
                          [[task_id, t["tenant"]] + [t.get(key) for _, key in TASK_COLUMNS]
                           for task_id, t in s["tasks"].items()])]

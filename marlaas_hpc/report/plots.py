@@ -61,7 +61,7 @@ def utilisation_gantt(run: RunData, out: Path) -> Path:
         ax.broken_barh(spans, (y, height), facecolors=colours.get(task_id, "grey"))
     if not ranks:
         ax.text(0.5, 0.5, "no timeline recorded (timeline/rank<N>.jsonl)", ha="center", transform=ax.transAxes)
-    ax.set_yticks(range(len(ranks)), [f"rank {rank} {role}" for role, rank in ranks])
+    ax.set_yticks(range(len(ranks)), [f"rank {rank} {role}{_group_label(run, role, rank)}" for role, rank in ranks])
     ax.invert_yaxis()
     wall = run.summary.get("wall_time_s") or run.summary.get("elapsed_s")
     if wall:
@@ -70,6 +70,14 @@ def utilisation_gantt(run: RunData, out: Path) -> Path:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
     ax.legend(handles, list(colours), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="task")
     return _save(fig, out / "utilisation_gantt.png")
+
+
+def _group_label(run: RunData, role: str, rank: int) -> str:
+    """' g<N>' for a trainer rank of trainer group N, when the job has several groups (summary 'trainer_groups')."""
+    groups = run.summary.get("trainer_groups") or {}
+    if role != "trainer" or len(groups) < 2:
+        return ""
+    return next((f" g{g}" for g, info in groups.items() if rank in info.get("ranks", ())), "")
 
 
 def ttfs_tpts(run: RunData, out: Path) -> Path:

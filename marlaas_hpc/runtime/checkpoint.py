@@ -42,8 +42,11 @@ def trainer_shard_path(run_dir: Path, spec, tp_rank: int) -> Path:
     return task_dir(Path(run_dir), spec) / "checkpoint" / f"tp{tp_rank}.pt"
 
 
-def trainer_rng_path(run_dir: Path, tp_rank: int) -> Path:
-    return Path(run_dir) / "checkpoint" / f"trainer-rng-tp{tp_rank}.pt"
+def trainer_rng_path(run_dir: Path, tp_rank: int, group: int = 0, dp_rank: int = 0) -> Path:
+    """One trainer rank's RNG state (trainer group 0, DP replica 0: the one-group name)."""
+    if group == dp_rank == 0:
+        return Path(run_dir) / "checkpoint" / f"trainer-rng-tp{tp_rank}.pt"
+    return Path(run_dir) / "checkpoint" / f"trainer-rng-g{group}-dp{dp_rank}-tp{tp_rank}.pt"
 
 
 def save_torch(obj, path: Path) -> None:

@@ -39,7 +39,7 @@ from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupData,
                                           GroupEnded, RankStats, ScoredGroup, Shutdown)
-from marlaas_hpc.scheduler import Admit, Generated, Scored, TaskFailed
+from marlaas_hpc.scheduler import Admit, Generated, Move, Scored, TaskFailed
 from marlaas_hpc.tasks import build_task_data
 from marlaas_hpc.trainer.grpo import assign_advantages
 from marlaas_hpc.trajectory import Trajectory
@@ -81,10 +81,15 @@ class _Group:
 
 class EnvRank:
     def __init__(self, comm, codec: TextCodec, trainer_leader: int, run_dir=None,
-                 pool_config: EnvPoolConfig = EnvPoolConfig(), sandbox: SandboxConfig | None = None):
+                 pool_config: EnvPoolConfig = EnvPoolConfig(), sandbox: SandboxConfig | None = None,
+                 group_leaders: list[int] | None = None):
         self.comm, self.codec, self.trainer_leader = comm, codec, trainer_leader
         self.sandbox = sandbox or SandboxConfig()
         """How tenant reward files run here (sandboxed workers; env/tenant_code.py)."""
+        self.group_leaders = group_leaders or [trainer_leader]
+        """World rank of each trainer group's leader (layout.trainer_groups)."""
+        self.trainer_of: dict[str, int] = {}
+        """Task -> the leader of the trainer group that owns it (Admit, Move): its scored groups go there."""
         self.run_dir = run_dir
         self.rank = comm.Get_rank()
         self.tasks: dict = {}
@@ -110,6 +115,8 @@ class EnvRank:
                 break
             if isinstance(command, Admit):
                 self._admit(command)
+            elif isinstance(command, Move):  # groups scored from now on go to the new owner (the old one forwards)
+                self.trainer_of[command.task_id] = self.group_leaders[command.to_group]
             data, source = poll(self.comm, TAG_DATA)
             if isinstance(data, GroupData):
                 if data.task_id not in self.tasks:
@@ -129,6 +136,7 @@ class EnvRank:
     def _admit(self, command: Admit) -> None:
         spec = command.spec
         self.specs[spec.task_id] = spec
+        self.trainer_of[spec.task_id] = self.group_leaders[command.trainer_group]
         # rank 0 already checked it loads; a tenant reward file is only read here, it runs in sandboxed workers
         self.tasks[spec.task_id] = task = build_task_data(spec.dataset, spec.prompt.format, sandbox=self.sandbox)
         self.codecs[spec.task_id] = self.codec.for_prompt(spec.prompt)
@@ -263,7 +271,7 @@ class EnvRank:
         for trajectory in trajectories:
             trajectory.check()
         assign_advantages(trajectories, self.specs[first.task_id].algo.normalize_adv_std)
-        self.outbox.send(ScoredGroup(first.group_id, trajectories), self.trainer_leader, TAG_DATA)
+        self.outbox.send(ScoredGroup(first.group_id, trajectories), self.trainer_of[first.task_id], TAG_DATA)
         if group.multi_turn:  # same channel as Scored, so rank 0 sees the group generated before scored
             self.outbox.send(Generated(group.rollout_rank, (first.group_id,), (first.version,)), 0, TAG_EVENT)
         self.outbox.send(Scored(first.group_id, sum(rewards) / len(rewards)), 0, TAG_EVENT)

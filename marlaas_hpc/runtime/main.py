@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from marlaas_hpc.config import JobConfig
-from marlaas_hpc.launch.layout import assign_role, ranks_of, world_size_matches
+from marlaas_hpc.launch.layout import assign_role, ranks_of, trainer_group_ranks, world_size_matches
 from marlaas_hpc.tasks.spec import SpecError
 
 
@@ -104,12 +104,12 @@ def _log_devices(bindings, log) -> None:
         log(f"[device] {binding.describe()}")
 
 
-def _trainer(comm, job, roles, model_path: Path, device: str):
-    """Sets up the trainer ranks' own torch.distributed world (their TP group) from MPI, then the trainer on
-    `device` (the rank's binding: its GPU is cuda:0 once CUDA_VISIBLE_DEVICES is narrowed)."""
+def _trainer(comm, job, trainers: list[int], model_path: Path, device: str):
+    """Sets up one trainer group's own torch.distributed world (its TP x DP ranks `trainers`, leader first) from
+    MPI, then the trainer on `device` (the rank's binding: its GPU is cuda:0 once CUDA_VISIBLE_DEVICES is
+    narrowed)."""
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 
-    trainers = roles["trainer"]
     leader = trainers[0]
     me = comm.Get_rank()
     if me == leader:
@@ -124,19 +124,20 @@ def _trainer(comm, job, roles, model_path: Path, device: str):
     os.environ.update(MASTER_ADDR=address[0], MASTER_PORT=str(address[1]), RANK=str(trainers.index(me)),
                       WORLD_SIZE=str(len(trainers)), LOCAL_RANK="0")
     trainer = MultiLoraTrainer(TrainerConfig(model_path=str(model_path), tensor_parallel=job.layout.trainer_tp,
-                                             seed=job.seed, device=device, dtype=job.trainer.dtype,
-                                             recompute=job.trainer.recompute,
+                                             data_parallel=job.layout.trainer_dp, seed=job.seed, device=device,
+                                             dtype=job.trainer.dtype, recompute=job.trainer.recompute,
                                              micro_batch_tokens=job.trainer.micro_batch_tokens))
-    _restore_rng(Path(job.run_dir), trainer.tp_rank)
+    _restore_rng(Path(job.run_dir), trainer.tp_rank, assign_role(comm.Get_rank(), job.layout).group,
+                 trainer.dp_rank)
     return trainer
 
 
-def _restore_rng(run_dir: Path, tp_rank: int) -> None:
+def _restore_rng(run_dir: Path, tp_rank: int, group: int = 0, dp_rank: int = 0) -> None:
     import torch
 
     from marlaas_hpc.runtime.checkpoint import trainer_rng_path
 
-    path = trainer_rng_path(run_dir, tp_rank)
+    path = trainer_rng_path(run_dir, tp_rank, group, dp_rank)
     if path.is_file():
         torch.set_rng_state(torch.load(path))
 
@@ -149,6 +150,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
 
     from marlaas_hpc.model import TextCodec
     from marlaas_hpc.runtime.delta import DeltaGroup
+    from marlaas_hpc.runtime.delta_fanin import DeltaFanIn
 
     start = time.time()
     rank = comm.Get_rank()
@@ -157,7 +159,9 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     run_dir = Path(job.run_dir).resolve()
     model_path = Path(comm.bcast(str(job.model_path()) if rank == 0 else None, root=0))
     codec = TextCodec.from_pretrained(model_path)
-    leader = roles["trainer"][0]
+    groups = trainer_group_ranks(job.layout)
+    leaders = [ranks[0] for ranks in groups]
+    leader = leaders[0]
     # a resumed run samples with fresh seeds: replaying the first run's seeds would repeat its samples
     restarts = comm.bcast(len(resume["runs"]) if resume else 0, root=0)
     seed = job.seed + 100_003 * restarts
@@ -172,7 +176,8 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     if role.kind == "env":
         from marlaas_hpc.runtime.env_rank import EnvRank
 
-        worker = EnvRank(comm, codec, leader, run_dir=run_dir, pool_config=job.env_pool, sandbox=job.sandbox)
+        worker = EnvRank(comm, codec, leader, run_dir=run_dir, pool_config=job.env_pool, sandbox=job.sandbox,
+                         group_leaders=leaders)
         comm.Barrier()
         worker.run()
     elif role.kind == "rollout":
@@ -188,21 +193,24 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         else:
             kwargs = {"device": binding.device}
         engine = make_engine(job.engine, model_path, seed=seed + rank, **kwargs)
-        delta = DeltaGroup(comm, leader, roles["rollout"], device=binding.device)
+        # one delta group per trainer group leader, set up in group order (each leader waits for its own)
+        delta = DeltaFanIn(comm, [DeltaGroup(comm, rank, roles["rollout"], device=binding.device)
+                                  for rank in leaders])
         worker = RolloutRank(comm, engine, delta, work / "adapters", seed=seed, run_dir=run_dir)
         comm.Barrier()
         worker.run()
     else:
         from marlaas_hpc.runtime.trainer_rank import TrainerRank
 
-        trainer = _trainer(comm, job, roles, model_path, binding.device)
-        if rank == leader:
-            delta = DeltaGroup(comm, leader, roles["rollout"], device=binding.device)
-            worker = TrainerRank(comm, trainer, run_dir, leader, roles["trainer"][1:], delta)
+        mine = groups[role.group]
+        trainer = _trainer(comm, job, mine, model_path, binding.device)
+        if rank == mine[0]:
+            delta = DeltaGroup(comm, rank, roles["rollout"], device=binding.device)
+            worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group)
             comm.Barrier()
             worker.run_leader()
         else:
-            worker = TrainerRank(comm, trainer, run_dir, leader, [])
+            worker = TrainerRank(comm, trainer, run_dir, mine[0], [], groups=groups, group=role.group)
             comm.Barrier()
             worker.run_follower()
     return None

@@ -150,3 +150,25 @@ class CheckpointDone:
     """trainer leader -> rank 0: the versions saved, per live task."""
 
     versions: dict[str, int]
+
+
+# ---- trainer groups (layout.trainer_groups > 1; runtime/trainer_groups.py) ----
+TAG_HANDOVER = 16
+"""trainer leader -> trainer leader: Handover of a task moving between trainer groups."""
+TAG_STATE = 17
+"""trainer rank -> the rank at the same position of another trainer group: a moving task's state shard."""
+
+
+@dataclass
+class Handover:
+    """Old leader -> new leader of a task that moves (scheduler Move, at a step boundary): what the new group
+    needs besides the state shards its ranks receive from their counterparts (TAG_STATE)."""
+
+    task_id: str
+    version: int
+    spec: object
+    """The task's TaskSpec."""
+    source_ranks: list[int]
+    """World ranks of the old group, by position (rank j sends its shard to the new group's rank j)."""
+    buffered: dict[str, list[Trajectory]]
+    """Scored groups of the task that had reached the old leader and not been trained yet."""

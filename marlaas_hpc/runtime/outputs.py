@@ -44,6 +44,7 @@ def task_record(task) -> dict:
         "reward_first": task.reward_history[0] if task.reward_history else None,
         "reward_last": task.reward_history[-1] if task.reward_history else None,
         "ttfs_s": task.ttfs(), "tpts_s": task.tpts(),
+        "trainer_group": task.trainer_group, "trainer_moves": task.moves,
     }
 
 
@@ -52,6 +53,17 @@ def write_status(run_dir: Path, job, scheduler, elapsed_s: float) -> None:
     status = {"mode": job.mode, "elapsed_s": elapsed_s, "finished": scheduler.finished(),
               "tasks": {task_id: task_record(task) for task_id, task in scheduler.tasks.items()}}
     atomic_write_text(Path(run_dir) / "status.json", json.dumps(status, indent=2) + "\n")
+
+
+def trainer_groups(stats: list, scheduler, wall_s: float) -> dict:
+    """Per trainer group (its leader's RankStats): its ranks, busy fraction and the tasks it owns at the end."""
+    out = {}
+    for stat in stats:
+        if stat.kind == "trainer" and "trainer_group" in stat.extra:
+            group = stat.extra["trainer_group"]
+            out[str(group)] = {"ranks": stat.extra["ranks"], "busy_fraction": stat.busy_s / max(wall_s, 1e-9),
+                               "tasks": sorted(t for t, s in scheduler.tasks.items() if s.trainer_group == group)}
+    return dict(sorted(out.items(), key=lambda item: int(item[0])))
 
 
 def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_s: float,
@@ -76,7 +88,8 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                "total_wall_time_s": wall_s + sum(r["wall_time_s"] for r in runs or []),
                "tasks": tasks, "rejected": rejected,
                # per env rank: env-step latencies by stage (tool:<name>, reward) and per-task episode figures
-               "env_ranks": {str(stat.rank): stat.extra for stat in stats if stat.kind == "env" and stat.extra}}
+               "env_ranks": {str(stat.rank): stat.extra for stat in stats if stat.kind == "env" and stat.extra},
+               "trainer_groups": trainer_groups(stats, scheduler, wall_s)}
     atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
     write_status(run_dir, job, scheduler, wall_s)
     return summary

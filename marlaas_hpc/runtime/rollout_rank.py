@@ -1,5 +1,6 @@
 """Rollout rank: serves every task's generation requests from one engine (continuous batch), receives LoRA
-deltas from the trainer leader, and sends finished turns straight to their env rank.
+deltas from the trainer group leaders (runtime/delta_fanin.py), and sends finished turns straight to their env
+rank.
 
 A prompt group's first turn comes from rank 0 (GenerateWork). Training work asked for a superseded version
 samples with the newest one. Single-turn groups are done when their G completions are: GroupData to the env
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_DELTA, TAG_EVENT, ContinueGroup, GenerateWork,
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, GenerateWork,
                                           GroupData, GroupEnded, PromptGroup, RankStats, Shutdown)
 from marlaas_hpc.scheduler import Generated
 from marlaas_hpc.trainer.peft_io import write_peft_adapter
@@ -78,13 +79,14 @@ class RolloutRank:
         self.engine.close()
 
     def _drain_deltas(self) -> None:
-        """Joins every announced broadcast in order (the leader blocks until all rollout ranks join)."""
-        while True:
-            announce, _ = poll(self.comm, TAG_DELTA, source=self.delta.leader)
-            if announce is None:
-                return
+        """Joins the announced broadcasts (a leader blocks until all rollout ranks join; with several trainer
+        groups, `DeltaFanIn` keeps each leader's order) and installs each version newer than the one held: a
+        task that moved between groups may see its old group's last version land after its new group's next."""
+        for announce, receive in self.delta.poll():
             with self.clock.track("load_delta", (announce.task_id,), version=announce.version):
-                tensors = self.delta.receive(announce)
+                tensors = receive()
+                if announce.version <= self.versions.get(announce.task_id, -1):
+                    continue
                 path = self.scratch / announce.task_id / f"v{announce.version:04d}"
                 write_peft_adapter(path, tensors, announce.lora)
                 self.engine.add_adapter(AdapterRef(announce.task_id, announce.version, str(path)))

@@ -7,14 +7,15 @@ from pathlib import Path
 
 from marlaas_hpc.env.protocol import first_prompt, is_multi_turn
 from marlaas_hpc.env.tenant_code import check_reward_code
+from marlaas_hpc.launch.layout import trainer_group_ranks
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.checkpoint import PreemptFlag, save_job_checkpoint
 from marlaas_hpc.runtime.comm import Outbox, poll
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, CheckpointDone, EvalDone, GenerateWork,
                                           PromptGroup, RankStats, Shutdown)
 from marlaas_hpc.runtime.outputs import write_audit, write_status, write_summary
-from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Scheduler, SchedulerConfig, StepDone, Submit,
-                                   TaskEnded, Train)
+from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, Scheduler, SchedulerConfig, StepDone,
+                                   Submit, TaskEnded, Train)
 from marlaas_hpc.service import QueueIntake
 from marlaas_hpc.tasks import SpecError, build_task_data
 
@@ -29,8 +30,12 @@ class SchedulerRank:
         self.startup_s = startup_s
         self.scheduler = Scheduler(SchedulerConfig(
             mode=job.mode, order=job.order, rollout_ranks=tuple(roles["rollout"]), env_ranks=tuple(roles["env"]),
-            rollout_slots=job.rollout_slots, max_active_tasks=job.max_adapters, trainer_slots=job.trainer_slots),
-            clock=time.time)
+            rollout_slots=job.rollout_slots, max_active_tasks=job.max_adapters, trainer_slots=job.trainer_slots,
+            trainer_groups=job.layout.trainer_groups), clock=time.time)
+        self.leaders = [ranks[0] for ranks in trainer_group_ranks(job.layout)]
+        """World rank of each trainer group's leader, by group."""
+        self.checkpoints: dict[str, int] = {}
+        self.checkpoint_answers = 0
         self.data: dict = {}
         self.codecs: dict[str, TextCodec] = {}
         """Per task: the codec of its prompt format (raw or chat)."""
@@ -88,7 +93,7 @@ class SchedulerRank:
             self._event(event)
         for rank in range(1, self.comm.Get_size()):
             self.outbox.send(Shutdown(), rank, TAG_CMD)
-        workers = self.comm.Get_size() - 1 - len(self.roles["trainer"]) + 1  # one stats message per trainer group
+        workers = self.comm.Get_size() - 1 - len(self.roles["trainer"]) + len(self.leaders)  # one per trainer group
         while len(self.stats) < workers:
             event, _ = poll(self.comm, TAG_EVENT)
             if isinstance(event, RankStats):
@@ -142,7 +147,8 @@ class SchedulerRank:
             self.scheduler.draining = True
             self.log("[job] USR2: draining in-flight work, then checkpointing every task at a step boundary")
         if not self.checkpoint_sent and self.scheduler.settled() and not self.pending_evals:
-            self.outbox.send(Checkpoint(), self.roles["trainer"][0], TAG_CMD)
+            for leader in self.leaders:  # every trainer group saves the tasks it owns
+                self.outbox.send(Checkpoint(), leader, TAG_CMD)
             self.checkpoint_sent = True
         return self.checkpointed is not None
 
@@ -218,26 +224,39 @@ class SchedulerRank:
         self._execute(commands)
 
     def _checkpoint_done(self, event: CheckpointDone) -> None:
-        # the leader's StepDone events precede its CheckpointDone (same source and tag: MPI keeps their order)
+        # a leader's StepDone events precede its CheckpointDone (same source and tag: MPI keeps their order)
         for task_id, version in event.versions.items():
             ours = self.scheduler.tasks[task_id].version
             if ours != version:
                 raise RuntimeError(f"checkpoint of {task_id}: trainer saved v{version}, scheduler is at v{ours}")
-        self.checkpointed = dict(event.versions)
+        self.checkpoints.update(event.versions)
+        self.checkpoint_answers += 1
+        if self.checkpoint_answers == len(self.leaders):  # every trainer group has saved its tasks
+            self.checkpointed = dict(self.checkpoints)
 
     # ---- commands ----
+    def _leader_of(self, task_id: str) -> int:
+        """The leader of the trainer group that owns the task now (group 0 before its admission)."""
+        return self.leaders[self.scheduler.trainer_group(task_id) or 0]
+
     def _execute(self, commands: list) -> None:
-        leader = self.roles["trainer"][0]
         for command in commands:
             if isinstance(command, Admit):
-                for rank in self.roles["env"] + [leader]:
+                for rank in self.roles["env"] + [self.leaders[command.trainer_group]]:
                     self.outbox.send(command, rank, TAG_CMD)
                 if (command.spec.task_id, "before") not in self.evals:  # a resumed task has its base eval
                     self._eval(command.spec.task_id, None)
             elif isinstance(command, Generate):
                 self.outbox.send(self._work(command), command.rollout_rank, TAG_CMD)
-            elif isinstance(command, (Train, Discard)):
-                self.outbox.send(command, leader, TAG_CMD)
+            elif isinstance(command, Train):
+                self.outbox.send(command, self.leaders[command.trainer_group], TAG_CMD)
+            elif isinstance(command, Discard):
+                self.outbox.send(command, self._leader_of(command.task_id), TAG_CMD)
+            elif isinstance(command, Move):  # the old group hands the task over; env ranks send its data anew
+                self.log(f"[{command.task_id}] moves from trainer group {command.from_group} to "
+                         f"{command.to_group} at v{command.version}")
+                for rank in [self.leaders[command.from_group]] + self.roles["env"]:
+                    self.outbox.send(command, rank, TAG_CMD)
             elif isinstance(command, TaskEnded):
                 task = self.scheduler.tasks[command.task_id]
                 if command.status == "failed":  # its env rank scores nothing more of it, evals included
@@ -247,7 +266,7 @@ class SchedulerRank:
                          + (f": {command.error}" if command.error else ""))
                 if task.version > 0 and command.status != "failed":
                     self._eval(command.task_id, task.version)
-                self.outbox.send(command, leader, TAG_CMD)
+                self.outbox.send(command, self._leader_of(command.task_id), TAG_CMD)
 
     def _work(self, command: Generate) -> GenerateWork:
         data, algo = self.data[command.task_id], self.scheduler.tasks[command.task_id].spec.algo

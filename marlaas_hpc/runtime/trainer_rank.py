@@ -1,6 +1,13 @@
-"""Trainer ranks (TP group): the leader buffers scored groups from env ranks, runs each Train order once all
-its groups are here, re-checks the staleness bound, and publishes the new adapter version: a PEFT checkpoint
-in the task's directory and a broadcast to every rollout rank. Other TP ranks mirror the leader's calls."""
+"""Trainer ranks (one trainer group: TP x DP ranks): the leader buffers scored groups from env ranks, runs each
+Train order once all its groups are here, re-checks the staleness bound, and publishes the new adapter version: a
+PEFT checkpoint in the task's directory and a broadcast to every rollout rank. Other ranks of the group mirror the
+leader's calls.
+
+With several trainer groups (layout.trainer_groups) each group owns a set of tasks. A task moves between groups at
+a step boundary (scheduler Move): every rank of the old group sends its state shard to the rank at the same
+position of the new group (TAG_STATE), the old leader hands over the task's spec and buffered data (Handover,
+TAG_HANDOVER) and forwards groups that still reach it; the new leader installs the task on all its ranks, answers
+Moved, and only then runs the task's Train orders."""
 from __future__ import annotations
 
 import json
@@ -12,9 +19,10 @@ from marlaas_hpc.driver import adapter_dir, task_dir
 from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
 from marlaas_hpc.runtime.checkpoint import save_torch, trainer_rng_path, trainer_shard_path
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_TRAINER, Checkpoint, CheckpointDone,
-                                          RankStats, ScoredGroup, Shutdown, TrainerOp)
-from marlaas_hpc.scheduler import Admit, Discard, StepDone, TaskEnded, TaskFailed, Train
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER,
+                                          Checkpoint, CheckpointDone, Handover, RankStats, ScoredGroup, Shutdown,
+                                          TrainerOp)
+from marlaas_hpc.scheduler import Admit, Discard, Move, Moved, StepDone, TaskEnded, TaskFailed, Train
 from marlaas_hpc.trainer.peft_io import write_peft_adapter
 
 
@@ -34,10 +42,19 @@ def check_bound(order: Train, trajectories, trainer_version: int) -> None:
 
 
 class TrainerRank:
-    def __init__(self, comm, trainer, run_dir: Path, leader: int, followers: list[int], delta_group=None):
+    def __init__(self, comm, trainer, run_dir: Path, leader: int, followers: list[int], delta_group=None,
+                 groups: list[list[int]] | None = None, group: int = 0):
         self.comm, self.trainer, self.run_dir = comm, trainer, Path(run_dir)
         self.rank = comm.Get_rank()
         self.leader, self.followers, self.delta = leader, followers, delta_group
+        self.groups = groups or [[leader] + list(followers)]
+        """World ranks of every trainer group (launch.layout.trainer_group_ranks); this rank is in `group`."""
+        self.group = group
+        self.position = self.groups[group].index(self.rank)
+        """Place in the group: a moving task's shard goes to the same position of the other group."""
+        self.moved_to: dict[str, int] = {}
+        """Leader only: tasks that moved away -> their new leader (data that still reaches this one is forwarded)."""
+        self.ended: set[str] = set()
         self.specs: dict = {}
         self.buffer: dict[str, list] = {}
         self.discarded: set[str] = set()
@@ -66,6 +83,10 @@ class TrainerRank:
             if op.task_id in self.trainer.tasks:
                 self.trainer.remove_task(op.task_id)
             return None
+        if op.kind == "move_out":
+            return self._send_state(op.task_id, op.payload)
+        if op.kind == "move_in":
+            return self._receive_state(op.task_id, *op.payload)
         raise ValueError(f"unknown trainer op {op.kind!r}")
 
     def _admit(self, admit: Admit) -> int:
@@ -92,10 +113,12 @@ class TrainerRank:
         """Every TP rank saves its shard of every live task (adapter, optimizer state, version) and its RNG."""
         import torch
 
-        for task_id in self.trainer.task_ids():
-            save_torch(self.trainer.state_dict(task_id),
-                       trainer_shard_path(self.run_dir, self.specs[task_id], self.trainer.tp_rank))
-        save_torch(torch.get_rng_state(), trainer_rng_path(self.run_dir, self.trainer.tp_rank))
+        if self.trainer.dp_rank == 0:  # DP replicas hold the same shards
+            for task_id in self.trainer.task_ids():
+                save_torch(self.trainer.state_dict(task_id),
+                           trainer_shard_path(self.run_dir, self.specs[task_id], self.trainer.tp_rank))
+        save_torch(torch.get_rng_state(), trainer_rng_path(self.run_dir, self.trainer.tp_rank, self.group,
+                                                           self.trainer.dp_rank))
         return {task_id: self.trainer.version(task_id) for task_id in self.trainer.task_ids()}
 
     def _publish(self, task_id: str) -> int | None:
@@ -130,8 +153,13 @@ class TrainerRank:
             op, _ = recv_wait(self.comm, TAG_TRAINER, source=self.leader)
             if op.kind == "shutdown":
                 write_timeline(self.run_dir, self.rank, "trainer", self.clock)
+                self.outbox.flush()
                 break
-            with self.clock.track(op.kind, (op.task_id,) if op.task_id else ()):
+            if op.kind == "train":
+                tasks = [order.task_id for order, _ in op.payload]
+            else:
+                tasks = [op.task_id] if op.task_id else []
+            with self.clock.track(op.kind, tasks):
                 try:
                     self.execute(op)
                 except Exception:
@@ -148,16 +176,22 @@ class TrainerRank:
                 break
             for command in commands:
                 self._command(command)
+            handovers = self._drain(TAG_HANDOVER)
+            for handover in handovers:
+                self._move_in(handover)
             data = self._drain(TAG_DATA)
             for scored in data:
                 if scored.group_id in self.discarded:
                     self.discarded.discard(scored.group_id)
+                elif self.moved_to and (owner := self._owner_elsewhere(scored)) is not None:
+                    self.outbox.send(scored, owner, TAG_DATA)
                 else:
                     self.buffer[scored.group_id] = scored.trajectories
             ran = self._run_ready_orders()
-            if not commands and not data and not ran:
+            if not commands and not data and not ran and not handovers:
                 time.sleep(0.002)
-        self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
+        self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall(),
+                                   {"trainer_group": self.group, "ranks": self.groups[self.group]}), 0, TAG_EVENT)
         self.outbox.flush()
         write_timeline(self.run_dir, self.rank, "trainer", self.clock)
         self.tensorboard.close()
@@ -190,12 +224,16 @@ class TrainerRank:
                 if self.buffer.pop(gid, None) is None:
                     self.discarded.add(gid)  # its data is still on the way: drop it on arrival
         elif isinstance(command, TaskEnded):
+            self.ended.add(command.task_id)
             self.orders = [o for o in self.orders if o.task_id != command.task_id]
             self._everyone(TrainerOp("remove", command.task_id))
+        elif isinstance(command, Move):
+            self._move_out(command)
 
     def _run_ready_orders(self) -> bool:
         """Runs every order whose groups have all arrived, fused into one step."""
-        ready = [o for o in self.orders if all(g in self.buffer for g in o.group_ids)]
+        # a task moving here trains once its state has arrived (Handover)
+        ready = [o for o in self.orders if o.task_id in self.specs and all(g in self.buffer for g in o.group_ids)]
         if not ready:
             return False
         taken = {id(o) for o in ready}
@@ -239,8 +277,64 @@ class TrainerRank:
         record = {**metrics, "version": version, "time": time.time(), "train_s": train_s, "fused_tasks": fused,
                   "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
                   "staleness_max": max(order.from_version - v for v in order.behaviour_versions),
-                  "samples": len(trajectories)}
+                  "samples": len(trajectories),
+                  # prompt + completion tokens: what the step cost (trainer-group placement weighs tasks by it)
+                  "step_tokens": sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)}
         with open(task_dir(self.run_dir, self.specs[order.task_id]) / "metrics.jsonl", "a") as sink:
             sink.write(json.dumps(record) + "\n")
         self.tensorboard.write(task_dir(self.run_dir, self.specs[order.task_id]), record)
         self.outbox.send(StepDone(order.task_id, version, record), 0, TAG_EVENT)
+
+    # ---- trainer groups: a task moves to another group at a step boundary ----
+    def _move_out(self, move: Move) -> None:
+        """Leader of the old group: every rank sends its shard and drops the task; the new leader gets the
+        spec and the data buffered for the task; later data is forwarded."""
+        target = self.groups[move.to_group]
+        spec = self.specs[move.task_id]
+        with self.clock.track("move_out", (move.task_id,)):
+            self._everyone(TrainerOp("move_out", move.task_id, target))
+        buffered = {gid: trajs for gid, trajs in self.buffer.items() if trajs and trajs[0].task_id == move.task_id}
+        for gid in buffered:
+            del self.buffer[gid]
+        self.outbox.send(Handover(move.task_id, move.version, spec, self.groups[self.group], buffered), target[0],
+                         TAG_HANDOVER)
+        self.moved_to[move.task_id] = target[0]
+
+    def _move_in(self, handover: Handover) -> None:
+        """Leader of the new group: every rank receives its shard from its counterpart; then Moved to rank 0.
+        A task that ended meanwhile (its TaskEnded came here first) is installed and dropped again, so that
+        the shards sent to this group are received."""
+        task_id = handover.task_id
+        self.moved_to.pop(task_id, None)  # it may come back to a group it left
+        with self.clock.track("move_in", (task_id,)):
+            try:
+                self._everyone(TrainerOp("move_in", task_id, (handover.spec, handover.source_ranks)))
+                if self.trainer.version(task_id) != handover.version:
+                    raise RuntimeError(f"{task_id}: handed over at v{self.trainer.version(task_id)}, the scheduler "
+                                       f"moved it at v{handover.version}")
+            except Exception as exc:
+                self._fail(task_id, exc)
+        for gid, trajectories in handover.buffered.items():
+            if gid in self.discarded:
+                self.discarded.discard(gid)
+            else:
+                self.buffer[gid] = trajectories
+        if task_id in self.ended:
+            self._everyone(TrainerOp("remove", task_id))
+        self.outbox.send(Moved(task_id, self.group), 0, TAG_EVENT)
+
+    def _owner_elsewhere(self, scored: ScoredGroup) -> int | None:
+        """The leader a task moved to, for data of it that reached this (its former) group."""
+        return self.moved_to.get(scored.trajectories[0].task_id) if scored.trajectories else None
+
+    def _send_state(self, task_id: str, target_ranks: list[int]) -> None:
+        self.outbox.send((task_id, self.trainer.state_dict(task_id)), target_ranks[self.position], TAG_STATE)
+        self.trainer.remove_task(task_id)
+        self.specs.pop(task_id, None)
+
+    def _receive_state(self, task_id: str, spec, source_ranks: list[int]) -> None:
+        (sent, state), _ = recv_wait(self.comm, TAG_STATE, source=source_ranks[self.position])
+        if sent != task_id:
+            raise RuntimeError(f"expected the state of {task_id} from rank {source_ranks[self.position]}, got {sent}")
+        self.trainer.load_state_dict(task_id, state)
+        self.specs[task_id] = spec

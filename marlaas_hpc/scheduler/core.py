@@ -10,6 +10,12 @@ Staleness (DESIGN.md §3): the optimizer step producing version v+1 may only use
 versions ≥ v − k. Admission control keeps at most (k+1)·B groups of a task generated or in flight beyond
 what the trainer consumed; a ready group that is too old when its task's step is formed is dropped
 (Discard) and counted, never trained. Every trained group goes to the audit log.
+
+Trainer groups (`trainer_groups` G, scheduler/placement.py): every admitted task is owned by one group, the
+least loaded by tokens per step; Admit and Train name it. Each group fuses up to `trainer_slots` orders, in the
+order's ranking among its own tasks. At a step boundary a task may move to a less-loaded group (Move; the
+groups hand over its adapter and optimizer state and answer Moved). With G = 1 nothing of this shows: every
+command is what a single trainer gets.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Callable
 
+from marlaas_hpc.scheduler.placement import Placement, estimated_tokens_per_step
 from marlaas_hpc.scheduler.state import CANCELLED, DONE, FAILED, QUEUED, RUNNING, Group, TaskState
 from marlaas_hpc.tasks.spec import TaskSpec
 
@@ -76,12 +83,22 @@ class TaskFailed:
     error: str
 
 
+@dataclass(slots=True)
+class Moved:
+    """The task's adapter and optimizer state arrived in its new trainer group (after a Move)."""
+
+    task_id: str
+    trainer_group: int
+
+
 # ---- commands (out of the scheduler) ----
 @dataclass(slots=True)
 class Admit:
     spec: TaskSpec
     resume_version: int | None = None
     """Restore the adapter and optimizer saved at this version instead of creating a fresh adapter."""
+    trainer_group: int = 0
+    """The trainer group that creates (or restores) the adapter and owns the task."""
 
 
 @dataclass(slots=True)
@@ -102,6 +119,20 @@ class Train:
     behaviour_versions: tuple[int, ...]
     bound: int
     """The task's staleness bound k; the trainer re-checks every version against it."""
+    trainer_group: int = field(default=0, repr=False)
+    """The trainer group that owns the task (out of the repr: traces of one-group jobs read as before)."""
+
+
+@dataclass(slots=True)
+class Move:
+    """Hand the task (idle: at a step boundary, at `version`) from one trainer group to another: the source
+    sends its adapter and optimizer state (and any data it holds for it) to the target, which answers Moved.
+    Train orders for the task go to the target from now on; it runs them once the state is there."""
+
+    task_id: str
+    from_group: int
+    to_group: int
+    version: int
 
 
 @dataclass(slots=True)
@@ -147,8 +178,10 @@ class SchedulerConfig:
     max_active_tasks: int = 8
     """Adapter slots: tasks running at once; the rest wait queued."""
     trainer_slots: int = 4
-    """Train orders (of different tasks) in flight at once; the trainer fuses those whose data is present
-    into one step that shares the base model's forward and backward. 1 = one task per step."""
+    """Train orders (of different tasks) in flight at once per trainer group; a group fuses those whose data
+    is present into one step that shares the base model's forward and backward. 1 = one task per step."""
+    trainer_groups: int = 1
+    """Independent trainer groups; each task is owned by one (placement by tokens per step)."""
 
     def validate(self) -> "SchedulerConfig":
         if self.mode not in MODES:
@@ -157,9 +190,34 @@ class SchedulerConfig:
             raise ValueError(f"order: unknown {self.order!r}; known {ORDERS}")
         if not self.rollout_ranks or not self.env_ranks:
             raise ValueError("the scheduler needs at least one rollout rank and one env rank")
-        if self.rollout_slots < 1 or self.max_active_tasks < 1 or self.trainer_slots < 1:
-            raise ValueError("rollout_slots, max_active_tasks and trainer_slots must be >= 1")
+        if self.rollout_slots < 1 or self.max_active_tasks < 1 or self.trainer_slots < 1 or self.trainer_groups < 1:
+            raise ValueError("rollout_slots, max_active_tasks, trainer_slots and trainer_groups must be >= 1")
         return self
+
+
+class TrainerGroups:
+    """The scheduler's book of the trainer groups: which owns each task (placement), each group's heap of
+    trainable tasks and its orders in flight, the groups a train pass may act on, and tasks moving."""
+
+    __slots__ = ("placement", "heaps", "busy", "ready", "moving")
+
+    def __init__(self, groups: int):
+        self.placement = Placement(groups)
+        self.heaps: list[list] = [[] for _ in range(groups)]
+        """Per group: heap of (order key, stamp, task_id) of its trainable tasks (stale entries skipped)."""
+        self.busy = [0] * groups
+        """Train orders in flight per group."""
+        self.ready: set[int] = set()
+        """Groups with a free slot and a non-empty heap (several groups only)."""
+        self.moving: set[str] = set()
+        """Tasks whose Move has not been answered (Moved) yet."""
+
+    def changed(self, group: int, slots: int) -> None:
+        """Keeps `ready` true for one group after its slots or its heap changed."""
+        if self.heaps[group] and self.busy[group] < slots:
+            self.ready.add(group)
+        else:
+            self.ready.discard(group)
 
 
 class Scheduler:
@@ -171,7 +229,11 @@ class Scheduler:
         self.rollout_load = {rank: 0 for rank in config.rollout_ranks}
         self.env_load = {rank: 0 for rank in config.env_ranks}
         self.training: set[str] = set()
-        """Tasks with a Train order in flight (at most trainer_slots)."""
+        """Tasks with a Train order in flight (at most trainer_slots per trainer group)."""
+        self.trainers = TrainerGroups(config.trainer_groups)
+        """Placement of tasks on trainer groups, and each group's train heap and orders in flight. (State about
+        groups lives in this one object: an instance with more than 29 attributes loses CPython's fast
+        attribute loads, which made every event of a one-group job 7% dearer.)"""
         self.draining = False
         """Preemption: issue nothing new (no admit, train or generate) so in-flight work can settle."""
         self._group_of: dict[str, Group] = {}
@@ -195,8 +257,10 @@ class Scheduler:
         self._stamps = itertools.count()
         self._trainable: dict[str, int] = {}
         """Running tasks a train pass would act on (idle, with a full batch or a stale group) -> the stamp of
-        their valid entry in `_train_heap`."""
-        self._train_heap: list = []
+        their valid entry in their trainer group's heap)."""
+        self._train_heap: list | None = self.trainers.heaps[0] if config.trainer_groups == 1 else None
+        """One trainer group: its heap (the hot path of a one-group job stays as it was). None with several:
+        their heaps are in `trainers`."""
         self._round_versions: Counter = Counter()
         """Sync mode: versions of running tasks (the round is the minimum)."""
         self._short_of_batch: Counter = Counter()
@@ -231,6 +295,10 @@ class Scheduler:
 
     def _on_failed(self, event: TaskFailed) -> list:
         return self._end(event.task_id, FAILED, event.error)
+
+    def _on_moved(self, event: Moved) -> list:
+        self.trainers.moving.discard(event.task_id)
+        return []
 
     def _submit(self, spec: TaskSpec, resume: dict | None = None) -> None:
         if spec.task_id in self.tasks:
@@ -321,12 +389,38 @@ class Scheduler:
         task.training, task.version = None, event.version
         task.step_times.append(now)
         self.training.discard(task.task_id)
+        trainers = self.trainers
+        trainers.busy[task.trainer_group] -= 1
+        multi_group = self._train_heap is None
+        if multi_group:
+            trainers.changed(task.trainer_group, self.config.trainer_slots)
         self._touch(task)
         if task.cancel_requested:
             return self._end(task.task_id, CANCELLED)
         if task.version >= task.total_steps:
             return self._end(task.task_id, DONE)
+        if multi_group:
+            step_tokens = event.metrics.get("step_tokens")
+            if step_tokens:
+                trainers.placement.observe(task.task_id, step_tokens)
+            return self._rebalance(task)
         return []
+
+    def _rebalance(self, task: TaskState) -> list:
+        """At the task's step boundary: moves it to a less-loaded trainer group if that is worth a handover."""
+        if self.draining or task.cancel_requested:
+            return []
+        placement = self.trainers.placement
+        target = placement.move_target(task.task_id)
+        if target is None:
+            return []
+        source = placement.move(task.task_id, target)
+        task.trainer_group = target
+        task.moves += 1
+        self.trainers.moving.add(task.task_id)
+        self._trainable.pop(task.task_id, None)  # its entry in the old group's heap goes stale
+        self._touch(task, quota_changed=False)  # ... and it is filed in the new group's
+        return [Move(task.task_id, source, target, task.version)]
 
     def _cancel(self, task_id: str) -> list:
         task = self.tasks[task_id]
@@ -353,6 +447,11 @@ class Scheduler:
         task.ready, task.training = [], None
         if was_training:
             self.training.discard(task_id)
+            self.trainers.busy[task.trainer_group] -= 1
+        if self._train_heap is None:
+            self.trainers.placement.release(task_id)
+            if was_training:
+                self.trainers.changed(task.trainer_group, self.config.trainer_slots)
         self._touch(task)
         out.append(TaskEnded(task_id, status, error))
         return out
@@ -371,8 +470,13 @@ class Scheduler:
         out = self._admit() if self._queued else []
         if self.config.mode != "async":
             self._new_round()
-        if self._train_heap and len(self.training) < self.config.trainer_slots:
-            out += self._train()
+        heap = self._train_heap
+        if heap is not None:  # one trainer group
+            if heap and len(self.training) < self.config.trainer_slots:
+                out += self._train(0)
+        elif self.trainers.ready:
+            for group in sorted(self.trainers.ready):
+                out += self._train(group)
         if self._issuable and self._free_ranks:
             out += self._generate()
         return out
@@ -385,9 +489,11 @@ class Scheduler:
                 continue  # cancelled while queued
             task.status, task.admitted_at = RUNNING, self.clock()
             self._n_running += 1
+            task.trainer_group = (0 if self._train_heap is not None else
+                                  self.trainers.placement.place(task.task_id, estimated_tokens_per_step(task.spec)))
             heapq.heappush(self._sequential, (-task.spec.priority, task.submitted_at, task.task_id))
             self._touch(task)
-            out.append(Admit(task.spec, task.resume_version))
+            out.append(Admit(task.spec, task.resume_version, task.trainer_group))
         return out
 
     def _running(self) -> list[TaskState]:
@@ -403,14 +509,16 @@ class Scheduler:
             return (-task.spec.priority, served[task.task_id])
         return (task.submitted_at, task.task_id)  # fifo
 
-    def _train(self) -> list:
+    def _train(self, group: int) -> list:
+        """Train orders for one trainer group (dispatch comes here with a slot of it free, its heap not empty)."""
         out: list = []
-        if self._round_incomplete():  # dispatch only comes here with a trainer slot free and the heap not empty
+        if self._round_incomplete():
             return out
-        # only tasks in _trainable would do anything in this pass, taken in order from their heap
+        # only tasks in _trainable would do anything in this pass, taken in order from their group's heap
+        heap, busy, slots = self.trainers.heaps[group], self.trainers.busy, self.config.trainer_slots
         skipped = []
-        while len(self.training) < self.config.trainer_slots and self._train_heap:
-            entry = heapq.heappop(self._train_heap)
+        while busy[group] < slots and heap:
+            entry = heapq.heappop(heap)
             task = self.tasks[entry[2]]
             if self._trainable.get(task.task_id) != entry[1]:
                 continue
@@ -425,11 +533,14 @@ class Scheduler:
             batch, task.ready = task.ready[: task.batch], task.ready[task.batch:]
             task.training = batch
             self.training.add(task.task_id)
+            busy[group] += 1
             self._serve(task)
             out.append(Train(task.task_id, task.version, tuple(g.group_id for g in batch),
-                             tuple(g.version for g in batch), task.bound))
+                             tuple(g.version for g in batch), task.bound, group))
         for entry in skipped:
-            heapq.heappush(self._train_heap, entry)
+            heapq.heappush(heap, entry)
+        if self._train_heap is None:
+            self.trainers.changed(group, slots)
         return out
 
     def _round_incomplete(self) -> bool:
@@ -570,9 +681,15 @@ class Scheduler:
 
     # ---------------------------------------------------------------- queries
     def settled(self) -> bool:
-        """Nothing in flight: no group generating or being scored, no train order outstanding. With
-        `draining` set this is a step boundary for every task (the point a checkpoint is taken at)."""
-        return not self.training and all(not t.generating and not t.scoring for t in self.tasks.values())
+        """Nothing in flight: no group generating or being scored, no train order outstanding, no task moving
+        between trainer groups. With `draining` set this is a step boundary for every task (the point a
+        checkpoint is taken at)."""
+        return (not self.training and not self.trainers.moving
+                and all(not t.generating and not t.scoring for t in self.tasks.values()))
+
+    def trainer_group(self, task_id: str) -> int | None:
+        """The trainer group that owns the task now (None before its admission)."""
+        return self.tasks[task_id].trainer_group
 
     def finished(self) -> bool:
         """No task is queued or running."""
@@ -592,7 +709,12 @@ class Scheduler:
             if task.task_id not in self._trainable:
                 stamp = next(self._stamps)
                 self._trainable[task.task_id] = stamp
-                heapq.heappush(self._train_heap, (self._order_key(task), stamp, task.task_id))
+                if self._train_heap is not None:
+                    heapq.heappush(self._train_heap, (self._order_key(task), stamp, task.task_id))
+                else:
+                    group = task.trainer_group
+                    heapq.heappush(self.trainers.heaps[group], (self._order_key(task), stamp, task.task_id))
+                    self.trainers.changed(group, self.config.trainer_slots)
         else:
             self._trainable.pop(task.task_id, None)
         if quota_changed:
@@ -649,4 +771,5 @@ class Scheduler:
 
 # event type -> handler (one dict lookup per event instead of a chain of isinstance checks)
 Scheduler._HANDLERS = {Submit: Scheduler._on_submit, Cancel: Scheduler._on_cancel, Generated: Scheduler._generated,
-                       Scored: Scheduler._scored, StepDone: Scheduler._step_done, TaskFailed: Scheduler._on_failed}
+                       Scored: Scheduler._scored, StepDone: Scheduler._step_done, TaskFailed: Scheduler._on_failed,
+                       Moved: Scheduler._on_moved}

@@ -11,8 +11,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from marlaas_hpc.scheduler.core import (Admit, Discard, Generate, Generated, Scheduler, Scored, StepDone,
-                                        Submit, TaskEnded, TaskFailed, Train)
+from marlaas_hpc.scheduler.core import (Admit, Discard, Generate, Generated, Move, Moved, Scheduler, Scored,
+                                        StepDone, Submit, TaskEnded, TaskFailed, Train)
 from marlaas_hpc.tasks.spec import TaskSpec
 
 
@@ -32,6 +32,9 @@ class SimResult:
     ended: dict[str, str] = field(default_factory=dict)
     trained_versions: dict[str, list[tuple[tuple[int, ...], int]]] = field(default_factory=dict)
     """Per task: (behaviour versions of the step's groups, the trainer's version when it started)."""
+    trains: list[Train] = field(default_factory=list)
+    """Every Train order, in issue order."""
+    moves: list[Move] = field(default_factory=list)
 
 
 class SimLoop:
@@ -86,9 +89,13 @@ class SimLoop:
                 return
             self.result.trained_versions.setdefault(command.task_id, []).append(
                 (command.behaviour_versions, command.from_version))
+            self.result.trains.append(command)
             cost = d.train(command.task_id, len(command.group_ids)) + d.publish(command.task_id)
             self.at(cost, StepDone(command.task_id, command.from_version + 1))
         elif isinstance(command, TaskEnded):
             self.result.ended[command.task_id] = command.status
+        elif isinstance(command, Move):  # the handover takes about a publish
+            self.result.moves.append(command)
+            self.at(d.publish(command.task_id), Moved(command.task_id, command.to_group))
         elif not isinstance(command, Discard):
             raise TypeError(f"unknown command {command!r}")

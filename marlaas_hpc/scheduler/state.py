@@ -54,6 +54,10 @@ class TaskState:
     reward_history: list[float] = field(default_factory=list)
     resume_version: int | None = None
     """Set for a task restored from a checkpoint: the version its adapter and optimizer were saved at."""
+    trainer_group: int | None = None
+    """The trainer group that owns the task's adapter and optimizer (set at admission; None before)."""
+    moves: int = 0
+    """Times the task moved to another trainer group (placement/rebalancing)."""
 
     def checkpoint(self) -> dict:
         """What survives a preemption (JSON). Groups in flight or buffered are not kept: their prompts
@@ -64,7 +68,8 @@ class TaskState:
                 "next_prompt": self.next_prompt, "trained_groups": self.trained_groups,
                 "dropped_groups": self.dropped_groups, "max_trained_staleness": self.max_trained_staleness,
                 "submitted_at": self.submitted_at, "step_times": list(self.step_times),
-                "reward_history": list(self.reward_history),
+                "reward_history": list(self.reward_history), "trainer_group": self.trainer_group,
+                "moves": self.moves,
                 "preempted_groups": (self.preempted_groups + len(self.ready) + len(self.training or [])
                                      if unfinished else self.preempted_groups)}
 
@@ -79,7 +84,8 @@ class TaskState:
                    max_trained_staleness=record["max_trained_staleness"], submitted_at=record["submitted_at"],
                    step_times=list(record["step_times"]), error=record["error"],
                    reward_history=list(record["reward_history"]),
-                   preempted_groups=record.get("preempted_groups", 0))
+                   preempted_groups=record.get("preempted_groups", 0), moves=record.get("moves", 0),
+                   trainer_group=record.get("trainer_group") if ended else None)
         if not ended and version is not None:
             task.resume_version = version
         return task

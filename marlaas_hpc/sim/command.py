@@ -24,7 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--rollout-ranks", type=int)
     p.add_argument("--env-ranks", type=int)
     p.add_argument("--trainer-tp", type=int)
-    p.add_argument("--trainer-replicas", type=int)
+    p.add_argument("--trainer-dp", type=int, help="data-parallel replicas per trainer group")
+    p.add_argument("--trainer-groups", "--trainer-replicas", dest="trainer_groups", type=int,
+                   help="independent trainer groups (the scheduler places each task on one)")
     p.add_argument("--staleness", type=int, help="set every task's max_staleness k")
     p.set_defaults(func=run_command)
 
@@ -53,7 +55,8 @@ def run_command(args) -> int:
     try:
         setup, workload = build(args.config, args.workload, args.mode, args.tasks, args.staleness,
                                 rollout_ranks=args.rollout_ranks, env_ranks=args.env_ranks,
-                                trainer_tp=args.trainer_tp, trainer_replicas=args.trainer_replicas)
+                                trainer_tp=args.trainer_tp, trainer_dp=args.trainer_dp,
+                                trainer_groups=args.trainer_groups)
     except (SpecError, OSError) as exc:
         print(f"marlaas simulate: {exc}", file=sys.stderr)
         return 2

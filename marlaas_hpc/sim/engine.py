@@ -6,9 +6,13 @@
                 step = decode_step * sequences ** batch_exponent; prefill and adapter loads stall it;
                 multi-turn episodes leave the batch for a tool call and come back)
              ─► Generated (scheduler)  +  group data ─► EnvSim (FIFO, reward time per sample) ─► Scored
-    Train    ─► TrainerSim (fuses every order whose data is there; step time from tokens, fused tasks, TP;
-                then publishes each task's delta) ─► StepDone, and the new version on every rollout rank
-    Admit    ─► TrainerSim (adapter created, v0 published) ─► StepDone(v0); evals like the runtime's
+    Train    ─► TrainerSim of the task's group (fuses every order whose data is there; step time from tokens,
+                fused tasks, TP, DP; then publishes each task's delta) ─► StepDone, and the new version on
+                every rollout rank
+    Admit    ─► TrainerSim of the group the scheduler placed it on (adapter created, v0 published)
+                ─► StepDone(v0); evals like the runtime's
+    Move     ─► the source TrainerSim sends the task's state (adapter + Adam moments) and buffered data to the
+                target ─► Moved; the target trains the task only once its state is there
 
 Only the scheduler's events and commands cross the boundary, so the scheduler cannot tell this from MPI.
 Everything random draws from one seeded generator in event order: the same seed gives the same trace.
@@ -21,8 +25,8 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Scheduler, Scored, StepDone, Submit,
-                                   TaskEnded, TaskFailed, Train)
+from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, Scheduler, Scored, StepDone,
+                                   Submit, TaskEnded, TaskFailed, Train)
 from marlaas_hpc.sim.setup import SimSetup
 from marlaas_hpc.sim.workload import TaskProfile, Workload
 
@@ -304,7 +308,7 @@ class EnvSim:
         # contention with the ranks the group shares a host with
         if env.rollout_contention and sim.rollout[rollout_rank].busy_now():
             seconds += env.rollout_contention
-        if env.trainer_contention and sim.trainers[sim.replica_of(group.task_id)].training:
+        if env.trainer_contention and sim.trainers[sim.scheduler.trainer_group(group.task_id)].training:
             seconds += env.trainer_contention
         start = max(self.sim.queue.now, self.free_at)
         self.free_at = start + seconds
@@ -313,17 +317,22 @@ class EnvSim:
 
 
 class TrainerSim:
-    """One trainer replica (a TP group). Like the runtime's leader: admits first, then one fused step over
-    every order whose groups have all arrived; each trained task's new version is then published."""
+    """One trainer group (DP x TP GPUs). Like the runtime's leader: admits first, then hands over tasks that
+    move away, then one fused step over every order whose groups have all arrived (and whose task's state is
+    here); each trained task's new version is then published."""
 
     def __init__(self, sim: "Simulation", index: int):
         self.sim, self.index = sim, index
         self.model = sim.workload.trainer
-        self.tp = sim.setup.trainer_tp
+        self.tp, self.dp = sim.setup.trainer_tp, sim.setup.trainer_dp
         self.admits: list[Admit] = []
+        self.moves: list[Move] = []
+        """Tasks to hand over to another group (at their step boundary)."""
+        self.incoming: set[str] = set()
+        """Tasks moving here whose state has not arrived yet."""
         self.orders: list[Train] = []
-        self.arrived: dict[str, int] = {}
-        """Group id -> trained tokens, for groups whose data reached the trainer."""
+        self.arrived: dict[str, tuple[str, int]] = {}
+        """Group id -> (task id, trained tokens), for groups whose data reached the trainer."""
         self.busy_until = 0.0
         self.working = False
         self.training = False
@@ -340,7 +349,12 @@ class TrainerSim:
         if self.admits:
             self._admit(self.admits.pop(0))
             return
+        if self.moves:
+            self._move_out(self.moves.pop(0))
+            return
         ready = [o for o in self.orders if all(g in self.arrived for g in o.group_ids)]
+        if self.incoming:
+            ready = [o for o in ready if o.task_id not in self.incoming]
         if ready:
             self._train(ready)
 
@@ -351,22 +365,51 @@ class TrainerSim:
         self._busy(now, done, "admit")
         self.sim.queue.at(done + self.sim.latency, self.sim.scheduler_event, StepDone(admit.spec.task_id, 0))
 
+    def _move_out(self, move: Move) -> None:
+        """Sends the task's state (adapter + two Adam moments, every rank to its counterpart at once) and the
+        data buffered for it to the target group, which then answers Moved."""
+        now = self.sim.queue.now
+        net = self.sim.workload.network
+        state_bytes = 3 * net.adapter_bytes_per_rank * self.sim.task_spec(move.task_id).lora.rank
+        end = now + state_bytes / net.delta_bandwidth
+        buffered = {g: entry for g, entry in self.arrived.items() if entry[0] == move.task_id}
+        for group_id in buffered:
+            del self.arrived[group_id]
+        self._busy(now, end, "move")
+        self.sim.queue.at(end + self.sim.latency, self.sim.trainers[move.to_group].move_in, move, buffered)
+
+    def move_in(self, move: Move, buffered: dict) -> None:
+        self.incoming.discard(move.task_id)
+        self.arrived.update(buffered)
+        self.sim.queue.after(self.sim.latency, self.sim.scheduler_event, Moved(move.task_id, move.to_group))
+        self.next_job()
+
     def _train(self, ready: list[Train]) -> None:
         now = self.sim.queue.now
         taken = {id(o) for o in ready}
         self.orders = [o for o in self.orders if id(o) not in taken]
-        tokens = sum(self.arrived.pop(g) for o in ready for g in o.group_ids)
+        step_tokens = [sum(self.arrived.pop(g)[1] for g in o.group_ids) for o in ready]
+        tokens = sum(step_tokens)
         decoding = sum(1 for r in self.sim.rollout.values() if r.busy_now()) / len(self.sim.rollout)
-        compute = self._speed(self.model.step_fixed + self.model.per_token * tokens + self.model.per_task * len(ready)
-                              + self.model.overlap_cost * decoding)
-        end = now + compute
+        compute = self._speed(self.model.step_fixed + self.model.per_token * tokens / self.dp
+                              + self.model.per_task * len(ready) + self.model.overlap_cost * decoding)
+        end = now + compute + self._all_reduce(ready)
         for order in ready:
             end += self.sim.publish(order.task_id, order.from_version + 1, end, self)
         self._busy(now, end, "train")
         self.sim.fused_steps.append(len(ready))
-        for order in ready:
+        for order, order_tokens in zip(ready, step_tokens):
             self.sim.queue.at(end + self.sim.latency, self.sim.scheduler_event,
-                              StepDone(order.task_id, order.from_version + 1))
+                              StepDone(order.task_id, order.from_version + 1, {"step_tokens": order_tokens}))
+
+    def _all_reduce(self, ready: list[Train]) -> float:
+        """DP > 1: the fused tasks' LoRA gradients (each rank's shard) all-reduced over the DP replicas, a ring
+        moving 2 (dp - 1) / dp of them at the delta bandwidth."""
+        if self.dp == 1:
+            return 0.0
+        net = self.sim.workload.network
+        grad_bytes = sum(net.adapter_bytes_per_rank * self.sim.task_spec(o.task_id).lora.rank for o in ready)
+        return 2 * (self.dp - 1) / self.dp * grad_bytes / net.delta_bandwidth
 
     def _busy(self, start: float, end: float, stage: str) -> None:
         self.working, self.training = True, stage == "train"
@@ -400,8 +443,7 @@ class Simulation:
         engine = RolloutSim if workload.rollout.batching == "continuous" else StaticRolloutSim
         self.rollout = {rank: engine(self, rank) for rank in ranks["rollout"]}
         self.env = {rank: EnvSim(self, rank) for rank in ranks["env"]}
-        self.trainers = [TrainerSim(self, i) for i in range(setup.trainer_replicas)]
-        self._replica = {spec.task_id: i % setup.trainer_replicas for i, spec in enumerate(setup.tasks)}
+        self.trainers = [TrainerSim(self, i) for i in range(setup.trainer_groups)]
         self._specs = {spec.task_id: spec for spec in setup.tasks}
         self._groups: dict[str, SimGroup] = {}
         self._eval_turn = 0
@@ -426,28 +468,32 @@ class Simulation:
         if isinstance(command, Generate):
             self.queue.after(self.latency, self._deliver_generate, command)
         elif isinstance(command, Train):
-            trainer = self.trainers[self._replica[command.task_id]]
+            trainer = self.trainers[command.trainer_group]
             trainer.orders.append(command)
             self.queue.after(self.latency, trainer.next_job)
         elif isinstance(command, Admit):
-            trainer = self.trainers[self._replica[command.spec.task_id]]
+            trainer = self.trainers[command.trainer_group]
             trainer.admits.append(command)
             self.queue.after(self.latency, trainer.next_job)
             self._eval(command.spec.task_id, None)
         elif isinstance(command, Discard):
-            trainer = self.trainers[self._replica[command.task_id]]
             for group_id in command.group_ids:
-                trainer.arrived.pop(group_id, None)
+                for trainer in self.trainers:  # a moving task's data may still sit in its old group
+                    trainer.arrived.pop(group_id, None)
                 self._groups.pop(group_id, None)
+        elif isinstance(command, Move):
+            self.trainers[command.to_group].incoming.add(command.task_id)
+            source = self.trainers[command.from_group]
+            source.moves.append(command)
+            self.queue.after(self.latency, source.next_job)
         elif isinstance(command, TaskEnded):
             if command.status == "done":
                 self._eval(command.task_id, self.scheduler.tasks[command.task_id].version)
         else:
             raise TypeError(f"unknown command {command!r}")
 
-    def replica_of(self, task_id: str) -> int:
-        """The trainer replica that trains this task."""
-        return self._replica[task_id]
+    def task_spec(self, task_id: str):
+        return self._specs[task_id]
 
     def _deliver_generate(self, command: Generate) -> None:
         spec = self._specs[command.task_id]
@@ -487,11 +533,12 @@ class Simulation:
             return
         self.queue.after(self.latency, self.scheduler_event, Scored(group.group_id, 0.0))
         if self._groups.pop(group.group_id, None) is not None:
-            trainer = self.trainers[self._replica[group.task_id]]
-            self.queue.after(self.latency, self._data_arrives, trainer, group)
+            self.queue.after(self.latency, self._data_arrives, group)
 
-    def _data_arrives(self, trainer: TrainerSim, group: SimGroup) -> None:
-        trainer.arrived[group.group_id] = group.tokens
+    def _data_arrives(self, group: SimGroup) -> None:
+        """To the group that owns the task now (the runtime's old owner forwards what reaches it late)."""
+        trainer = self.trainers[self.scheduler.trainer_group(group.task_id)]
+        trainer.arrived[group.group_id] = (group.task_id, group.tokens)
         trainer.next_job()
 
     def _eval_done(self) -> None:
@@ -540,6 +587,8 @@ class Simulation:
 def _describe(now: float, event, commands) -> str:
     """One trace line: time, the event and the commands it caused (task specs by id only)."""
     def short(item):
+        if isinstance(item, Admit) and item.trainer_group:
+            return f"Admit({item.spec.task_id}@{item.trainer_group})"
         if isinstance(item, (Submit, Admit)):
             return f"{type(item).__name__}({item.spec.task_id})"
         if isinstance(item, StepDone):

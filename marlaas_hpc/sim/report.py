@@ -26,7 +26,11 @@ def summarize(sim: Simulation, outcome: SimOutcome, seed: int) -> dict:
         "fused_tasks_mean": _mean(sim.fused_steps),
         "scheduler_events": outcome.scheduler_events, "trace_sha256": outcome.trace_hash,
         "layout": {"env_ranks": setup.env_ranks, "rollout_ranks": setup.rollout_ranks,
-                   "trainer_tp": setup.trainer_tp, "trainer_replicas": setup.trainer_replicas, "gpus": setup.gpus},
+                   "trainer_tp": setup.trainer_tp, "trainer_dp": setup.trainer_dp,
+                   "trainer_groups": setup.trainer_groups, "gpus": setup.gpus},
+        "trainer_busy_by_group": [min(t.meter.busy, outcome.end_time) / max(outcome.end_time, 1e-12)
+                                  for t in sim.trainers],
+        "moves": sum(t.moves for t in sim.scheduler.tasks.values()),
         "tasks": tasks,
     }
 

@@ -1,8 +1,8 @@
 """What is simulated: the job's layout and tasks, taken from a normal job config and optionally scaled.
 
-A simulated job may be larger than any config the runtime accepts: N copies of the config's tasks
-(`copies_to`), any number of rollout / env ranks, and several trainer replicas (each a TP group that owns a
-share of the tasks; the runtime has one trainer group so far, so replicas > 1 is a what-if).
+A simulated job may be larger than the configs run here: N copies of the config's tasks (`copies_to`), any
+number of rollout / env ranks and trainer groups. Tasks are placed on trainer groups by the scheduler's own
+placement (scheduler/placement.py), as in the runtime.
 """
 from __future__ import annotations
 
@@ -25,13 +25,15 @@ class SimSetup:
     rollout_ranks: int = 1
     """Rollout ranks (one inference engine each, one GPU each in the GPU count)."""
     trainer_tp: int = 1
-    """Tensor-parallel size of a trainer group (GPUs per trainer replica)."""
-    trainer_replicas: int = 1
-    """Independent trainer groups; task i trains on replica i % replicas."""
+    """Tensor-parallel size of a trainer group."""
+    trainer_dp: int = 1
+    """Data-parallel replicas inside a trainer group (a step's tokens are split over them)."""
+    trainer_groups: int = 1
+    """Independent trainer groups (DP x TP GPUs each); the scheduler places each task on one."""
     rollout_slots: int = 4
     """Prompt groups one rollout rank generates concurrently."""
     trainer_slots: int = 4
-    """Train orders in flight at once (fused into one step per replica when their data is there)."""
+    """Train orders in flight at once per trainer group (fused into one step when their data is there)."""
     max_active_tasks: int = 8
     """Adapter slots: tasks running at once."""
     tasks: list[TaskSpec] = field(default_factory=list)
@@ -39,23 +41,25 @@ class SimSetup:
 
     @property
     def gpus(self) -> int:
-        return self.rollout_ranks + self.trainer_tp * self.trainer_replicas
+        return self.rollout_ranks + self.trainer_tp * self.trainer_dp * self.trainer_groups
 
     def world_ranks(self) -> dict[str, tuple[int, ...]]:
-        """World ranks per role, in the runtime's order: 0 scheduler, env, rollout, trainer leaders."""
+        """World ranks per role, in the runtime's order: 0 scheduler, env, rollout, trainer group leaders."""
         env = tuple(range(1, 1 + self.env_ranks))
         rollout = tuple(range(env[-1] + 1, env[-1] + 1 + self.rollout_ranks))
-        trainer = tuple(rollout[-1] + 1 + i * self.trainer_tp for i in range(self.trainer_replicas))
+        size = self.trainer_tp * self.trainer_dp
+        trainer = tuple(rollout[-1] + 1 + i * size for i in range(self.trainer_groups))
         return {"env": env, "rollout": rollout, "trainer": trainer}
 
     def scheduler_config(self) -> SchedulerConfig:
         ranks = self.world_ranks()
         return SchedulerConfig(mode=self.mode, order=self.order, rollout_ranks=ranks["rollout"],
                                env_ranks=ranks["env"], rollout_slots=self.rollout_slots,
-                               max_active_tasks=self.max_active_tasks, trainer_slots=self.trainer_slots)
+                               max_active_tasks=self.max_active_tasks, trainer_slots=self.trainer_slots,
+                               trainer_groups=self.trainer_groups)
 
     def validate(self) -> "SimSetup":
-        for name in ("env_ranks", "rollout_ranks", "trainer_tp", "trainer_replicas", "rollout_slots",
+        for name in ("env_ranks", "rollout_ranks", "trainer_tp", "trainer_dp", "trainer_groups", "rollout_slots",
                      "trainer_slots", "max_active_tasks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -70,6 +74,7 @@ def setup_from_job(job: JobConfig, **overrides) -> SimSetup:
     """The simulated twin of a job config; keyword overrides replace fields (None: keep the config's)."""
     setup = SimSetup(mode=job.mode, order=job.order, env_ranks=job.layout.env_ranks,
                      rollout_ranks=job.layout.rollout_ranks, trainer_tp=job.layout.trainer_tp,
+                     trainer_dp=job.layout.trainer_dp, trainer_groups=job.layout.trainer_groups,
                      rollout_slots=job.rollout_slots, trainer_slots=job.trainer_slots,
                      max_active_tasks=job.max_adapters, tasks=list(job.tasks))
     return dataclasses.replace(setup, **{k: v for k, v in overrides.items() if v is not None}).validate()

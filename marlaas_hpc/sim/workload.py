@@ -117,7 +117,7 @@ class EnvModel:
 
 @dataclass(kw_only=True, slots=True)
 class TrainerModel:
-    """The trainer (one TP group, or each of `trainer_replicas` in the simulator)."""
+    """One trainer group (TP x DP GPUs; a job may have several, `trainer_groups`)."""
 
     step_fixed: float = field(default=0.1, metadata=_unit(TIME))
     """Cost of a (possibly fused) optimizer step independent of its size, at TP=1."""

@@ -5,8 +5,9 @@ the Transformer Engine spec (fused `linear_qkv.layer_norm_weight`); here it is p
 norms are separate modules (`input_layernorm`, `pre_mlp_layernorm`). `bridge.get_model()` is not used (it calls
 `.cuda()`): the GPTModel is built directly and the bridge only loads weights.
 
-Process groups (DESIGN.md §6): tensor parallelism spans the default torch.distributed group (gloo on CPU, nccl
-on GPU); `init_distributed` creates it from the torchrun environment, or a single-process group for TP=1.
+Process groups (DESIGN.md §6): the default torch.distributed group (gloo on CPU, nccl on GPU) spans one trainer
+group's ranks, TP x DP (TP-major: TP groups are consecutive ranks); megatron's parallel state splits it into TP and
+DP groups. `init_distributed` creates it from the torchrun environment, or a single-process group for TP=DP=1.
 """
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ def init_single_process_group(backend: str | None = None) -> None:
     dist.init_process_group(backend or default_backend(), store=dist.HashStore(), rank=0, world_size=1)
 
 
-def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = None) -> None:
-    """Default process group (from torchrun env vars, else single-process) + megatron's TP groups + RNG.
+def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = None,
+                     data_parallel: int = 1) -> None:
+    """Default process group (from torchrun env vars, else single-process) + megatron's TP and DP groups + RNG.
 
-    The default group must span exactly the trainer ranks; its size must equal `tensor_parallel`
-    (data parallelism is not implemented). Idempotent when already initialised with the same TP size.
-    On CUDA the caller selects this rank's device first (`torch.cuda.set_device`): NCCL binds to it.
+    The default group must span exactly the trainer group's ranks: `tensor_parallel * data_parallel` of them.
+    Idempotent when already initialised with the same sizes. On CUDA the caller selects this rank's device first
+    (`torch.cuda.set_device`): NCCL binds to it.
     """
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
 
@@ -45,15 +47,15 @@ def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = 
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend or default_backend())
-        elif tensor_parallel == 1:
+        elif tensor_parallel * data_parallel == 1:
             init_single_process_group(backend)
         else:
-            raise RuntimeError(f"tensor_parallel={tensor_parallel} needs an initialised default process group "
-                               "(torchrun / init_process_group) of that size")
+            raise RuntimeError(f"tensor_parallel={tensor_parallel} x data_parallel={data_parallel} needs an "
+                               "initialised default process group (torchrun / init_process_group) of that size")
     world = dist.get_world_size()
-    if world != tensor_parallel:
-        raise ValueError(f"the default process group has {world} ranks but tensor_parallel={tensor_parallel}; "
-                         "the trainer's world must be exactly its TP group")
+    if world != tensor_parallel * data_parallel:
+        raise ValueError(f"the default process group has {world} ranks but tensor_parallel={tensor_parallel} x "
+                         f"data_parallel={data_parallel}; the trainer's world must be exactly its TP x DP ranks")
     if parallel_state.model_parallel_is_initialized():
         have = parallel_state.get_tensor_model_parallel_world_size()
         if have != tensor_parallel:

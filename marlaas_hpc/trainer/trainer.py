@@ -1,7 +1,8 @@
 """MultiLoraTrainer: many tasks' LoRA adapters trained with GRPO on one frozen megatron-core base (DESIGN.md §4, §6).
 
-Every TP rank of the trainer's world constructs the trainer and calls the same methods with the same arguments
-(the methods are collective over the TP group). Each task owns its adapter (one per `MultiLora` site), its own
+Every rank of the trainer's world (TP x DP) constructs the trainer and calls the same methods with the same
+arguments (the methods are collective over the TP group; a training step also over the DP group: each DP replica
+back-propagates its share of the rows and the LoRA gradients are summed over the replicas, `_all_reduce_dp`). Each task owns its adapter (one per `MultiLora` site), its own
 `torch.optim.AdamW` over this rank's shards of it, and its version (= optimizer steps applied). A training step
 may fuse several tasks' batches: the base forward is shared, rows pick their task's adapter.
 """
@@ -33,7 +34,9 @@ class TrainerConfig:
     model_path: str
     """Local HF Qwen3 checkpoint directory (config.json + *.safetensors) of the shared base model."""
     tensor_parallel: int = 1
-    """TP size; must equal the size of the default torch.distributed group (the trainer ranks)."""
+    """TP size; TP x DP must equal the size of the default torch.distributed group (the trainer group's ranks)."""
+    data_parallel: int = 1
+    """DP replicas: a step's rows are split over them and the LoRA gradients all-reduced over the DP group."""
     seed: int = 0
     """Seeds megatron's RNG tracker and (with the task id) every adapter's lora_A init."""
     micro_batch_tokens: int = 0
@@ -52,7 +55,7 @@ class TrainerConfig:
     def validate(self) -> "TrainerConfig":
         if not isinstance(self.model_path, (str, Path)) or not Path(self.model_path, "config.json").is_file():
             raise SpecError("model_path", f"{self.model_path!r} is not an HF checkpoint directory")
-        for name, low in (("tensor_parallel", 1), ("micro_batch_tokens", 0)):
+        for name, low in (("tensor_parallel", 1), ("data_parallel", 1), ("micro_batch_tokens", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise SpecError(name, f"must be an integer >= {low}, got {value!r}")
@@ -118,13 +121,16 @@ class MultiLoraTrainer:
         self.device = config.torch_device()
         if self.device.type == "cuda":  # before NCCL starts: the process group binds to the current device
             torch.cuda.set_device(self.device)
-        init_distributed(config.tensor_parallel, seed=config.seed)
+        init_distributed(config.tensor_parallel, seed=config.seed, data_parallel=config.data_parallel)
         loaded = build_gpt_model(config.model_path, device=self.device, dtype=config.torch_dtype(self.device),
                                  recompute=config.recompute)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
         self.vocab_size = loaded.vocab_size
         self._padding = self._padded_columns(loaded.padded_vocab_size)
         pad = getattr(self.hf_config, "pad_token_id", None)
@@ -294,8 +300,11 @@ class MultiLoraTrainer:
         for task_id in batches:
             self.tasks[task_id].optimizer.zero_grad(set_to_none=True)
         items = [(task_id, traj) for task_id, trajs in batches.items() for traj in trajs]
-        for indices in self._micro_batches(items, [self._length(traj) for _, traj in items]):
-            self._accumulate_gradients([items[i] for i in indices], totals, stats)
+        mine = items[self.dp_rank::self.dp_size]  # this DP replica's rows (still grouped by task)
+        for indices in self._micro_batches(mine, [self._length(traj) for _, traj in mine]):
+            self._accumulate_gradients([mine[i] for i in indices], totals, stats)
+        if self.dp_size > 1:
+            self._all_reduce_dp(list(batches), totals, stats)
         return {task_id: self._optimizer_step(task_id, trajs, totals[task_id], stats[task_id])
                 for task_id, trajs in batches.items()}
 
@@ -345,6 +354,32 @@ class MultiLoraTrainer:
                 diff = float(((logp - behaviour).abs() * mask).sum()) / totals[task_id]
             acc["logp_diff_abs"] = acc.get("logp_diff_abs", 0.0) + diff
         return total_loss
+
+    def _all_reduce_dp(self, task_ids: list[str], totals: dict[str, int], stats: dict[str, dict[str, float]]) -> None:
+        """Sums the DP replicas' LoRA gradients and loss statistics. Every replica weighted its rows' losses by the
+        task's tokens over the whole batch, so the sums are the whole batch's gradient and statistics. A task with
+        trained tokens gets gradients on every replica (zeros where it had no rows), as on one replica; one
+        without any keeps none, so its AdamW skips it on every replica alike."""
+        params = []
+        for task_id in task_ids:
+            if totals[task_id] == 0:
+                continue
+            for param in self.lora.parameters(task_id):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                params.append(param)
+        if params:
+            flat = torch.cat([param.grad.reshape(-1) for param in params])
+            dist.all_reduce(flat, group=self.dp_group)
+            offset = 0
+            for param in params:
+                param.grad.copy_(flat[offset: offset + param.numel()].view_as(param))
+                offset += param.numel()
+        replicas: list = [None] * self.dp_size
+        dist.all_gather_object(replicas, stats, group=self.dp_group)
+        for task_id in stats:
+            stats[task_id] = {key: sum(r[task_id].get(key, 0.0) for r in replicas)
+                              for key in sorted({k for r in replicas for k in r[task_id]})}
 
     def _optimizer_step(self, task_id: str, trajs: Sequence[Trajectory], tokens: int,
                         stats: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,85 @@
+"""Rollout side of the LoRA delta broadcasts: one DeltaGroup per trainer group leader (runtime/delta.py).
+
+With one trainer group a rollout rank joins each announced broadcast at once, as it always did. With several,
+joining one broadcast and waiting for it could deadlock: rollout rank 1 may see leader A's announce first and
+wait in A's broadcast while rollout rank 2 waits in leader B's, each broadcast needing the other rank. So every
+announced broadcast is posted without waiting (each group's collectives run on their own gloo threads, so both
+progress), and finished ones are handed out in each leader's order:
+
+    poll():  announces from any leader  ──► post the broadcast (non-blocking), queue it under its leader
+             the head of each leader's queue, once complete ──► (announce, tensors)
+
+A task's versions come from whichever group owns it, and a move hands a task to another group at a step
+boundary, so version v (old owner) and v+1 (new owner) may complete in either order: the caller installs a
+version only if it is newer than the one it holds (RolloutRank._drain_deltas).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Iterator
+
+import torch
+
+from marlaas_hpc.runtime.comm import poll
+from marlaas_hpc.runtime.delta import DeltaGroup
+from marlaas_hpc.runtime.messages import TAG_DELTA, DeltaAnnounce
+
+
+def unflatten(announce: DeltaAnnounce, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The named tensors of one broadcast buffer (the layout DeltaGroup.send flattens them in)."""
+    flat = flat.cpu()
+    out, offset = {}, 0
+    for name, shape in zip(announce.names, announce.shapes):
+        n = int(torch.Size(shape).numel())
+        out[name] = flat[offset: offset + n].view(shape).clone()
+        offset += n
+    return out
+
+
+class DeltaFanIn:
+    """The delta broadcasts of every trainer group leader, as one source of (announce, tensors)."""
+
+    def __init__(self, comm, groups: list[DeltaGroup]):
+        if not groups:
+            raise ValueError("a rollout rank needs the delta group of at least one trainer leader")
+        self.comm = comm
+        self.groups = {group.leader: group for group in groups}
+        self.pending: dict[int, deque] = {leader: deque() for leader in self.groups}
+        """Per leader: (announce, buffer, work) of posted broadcasts, in the leader's order."""
+
+    @property
+    def leaders(self) -> list[int]:
+        return list(self.groups)
+
+    def poll(self) -> Iterator[tuple[DeltaAnnounce, Callable[[], dict[str, torch.Tensor]]]]:
+        """Yields (announce, receive) for each broadcast ready to be taken; `receive()` returns its tensors.
+        One group: every announce at once, `receive` joins the broadcast (blocking, as before). Several: only
+        broadcasts that have completed, in each leader's order."""
+        if len(self.groups) == 1:
+            (leader, group), = self.groups.items()
+            while True:
+                announce, _ = poll(self.comm, TAG_DELTA, source=leader)
+                if announce is None:
+                    return
+                yield announce, lambda announce=announce: group.receive(announce)
+        self._post_announced()
+        for leader, queue in self.pending.items():
+            while queue and queue[0][2].is_completed():
+                announce, flat, work = queue.popleft()
+                work.wait()  # raises what the broadcast failed with
+                tensors = unflatten(announce, flat)
+                yield announce, lambda tensors=tensors: tensors
+
+    def busy(self) -> bool:
+        """Broadcasts posted and not yet handed out."""
+        return any(self.pending.values())
+
+    def _post_announced(self) -> None:
+        while True:
+            announce, source = poll(self.comm, TAG_DELTA)
+            if announce is None:
+                return
+            group = self.groups[source]
+            total = sum(int(torch.Size(s).numel()) for s in announce.shapes)
+            flat = torch.empty(total, dtype=torch.float32, device=group.device)
+            self.pending[source].append((announce, flat, group.group.broadcast(flat, 0)))

@@ -1,0 +1,60 @@
+#!/bin/bash
+
+# Parameters
+#SBATCH --cpus-per-task=2
+#SBATCH --error=/scratch/marlaas/runs/demo/%j_0_log.err
+#SBATCH --job-name=demo
+#SBATCH --mem=8G
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --open-mode=append
+#SBATCH --output=/scratch/marlaas/runs/demo/%j_0_log.out
+#SBATCH --partition=cpu
+#SBATCH --requeue
+#SBATCH --signal=USR2@180
+#SBATCH --time=240
+#SBATCH --wckey=submitit
+
+# setup
+#SBATCH hetjob
+# het group 1: env (4 ranks)
+#SBATCH --partition=cpu
+#SBATCH --nodes=1
+#SBATCH --ntasks=4
+#SBATCH --cpus-per-task=4
+#SBATCH --mem=32G
+#SBATCH --time=04:00:00
+#SBATCH --signal=USR2@180
+#SBATCH hetjob
+# het group 2: rollout (4 ranks)
+#SBATCH --partition=gpu
+#SBATCH --nodes=2
+#SBATCH --ntasks=4
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=8
+#SBATCH --gpus-per-task=1
+#SBATCH --mem=200G
+#SBATCH --time=04:00:00
+#SBATCH --signal=USR2@180
+#SBATCH hetjob
+# het group 3: trainer (4 ranks)
+#SBATCH --partition=gpu
+#SBATCH --nodes=2
+#SBATCH --ntasks=4
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=8
+#SBATCH --gpus-per-task=1
+#SBATCH --mem=200G
+#SBATCH --time=04:00:00
+#SBATCH --signal=USR2@180
+set -euo pipefail
+module load openmpi/4.1.6 cuda/12.4
+export OMPI_MCA_btl_tcp_if_include=ib0
+export OMPI_MCA_oob_tcp_if_include=ib0
+export NCCL_SOCKET_IFNAME=ib0
+export GLOO_SOCKET_IFNAME=ib0
+export OMP_NUM_THREADS=1
+
+# command
+export SUBMITIT_EXECUTOR=slurm
+/opt/marlaas/.venv/bin/python -m marlaas_hpc.launch.step_guard --grace=60 -- srun --unbuffered --het-group=0-3 --mpi=pmix --kill-on-bad-exit=1 /opt/marlaas/.venv/bin/python -u -m marlaas_hpc.launch.hetjob_task /scratch/marlaas/runs/demo
