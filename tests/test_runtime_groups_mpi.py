@@ -96,21 +96,28 @@ def test_two_groups_train_four_tasks_with_placement_by_tokens(groups_run):
 
 
 def test_a_task_moves_to_the_idle_group_and_keeps_training(groups_run):
+    """Once 'big' is measured, group 1 (three light tasks) outweighs group 0: light tasks move there, each at a
+    step boundary, and keep training. How many move depends on the measured tokens per step (sampled lengths),
+    so every move is checked, not a count."""
     config, proc, run_dir, summary, audit, timeline, metrics = groups_run
-    moved = [t for t, s in summary["tasks"].items() if s["trainer_moves"]]
-    assert len(moved) == 1 and moved[0] != "big", summary["tasks"]
-    task_id = moved[0]
-    assert summary["tasks"][task_id]["trainer_group"] == 0 and f"[{task_id}] moves from trainer group 1 to 0" in \
-        proc.stdout
+    moved = {t: s["trainer_moves"] for t, s in summary["tasks"].items() if s["trainer_moves"]}
+    assert moved and "big" not in moved, summary["tasks"]
+    leader = {0: 3, 1: 4}
     outs = [s for s in timeline if s["stage"] == "move_out"]
     ins = [s for s in timeline if s["stage"] == "move_in"]
-    assert [(s["rank"], s["tasks"]) for s in outs] == [(4, [task_id])]
-    assert [(s["rank"], s["tasks"]) for s in ins] == [(3, [task_id])]
-    # it trained on group 1 before the move and on group 0 after it, every version once, on-policy exact
+    assert len(outs) == len(ins) == sum(moved.values())
     trained = _trained_by_rank(timeline)
-    assert task_id in trained[3] and task_id in trained[4]
-    after = [s for s in timeline if s["rank"] == 3 and s["stage"] == "train" and task_id in s["tasks"]]
-    assert after and min(s["start"] for s in after) >= ins[0]["end"]
+    for task_id in moved:
+        group = summary["tasks"][task_id]["trainer_group"]
+        assert f"[{task_id}] moves from trainer group {1 - group} to {group}" in proc.stdout
+        assert [s["rank"] for s in outs if task_id in s["tasks"]][-1] == leader[1 - group]
+        last_in = [s for s in ins if task_id in s["tasks"]][-1]
+        assert last_in["rank"] == leader[group]
+        # it trained on its old group before the move and on its new one after it, every version once
+        assert task_id in trained[3] and task_id in trained[4]
+        after = [s for s in timeline if s["rank"] == leader[group] and s["stage"] == "train" and task_id in s["tasks"]
+                 and s["start"] >= last_in["end"]]
+        assert after, f"{task_id} trained on group {group} after it moved there"
     # the report labels the trainer rows of the Gantt chart by group
     from marlaas_hpc.report.load import load_run
     from marlaas_hpc.report.plots import _group_label
