@@ -9,6 +9,7 @@ import yaml
 
 from marlaas_hpc.env.pool import EnvPoolConfig
 from marlaas_hpc.launch.layout import JobLayout
+from marlaas_hpc.runtime.checkpoint import CheckpointConfig
 from marlaas_hpc.service.quotas import TenantQuota
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec, check_fields
 
@@ -44,6 +45,9 @@ class JobConfig:
     env_pool: EnvPoolConfig = field(default_factory=EnvPoolConfig)
     """Each env rank's worker pool: mode 'thread' | 'process' | 'inline', workers (concurrent env steps),
     step_timeout_s (per env-step limit; a step past it fails its task)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Periodic per-task checkpoints (every_steps, every_minutes: a crash loses at most that much of a task's
+    work) and how often a crashed Slurm job requeues itself (max_crash_requeues)."""
     tasks: list[TaskSpec] = field(default_factory=list)
     """The tasks submitted at start."""
     serve_idle_s: float = 0.0
@@ -68,6 +72,7 @@ class JobConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(name, f"must be an integer >= 1, got {value!r}")
         self.layout.validate()
+        self.checkpoint.validate()
         try:
             self.env_pool.validate()
         except ValueError as exc:
@@ -111,6 +116,7 @@ class JobConfig:
         except SpecError as exc:
             raise SpecError(f"layout.{exc.field}", str(exc).split(": ", 1)[1]) from None
         kwargs["env_pool"] = _env_pool(kwargs.get("env_pool") or {})
+        kwargs["checkpoint"] = CheckpointConfig.from_dict(kwargs.get("checkpoint") or {})
         tasks = []
         for i, task in enumerate(kwargs.pop("tasks", []) or []):
             try:
