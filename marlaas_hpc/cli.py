@@ -153,7 +153,12 @@ def cmd_status(args) -> int:
     finished = path.name == "summary.json" and not state.get("preempted")
     elapsed = state.get("wall_time_s", state.get("elapsed_s", 0.0))
     phase = "finished" if finished else "preempted (checkpointed)" if state.get("preempted") else "running"
+    crash = run_dir / "crash.json"
+    if phase == "running" and crash.is_file() and crash.stat().st_mtime >= path.stat().st_mtime:
+        phase = "stopped by a crash (marlaas run --resume continues it)"
     print(f"{run_dir}: mode {state['mode']}, {phase}, {elapsed:.0f} s")
+    if phase.startswith("stopped"):
+        print(json.loads(crash.read_text()).get("message", ""))
     print(f"{'task':<16} {'tenant':<10} {'state':<10} {'step':>9} {'k':>2} {'reward':>7} {'TTFS_s':>7} {'TPTS_s':>7}")
     for task_id, t in state["tasks"].items():
         reward = "-" if t["reward_last"] is None else f"{t['reward_last']:.3f}"

@@ -38,7 +38,7 @@ def main(what: str, run_dir: str) -> None:
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    reporter = RankReporter.connect({"rank": rank, "role": ROLES[rank], "run_dir": run_dir})
+    reporter = RankReporter.connect({"rank": rank, "role": ROLES[rank], "run_dir": run_dir, "max_crash_requeues": 1})
     group = gloo_pair(comm, rank) if what == "kill" else None
     comm.Barrier()
     try:

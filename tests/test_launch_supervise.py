@@ -85,3 +85,22 @@ def test_a_launcher_that_does_not_stop_is_stopped(tmp_path, capfd):
         supervisor.close()
     assert "rank 2 (rollout" in message and "ended without an error report" in message
     assert "the launcher is still running: stopping it" in capfd.readouterr().err
+
+
+def test_under_slurm_the_step_guard_reports_and_requeues_at_most_max_crash_requeues(tmp_path):
+    """The step guard in a made-up allocation (no controller answers: the requeue itself fails here; the
+    Slurm suite checks a real one) supervises the step like `marlaas run` does, then requeues once."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "job.yaml").write_text("{}\n")
+    env = dict(_env(), SLURM_JOB_ID="999999")
+    guard = [sys.executable, "-m", "marlaas_hpc.launch.step_guard", "--poll", "0.5", "--"]
+    first = subprocess.run(guard + _mpirun("kill", run_dir), env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in first.stderr.splitlines() if line.startswith("marlaas: job stopped")]
+    assert len(lines) == 1 and "rank 2 (rollout" in lines[0], first.stderr[-3000:]
+    assert "Requeueing job 999999 (crash requeue 1 of 1)" in lines[0]
+    assert json.loads((run_dir / "crash.json").read_text())["requeued"] is True
+    assert (run_dir / "slurm" / "crash_requeues").read_text() == "1\n"
+    second = subprocess.run(guard + _mpirun("kill", run_dir), env=env, capture_output=True, text=True, timeout=300)
+    assert "Not requeued: 1 crash requeues already (checkpoint.max_crash_requeues=1)" in second.stderr
+    assert second.returncode not in (0, 75)

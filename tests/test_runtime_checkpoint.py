@@ -195,6 +195,8 @@ def test_errors_no_task_caused_are_told_apart():
                         "[127.0.0.1]:19087. This is typically caused by a remote worker crashing.")
     assert is_peer_lost(gloo) and is_job_fault(gloo)
     assert is_job_fault(OSError(errno.ENOSPC, "No space left on device"))
+    safetensors_full = RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert is_job_fault(safetensors_full) and not is_job_fault(RuntimeError("bad shape (os error 2)"))
     assert not is_job_fault(ValueError("state saved at TP rank 0/2, this is rank 0/1"))
     assert not is_job_fault(FloatingPointError("non-finite loss nan"))
     assert not is_job_fault(OSError(errno.ENOENT, "No such file or directory"))

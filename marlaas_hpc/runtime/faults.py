@@ -4,6 +4,8 @@ checkpoints instead of failing tasks that did nothing wrong)."""
 from __future__ import annotations
 
 import errno
+import os
+import re
 
 PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
                      "NCCL error", "ProcessGroupNCCL", "Socket Timeout", "failed to recv", "failed to send")
@@ -28,8 +30,26 @@ def is_peer_lost(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_LOST_MARKERS)
 
 
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def storage_errno(exc: BaseException) -> int | None:
+    """The errno of an OSError with one of STORAGE_ERRNOS, or of a native library's error that wraps one
+    (safetensors: "I/O error: No space left on device (os error 28)"); else None."""
+    if isinstance(exc, OSError):
+        return exc.errno if exc.errno in STORAGE_ERRNOS else None
+    match = _RUST_OS_ERROR.search(str(exc))
+    return int(match.group(1)) if match is not None and int(match.group(1)) in STORAGE_ERRNOS else None
+
+
 def is_storage_error(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
+    return storage_errno(exc) is not None
+
+
+def storage_error(exc: BaseException, what: str) -> OSError:
+    """The OSError to raise for a storage error while writing `what` (the path named in the message)."""
+    code = storage_errno(exc)
+    return OSError(code, f"{os.strerror(code)}: cannot write {what}")
 
 
 def is_job_fault(exc: BaseException) -> bool:

@@ -17,7 +17,7 @@ from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
 from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_shards, save_torch, trainer_rng_path,
                                             trainer_shard_path)
-from marlaas_hpc.runtime.faults import is_job_fault
+from marlaas_hpc.runtime.faults import is_job_fault, is_storage_error, storage_error
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_TRAINER, Checkpoint, CheckpointDone,
                                           RankStats, ScoredGroup, Shutdown, TaskSaved, TrainerOp)
 from marlaas_hpc.scheduler import Admit, Discard, StepDone, TaskEnded, TaskFailed, Train
@@ -138,8 +138,13 @@ class TrainerRank:
             return None
         if self.rank == self.leader:
             t0 = time.time()
-            write_peft_adapter(adapter_dir(self.run_dir, spec, version), tensors, spec.lora,
-                               base_model_name_or_path=str(self.trainer.config.model_path))
+            out = adapter_dir(self.run_dir, spec, version)
+            try:
+                write_peft_adapter(out, tensors, spec.lora, base_model_name_or_path=str(self.trainer.config.model_path))
+            except Exception as exc:
+                if is_storage_error(exc):  # a full disk is the job's fault: name the file, not the library
+                    raise storage_error(exc, f"adapter {out}") from exc
+                raise
             self.delta.send(task_id, version, tensors, spec.lora)
             self.clock.note("publish", (task_id,), t0, time.time(), version=version,
                             bytes=sum(t.numel() * 4 for t in tensors.values()))
