@@ -242,7 +242,14 @@ def matrix(tmp_path_factory):
 def _table(cells: dict) -> str:
     rows = [f"fault matrix, seed {SEED}, checkpoint.every_steps={EVERY}",
             "| cell | exit | message | add: reached -> resumes at | sort: reached -> resumes at |", "|---|---|---|---|---|"]
+    first = cells.get("env", {}).get("stdout", [])
+    for task_id, fault in (("broken", "reward function raises"), ("lookup", "tool hangs")):
+        line = next((line for line in first if line.startswith(f"[{task_id}] failed")), "(none)")
+        rows.append(f"| {fault} | - | {line} | - | - |")
     for name, cell in cells.items():
+        if name == "corrupt":
+            line = next((line for line in cell["stdout"] if cell["shard"] in line), "(none)")
+            rows.append(f"| corrupt shard {cell['shard']} of add v{cell['version']} | - | {line} | - | - |")
         if "messages" not in cell:
             continue
         message = cell["messages"][0].split(": ", 1)[1].split("; no task")[0] if cell["messages"] else "(none)"
