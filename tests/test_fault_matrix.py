@@ -185,6 +185,7 @@ def _kill_cell(job: Job, run_dir: Path, role: str, rng: random.Random) -> dict:
 
 def _outcome(job: Job, run_dir: Path, cell: dict) -> dict:
     code = job.finish()
+    cell["stop_s"] = time.time() - cell.pop("killed_at", time.time())
     stops = [line for line in job.err.splitlines() if line.startswith("marlaas: job stopped")]
     tasks = _saved(run_dir)
     reached = _reached(run_dir)
@@ -208,6 +209,8 @@ def matrix(tmp_path_factory):
         job = Job([str(config), "--run-dir", str(run_dir)], tmp_path)
         job.wait_lines("[broken] failed", "[lookup] failed")  # the task-level cells, before the first kill
         cells["env"] = _outcome(job, run_dir, _kill_cell(job, run_dir, "env", rng))
+        cells["env"]["status"] = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "status", str(run_dir)],
+                                                cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
         for role in ("rollout", "trainer follower, TP rank 1"):
             job = Job(["--resume", str(run_dir)], tmp_path)
             cells[role] = _outcome(job, run_dir, _kill_cell(job, run_dir, role, rng))
@@ -241,7 +244,8 @@ def matrix(tmp_path_factory):
 
 def _table(cells: dict) -> str:
     rows = [f"fault matrix, seed {SEED}, checkpoint.every_steps={EVERY}",
-            "| cell | exit | message | add: reached -> resumes at | sort: reached -> resumes at |", "|---|---|---|---|---|"]
+            "| cell | exit (s after the kill) | message | add: reached -> resumes at | sort: reached -> resumes at |",
+            "|---|---|---|---|---|"]
     first = cells.get("env", {}).get("stdout", [])
     for task_id, fault in (("broken", "reward function raises"), ("lookup", "tool hangs")):
         line = next((line for line in first if line.startswith(f"[{task_id}] failed")), "(none)")
@@ -253,7 +257,8 @@ def _table(cells: dict) -> str:
         if "messages" not in cell:
             continue
         message = cell["messages"][0].split(": ", 1)[1].split("; no task")[0] if cell["messages"] else "(none)"
-        rows.append(f"| {cell['fault']} | {cell['code']} | {message} | " + " | ".join(
+        stop = f" ({cell['stop_s']:.1f} s)" if cell["fault"].startswith("SIGKILL") else ""
+        rows.append(f"| {cell['fault']} | {cell['code']}{stop} | {message} | " + " | ".join(
             f"v{cell['reached'][t]} -> v{cell['saved'][t]}" for t in TENANTS) + " |")
     return "\n".join(rows)
 
@@ -276,6 +281,13 @@ def _check_crash_cell(cell: dict, cause: str) -> None:
 @pytest.mark.parametrize("role", ["env", "rollout", "trainer follower, TP rank 1", "trainer leader", "scheduler"])
 def test_sigkill_of_each_role_names_it_and_loses_at_most_one_interval(matrix, role):
     _check_crash_cell(matrix["cells"][role], "killed by signal 9 (SIGKILL)")
+
+
+def test_status_of_a_crashed_run_dir_says_so(matrix):
+    cell = matrix["cells"]["env"]
+    assert cell["status"].returncode == 0
+    assert "stopped by a crash (marlaas run --resume continues it)" in cell["status"].stdout
+    assert cell["messages"][0] in cell["status"].stdout
 
 
 def test_reward_that_raises_and_tool_that_hangs_fail_their_own_task_only(matrix):

@@ -102,7 +102,7 @@ def guard(argv: list[str], job_id: str, poll_s: float = 5.0, grace_s: float = 60
     srun is still alive `grace_s` after slurmctld stopped listing a step it listed before; if a rank's failure
     ended the step, reports it and requeues the job (CRASH_REQUEUED_EXIT)."""
     supervisor = Supervisor()
-    proc = supervisor.start(argv, dict(os.environ), filter_stderr=False)
+    proc = supervisor.start(argv, dict(os.environ))
     _forward_signals(proc)
     try:
         return after_step(supervisor, _watch(proc, job_id, poll_s, grace_s), job_id)

@@ -37,6 +37,7 @@ INTERRUPTING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 _BANNER_RULE = re.compile(r"^-{20,}$")
 _MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+_SRUN_TASK_ENDED = re.compile(r"^srun: error: (\S+): task (\d+): (.+)$")
 _MPI_BANNERS = ("mpirun noticed that process rank", "Primary job  terminated normally",
                 "MPI_ABORT was invoked on rank", "ORTE has lost communication", "mpirun has exited due to process")
 
@@ -58,6 +59,9 @@ class Supervisor:
         self.rank_signals: dict[int, int] = {}
         """Signals the launcher said ranks died of (Open MPI's banner)."""
         self.held_banners: list[str] = []
+        self.srun_said: str | None = None
+        """srun's first "error: NODE: task N: Killed" line (its task numbers are per het component: the rank
+        is the monitor's to tell, the line only adds how the task ended)."""
         self.stopped_launcher = False
         """The supervisor stopped the launcher (its exit status then says nothing about the failed rank)."""
         self.proc: subprocess.Popen | None = None
@@ -102,6 +106,9 @@ class Supervisor:
             elif _BANNER_RULE.match(line.strip()):
                 block = [line]
             else:
+                match = _SRUN_TASK_ENDED.match(line.strip())
+                if match and self.srun_said is None:
+                    self.srun_said = line.strip()[len("srun: error: "):]
                 sys.stderr.write(line)
                 sys.stderr.flush()
         if block:
@@ -162,8 +169,9 @@ class Supervisor:
             except ValueError:
                 name = f"signal {signum}"
             return f"died: killed by signal {signum} ({name})"
+        said = f"; srun: {self.srun_said}" if self.srun_said else ""
         return ("died: ended without an error report (killed by a signal: an operator, the out-of-memory killer, "
-                "or a crash in native code)")
+                f"or a crash in native code{said})")
 
     def report(self, code: int, resume_hint: str | None = None, extra: dict | None = None) -> str | None:
         """After the launcher ended: the one message (printed and kept in RUN_DIR/crash.json) if a rank's
