@@ -65,9 +65,13 @@ class Job:
         self.err = self.proc.stderr.read()
 
     def steps(self) -> int:
-        """Training steps this run has logged for each of add and sort (the fewer; rank 0 prints a line per step)."""
+        """Training steps this run has logged for each of add and sort that is not done (the fewer; rank 0 prints
+        a line per step)."""
         lines = list(self.lines)
-        return min(sum(1 for line in lines if line.startswith(f"[{task}] v")) for task in TENANTS)
+        resumed = next((line for line in lines if line.startswith("[job] resuming")), "")
+        going = [task for task in TENANTS if f"{task} done" not in resumed
+                 and not any(line.startswith(f"[{task}] done") for line in lines)]
+        return min((sum(1 for line in lines if line.startswith(f"[{task}] v")) for task in going), default=1 << 30)
 
     def wait_steps(self, count: int) -> None:
         deadline = time.monotonic() + RUN_TIMEOUT_S

@@ -1,7 +1,7 @@
 """Entry point of every rank of a job (under mpirun in local mode, or srun --het-group under Slurm).
 
     python -m marlaas_hpc.runtime.main CONFIG --run-dir DIR [--mode MODE]
-    python -m marlaas_hpc.runtime.main --resume DIR          (continue a preempted job from its checkpoint)
+    python -m marlaas_hpc.runtime.main --resume DIR          (continue a preempted or crashed job)
 
 Roles come from assign_role(rank, layout); the world size must equal the layout's. SIGUSR2 checkpoints every
 task at a step boundary and ends the job with exit status 75 (runtime/checkpoint.py); tasks are also checkpointed
