@@ -24,8 +24,9 @@ def _cuda_available() -> bool:
 
 
 def mpirun_command(job, config: str | None, run_dir: str, mode: str, resume: bool = False) -> list[str]:
-    """Local mode: one MPI world of the layout's size on this machine. mpirun forwards SIGUSR2 to every
-    rank: `kill -USR2 <pid of marlaas run>` checkpoints the job (resume with --resume RUN_DIR)."""
+    """Local mode: one MPI world of the layout's size on this machine, run under `marlaas run` as its supervisor
+    (launch/supervise.py), which passes SIGUSR2 on to mpirun and mpirun to every rank: `kill -USR2 <pid of
+    marlaas run>` checkpoints the job (resume with --resume RUN_DIR)."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise SystemExit("marlaas: mpirun not found (Debian: apt-get install openmpi-bin libopenmpi-dev)")
@@ -65,7 +66,9 @@ def cmd_run(args) -> int:
     print(f"[marlaas] local mode: {job.layout.world_size} ranks ({job.layout.env_ranks} env, "
           f"{job.layout.rollout_ranks} rollout, {job.layout.trainer_ranks} trainer), {len(job.tasks)} tasks, "
           f"mode {job.mode}, run dir {job.run_dir}", flush=True)
-    os.execvpe(command[0], command, env)
+    from marlaas_hpc.launch.supervise import supervise
+
+    return supervise(command, env, job.run_dir)  # one message naming the rank if one dies or fails
 
 
 def job_command(config: str, run_dir: str) -> str:
@@ -160,7 +163,12 @@ def cmd_status(args) -> int:
     finished = path.name == "summary.json" and not state.get("preempted")
     elapsed = state.get("wall_time_s", state.get("elapsed_s", 0.0))
     phase = "finished" if finished else "preempted (checkpointed)" if state.get("preempted") else "running"
+    crash = run_dir / "crash.json"
+    if phase == "running" and crash.is_file() and crash.stat().st_mtime >= path.stat().st_mtime:
+        phase = "stopped by a crash (marlaas run --resume continues it)"
     print(f"{run_dir}: mode {state['mode']}, {phase}, {elapsed:.0f} s")
+    if phase.startswith("stopped"):
+        print(json.loads(crash.read_text()).get("message", ""))
     print(f"{'task':<16} {'tenant':<10} {'state':<10} {'step':>9} {'k':>2} {'reward':>7} {'TTFS_s':>7} {'TPTS_s':>7}")
     for task_id, t in state["tasks"].items():
         reward = "-" if t["reward_last"] is None else f"{t['reward_last']:.3f}"
@@ -191,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", nargs="?", help="job config YAML (see configs/); optional with --resume")
     run.add_argument("--run-dir", help="output directory (default: the config's run_dir)")
     run.add_argument("--mode", choices=["async", "sync", "sequential"], help="override the config's mode")
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue a preempted job from RUN_DIR's checkpoint")
+    run.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue a preempted or crashed job from RUN_DIR's checkpoints")
     run.set_defaults(func=cmd_run)
     sbatch = sub.add_parser("sbatch", help="print the Slurm heterogeneous-job script of a config (marlaas sbatch C > job.sbatch)")
     sbatch.add_argument("config")

@@ -12,6 +12,7 @@ from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.launch.layout import JobLayout
 from marlaas_hpc.rollout.vllm_settings import VllmSettings
 from marlaas_hpc.service.identity import TenantOwners, owners_from_dict
+from marlaas_hpc.runtime.checkpoint import CheckpointConfig
 from marlaas_hpc.service.quotas import TenantQuota
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec, check_fields
 
@@ -83,6 +84,9 @@ class JobConfig:
     env_pool: EnvPoolConfig = field(default_factory=EnvPoolConfig)
     """Each env rank's worker pool: mode 'thread' | 'process' | 'inline', workers (concurrent env steps),
     step_timeout_s (per env-step limit; a step past it fails its task)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Periodic per-task checkpoints (every_steps, every_minutes: a crash loses at most that much of a task's
+    work) and how often a crashed Slurm job requeues itself (max_crash_requeues)."""
     tasks: list[TaskSpec] = field(default_factory=list)
     """The tasks submitted at start."""
     serve_idle_s: float = 0.0
@@ -116,6 +120,7 @@ class JobConfig:
                 raise SpecError(name, f"must be an integer >= 1, got {value!r}")
         self.layout.validate()
         self.trainer.validate()
+        self.checkpoint.validate()
         try:
             self.env_pool.validate()
         except ValueError as exc:
@@ -204,6 +209,7 @@ class JobConfig:
         check_fields(TrainerSettings, kwargs.get("trainer") or {}, "trainer", "trainer.")
         kwargs["trainer"] = TrainerSettings(**(kwargs.get("trainer") or {}))
         kwargs["vllm"] = VllmSettings.from_dict(kwargs.get("vllm") or {})
+        kwargs["checkpoint"] = CheckpointConfig.from_dict(kwargs.get("checkpoint") or {})
         tasks = []
         for i, task in enumerate(kwargs.pop("tasks", []) or []):
             try:

@@ -1,7 +1,7 @@
-"""Preemption in local mode: SIGUSR2 to `marlaas run` (mpirun forwards it to every rank) checkpoints every
-task at a step boundary; `marlaas run --resume RUN_DIR` continues at exactly those versions. The proof is
-in the outputs: every version 1..total_steps is trained exactly once (metrics.jsonl and the audit), the
-resumed adapter is the checkpointed one, and the staleness bound still holds for every trained sample."""
+"""Preemption in local mode: SIGUSR2 to `marlaas run` (passed on to mpirun, which forwards it to every rank)
+checkpoints every task at a step boundary; `marlaas run --resume RUN_DIR` continues at exactly those versions.
+The proof is in the outputs: every version 1..total_steps is trained exactly once (metrics.jsonl and the audit),
+the resumed adapter is the checkpointed one, and the staleness bound still holds for every trained sample."""
 import collections
 import json
 import signal
@@ -42,7 +42,7 @@ def _preempt_after(config_path: Path, run_dir: Path, steps: int, timeout_s: floa
         assert proc.poll() is None, f"job ended before the preemption:\n{proc.stdout.read()[-3000:]}"
         assert time.monotonic() < deadline, "job too slow to reach the preemption point"
         time.sleep(0.3)
-    proc.send_signal(signal.SIGUSR2)  # `marlaas run` exec'd into mpirun: this is mpirun's pid
+    proc.send_signal(signal.SIGUSR2)  # `marlaas run` supervises mpirun and passes USR2 on
     out, _ = proc.communicate(timeout=timeout_s)
     return proc.returncode, out
 
@@ -61,13 +61,14 @@ def test_usr2_checkpoints_and_resume_trains_every_version_once(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["preempted"] is True
     saved = json.loads((run_dir / "checkpoint" / "scheduler.json").read_text())
-    versions = {t: r["version"] for t, r in saved["tasks"].items()}
+    versions = {t: r["saved"]["version"] for t, r in saved["tasks"].items()}
     assert all(3 <= v < STEPS for v in versions.values()), versions
     tenants = {t["task_id"]: t["tenant"] for t in config["tasks"]}
     adapter_bytes = {}
     for task_id, version in versions.items():
         task_dir = run_dir / "tasks" / tenants[task_id] / task_id
-        assert (task_dir / "checkpoint" / "tp0.pt").is_file() and (task_dir / "checkpoint" / "tp1.pt").is_file()
+        for tp in (0, 1):
+            assert (task_dir / "checkpoint" / f"tp{tp}-v{version:06d}.pt").is_file()
         adapter = task_dir / "adapters" / f"v{version:04d}" / "adapter_model.safetensors"
         adapter_bytes[task_id] = adapter.read_bytes()
         assert not (task_dir / "adapters" / f"v{version + 1:04d}").exists(), "no step after the checkpoint"
@@ -79,7 +80,7 @@ def test_usr2_checkpoints_and_resume_trains_every_version_once(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "[job] resuming (run 2)" in resumed.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["preempted"] is False and len(summary["previous_runs"]) == 1
+    assert summary["preempted"] is False and [r["ended"] for r in summary["previous_runs"]] == ["preempted"]
     audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
     for task in config["tasks"]:
         task_id, batch, group = task["task_id"], task["algo"]["batch_prompts"], task["algo"]["group_size"]

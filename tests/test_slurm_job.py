@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -132,7 +134,7 @@ def test_usr2_requeues_and_resumes_without_lost_or_repeated_steps(cluster, tmp_p
     assert states == ["COMPLETED"] * 4
     round_trip = time.monotonic() - t0
     checkpoint = json.loads((run_dir / "checkpoint" / "scheduler.json").read_text())
-    assert len(checkpoint["runs"]) == 1 and checkpoint["runs"][0]["ended"] == "preempted"
+    assert [run["ended"] for run in checkpoint["runs"]] == ["preempted", "finished"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["preempted"] is False and len(summary["previous_runs"]) == 1
     audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
@@ -143,12 +145,50 @@ def test_usr2_requeues_and_resumes_without_lost_or_repeated_steps(cluster, tmp_p
         assert [json.loads(m)["version"] for m in metrics] == list(range(1, steps + 1))  # none twice, none lost
         per_version = collections.Counter(r["trained_into"] for r in audit if r["task_id"] == task_id)
         assert per_version == {v: algo["batch_prompts"] * algo["group_size"] for v in range(1, steps + 1)}
-    saved = {t: r["version"] for t, r in checkpoint["tasks"].items()}
+    preempted = checkpoint["runs"][0]["started"] + checkpoint["runs"][0]["wall_time_s"]
+    saved = {task["task_id"]: max(json.loads(m)["version"] for m in (run_dir / "tasks" / task["tenant"] /
+             task["task_id"] / "metrics.jsonl").read_text().splitlines() if json.loads(m)["time"] <= preempted)
+             for task in config["tasks"]}
     resumed_step = min(json.loads(m)["time"] for task in config["tasks"] for m in
                        (run_dir / "tasks" / task["tenant"] / task["task_id"] / "metrics.jsonl").read_text().splitlines()
                        if json.loads(m)["version"] == saved[task["task_id"]] + 1)
     print(f"\ncheckpointed at {saved}; USR2 -> first step of the requeued run {resumed_step - t0_wall:.1f} s "
-          f"(checkpoint drain {checkpoint['saved_at'] - t0_wall:.1f} s); USR2 -> COMPLETED {round_trip:.1f} s")
+          f"(checkpoint drain {preempted - t0_wall:.1f} s); USR2 -> COMPLETED {round_trip:.1f} s")
+
+
+def test_a_killed_rank_requeues_the_job_which_resumes_from_the_periodic_checkpoints(cluster, tmp_path):
+    """SIGKILL of the rollout rank: srun ends the step, the step guard names the rank and requeues the job, the
+    rerun resumes every task from its last periodic checkpoint and finishes; every version trained once."""
+    steps, every = 14, 2
+    config = _config(steps)
+    config["checkpoint"] = {"every_steps": every, "every_minutes": 0, "max_crash_requeues": 1}
+    for attempt in range(2):
+        job_id, run_dir, _ = _submit(config, tmp_path / f"attempt{attempt}")
+        states = _preempt_at_step(job_id, run_dir, 3)
+        if states is None:
+            rollout = json.loads((run_dir / "ranks" / "rank2.json").read_text())
+            assert rollout["role"] == "rollout"
+            reached_before_kill = time.time()
+            os.kill(rollout["pid"], signal.SIGKILL)
+            states = _wait_final(job_id, run_dir, 600)
+        if not (attempt == 0 and _crashed_in_mpi_init(job_id, run_dir, states)):
+            break
+    assert states == ["COMPLETED"] * 4
+    crash = json.loads((run_dir / "crash.json").read_text())
+    assert crash["rank"] == 2 and crash["role"] == "rollout" and crash["requeued"] is True
+    assert crash["time"] - reached_before_kill < 30, "the step ended within seconds of the kill"
+    assert "without an error report" in crash["message"] and ": Killed" in crash["message"], crash["message"]
+    assert "Requeueing job" in crash["message"] and (run_dir / "slurm" / "crash_requeues").read_text() == "1\n"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["ended"] for r in summary["previous_runs"]] == ["crashed"]
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    for task in config["tasks"]:
+        task_id, algo = task["task_id"], task["algo"]
+        assert summary["tasks"][task_id]["status"] == "done" and summary["tasks"][task_id]["steps_done"] == steps
+        metrics = (run_dir / "tasks" / task["tenant"] / task_id / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(m)["version"] for m in metrics] == list(range(1, steps + 1))
+        per_version = collections.Counter(r["trained_into"] for r in audit if r["task_id"] == task_id)
+        assert per_version == {v: algo["batch_prompts"] * algo["group_size"] for v in range(1, steps + 1)}
 
 
 def test_bad_configs_are_refused_before_submission(cluster, tmp_path):

@@ -15,11 +15,16 @@ When the batch step itself is ended (scancel, a requeue after a checkpoint) the 
 it forwards SIGTERM / SIGINT / SIGHUP to srun, and srun gets SIGTERM if the guard dies outright (parent-
 death signal). Without that, a requeue left the first run's srun behind, reparented to init: with
 proctrack/linuxproc (the emulated cluster) Slurm finds processes only through their parents.
+
+The guard is also the job's supervisor (launch/supervise.py): every rank reports to its monitor, so when a rank
+dies or fails (srun --kill-on-bad-exit then ends the step) the guard prints one message naming the rank, its
+role and the cause, keeps it in RUN_DIR/crash.json, and requeues the job (`scontrol requeue`) as a preemption
+would: the next run resumes from the tasks' periodic checkpoints (--auto-resume). At most
+`checkpoint.max_crash_requeues` times per run dir (counted in RUN_DIR/slurm/crash_requeues).
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
 import signal
@@ -27,8 +32,10 @@ import subprocess
 import sys
 import time
 
-STOP_WAIT_S = 10.0
-"""How long srun gets to exit after SIGTERM before SIGKILL."""
+from marlaas_hpc.launch.supervise import Supervisor, stop
+
+CRASH_REQUEUED_EXIT = 75
+"""The guard's status after it requeued a crashed job (EX_TEMPFAIL, as a preempted job's)."""
 
 
 def running_steps(squeue_out: str) -> set[str]:
@@ -74,26 +81,9 @@ def _log(message: str) -> None:
     print(f"[marlaas step-guard {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
+_stop = stop
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals that end the batch step: passed on to srun, then the guard exits."""
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the guard dies, even by SIGKILL (Linux; elsewhere a no-op)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _forward_signals(proc: subprocess.Popen) -> None:
@@ -109,9 +99,18 @@ def _forward_signals(proc: subprocess.Popen) -> None:
 
 def guard(argv: list[str], job_id: str, poll_s: float = 5.0, grace_s: float = 60.0) -> int:
     """Runs `argv` (the srun command) and returns its exit status, or the step's status from sacct when
-    srun is still alive `grace_s` after slurmctld stopped listing a step it listed before."""
-    proc = subprocess.Popen(argv, preexec_fn=_die_with_parent)
+    srun is still alive `grace_s` after slurmctld stopped listing a step it listed before; if a rank's failure
+    ended the step, reports it and requeues the job (CRASH_REQUEUED_EXIT)."""
+    supervisor = Supervisor()
+    proc = supervisor.start(argv, dict(os.environ))
     _forward_signals(proc)
+    try:
+        return after_step(supervisor, _watch(proc, job_id, poll_s, grace_s), job_id)
+    finally:
+        supervisor.close()
+
+
+def _watch(proc: subprocess.Popen, job_id: str, poll_s: float, grace_s: float) -> int:
     seen: set[str] = set()
     gone_since = None
     while True:
@@ -141,6 +140,35 @@ def guard(argv: list[str], job_id: str, poll_s: float = 5.0, grace_s: float = 60
             return 1
         _log(f"step {job_id}.{step} ended with status {status} (sacct)")
         return status
+
+
+def after_step(supervisor: Supervisor, code: int, job_id: str) -> int:
+    """A step ended by a rank's failure: one message, and a requeue while the run dir is resumable and the
+    job's max_crash_requeues is not used up. Otherwise the step's own status."""
+    failure = supervisor.failure(code)
+    if failure is None:
+        supervisor.report(code)
+        return code
+    run_dir = supervisor.run_dir_of(failure)
+    hello = supervisor.monitor.hello(0) or failure.info
+    limit = int(hello.get("max_crash_requeues", 0))
+    counter = run_dir / "slurm" / "crash_requeues" if run_dir else None
+    done = int(counter.read_text()) if counter and counter.is_file() else 0
+    if run_dir is None or not (run_dir / "job.yaml").is_file():
+        supervisor.report(code, "The run dir is unknown: not requeued.")
+        return code
+    if done >= limit:
+        supervisor.report(code, f"Not requeued: {done} crash requeues already (checkpoint.max_crash_requeues="
+                                f"{limit}). `scontrol requeue {job_id}` resumes it.")
+        return code
+    supervisor.report(code, f"Requeueing job {job_id} (crash requeue {done + 1} of {limit}); it resumes from "
+                            "the tasks' last checkpoints.", extra={"requeued": True})
+    counter.parent.mkdir(parents=True, exist_ok=True)
+    counter.write_text(f"{done + 1}\n")
+    if _query(["scontrol", "requeue", job_id]) is None:
+        _log(f"scontrol requeue {job_id} failed")
+        return code
+    return CRASH_REQUEUED_EXIT
 
 
 def main() -> None:

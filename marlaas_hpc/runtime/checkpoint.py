@@ -1,31 +1,127 @@
-"""Preemption: checkpoint every task at a step boundary and resume at exactly the versions reached.
+"""Checkpoints: periodic per task (crash safety), every task at once on preemption, and resume at exactly the
+versions saved.
 
-Protocol (DESIGN.md §8). A SIGUSR2 (Slurm's `--signal=USR2@lead` before the time limit, `scancel
---signal=USR2`, or mpirun forwarding it) sets a flag on every rank; only rank 0 acts on it:
+Periodic (`CheckpointConfig`, job config `checkpoint:`). After a task's step to version v, once `every_steps`
+steps or `every_minutes` have passed since its last save, every TP rank saves that task's shard (adapter,
+optimizer state, version) to `tasks/<tenant>/<task>/checkpoint/tp<r>-v<version>.pt` with a sha256 sidecar, and
+the trainer leader tells rank 0 (`TaskSaved`, sent just before the task's StepDone of v). Handling that StepDone,
+rank 0 records the task's scheduler state at v in `checkpoint/scheduler.json` before it issues anything that
+depends on v. Other tasks never wait: only the task's own step pays the save. A rank that dies therefore costs
+each task at most one interval of steps.
+
+scheduler.json (atomic rename; the file it replaces is kept as scheduler.json.prev) holds per task `saved` (the
+scheduler state at its newest checkpoint, or at submission) and `previous` (at the checkpoint before, used when
+a shard of the newest is missing or corrupt), plus the evals, refused specs and the history of runs. Trainer
+ranks keep the newest KEEP_SHARDS shards of each task, so both records' shards exist.
+
+Preemption (SIGUSR2: Slurm's `--signal=USR2@lead`, `scancel --signal=USR2`, or mpirun forwarding it) sets a
+flag on every rank; only rank 0 acts on it:
 1. the scheduler drains: it issues nothing new, and the groups in flight are generated, scored and, where
    a Train order was already out, trained;
 2. once nothing is in flight (`Scheduler.settled`) and no eval is pending, rank 0 sends `Checkpoint` to the
-   trainer leader; every TP rank saves each live task's adapter shard and optimizer state
-   (`tasks/<tenant>/<task>/checkpoint/tp<r>.pt`) and its RNG, and the leader answers with the versions;
-3. rank 0 writes `checkpoint/scheduler.json` (per task: version, data cursor, counters, step times; the
-   audit so far; evals; rejected specs; the history of runs) and shuts the job down.
-On resume every unfinished task is re-admitted at its saved version (the trainer restores the shard and
-republishes it to the rollout ranks); groups that were scored but not trained are counted as
-`preempted_groups`, never trained later, so no optimizer step is lost or applied twice.
+   trainer leader; every TP rank saves each live task's shard and its RNG, and the leader answers with the
+   versions;
+3. rank 0 records every task at those versions, leaves the requeue marker and shuts the job down (status 75).
+
+Resume (`marlaas run --resume RUN_DIR`, or a requeued Slurm job): every trainer rank checks the shards the
+records name (runtime/recovery.py); per task rank 0 takes the newest record whose shards verify on every TP
+rank, rolls audit.jsonl and the task's metrics.jsonl back to its version, and re-admits the task there (the
+trainer restores the shard and republishes it to the rollout ranks). Groups in flight or scored but not trained
+at the record are counted as `preempted_groups` and never trained later, so every version is trained exactly
+once over all runs.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import os
+import re
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from marlaas_hpc.runtime.outputs import atomic_write_text
 
-FORMAT = 1
+FORMAT = 2
+KEEP_SHARDS = 3
+"""Shards kept per task and TP rank: the newest two records' shards must exist while rank 0 may still be one
+save behind the trainer (it records a save when it handles the StepDone that follows it)."""
 
 
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """When tasks are checkpointed while the job runs (job config `checkpoint:`), and how a crashed Slurm job
+    restarts. Either trigger saves a task after its step; 0 turns a trigger off (both 0: only preemption
+    checkpoints, and a crash restarts tasks from their start)."""
+
+    every_steps: int = 10
+    """Save a task after every this many of its optimizer steps: a crash loses at most this many steps."""
+    every_minutes: float = 10.0
+    """... or after its first step once its last save is this old (slow tasks: bounds the lost wall time)."""
+    max_crash_requeues: int = 3
+    """Under Slurm a job whose rank died or failed requeues itself and resumes, at most this many times."""
+
+    def validate(self, prefix: str = "checkpoint") -> "CheckpointConfig":
+        from marlaas_hpc.tasks.spec import SpecError
+
+        for name in ("every_steps", "max_crash_requeues"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SpecError(f"{prefix}.{name}", f"must be an integer >= 0, got {value!r}")
+        value = self.every_minutes
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+            raise SpecError(f"{prefix}.every_minutes", f"must be a number of minutes >= 0, got {value!r}")
+        return self
+
+    @classmethod
+    def from_dict(cls, data, prefix: str = "checkpoint") -> "CheckpointConfig":
+        from marlaas_hpc.tasks.spec import check_fields
+
+        check_fields(cls, data, prefix, f"{prefix}.")
+        return cls(**data).validate(prefix)
+
+
+class CheckpointPolicy:
+    """Which task is due for a save after a step (the trainer leader asks it). Pure: clock injected."""
+
+    def __init__(self, config: CheckpointConfig, clock: Callable[[], float] = time.time):
+        self.config, self.clock = config, clock
+        self.last: dict[str, tuple[int, float]] = {}
+        """task -> (version, time) of its last save (or of its admission)."""
+
+    def admitted(self, task_id: str, version: int) -> None:
+        self.last[task_id] = (version, self.clock())
+
+    def due(self, task_id: str, version: int) -> bool:
+        if task_id not in self.last:
+            return False
+        saved_version, saved_at = self.last[task_id]
+        if version <= saved_version:
+            return False
+        every_steps, every_s = self.config.every_steps, self.config.every_minutes * 60
+        return bool((every_steps and version - saved_version >= every_steps)
+                    or (every_s and self.clock() - saved_at >= every_s))
+
+    def saved(self, task_id: str, version: int) -> None:
+        self.last[task_id] = (version, self.clock())
+
+    def forget(self, task_id: str) -> None:
+        self.last.pop(task_id, None)
+
+    def hand_over(self, task_id: str) -> tuple[int, float] | None:
+        """A task moves to another trainer group: its last save (version, time), which that group's policy takes
+        over, so that work lost in a crash stays within one interval across the move."""
+        return self.last.pop(task_id, None)
+
+    def take_over(self, task_id: str, last: tuple[int, float] | None) -> None:
+        if last is not None:
+            self.last[task_id] = last
+
+
+# ---- files ----
 def checkpoint_file(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoint" / "scheduler.json"
 
@@ -36,10 +132,10 @@ def requeue_marker(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoint" / "REQUEUE"
 
 
-def trainer_shard_path(run_dir: Path, spec, tp_rank: int) -> Path:
+def trainer_shard_path(run_dir: Path, spec, tp_rank: int, version: int) -> Path:
     from marlaas_hpc.driver import task_dir
 
-    return task_dir(Path(run_dir), spec) / "checkpoint" / f"tp{tp_rank}.pt"
+    return task_dir(Path(run_dir), spec) / "checkpoint" / f"tp{tp_rank}-v{version:06d}.pt"
 
 
 def trainer_rng_path(run_dir: Path, tp_rank: int, group: int = 0, dp_rank: int = 0) -> Path:
@@ -49,41 +145,138 @@ def trainer_rng_path(run_dir: Path, tp_rank: int, group: int = 0, dp_rank: int =
     return Path(run_dir) / "checkpoint" / f"trainer-rng-g{group}-dp{dp_rank}-tp{tp_rank}.pt"
 
 
-def save_torch(obj, path: Path) -> None:
-    """Atomic torch.save: a crash mid-write leaves the previous checkpoint intact."""
-    import os
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
 
+
+def save_torch(obj, path: Path) -> None:
+    """Atomic torch.save with a sha256 sidecar: a crash mid-write leaves the previous files intact, and a shard
+    without a matching sidecar (cut short, overwritten, bit rot) is never loaded."""
     import torch
 
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    _atomic_write_bytes(path, data)
+    _atomic_write_bytes(_digest_path(path), (hashlib.sha256(data).hexdigest() + "\n").encode())
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as sink:
+        sink.write(data)
+        sink.flush()
+        os.fsync(sink.fileno())
     os.replace(tmp, path)
 
 
-def save_job_checkpoint(run_dir: Path, scheduler, evals: dict, rejected: dict, runs: list[dict]) -> Path:
-    state = {
-        "format": FORMAT, "saved_at": time.time(), "runs": runs,
-        "tasks": {task_id: {"spec": task.spec.to_dict(), **task.checkpoint()}
-                  for task_id, task in scheduler.tasks.items()},
-        "audit": [asdict(record) for record in scheduler.audit],
-        "evals": [{"task_id": task_id, "when": when, "scores": scores} for (task_id, when), scores in evals.items()],
-        "rejected": rejected,
-    }
-    path = checkpoint_file(run_dir)
-    atomic_write_text(path, json.dumps(state, indent=1) + "\n")
-    requeue_marker(run_dir).write_text(f"{time.time()}\n")
-    return path
+class CorruptCheckpoint(RuntimeError):
+    """A shard that is missing, cut short or does not match its sha256 sidecar."""
 
 
-def load_job_checkpoint(run_dir: Path) -> dict | None:
-    path = checkpoint_file(run_dir)
+def read_verified(path: Path) -> bytes:
+    """The bytes of a shard, checked against its sidecar; raises CorruptCheckpoint naming the file."""
+    digest = _digest_path(path)
     if not path.is_file():
-        return None
-    state = json.loads(path.read_text())
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this version reads {FORMAT}")
-    return state
+        raise CorruptCheckpoint(f"{path} is missing")
+    if not digest.is_file():
+        raise CorruptCheckpoint(f"{path} has no {digest.name} (its write was cut short)")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != digest.read_text().strip():
+        raise CorruptCheckpoint(f"{path} is corrupt (sha256 differs from {digest.name})")
+    return data
+
+
+def load_torch(path: Path):
+    import torch
+
+    return torch.load(io.BytesIO(read_verified(path)), weights_only=False)
+
+
+_SHARD = re.compile(r"tp(\d+)-v(\d+)\.pt$")
+
+
+def prune_shards(folder: Path, tp_rank: int, newest: int | None) -> None:
+    """Keeps this TP rank's KEEP_SHARDS newest shards up to version `newest` and deletes the rest, newer ones
+    included (left by an earlier job in the run dir, or by a run that was rolled back). None: deletes all."""
+    if not folder.is_dir():
+        return
+    mine = {}
+    for path in folder.iterdir():
+        match = _SHARD.match(path.name)
+        if match and int(match.group(1)) == tp_rank:
+            mine[int(match.group(2))] = path
+    keep = set() if newest is None else set(sorted(v for v in mine if v <= newest)[-KEEP_SHARDS:])
+    for version, path in mine.items():
+        if version not in keep:
+            path.unlink(missing_ok=True)
+            _digest_path(path).unlink(missing_ok=True)
+
+
+# ---- rank 0's records ----
+class JobRecords:
+    """Rank 0's book of what a resume restarts from (checkpoint/scheduler.json), updated as things happen:
+    a task submitted, saved, ended; an eval done; a spec refused."""
+
+    def __init__(self, run_dir: Path, resume: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.tasks: dict[str, dict] = dict(resume["tasks"]) if resume else {}
+        self.runs: list[dict] = list(resume["runs"]) if resume else []
+        """Earlier runs of this job (each ended by a preemption or a crash), oldest first."""
+        self.current_run: dict | None = None
+
+    def submitted(self, task) -> None:
+        if task.task_id not in self.tasks:
+            self.tasks[task.task_id] = {"spec": task.spec.to_dict(), "saved": task.checkpoint(), "previous": None}
+
+    def saved(self, task) -> None:
+        """The task's shards at its current version are on disk (every TP rank)."""
+        entry = self.tasks[task.task_id]
+        entry["previous"], entry["saved"] = entry["saved"], task.checkpoint()
+
+    def ended(self, task) -> None:
+        self.tasks[task.task_id]["saved"] = task.checkpoint()
+
+    def write(self, evals: dict, rejected: dict, finished: bool = False) -> Path:
+        state = {"format": FORMAT, "saved_at": time.time(), "finished": finished, "runs": self.runs,
+                 "current_run": self.current_run, "tasks": self.tasks,
+                 "evals": [{"task_id": t, "when": w, "scores": s} for (t, w), s in evals.items()],
+                 "rejected": rejected}
+        path = checkpoint_file(self.run_dir)
+        if path.exists():
+            os.replace(path, path.with_name(path.name + ".prev"))
+        atomic_write_text(path, json.dumps(state, indent=1) + "\n")
+        return path
+
+
+def load_job_checkpoint(run_dir: Path, warn: Callable[[str], None] | None = None) -> dict | None:
+    """The state a resume starts from: scheduler.json, or scheduler.json.prev when the newest is missing or
+    unreadable (a crash between the two renames of a write, or a damaged file). None: nothing to resume (no
+    checkpoint, or the job finished)."""
+    path = checkpoint_file(run_dir)
+    problems = []
+    for candidate in (path, path.with_name(path.name + ".prev")):
+        if not candidate.is_file():
+            continue
+        try:
+            state = json.loads(candidate.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            problems.append(f"{candidate} is unreadable ({exc})")
+            continue
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ValueError(f"{candidate}: checkpoint format {state.get('format') if isinstance(state, dict) else '?'}"
+                             f", this version reads {FORMAT}")
+        if problems and warn:
+            warn(f"{problems[0]}: resuming from {candidate.name}")
+        return None if state.get("finished") else state
+    if problems:
+        raise ValueError("; ".join(problems))
+    return None
+
+
+def mark_preempted(run_dir: Path) -> None:
+    requeue_marker(run_dir).write_text(f"{time.time()}\n")
 
 
 class PreemptFlag:

@@ -1,11 +1,14 @@
 """Entry point of every rank of a job (under mpirun in local mode, or srun --het-group under Slurm).
 
     python -m marlaas_hpc.runtime.main CONFIG --run-dir DIR [--mode MODE]
-    python -m marlaas_hpc.runtime.main --resume DIR          (continue a preempted job from its checkpoint)
+    python -m marlaas_hpc.runtime.main --resume DIR          (continue a preempted or crashed job)
 
 Roles come from assign_role(rank, layout); the world size must equal the layout's. Each rank's device comes
 from launch/devices.py (bind_device) and is applied before anything starts CUDA. SIGUSR2 checkpoints every
-task at a step boundary and ends the job with exit status 75 (runtime/checkpoint.py).
+task at a step boundary and ends the job with exit status 75 (runtime/checkpoint.py); tasks are also checkpointed
+periodically, so `--resume` continues a crashed job too. A rank that dies of an exception reports it to the job's
+supervisor (launch/monitor.py: one message names the rank, its role and the cause), keeps its traceback in
+RUN_DIR/crash/rank<N>.txt and aborts the job: every other rank is blocked in MPI or a collective with it.
 """
 from __future__ import annotations
 
@@ -48,13 +51,18 @@ def load_job(config_path: str | None, run_dir: str | None, mode: str | None, res
 
 
 def check_run_dir(job: JobConfig, resume: bool) -> dict | None:
-    """A fresh start refuses a run dir holding a checkpoint (it would mix two jobs' outputs); a resume
-    needs one. Returns the checkpoint to resume from."""
+    """A fresh start refuses a run dir holding the checkpoint of an unfinished job (it would mix two jobs'
+    outputs); a resume needs one. Returns the checkpoint to resume from."""
     from marlaas_hpc.runtime.checkpoint import checkpoint_file, load_job_checkpoint
 
-    state = load_job_checkpoint(Path(job.run_dir))
+    try:
+        state = load_job_checkpoint(Path(job.run_dir), warn=lambda message: print(f"marlaas: {message}",
+                                                                                 file=sys.stderr))
+    except ValueError as exc:
+        raise SpecError("resume" if resume else "run_dir", str(exc)) from None
     if resume and state is None:
-        raise SpecError("resume", f"{checkpoint_file(job.run_dir)} not found: nothing to resume")
+        raise SpecError("resume", f"{checkpoint_file(job.run_dir)} not found, or its job finished: nothing to "
+                                  "resume")
     if not resume and state is not None:
         raise SpecError("run_dir", f"{job.run_dir} holds a checkpoint of an earlier job: resume it with "
                                    f"`marlaas run --resume {job.run_dir}` or choose another run dir")
@@ -102,6 +110,48 @@ def _log_devices(bindings, log) -> None:
         return
     for binding in gpu_roles:
         log(f"[device] {binding.describe()}")
+
+
+def describe_role(role, trainer_groups: int = 1) -> str:
+    """A rank's role as the crash message names it."""
+    if role.kind != "trainer":
+        return role.kind
+    group = f" of trainer group {role.group}" if trainer_groups > 1 else ""
+    if role.tp_rank == 0:
+        return f"trainer leader{group}" if role.dp_rank == 0 else f"trainer leader{group}, DP rank {role.dp_rank}"
+    return f"trainer follower{group}, TP rank {role.tp_rank}"
+
+
+def record_rank(run_dir: Path, rank: int, role: str) -> None:
+    """RUN_DIR/ranks/rank<N>.json: pid and host of each rank of the current run (operators and the fault tests
+    find a rank's process here)."""
+    import json
+
+    from marlaas_hpc.runtime.outputs import atomic_write_text
+
+    atomic_write_text(Path(run_dir) / "ranks" / f"rank{rank}.json",
+                      json.dumps({"rank": rank, "role": role, "pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+
+
+def report_crash(exc: BaseException, run_dir: Path, rank: int, reporter) -> None:
+    """Keeps the traceback in RUN_DIR/crash/rank<N>.txt and tells the supervisor; without one (a plain
+    mpirun), prints the traceback as before."""
+    import traceback
+
+    from marlaas_hpc.runtime.faults import describe, is_peer_lost
+
+    text = "".join(traceback.format_exception(exc))
+    path = Path(run_dir) / "crash" / f"rank{rank}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError:  # the disk may be what failed
+        path = None
+    if reporter.connected:
+        reporter.crash(describe(exc), is_peer_lost(exc), str(path) if path else None)
+    else:
+        sys.stderr.write(text)
+        sys.stderr.flush()
 
 
 def _trainer(comm, job, trainers: list[int], model_path: Path, device: str):
@@ -162,9 +212,13 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     groups = trainer_group_ranks(job.layout)
     leaders = [ranks[0] for ranks in groups]
     leader = leaders[0]
-    # a resumed run samples with fresh seeds: replaying the first run's seeds would repeat its samples
-    restarts = comm.bcast(len(resume["runs"]) if resume else 0, root=0)
+    # a resumed run samples with fresh seeds: replaying an earlier run's seeds would repeat its samples
+    restarts = comm.bcast(len(resume["runs"]) + bool(resume.get("current_run")) if resume else 0, root=0)
     seed = job.seed + 100_003 * restarts
+    if restarts:  # every trainer rank checks the shards the resume would load (a corrupt one: fall back)
+        from marlaas_hpc.runtime.recovery import choose_resume_points
+
+        resume = choose_resume_points(comm, run_dir, resume, roles["trainer"], role.tp_rank, log=log)
     if role.kind == "scheduler":
         from marlaas_hpc.runtime.scheduler_rank import SchedulerRank
 
@@ -192,7 +246,9 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
                       **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank)}
         else:
             kwargs = {"device": binding.device}
-        engine = make_engine(job.engine, model_path, seed=seed + rank, **kwargs)
+        from marlaas_hpc.rollout.restart import RestartingEngine
+
+        engine = RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))
         # one delta group per trainer group leader, set up in group order (each leader waits for its own)
         delta = DeltaFanIn(comm, [DeltaGroup(comm, rank, roles["rollout"], device=binding.device)
                                   for rank in leaders])
@@ -205,8 +261,11 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         mine = groups[role.group]
         trainer = _trainer(comm, job, mine, model_path, binding.device)
         if rank == mine[0]:
+            from marlaas_hpc.runtime.checkpoint import CheckpointPolicy
+
             delta = DeltaGroup(comm, rank, roles["rollout"], device=binding.device)
-            worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group)
+            worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
+                                 policy=CheckpointPolicy(job.checkpoint))
             comm.Barrier()
             worker.run_leader()
         else:
@@ -235,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.resume or args.run_dir
     resume = bool(args.resume)
     if args.auto_resume and run_dir:
-        resume = load_job_checkpoint(Path(run_dir)) is not None
+        try:
+            resume = load_job_checkpoint(Path(run_dir)) is not None
+        except ValueError:
+            resume = True  # check_run_dir says what is wrong with it
     job = load_job(args.config, run_dir, args.mode, resume=resume)
     check = world_size_matches(job.layout, comm.Get_size())
     if not check:
@@ -269,18 +331,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log = (lambda message: print(message, flush=True)) if comm.Get_rank() == 0 else (lambda message: None)
     _log_devices(comm.gather(binding, root=0), log)
+    from marlaas_hpc.launch.monitor import RankReporter
+
+    rank, run_path = comm.Get_rank(), Path(job.run_dir).resolve()
+    role = describe_role(assign_role(rank, job.layout), job.layout.trainer_groups)
+    record_rank(run_path, rank, role)
+    reporter = RankReporter.connect({"rank": rank, "role": role, "run_dir": str(run_path),
+                                     "max_crash_requeues": job.checkpoint.max_crash_requeues})
     try:
         summary = run_rank(comm, job, binding, log=log, preempt=preempt, resume=state)
-    except BaseException:
+    except BaseException as exc:
         # one dead rank would leave the others blocked in MPI or a collective: take the whole job down
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
+        report_crash(exc, run_path, rank, reporter)
         comm.Abort(1)
     if summary is not None and not summary["preempted"]:
         log(f"[job] {job.mode} finished in {summary['wall_time_s']:.1f} s; summary: {Path(job.run_dir) / 'summary.json'}")
     preempted = comm.bcast(bool(summary and summary["preempted"]), root=0)
+    reporter.bye()
     # only rank 0 reports the preemption: under srun --kill-on-bad-exit an early non-zero exit of another
     # rank would kill rank 0 while it finalizes
     return PREEMPTED_EXIT if preempted and comm.Get_rank() == 0 else 0

@@ -133,7 +133,7 @@ class TrainerOp:
     """Leader -> every TP rank: run the same trainer call in the same order."""
 
     kind: str
-    """'admit', 'train', 'remove', 'shutdown'."""
+    """'admit', 'train', 'save', 'checkpoint', 'remove', 'shutdown'."""
     task_id: str = ""
     payload: object = None
 
@@ -172,3 +172,24 @@ class Handover:
     """World ranks of the old group, by position (rank j sends its shard to the new group's rank j)."""
     buffered: dict[str, list[Trajectory]]
     """Scored groups of the task that had reached the old leader and not been trained yet."""
+    last_saved: tuple[int, float] | None = None
+    """(version, unix time) of the task's last periodic save (CheckpointPolicy), for the new group's policy."""
+
+
+@dataclass
+class TaskSaved:
+    """trainer leader -> rank 0, just before the StepDone of `version`: every TP rank has saved the task's shard
+    at that version (a periodic checkpoint); rank 0 records it when it handles that StepDone."""
+
+    task_id: str
+    version: int
+
+
+@dataclass
+class EngineRestarted:
+    """rollout rank -> rank 0: its engine failed and was replaced; the requests in flight were re-issued."""
+
+    rank: int
+    cause: str
+    restarts: int
+    requests: int

@@ -13,18 +13,37 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_audit(run_dir: Path, scheduler) -> Path:
-    """One line per trained sample: task, group, sample, behaviour version, version trained into, bound."""
-    lines = []
-    for record in scheduler.audit:
-        group_size = scheduler.tasks[record.task_id].spec.algo.group_size
-        for sample in range(group_size):
-            lines.append(json.dumps({"task_id": record.task_id, "group_id": record.group_id, "sample": sample,
-                                     "behaviour_version": record.behaviour_version,
-                                     "trained_into": record.trained_into, "bound": record.bound}))
-    path = Path(run_dir) / "audit.jsonl"
-    atomic_write_text(path, "".join(line + "\n" for line in lines))
-    return path
+def audit_lines(record, group_size: int) -> str:
+    """audit.jsonl lines of one trained group: one per sample (task, group, sample, behaviour version, version
+    trained into, bound)."""
+    return "".join(json.dumps({"task_id": record.task_id, "group_id": record.group_id, "sample": sample,
+                               "behaviour_version": record.behaviour_version,
+                               "trained_into": record.trained_into, "bound": record.bound}) + "\n"
+                   for sample in range(group_size))
+
+
+class AuditLog:
+    """RUN_DIR/audit.jsonl, appended and flushed as steps land: a crash keeps every line of every step rank 0
+    has seen (a resume first rolls it back to the checkpoints it resumes from: runtime/recovery.py)."""
+
+    def __init__(self, run_dir: Path, fresh: bool):
+        self.path = Path(run_dir) / "audit.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.sink = open(self.path, "w" if fresh else "a")
+        self.written = 0
+        """Records of scheduler.audit already in the file."""
+
+    def extend(self, scheduler) -> None:
+        """Appends the scheduler's audit records not written yet."""
+        new = scheduler.audit[self.written:]
+        if not new:
+            return
+        self.sink.write("".join(audit_lines(r, scheduler.tasks[r.task_id].spec.algo.group_size) for r in new))
+        self.sink.flush()
+        self.written += len(new)
+
+    def close(self) -> None:
+        self.sink.close()
 
 
 def _mean(values: list[float]) -> float | None:
@@ -71,7 +90,8 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                   runs: list[dict] | None = None, preempted: bool = False) -> dict:
     """wall_time_s runs from the moment every rank is ready (job_start, unix seconds; start-up excluded:
     startup_s). Timeline records (timeline/rank<N>.jsonl) use the same unix clock. `runs`: this job's
-    earlier runs (each ended by a preemption); `preempted`: this run ended in a checkpoint, not completion."""
+    earlier runs (each ended by a preemption or a crash); `preempted`: this run ended in a checkpoint, not
+    completion."""
     tasks = {}
     for task_id, task in scheduler.tasks.items():
         tasks[task_id] = {**task_record(task),
@@ -89,7 +109,10 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                "tasks": tasks, "rejected": rejected,
                # per env rank: env-step latencies by stage (tool:<name>, reward) and per-task episode figures
                "env_ranks": {str(stat.rank): stat.extra for stat in stats if stat.kind == "env" and stat.extra},
-               "trainer_groups": trainer_groups(stats, scheduler, wall_s)}
+               "trainer_groups": trainer_groups(stats, scheduler, wall_s),
+               # rollout engines rebuilt after an engine error (rollout/restart.py), per rollout rank
+               "engine_restarts": {str(stat.rank): stat.extra.get("engine_restarts", 0)
+                                   for stat in stats if stat.kind == "rollout"}}
     atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
     write_status(run_dir, job, scheduler, wall_s)
     return summary

@@ -9,6 +9,9 @@ ContinueGroup (the next turn of the episodes that go on, sampled with the group'
 one) until it sends GroupEnded. The group's version is pinned in the engine from its first turn to
 GroupEnded, so the engine cannot retire it while an episode waits on a tool; its Generated event comes from
 the env rank when the group ends (so it reaches rank 0 before the group's Scored, on the same channel).
+
+An engine that fails (rollout/restart.py: RestartingEngine) is rebuilt in place and its requests re-issued; the
+rank tells rank 0 (EngineRestarted), which logs it. Its groups go on as if nothing happened.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, GenerateWork,
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, GenerateWork,
                                           GroupData, GroupEnded, PromptGroup, RankStats, Shutdown)
 from marlaas_hpc.scheduler import Generated
 from marlaas_hpc.trainer.peft_io import write_peft_adapter
@@ -53,6 +56,11 @@ class RolloutRank:
         self.counter = 0
         self.clock = BusyClock()
         self.outbox = Outbox(comm)
+        if hasattr(engine, "on_restart"):  # a RestartingEngine
+            engine.on_restart = self._engine_restarted
+
+    def _engine_restarted(self, cause: str, restarts: int, requests: int) -> None:
+        self.outbox.send(EngineRestarted(self.rank, cause, restarts, requests), 0, TAG_EVENT)
 
     def run(self) -> None:
         while True:
@@ -72,7 +80,8 @@ class RolloutRank:
                 self._collect(finished)
             elif command is None and not from_env:
                 time.sleep(0.002)
-        self.outbox.send(RankStats(self.rank, "rollout", self.clock.busy, self.clock.wall()), 0, TAG_EVENT)
+        self.outbox.send(RankStats(self.rank, "rollout", self.clock.busy, self.clock.wall(),
+                               {"engine_restarts": getattr(self.engine, "restarts", 0)}), 0, TAG_EVENT)
         if self.run_dir is not None:
             write_timeline(self.run_dir, self.rank, "rollout", self.clock)
         self.outbox.flush()

@@ -1,5 +1,7 @@
 """World rank 0: the Scheduler state machine behind a thin MPI loop. It owns the task data (prompts go out
-with Generate commands), routes commands, prints progress, runs evals and writes the job's summary."""
+with Generate commands), routes commands, prints progress, runs evals and writes the job's outputs: the audit as
+steps land, the checkpoint records as tasks are submitted, saved and ended (runtime/checkpoint.py), status.json,
+and summary.json at the end."""
 from __future__ import annotations
 
 import time
@@ -9,11 +11,12 @@ from marlaas_hpc.env.protocol import first_prompt, is_multi_turn
 from marlaas_hpc.env.tenant_code import check_reward_code
 from marlaas_hpc.launch.layout import trainer_group_ranks
 from marlaas_hpc.model import TextCodec
-from marlaas_hpc.runtime.checkpoint import PreemptFlag, save_job_checkpoint
+from marlaas_hpc.runtime.checkpoint import JobRecords, PreemptFlag, mark_preempted
 from marlaas_hpc.runtime.comm import Outbox, poll
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, CheckpointDone, EvalDone, GenerateWork,
-                                          PromptGroup, RankStats, Shutdown)
-from marlaas_hpc.runtime.outputs import write_audit, write_status, write_summary
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, CheckpointDone, EngineRestarted, EvalDone,
+                                          GenerateWork, PromptGroup, RankStats, Shutdown, TaskSaved)
+from marlaas_hpc.runtime.outputs import AuditLog, write_status, write_summary
+from marlaas_hpc.runtime.recovery import crashed_run, rollback_outputs
 from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, Scheduler, SchedulerConfig, StepDone,
                                    Submit, TaskEnded, Train)
 from marlaas_hpc.service import QueueIntake
@@ -46,11 +49,28 @@ class SchedulerRank:
         self._eval_turn = 0
         self.preempt = preempt or PreemptFlag()
         self.resume = resume
-        self.runs: list[dict] = list(resume["runs"]) if resume else []
-        """Earlier runs of this job (each ended by a preemption), oldest first."""
+        self.records = JobRecords(self.run_dir, resume)
+        if resume:
+            crashed = crashed_run(resume, self.run_dir)
+            if crashed:
+                self.records.runs.append(crashed)
+            # before the audit is opened for appending: steps after a task's checkpoint are trained again
+            self.scheduler.audit.extend(rollback_outputs(self.run_dir, resume))
+        self.records.current_run = {"started": self.start, "startup_s": startup_s}
+        self.audit_log = AuditLog(self.run_dir, fresh=resume is None)
+        self.audit_log.written = len(self.scheduler.audit)
+        self.pending_saves: dict[str, int] = {}
+        """task -> version the trainer saved and whose StepDone has not arrived yet (TaskSaved precedes it)."""
         self.checkpoint_sent = False
         self.checkpointed: dict[str, int] | None = None
         self.intake = QueueIntake(job, self.run_dir)
+        self.starting = True
+        """Submitting the start's tasks: their records are written once, when all are in."""
+
+    @property
+    def runs(self) -> list[dict]:
+        """Earlier runs of this job (each ended by a preemption or a crash), oldest first."""
+        return self.records.runs
 
     # ---- intake ----
     def submit(self, spec, resume: dict | None = None, check_code: bool = True) -> list:
@@ -65,10 +85,11 @@ class SchedulerRank:
             self.codecs[spec.task_id] = self._codec_for(spec)
             if check_code:
                 check_reward_code(spec.dataset, self.job.sandbox)  # loads in a sandboxed worker, never here
-            return self.scheduler.handle(Submit(spec, resume))
+            return self._handle(Submit(spec, resume))
         except (SpecError, ValueError) as exc:
             self.rejected[spec.task_id] = str(exc)
             self.log(f"[intake] task {spec.task_id!r} refused: {exc}")
+            self._write_records()
             return []
 
     def _codec_for(self, spec):
@@ -77,6 +98,30 @@ class SchedulerRank:
             return self.codec.for_prompt(spec.prompt)
         except ValueError as exc:
             raise SpecError("prompt.format", f"{exc} ({self.job.model})") from None
+
+    def _handle(self, event) -> list:
+        """The scheduler's handling of an event, and what it changes in the run dir: a submitted, saved or
+        ended task's record (written before any command that depends on it goes out), the audit."""
+        commands = self.scheduler.handle(event)
+        changed = isinstance(event, Submit) and event.spec.task_id in self.scheduler.tasks
+        if changed:
+            self.records.submitted(self.scheduler.tasks[event.spec.task_id])
+        if isinstance(event, StepDone):
+            if self.pending_saves.get(event.task_id) == event.version:
+                del self.pending_saves[event.task_id]
+                self.records.saved(self.scheduler.tasks[event.task_id])
+                changed = True
+            self.audit_log.extend(self.scheduler)
+        for command in commands:
+            if isinstance(command, TaskEnded):
+                self.records.ended(self.scheduler.tasks[command.task_id])
+                changed = True
+        if changed and not self.starting:
+            self._write_records()
+        return commands
+
+    def _write_records(self, finished: bool = False) -> None:
+        self.records.write(self.evals, self.rejected, finished)
 
     # ---- loop ----
     def run(self) -> dict:
@@ -102,15 +147,18 @@ class SchedulerRank:
                 time.sleep(0.005)
         self.outbox.flush()
         wall = time.time() - self.start
-        write_audit(self.run_dir, self.scheduler)
+        self.audit_log.extend(self.scheduler)
+        self.audit_log.close()
         preempted = self.checkpointed is not None
+        earlier = list(self.runs)
+        self.records.current_run = None
+        self.runs.append({"started": self.start, "wall_time_s": wall, "startup_s": self.startup_s,
+                          "ended": "preempted" if preempted else "finished"})
+        self._write_records(finished=not preempted)
         if preempted:
-            self.runs.append({"started": self.start, "wall_time_s": wall, "startup_s": self.startup_s,
-                              "ended": "preempted"})
-            save_job_checkpoint(self.run_dir, self.scheduler, self.evals, self.rejected, self.runs)
+            mark_preempted(self.run_dir)
         summary = write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats, wall, self.rejected,
-                                self.startup_s, job_start=self.start, runs=self.runs[:-1] if preempted else self.runs,
-                                preempted=preempted)
+                                self.startup_s, job_start=self.start, runs=earlier, preempted=preempted)
         if preempted:
             versions = {t: max(s.version, 0) for t, s in self.scheduler.tasks.items()}
             self.log(f"[job] preempted: every task checkpointed at {versions}; resume with "
@@ -123,21 +171,21 @@ class SchedulerRank:
         evals so far, then any config task the checkpoint does not know."""
         known = set()
         if self.resume:
-            from marlaas_hpc.scheduler import AuditRecord
             from marlaas_hpc.tasks import TaskSpec
 
-            self.scheduler.audit.extend(AuditRecord(**r) for r in self.resume["audit"])
             self.evals = {(e["task_id"], e["when"]): list(e["scores"]) for e in self.resume["evals"]}
             self.rejected.update(self.resume["rejected"])
-            for task_id, record in self.resume["tasks"].items():
+            for task_id, entry in self.resume["tasks"].items():
                 known.add(task_id)
-                self._execute(self.submit(TaskSpec.from_dict(record["spec"]), resume=record))
+                self._execute(self.submit(TaskSpec.from_dict(entry["spec"]), resume=entry["saved"]))
             self.log(f"[job] resuming (run {len(self.runs) + 1}): " + ", ".join(
                 f"{t} {s.status} v{s.resume_version if s.resume_version is not None else max(s.version, 0)}"
                 for t, s in self.scheduler.tasks.items()))
         for spec in self.job.tasks:
             if spec.task_id not in known:
                 self._execute(self.submit(spec))
+        self.starting = False
+        self._write_records()  # this run's start is on record, even if no task changes before a crash
 
     def _preemption_done(self) -> bool:
         """Drives the drain once USR2 arrived: True when every task is checkpointed and the job may stop."""
@@ -173,7 +221,7 @@ class SchedulerRank:
                 self.log(f"[intake] cancel of unknown task {task_id!r} ignored")
                 continue
             self.log(f"[intake] cancel {task_id!r} requested")
-            self._execute(self.scheduler.handle(Cancel(task_id)))
+            self._execute(self._handle(Cancel(task_id)))
         if taken or cancels:
             write_status(self.run_dir, self.job, self.scheduler, time.time() - self.start)
 
@@ -206,6 +254,7 @@ class SchedulerRank:
                 del self.pending_evals[key]
                 scores = self.evals[key]
                 self.log(f"[{event.task_id}] eval {key[1]}: greedy accuracy {sum(scores) / len(scores):.3f}")
+                self._write_records()
             return
         if isinstance(event, RankStats):
             self.stats.append(event)
@@ -213,10 +262,17 @@ class SchedulerRank:
         if isinstance(event, CheckpointDone):
             self._checkpoint_done(event)
             return
-        commands = self.scheduler.handle(event)
+        if isinstance(event, TaskSaved):
+            self.pending_saves[event.task_id] = event.version
+            return
+        if isinstance(event, EngineRestarted):
+            self.log(f"[job] rollout rank {event.rank}: engine error ({event.cause}); engine restarted "
+                     f"(restart {event.restarts}), {event.requests} requests re-issued")
+            return
+        commands = self._handle(event)
         if isinstance(event, StepDone) or any(isinstance(c, TaskEnded) for c in commands):
             write_status(self.run_dir, self.job, self.scheduler, time.time() - self.start)
-        if isinstance(event, StepDone) and event.version > 0:
+        if isinstance(event, StepDone) and event.metrics:  # a trained step (not an admission)
             task = self.scheduler.tasks[event.task_id]
             self.log(f"[{event.task_id}] v{event.version}/{task.spec.total_steps} reward "
                      f"{event.metrics.get('reward_mean', 0):.3f} staleness<={event.metrics.get('staleness_max', 0)} "
@@ -229,6 +285,7 @@ class SchedulerRank:
             ours = self.scheduler.tasks[task_id].version
             if ours != version:
                 raise RuntimeError(f"checkpoint of {task_id}: trainer saved v{version}, scheduler is at v{ours}")
+            self.records.saved(self.scheduler.tasks[task_id])
         self.checkpoints.update(event.versions)
         self.checkpoint_answers += 1
         if self.checkpoint_answers == len(self.leaders):  # every trainer group has saved its tasks

@@ -7,7 +7,13 @@ With several trainer groups (layout.trainer_groups) each group owns a set of tas
 a step boundary (scheduler Move): every rank of the old group sends its state shard to the rank at the same
 position of the new group (TAG_STATE), the old leader hands over the task's spec and buffered data (Handover,
 TAG_HANDOVER) and forwards groups that still reach it; the new leader installs the task on all its ranks, answers
-Moved, and only then runs the task's Train orders."""
+Moved, and only then runs the task's Train orders..
+
+After a task's step the leader asks its CheckpointPolicy whether the task is due for a save; if so every rank of
+the group saves the task's shard (a 'save' op; DP replica 0 writes, the replicas hold the same shards) before the
+leader reports the step (TaskSaved, then StepDone). A moving task's save schedule moves with it. An error no task
+caused (runtime/faults.py: a peer rank gone, the disk full) is re-raised, never turned into a task failure: the
+rank dies, the job stops and resumes from its checkpoints."""
 from __future__ import annotations
 
 import json
@@ -18,10 +24,12 @@ from pathlib import Path
 from marlaas_hpc.driver import adapter_dir, task_dir
 from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
-from marlaas_hpc.runtime.checkpoint import save_torch, trainer_rng_path, trainer_shard_path
+from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_shards, save_torch, trainer_rng_path,
+                                            trainer_shard_path)
+from marlaas_hpc.runtime.faults import is_job_fault, is_storage_error, storage_error
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER,
                                           Checkpoint, CheckpointDone, Handover, RankStats, ScoredGroup, Shutdown,
-                                          TrainerOp)
+                                          TaskSaved, TrainerOp)
 from marlaas_hpc.scheduler import Admit, Discard, Move, Moved, StepDone, TaskEnded, TaskFailed, Train
 from marlaas_hpc.trainer.peft_io import write_peft_adapter
 
@@ -43,8 +51,10 @@ def check_bound(order: Train, trajectories, trainer_version: int) -> None:
 
 class TrainerRank:
     def __init__(self, comm, trainer, run_dir: Path, leader: int, followers: list[int], delta_group=None,
-                 groups: list[list[int]] | None = None, group: int = 0):
+                 groups: list[list[int]] | None = None, group: int = 0, policy: CheckpointPolicy | None = None):
         self.comm, self.trainer, self.run_dir = comm, trainer, Path(run_dir)
+        self.policy = policy
+        """Leader only: which task is due for a periodic save after its step (None: only preemption saves)."""
         self.rank = comm.Get_rank()
         self.leader, self.followers, self.delta = leader, followers, delta_group
         self.groups = groups or [[leader] + list(followers)]
@@ -77,11 +87,15 @@ class TrainerRank:
                 if math.isfinite(task_metrics.get("loss", 0.0)) and self._publish(order.task_id) is None:
                     task_metrics["diverged"] = "non-finite adapter weights after the step (not published)"
             return metrics
+        if op.kind == "save":
+            return self._save(op.payload)
         if op.kind == "checkpoint":
             return self._checkpoint()
         if op.kind == "remove":
             if op.task_id in self.trainer.tasks:
                 self.trainer.remove_task(op.task_id)
+            if self.policy is not None:
+                self.policy.forget(op.task_id)
             return None
         if op.kind == "move_out":
             return self._send_state(op.task_id, op.payload)
@@ -91,15 +105,16 @@ class TrainerRank:
 
     def _admit(self, admit: Admit) -> int:
         """A new task gets a fresh adapter (v0); a resumed one its saved shard and optimizer state."""
-        import torch
-
         spec = admit.spec
         self.specs[spec.task_id] = spec
         if admit.resume_version is None:
+            # shards left by an earlier job in this run dir must not pass for this task's
+            prune_shards(trainer_shard_path(self.run_dir, spec, self.trainer.tp_rank, 0).parent,
+                         self.trainer.tp_rank, None)
             self.trainer.add_task(spec.task_id, spec.lora, spec.algo)
         else:
-            path = trainer_shard_path(self.run_dir, spec, self.trainer.tp_rank)
-            self.trainer.load_state_dict(spec.task_id, torch.load(path, weights_only=False))
+            path = trainer_shard_path(self.run_dir, spec, self.trainer.tp_rank, admit.resume_version)
+            self.trainer.load_state_dict(spec.task_id, load_torch(path))
             if self.trainer.version(spec.task_id) != admit.resume_version:
                 raise RuntimeError(f"{path} holds v{self.trainer.version(spec.task_id)}, the scheduler "
                                    f"resumes v{admit.resume_version}")
@@ -107,19 +122,32 @@ class TrainerRank:
         if version is None:
             raise FloatingPointError(f"adapter of {spec.task_id} v{self.trainer.version(spec.task_id)} has "
                                      "non-finite weights")
+        if self.policy is not None:
+            self.policy.admitted(spec.task_id, version)
         return version
 
+    def _save(self, task_ids: list[str]) -> dict[str, int]:
+        """This TP rank's shard of each task (adapter, optimizer state, version), keeping the newest few. DP
+        replica 0 writes it: the replicas hold the same shards."""
+        versions = {}
+        for task_id in task_ids:
+            version = versions[task_id] = self.trainer.version(task_id)
+            if self.trainer.dp_rank == 0:
+                path = trainer_shard_path(self.run_dir, self.specs[task_id], self.trainer.tp_rank, version)
+                save_torch(self.trainer.state_dict(task_id), path)
+                prune_shards(path.parent, self.trainer.tp_rank, version)
+            if self.policy is not None:
+                self.policy.saved(task_id, version)
+        return versions
+
     def _checkpoint(self) -> dict[str, int]:
-        """Every TP rank saves its shard of every live task (adapter, optimizer state, version) and its RNG."""
+        """Preemption: every TP rank saves its shard of every live task and its RNG."""
         import torch
 
-        if self.trainer.dp_rank == 0:  # DP replicas hold the same shards
-            for task_id in self.trainer.task_ids():
-                save_torch(self.trainer.state_dict(task_id),
-                           trainer_shard_path(self.run_dir, self.specs[task_id], self.trainer.tp_rank))
+        versions = self._save(self.trainer.task_ids())
         save_torch(torch.get_rng_state(), trainer_rng_path(self.run_dir, self.trainer.tp_rank, self.group,
                                                            self.trainer.dp_rank))
-        return {task_id: self.trainer.version(task_id) for task_id in self.trainer.task_ids()}
+        return versions
 
     def _publish(self, task_id: str) -> int | None:
         """Gathers the adapter once (collective over TP); the leader checkpoints it and broadcasts it.
@@ -135,8 +163,13 @@ class TrainerRank:
             return None
         if self.rank == self.leader:
             t0 = time.time()
-            write_peft_adapter(adapter_dir(self.run_dir, spec, version), tensors, spec.lora,
-                               base_model_name_or_path=str(self.trainer.config.model_path))
+            out = adapter_dir(self.run_dir, spec, version)
+            try:
+                write_peft_adapter(out, tensors, spec.lora, base_model_name_or_path=str(self.trainer.config.model_path))
+            except Exception as exc:
+                if is_storage_error(exc):  # a full disk is the job's fault: name the file, not the library
+                    raise storage_error(exc, f"adapter {out}") from exc
+                raise
             self.delta.send(task_id, version, tensors, spec.lora)
             self.clock.note("publish", (task_id,), t0, time.time(), version=version,
                             bytes=sum(t.numel() * 4 for t in tensors.values()))
@@ -162,8 +195,10 @@ class TrainerRank:
             with self.clock.track(op.kind, tasks):
                 try:
                     self.execute(op)
-                except Exception:
-                    pass  # the leader hits the same error in the same op and reports it
+                except Exception as exc:
+                    if is_job_fault(exc):
+                        raise
+                    # a task's fault: the leader hits the same error in the same op and reports it
 
     def run_leader(self) -> None:
         while True:
@@ -210,6 +245,8 @@ class TrainerRank:
                 try:
                     version = self._everyone(TrainerOp("admit", command.spec.task_id, command))
                 except Exception as exc:  # e.g. a resumed shard saved at another TP size: this task fails
+                    if is_job_fault(exc):
+                        raise
                     self._fail(command.spec.task_id, exc)
                     return
             self.outbox.send(StepDone(command.spec.task_id, version), 0, TAG_EVENT)
@@ -256,12 +293,33 @@ class TrainerRank:
                                   samples=sum(len(trajs) for _, trajs in batches)):
                 metrics = self._everyone(TrainerOp("train", "", batches))
         except Exception as exc:
+            if is_job_fault(exc):
+                raise
             for order, _ in batches:
                 self._fail(order.task_id, exc)
             return True
+        train_s = time.time() - start
+        saved = self._save_due([order for order, _ in batches if self._stepped(metrics[order.task_id])])
         for order, trajectories in batches:
-            self._step_done(order, trajectories, metrics[order.task_id], time.time() - start, len(batches))
+            if order.task_id in saved:
+                self.outbox.send(TaskSaved(order.task_id, saved[order.task_id]), 0, TAG_EVENT)
+            self._step_done(order, trajectories, metrics[order.task_id], train_s, len(batches))
         return True
+
+    @staticmethod
+    def _stepped(metrics: dict) -> bool:
+        """The step produced a new version (finite loss, finite adapter)."""
+        return math.isfinite(metrics.get("loss", 0.0)) and "diverged" not in metrics
+
+    def _save_due(self, orders: list[Train]) -> dict[str, int]:
+        """Periodic checkpoint of the tasks of this step that are due (not at their last step: an ended task
+        is never resumed)."""
+        due = [o.task_id for o in orders if self.policy is not None and o.from_version + 1 < self.specs[
+            o.task_id].total_steps and self.policy.due(o.task_id, o.from_version + 1)]
+        if not due:
+            return {}
+        with self.clock.track("save", due):
+            return self._everyone(TrainerOp("save", "", due))
 
     def _fail(self, task_id: str, exc: Exception) -> None:
         self.outbox.send(TaskFailed(task_id, f"trainer: {type(exc).__name__}: {exc}"), 0, TAG_EVENT)
@@ -296,8 +354,9 @@ class TrainerRank:
         buffered = {gid: trajs for gid, trajs in self.buffer.items() if trajs and trajs[0].task_id == move.task_id}
         for gid in buffered:
             del self.buffer[gid]
-        self.outbox.send(Handover(move.task_id, move.version, spec, self.groups[self.group], buffered), target[0],
-                         TAG_HANDOVER)
+        last_saved = self.policy.hand_over(move.task_id) if self.policy is not None else None
+        self.outbox.send(Handover(move.task_id, move.version, spec, self.groups[self.group], buffered, last_saved),
+                         target[0], TAG_HANDOVER)
         self.moved_to[move.task_id] = target[0]
 
     def _move_in(self, handover: Handover) -> None:
@@ -313,7 +372,11 @@ class TrainerRank:
                     raise RuntimeError(f"{task_id}: handed over at v{self.trainer.version(task_id)}, the scheduler "
                                        f"moved it at v{handover.version}")
             except Exception as exc:
+                if is_job_fault(exc):
+                    raise
                 self._fail(task_id, exc)
+        if self.policy is not None:  # its periodic saves go on from its last one, not from the move
+            self.policy.take_over(task_id, handover.last_saved)
         for gid, trajectories in handover.buffered.items():
             if gid in self.discarded:
                 self.discarded.discard(gid)

@@ -43,7 +43,8 @@ class TaskState:
     dropped_groups: int = 0
     max_trained_staleness: int = 0
     preempted_groups: int = 0
-    """Groups generated but not trained when the job was preempted (their prompts are not re-issued)."""
+    """Groups issued but not trained when the job stopped (preempted or crashed) after the checkpoint it resumed
+    from: their prompts are not re-issued."""
     submitted_at: float = 0.0
     admitted_at: float | None = None
     step_times: list[float] = field(default_factory=list)
@@ -60,7 +61,7 @@ class TaskState:
     """Times the task moved to another trainer group (placement/rebalancing)."""
 
     def checkpoint(self) -> dict:
-        """What survives a preemption (JSON). Groups in flight or buffered are not kept: their prompts
+        """What a resume restarts the task from (JSON). Groups in flight or buffered are not kept: their prompts
         are not re-issued (the cursor has moved on) and are counted in preempted_groups."""
         unfinished = self.status in (QUEUED, RUNNING)
         return {"status": self.status, "error": self.error,
@@ -70,8 +71,7 @@ class TaskState:
                 "submitted_at": self.submitted_at, "step_times": list(self.step_times),
                 "reward_history": list(self.reward_history), "trainer_group": self.trainer_group,
                 "moves": self.moves,
-                "preempted_groups": (self.preempted_groups + len(self.ready) + len(self.training or [])
-                                     if unfinished else self.preempted_groups)}
+                "preempted_groups": self.preempted_groups + self.outstanding() if unfinished else self.preempted_groups}
 
     @classmethod
     def from_checkpoint(cls, spec: TaskSpec, record: dict) -> "TaskState":

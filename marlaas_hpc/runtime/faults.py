@@ -1,0 +1,61 @@
+"""Whose fault is an error: a task's (it fails alone, the job goes on) or the job's (a peer rank gone, the
+filesystem full or broken: the rank must die, so the job stops, names the rank, and resumes from its
+checkpoints instead of failing tasks that did nothing wrong)."""
+from __future__ import annotations
+
+import errno
+import os
+import re
+
+PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
+                     "NCCL error", "ProcessGroupNCCL", "Socket Timeout", "failed to recv", "failed to send")
+"""Text of the RuntimeErrors gloo / NCCL raise when the other end of a collective is gone (torch raises a plain
+RuntimeError for gloo's `Connection closed by peer`)."""
+
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.ESTALE}
+"""Disk full, quota exceeded, read-only or failing filesystem, file too large, stale NFS handle."""
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """A collective or message failed because another rank died (a consequence, not a cause)."""
+    try:
+        import torch.distributed as dist
+
+        if isinstance(exc, dist.DistError):
+            return True
+    except ImportError:
+        pass
+    if type(exc).__module__.startswith("mpi4py"):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_LOST_MARKERS)
+
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def storage_errno(exc: BaseException) -> int | None:
+    """The errno of an OSError with one of STORAGE_ERRNOS, or of a native library's error that wraps one
+    (safetensors: "I/O error: No space left on device (os error 28)"); else None."""
+    if isinstance(exc, OSError):
+        return exc.errno if exc.errno in STORAGE_ERRNOS else None
+    match = _RUST_OS_ERROR.search(str(exc))
+    return int(match.group(1)) if match is not None and int(match.group(1)) in STORAGE_ERRNOS else None
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    return storage_errno(exc) is not None
+
+
+def storage_error(exc: BaseException, what: str) -> OSError:
+    """The OSError to raise for a storage error while writing `what` (the path named in the message)."""
+    code = storage_errno(exc)
+    return OSError(code, f"{os.strerror(code)}: cannot write {what}")
+
+
+def is_job_fault(exc: BaseException) -> bool:
+    """No task caused it: re-raise instead of failing the task (or tasks) at hand."""
+    return is_peer_lost(exc) or is_storage_error(exc)
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,91 @@
+"""A small MPI program for the supervisor tests (test_launch_supervise.py): three ranks that report to the
+job's monitor like marlaas ranks do, then one of them fails in the way asked for.
+
+    mpirun -np 3 python tests/fault_ranks.py WHAT RUN_DIR
+    WHAT: ok | kill (rank 2 SIGKILLs itself while rank 1 waits on it in a gloo broadcast) | raise (rank 1 raises
+          an OSError ENOSPC) | hang (rank 2 SIGKILLs itself, no MPI: run as plain processes by a launcher that
+          never stops them)
+"""
+import errno
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from marlaas_hpc.launch.monitor import RankReporter
+from marlaas_hpc.runtime.main import report_crash
+
+ROLES = ["scheduler", "env", "rollout"]
+
+
+def gloo_pair(comm, rank):
+    """Ranks 1 and 2 share a gloo group, as the trainer leader and a rollout rank share the delta broadcast."""
+    import torch.distributed as dist
+
+    from marlaas_hpc.runtime.delta import free_port
+
+    port = comm.bcast(free_port() if rank == 1 else None, root=1)
+    if rank == 0:
+        return None
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 1, timeout=timedelta(seconds=60))
+    return dist.ProcessGroupGloo(store, rank - 1, 2)
+
+
+def main(what: str, run_dir: str) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    reporter = RankReporter.connect({"rank": rank, "role": ROLES[rank], "run_dir": run_dir, "max_crash_requeues": 1})
+    group = gloo_pair(comm, rank) if what == "kill" else None
+    comm.Barrier()
+    try:
+        if what == "kill" and rank == 2:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if what == "kill" and rank == 1:
+            import torch
+
+            group.broadcast(torch.zeros(4), 0).wait()  # rank 2 never joins: gloo says "Connection closed by peer"
+        if what == "raise" and rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device", f"{run_dir}/tasks/alice/add/adapters/v0003")
+        if what != "ok":
+            time.sleep(120)  # the launcher takes this rank down
+    except Exception as exc:
+        report_crash(exc, Path(run_dir), rank, reporter)
+        comm.Abort(1)
+    comm.Barrier()
+    reporter.bye()
+
+
+def hang(run_dir: str) -> None:
+    """A 'launcher' that starts three plain processes and waits for all of them, never stopping the others when
+    one dies (as srun without --kill-on-bad-exit would)."""
+    import subprocess
+
+    from marlaas_hpc.launch.supervise import die_with_parent
+
+    procs = [subprocess.Popen([sys.executable, __file__, "hang-rank", run_dir, str(rank)], preexec_fn=die_with_parent)
+             for rank in range(3)]
+    for proc in procs:
+        proc.wait()
+
+
+def hang_rank(run_dir: str, rank: int) -> None:
+    reporter = RankReporter.connect({"rank": rank, "role": ROLES[rank], "run_dir": run_dir})
+    time.sleep(1.0)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(300)
+    reporter.bye()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "hang":
+        hang(sys.argv[2])
+    elif sys.argv[1] == "hang-rank":
+        hang_rank(sys.argv[2], int(sys.argv[3]))
+    else:
+        main(sys.argv[1], sys.argv[2])

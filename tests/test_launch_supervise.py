@@ -1,0 +1,106 @@
+"""The job supervisor with real processes (tests/fault_ranks.py under mpirun): when a rank dies or fails, ONE
+message names that rank, its role and the cause, also kept in RUN_DIR/crash.json; a rank that only saw its peer
+die is not named; a launcher that does not stop by itself is stopped."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from marlaas_hpc.launch.supervise import Supervisor, supervise
+
+pytestmark = [pytest.mark.mpi]
+ROOT = Path(__file__).resolve().parents[1]
+RANKS = str(ROOT / "tests" / "fault_ranks.py")
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def _mpirun(what, run_dir):
+    return [shutil.which("mpirun"), "-np", "3", "--oversubscribe", sys.executable, RANKS, what, str(run_dir)]
+
+
+def _supervised(what, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    code = supervise(_mpirun(what, run_dir), _env(), run_dir)
+    return code, capfd.readouterr().err, run_dir
+
+
+@pytest.fixture(autouse=True)
+def _restore_signals():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_killed_rank_is_named_not_the_rank_whose_collective_failed(tmp_path, capfd):
+    code, err, run_dir = _supervised("kill", tmp_path, capfd)
+    assert code != 0
+    lines = [line for line in err.splitlines() if line.startswith("marlaas: job stopped")]
+    assert len(lines) == 1, err[-3000:]
+    assert "rank 2 (rollout" in lines[0] and "killed by signal 9 (SIGKILL)" in lines[0]
+    assert "no task is at fault" in lines[0] and f"marlaas run --resume {run_dir}" in lines[0]
+    assert "mpirun noticed" not in err, "Open MPI's banner is replaced by the one message"
+    crash = json.loads((run_dir / "crash.json").read_text())
+    assert crash["rank"] == 2 and crash["role"] == "rollout" and crash["message"] == lines[0]
+    # rank 1 did crash (gloo: connection closed by peer) and kept its traceback, but it is not the cause
+    assert "Connection closed by peer" in (run_dir / "crash" / "rank1.txt").read_text()
+
+
+def test_rank_that_raises_is_named_with_its_error_and_traceback(tmp_path, capfd):
+    code, err, run_dir = _supervised("raise", tmp_path, capfd)
+    assert code != 0
+    lines = [line for line in err.splitlines() if line.startswith("marlaas: job stopped")]
+    assert len(lines) == 1, err[-3000:]
+    assert "rank 1 (env" in lines[0] and "failed: OSError: [Errno 28] No space left on device" in lines[0]
+    assert f"traceback: {run_dir / 'crash' / 'rank1.txt'}" in lines[0]
+    assert "Traceback" not in err, "the traceback is in the file, not repeated on every screen"
+    assert "MPI_ABORT was invoked" not in err
+
+
+def test_a_job_that_ends_normally_says_nothing(tmp_path, capfd):
+    code, err, run_dir = _supervised("ok", tmp_path, capfd)
+    assert code == 0 and "marlaas:" not in err and not (run_dir / "crash.json").exists()
+
+
+def test_a_launcher_that_does_not_stop_is_stopped(tmp_path, capfd):
+    supervisor = Supervisor(tmp_path, stop_after_failure_s=2.0)
+    try:
+        t0 = time.monotonic()
+        supervisor.start([sys.executable, RANKS, "hang", str(tmp_path)], _env())
+        code = supervisor.wait()
+        assert time.monotonic() - t0 < 120, "stopped long before the ranks' own 300 s"
+        message = supervisor.report(code)
+    finally:
+        supervisor.close()
+    assert "rank 2 (rollout" in message and "ended without an error report" in message
+    assert "the launcher is still running: stopping it" in capfd.readouterr().err
+
+
+def test_under_slurm_the_step_guard_reports_and_requeues_at_most_max_crash_requeues(tmp_path):
+    """The step guard in a made-up allocation (no controller answers: the requeue itself fails here; the
+    Slurm suite checks a real one) supervises the step like `marlaas run` does, then requeues once."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "job.yaml").write_text("{}\n")
+    env = dict(_env(), SLURM_JOB_ID="999999")
+    guard = [sys.executable, "-m", "marlaas_hpc.launch.step_guard", "--poll", "0.5", "--"]
+    first = subprocess.run(guard + _mpirun("kill", run_dir), env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in first.stderr.splitlines() if line.startswith("marlaas: job stopped")]
+    assert len(lines) == 1 and "rank 2 (rollout" in lines[0], first.stderr[-3000:]
+    assert "Requeueing job 999999 (crash requeue 1 of 1)" in lines[0]
+    assert json.loads((run_dir / "crash.json").read_text())["requeued"] is True
+    assert (run_dir / "slurm" / "crash_requeues").read_text() == "1\n"
+    second = subprocess.run(guard + _mpirun("kill", run_dir), env=env, capture_output=True, text=True, timeout=300)
+    assert "Not requeued: 1 crash requeues already (checkpoint.max_crash_requeues=1)" in second.stderr
+    assert second.returncode not in (0, 75)
