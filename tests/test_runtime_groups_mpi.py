@@ -151,14 +151,14 @@ def test_preemption_and_resume_with_two_groups(tmp_path, tiny_model_path):
     code, out = _preempt_after(config_path, run_dir, steps=2)
     assert code == 75, out[-3000:]
     saved = json.loads((run_dir / "checkpoint" / "scheduler.json").read_text())
-    versions = {t: r["version"] for t, r in saved["tasks"].items()}
+    versions = {t: r["saved"]["version"] for t, r in saved["tasks"].items()}
     assert all(2 <= v < steps for v in versions.values()), versions
-    groups = {t: r["trainer_group"] for t, r in saved["tasks"].items()}
+    groups = {t: r["saved"]["trainer_group"] for t, r in saved["tasks"].items()}
     assert sorted(groups.values()) == [0, 1], "each group saved the task it owns"
     adapter_bytes = {}
     for task in config["tasks"]:
         task_dir = run_dir / "tasks" / task["tenant"] / task["task_id"]
-        assert (task_dir / "checkpoint" / "tp0.pt").is_file()
+        assert (task_dir / "checkpoint" / f"tp0-v{versions[task['task_id']]:06d}.pt").is_file()
         adapter_bytes[task["task_id"]] = (task_dir / "adapters" / f"v{versions[task['task_id']]:04d}" /
                                           "adapter_model.safetensors").read_bytes()
     assert (run_dir / "checkpoint" / "trainer-rng-tp0.pt").is_file()
