@@ -86,15 +86,33 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals that end the batch step: passed on to srun, then the guard exits."""
 
 
-def _forward_signals(proc: subprocess.Popen) -> None:
-    def forward(signum, _frame):
-        _log(f"got signal {signum}: passing it on to srun and stopping it")
-        proc.send_signal(signum)
-        _stop(proc)
-        raise SystemExit(128 + signum)
+class _SignalForwarder:
+    """Passes FORWARDED signals on to srun, then stops it and exits 128 + signal. Installed before srun starts:
+    a signal that arrives in between is held and passed on once srun exists (it used to hit Python's default
+    handler there and leave srun running)."""
 
-    for signum in FORWARDED:
-        signal.signal(signum, forward)
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.pending: int | None = None
+        for signum in FORWARDED:
+            signal.signal(signum, self._on_signal)
+
+    def attach(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        if self.pending is not None:
+            self._forward(self.pending)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.proc is None:
+            self.pending = signum
+        else:
+            self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        _log(f"got signal {signum}: passing it on to srun and stopping it")
+        self.proc.send_signal(signum)
+        _stop(self.proc)
+        raise SystemExit(128 + signum)
 
 
 def guard(argv: list[str], job_id: str, poll_s: float = 5.0, grace_s: float = 60.0) -> int:
@@ -102,8 +120,9 @@ def guard(argv: list[str], job_id: str, poll_s: float = 5.0, grace_s: float = 60
     srun is still alive `grace_s` after slurmctld stopped listing a step it listed before; if a rank's failure
     ended the step, reports it and requeues the job (CRASH_REQUEUED_EXIT)."""
     supervisor = Supervisor()
+    forwarder = _SignalForwarder()
     proc = supervisor.start(argv, dict(os.environ))
-    _forward_signals(proc)
+    forwarder.attach(proc)
     try:
         return after_step(supervisor, _watch(proc, job_id, poll_s, grace_s), job_id)
     finally:

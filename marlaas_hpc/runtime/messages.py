@@ -152,7 +152,7 @@ class CheckpointDone:
     versions: dict[str, int]
 
 
-# ---- trainer groups (layout.trainer_groups > 1; runtime/trainer_groups.py) ----
+# ---- trainer groups (layout.trainer_groups > 1; runtime/trainer_rank.py, scheduler/placement.py) ----
 TAG_HANDOVER = 16
 """trainer leader -> trainer leader: Handover of a task moving between trainer groups."""
 TAG_STATE = 17

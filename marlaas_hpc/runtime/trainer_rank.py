@@ -7,7 +7,7 @@ With several trainer groups (layout.trainer_groups) each group owns a set of tas
 a step boundary (scheduler Move): every rank of the old group sends its state shard to the rank at the same
 position of the new group (TAG_STATE), the old leader hands over the task's spec and buffered data (Handover,
 TAG_HANDOVER) and forwards groups that still reach it; the new leader installs the task on all its ranks, answers
-Moved, and only then runs the task's Train orders..
+Moved, and only then runs the task's Train orders.
 
 After a task's step the leader asks its CheckpointPolicy whether the task is due for a save; if so every rank of
 the group saves the task's shard (a 'save' op; DP replica 0 writes, the replicas hold the same shards) before the
