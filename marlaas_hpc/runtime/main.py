@@ -265,7 +265,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
 
             delta = DeltaGroup(comm, rank, roles["rollout"], device=binding.device)
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
-                                 policy=CheckpointPolicy(job.checkpoint))
+                                 policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
             comm.Barrier()
             worker.run_leader()
         else:
