@@ -12,8 +12,8 @@ task's pins (`TaskSpec.keep_versions`) drop, but never one that is still in flig
 - the staleness window (v - k .. v): versions whose samples the next steps may still train;
 - the version of the task's newest periodic checkpoint (a resume restarts there; its adapter dir then
   matches the shard).
-When the task ends, nothing of it is in flight any more: the last pruning keeps only what the policy keeps and
-the final version. A rollout rank keeps no directory per version either: it writes a version's scratch copy
+When the task ends, nothing of it can be trained any more (groups still open are discarded): the last pruning
+keeps only what the policy keeps and the final version. A rollout rank keeps no directory per version either: it writes a version's scratch copy
 when the delta arrives and deletes it when its engine retires that version (`ScratchAdapters`), since vLLM
 reloads an adapter from its path (a request still naming it, an LRU eviction) until it is retired.
 """

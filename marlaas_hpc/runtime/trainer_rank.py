@@ -100,8 +100,8 @@ class TrainerRank:
             return self._checkpoint()
         if op.kind == "remove":
             if op.task_id in self.trainer.tasks:
-                # the task ended: nothing of it is in flight any more, the final version stays
-                self._prune(op.task_id, self.trainer.version(op.task_id), set())
+                # the task ended: groups of it still open are discarded, the final version stays
+                self._prune(op.task_id, self.trainer.version(op.task_id), set(), ended=True)
                 self.trainer.remove_task(op.task_id)
             if self.policy is not None:
                 self.policy.forget(op.task_id)
@@ -355,7 +355,7 @@ class TrainerRank:
         self.tensorboard.write(task_dir(self.run_dir, self.specs[order.task_id]), record)
         self.outbox.send(StepDone(order.task_id, version, record), 0, TAG_EVENT)
 
-    def _prune(self, task_id: str, newest: int, in_flight: set[int]) -> None:
+    def _prune(self, task_id: str, newest: int, in_flight: set[int], ended: bool = False) -> None:
         """Leader: deletes the task's adapter versions that the retention policy, the task's pins and
         `in_flight` do not keep (a timeline note lists them: what was deleted, and what was in flight then)."""
         if self.retention is None:
@@ -366,7 +366,7 @@ class TrainerRank:
                                  spec.keep_versions, in_flight)
         if deleted:
             self.clock.note("prune_adapters", (task_id,), t0, time.time(), newest=newest, deleted=deleted,
-                            in_flight=sorted(in_flight))
+                            in_flight=sorted(in_flight), ended=ended)
 
     # ---- trainer groups: a task moves to another group at a step boundary ----
     def _move_out(self, move: Move) -> None:
