@@ -10,6 +10,9 @@ one) until it sends GroupEnded. The group's version is pinned in the engine from
 GroupEnded, so the engine cannot retire it while an episode waits on a tool; its Generated event comes from
 the env rank when the group ends (so it reaches rank 0 before the group's Scored, on the same channel).
 
+Each version's delta is written to a scratch copy (the engines load adapters from a path), deleted as soon as
+the engine retires that version (runtime/retention.py ScratchAdapters); the scratch dir goes at shutdown.
+
 An engine that fails (rollout/restart.py: RestartingEngine) is rebuilt in place and its requests re-issued; the
 rank tells rank 0 (EngineRestarted), which logs it. Its groups go on as if nothing happened.
 """
