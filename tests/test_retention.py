@@ -86,6 +86,7 @@ def test_a_multi_turn_group_on_an_old_version_keeps_it_while_newer_versions_land
     ({"adapters": {"keep_every": 1.5}}, "adapters.keep_every"),
     ({"adapters": {"keep": 3}}, "adapters.keep"),
     ({"adapters": []}, "adapters"),
+    ({"adapters": {"keep_final_checkpoint": "yes"}}, "adapters.keep_final_checkpoint"),
     ({"tasks": [{"task_id": "a", "total_steps": 5, "keep_versions": [2, 6]}]}, "tasks[0].keep_versions[1]"),
     ({"tasks": [{"task_id": "a", "keep_versions": 3}]}, "tasks[0].keep_versions"),
 ])
@@ -101,7 +102,8 @@ def test_retention_config_and_pins_load():
     assert (job.adapters.keep_last, job.adapters.keep_every) == (3, 0)
     assert job.tasks[0].keep_versions == (4, 9)
     assert TaskSpec.from_dict(job.tasks[0].to_dict()).keep_versions == (4, 9), "round trip (checkpoint records)"
-    assert JobConfig.from_dict({}).adapters == RetentionConfig(keep_last=2, keep_every=10)
+    assert JobConfig.from_dict({}).adapters == RetentionConfig(keep_last=2, keep_every=10,
+                                                               keep_final_checkpoint=False)
 
 
 def test_rollout_copies_go_only_when_the_engine_retires_them(tmp_path, tiny_model_path, adapters, codec):

@@ -50,6 +50,7 @@ def test_run_dir_keeps_the_policy_the_pins_and_the_final_version(finished_run):
         assert sorted(p.name for p in folder.iterdir()) == [f"v{v:04d}" for v in kept]
         assert all((folder / f"v{v:04d}" / "adapter_model.safetensors").is_file() for v in kept)
     assert not list((run_dir / "rollout").rglob("adapter_model.safetensors")), "rollout ranks keep no copies"
+    assert not list((run_dir / "tasks").rglob("*.pt")), "an ended task's checkpoint shards are gone"
 
 
 def _groups(timeline):

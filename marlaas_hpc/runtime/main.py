@@ -269,7 +269,8 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
             comm.Barrier()
             worker.run_leader()
         else:
-            worker = TrainerRank(comm, trainer, run_dir, mine[0], [], groups=groups, group=role.group)
+            worker = TrainerRank(comm, trainer, run_dir, mine[0], [], groups=groups, group=role.group,
+                                 retention=job.adapters)
             comm.Barrier()
             worker.run_follower()
     return None

@@ -40,6 +40,11 @@ class RetentionConfig:
     """Every version that is a multiple of this (v0, v10, v20, ...): a sparse history of the run.
     0: none; 1: every version (nothing is ever deleted)."""
 
+    keep_final_checkpoint: bool = False
+    """Keep an ended task's newest checkpoint shards (adapter and optimizer state, tasks/<tenant>/<task>/
+    checkpoint/) to train it further elsewhere. False: every trainer rank deletes them when the task ends (a
+    resume never restarts an ended task; its final adapter stays in adapters/)."""
+
     def validate(self, prefix: str = "adapters") -> "RetentionConfig":
         from marlaas_hpc.tasks.spec import SpecError
 
@@ -47,6 +52,9 @@ class RetentionConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise SpecError(f"{prefix}.{name}", f"must be an integer >= 0, got {value!r}")
+        if not isinstance(self.keep_final_checkpoint, bool):
+            raise SpecError(f"{prefix}.keep_final_checkpoint", f"must be true or false, got "
+                                                               f"{self.keep_final_checkpoint!r}")
         return self
 
     @classmethod

@@ -61,7 +61,8 @@ class TrainerRank:
         self.policy = policy
         """Leader only: which task is due for a periodic save after its step (None: only preemption saves)."""
         self.retention = retention
-        """Leader only: which adapter versions the task dirs keep (runtime/retention.py; None: every one)."""
+        """Which adapter versions the task dirs keep (the leader prunes them) and whether an ended task's shards
+        stay (every rank deletes its own); runtime/retention.py. None: everything stays."""
         self.rank = comm.Get_rank()
         self.leader, self.followers, self.delta = leader, followers, delta_group
         self.groups = groups or [[leader] + list(followers)]
@@ -102,6 +103,10 @@ class TrainerRank:
             if op.task_id in self.trainer.tasks:
                 # the task ended: groups of it still open are discarded, the final version stays
                 self._prune(op.task_id, self.trainer.version(op.task_id), set(), ended=True)
+                if self.retention is not None and not self.retention.keep_final_checkpoint:
+                    # an ended task is never resumed (rank 0 recorded its end before telling this group)
+                    prune_shards(trainer_shard_path(self.run_dir, self.specs[op.task_id], self.trainer.tp_rank,
+                                                    0).parent, self.trainer.tp_rank, None)
                 self.trainer.remove_task(op.task_id)
             if self.policy is not None:
                 self.policy.forget(op.task_id)
@@ -358,7 +363,7 @@ class TrainerRank:
     def _prune(self, task_id: str, newest: int, in_flight: set[int], ended: bool = False) -> None:
         """Leader: deletes the task's adapter versions that the retention policy, the task's pins and
         `in_flight` do not keep (a timeline note lists them: what was deleted, and what was in flight then)."""
-        if self.retention is None:
+        if self.retention is None or self.rank != self.leader:
             return
         spec = self.specs[task_id]
         t0 = time.time()
