@@ -13,6 +13,7 @@ from marlaas_hpc.launch.layout import JobLayout
 from marlaas_hpc.rollout.vllm_settings import VllmSettings
 from marlaas_hpc.service.identity import TenantOwners, owners_from_dict
 from marlaas_hpc.runtime.checkpoint import CheckpointConfig
+from marlaas_hpc.runtime.retention import RetentionConfig
 from marlaas_hpc.service.quotas import TenantQuota
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec, check_fields
 
@@ -87,6 +88,10 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Periodic per-task checkpoints (every_steps, every_minutes: a crash loses at most that much of a task's
     work) and how often a crashed Slurm job requeues itself (max_crash_requeues)."""
+    adapters: RetentionConfig = field(default_factory=RetentionConfig)
+    """Which adapter versions each task's `adapters/` dir keeps: the last `keep_last`, every `keep_every`-th
+    (1: all), always the final one, the versions a task pins (`keep_versions`) and any still in flight
+    (runtime/retention.py). Rollout ranks keep no copy of a version once their engine retired it."""
     tasks: list[TaskSpec] = field(default_factory=list)
     """The tasks submitted at start."""
     serve_idle_s: float = 0.0
@@ -121,6 +126,7 @@ class JobConfig:
         self.layout.validate()
         self.trainer.validate()
         self.checkpoint.validate()
+        self.adapters.validate()
         try:
             self.env_pool.validate()
         except ValueError as exc:
@@ -210,6 +216,8 @@ class JobConfig:
         kwargs["trainer"] = TrainerSettings(**(kwargs.get("trainer") or {}))
         kwargs["vllm"] = VllmSettings.from_dict(kwargs.get("vllm") or {})
         kwargs["checkpoint"] = CheckpointConfig.from_dict(kwargs.get("checkpoint") or {})
+        adapters = kwargs.get("adapters")
+        kwargs["adapters"] = RetentionConfig.from_dict({} if adapters is None else adapters)
         tasks = []
         for i, task in enumerate(kwargs.pop("tasks", []) or []):
             try:

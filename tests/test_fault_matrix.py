@@ -129,7 +129,8 @@ def _config(tmp_path: Path) -> Path:
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
     config = small_config(checkpoint={"every_steps": EVERY, "every_minutes": 0},
-                          env_pool={"mode": "thread", "workers": 4, "step_timeout_s": 3})
+                          env_pool={"mode": "thread", "workers": 4, "step_timeout_s": 3},
+                          adapters={"keep_every": 1})  # every version stays: the final cell checks each is there
     for task in config["tasks"]:
         task["total_steps"] = STEPS
     config["tasks"] += [

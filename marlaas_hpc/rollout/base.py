@@ -98,6 +98,11 @@ class RolloutEngine(ABC):
     def _retire(self, keys: list[tuple[str, int]]) -> None:
         """Frees retired (task, version) adapters in the engine (engines that hold adapters override it)."""
 
+    def pop_retired(self) -> list[AdapterRef]:
+        """Adapters retired since the last call: the engine never reads their files again, so they may be
+        deleted (engines that load adapters from paths override it)."""
+        return []
+
     def close(self) -> None:
         """Releases engine resources."""
 

@@ -34,6 +34,8 @@ class RestartingEngine(RolloutEngine):
         self._failures_in_a_row = 0
         self._pending: dict[str, GenerationRequest] = {}
         self._pins: Counter = Counter()
+        self._retired: list[AdapterRef] = []
+        """Retired by an engine that was replaced before they were popped."""
 
     @property
     def versions(self):
@@ -72,6 +74,10 @@ class RestartingEngine(RolloutEngine):
         if not self._pins[(task_id, version)]:
             del self._pins[(task_id, version)]
 
+    def pop_retired(self) -> list[AdapterRef]:
+        out, self._retired = self._retired + self.engine.pop_retired(), []
+        return out
+
     def close(self) -> None:
         self.engine.close()
 
@@ -93,6 +99,7 @@ class RestartingEngine(RolloutEngine):
         old = self.engine
         adapters = [AdapterRef(task_id, version, old.versions.path[(task_id, version)])
                     for task_id, version in sorted(old.versions.int_id, key=lambda key: (key[0], key[1]))]
+        self._retired += old.pop_retired()
         try:
             old.close()
         except Exception:  # noqa: BLE001 - a failed engine may fail to close too; it is dropped either way

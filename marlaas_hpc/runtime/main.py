@@ -265,11 +265,12 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
 
             delta = DeltaGroup(comm, rank, roles["rollout"], device=binding.device)
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
-                                 policy=CheckpointPolicy(job.checkpoint))
+                                 policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
             comm.Barrier()
             worker.run_leader()
         else:
-            worker = TrainerRank(comm, trainer, run_dir, mine[0], [], groups=groups, group=role.group)
+            worker = TrainerRank(comm, trainer, run_dir, mine[0], [], groups=groups, group=role.group,
+                                 retention=job.adapters)
             comm.Barrier()
             worker.run_follower()
     return None

@@ -10,6 +10,9 @@ one) until it sends GroupEnded. The group's version is pinned in the engine from
 GroupEnded, so the engine cannot retire it while an episode waits on a tool; its Generated event comes from
 the env rank when the group ends (so it reaches rank 0 before the group's Scored, on the same channel).
 
+Each version's delta is written to a scratch copy (the engines load adapters from a path), deleted as soon as
+the engine retires that version (runtime/retention.py ScratchAdapters); the scratch dir goes at shutdown.
+
 An engine that fails (rollout/restart.py: RestartingEngine) is rebuilt in place and its requests re-issued; the
 rank tells rank 0 (EngineRestarted), which logs it. Its groups go on as if nothing happened.
 """
@@ -23,8 +26,8 @@ from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, GenerateWork,
                                           GroupData, GroupEnded, PromptGroup, RankStats, Shutdown)
+from marlaas_hpc.runtime.retention import ScratchAdapters
 from marlaas_hpc.scheduler import Generated
-from marlaas_hpc.trainer.peft_io import write_peft_adapter
 
 
 @dataclass
@@ -48,7 +51,8 @@ class RolloutRank:
         self.comm, self.engine, self.delta = comm, engine, delta_group
         self.run_dir = run_dir
         self.rank = comm.Get_rank()
-        self.scratch = Path(scratch_dir)
+        self.scratch = ScratchAdapters(Path(scratch_dir))
+        """Each version's PEFT copy, from its delta until the engine retires it (then deleted)."""
         self.seed = seed
         self.versions: dict[str, int] = {}
         self.waiting: list[GenerateWork] = []
@@ -80,12 +84,14 @@ class RolloutRank:
                 self._collect(finished)
             elif command is None and not from_env:
                 time.sleep(0.002)
+            self._drop_retired()
         self.outbox.send(RankStats(self.rank, "rollout", self.clock.busy, self.clock.wall(),
                                {"engine_restarts": getattr(self.engine, "restarts", 0)}), 0, TAG_EVENT)
         if self.run_dir is not None:
             write_timeline(self.run_dir, self.rank, "rollout", self.clock)
         self.outbox.flush()
         self.engine.close()
+        self.scratch.clear()
 
     def _drain_deltas(self) -> None:
         """Joins the announced broadcasts (a leader blocks until all rollout ranks join; with several trainer
@@ -96,10 +102,16 @@ class RolloutRank:
                 tensors = receive()
                 if announce.version <= self.versions.get(announce.task_id, -1):
                     continue
-                path = self.scratch / announce.task_id / f"v{announce.version:04d}"
-                write_peft_adapter(path, tensors, announce.lora)
+                path = self.scratch.write(announce.task_id, announce.version, tensors, announce.lora)
                 self.engine.add_adapter(AdapterRef(announce.task_id, announce.version, str(path)))
             self.versions[announce.task_id] = announce.version
+
+    def _drop_retired(self) -> None:
+        """Deletes the copies of versions the engine retired (superseded, no request on them, no episode
+        pinning them): vLLM reads an adapter's path until then (a request naming it, an LRU reload)."""
+        now = time.time()
+        for task_id, version in self.scratch.drop_retired(self.engine):
+            self.clock.note("drop_adapter", (task_id,), now, time.time(), version=version)
 
     def _submit_ready(self) -> None:
         """Starts work whose adapter version is here (a Generate may overtake its version's delta). Training

@@ -13,7 +13,10 @@ After a task's step the leader asks its CheckpointPolicy whether the task is due
 the group saves the task's shard (a 'save' op; DP replica 0 writes, the replicas hold the same shards) before the
 leader reports the step (TaskSaved, then StepDone). A moving task's save schedule moves with it. An error no task
 caused (runtime/faults.py: a peer rank gone, the disk full) is re-raised, never turned into a task failure: the
-rank dies, the job stops and resumes from its checkpoints."""
+rank dies, the job stops and resumes from its checkpoints.
+
+After a task's step (and when it ends) the leader deletes the adapter versions the job's retention policy drops
+and nothing holds in flight (runtime/retention.py)."""
 from __future__ import annotations
 
 import json
@@ -30,6 +33,7 @@ from marlaas_hpc.runtime.faults import is_job_fault, is_storage_error, storage_e
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER,
                                           Checkpoint, CheckpointDone, Handover, RankStats, ScoredGroup, Shutdown,
                                           TaskSaved, TrainerOp)
+from marlaas_hpc.runtime.retention import RetentionConfig, in_flight_versions, prune_adapters
 from marlaas_hpc.scheduler import Admit, Discard, Move, Moved, StepDone, TaskEnded, TaskFailed, Train
 from marlaas_hpc.trainer.peft_io import write_peft_adapter
 
@@ -51,10 +55,14 @@ def check_bound(order: Train, trajectories, trainer_version: int) -> None:
 
 class TrainerRank:
     def __init__(self, comm, trainer, run_dir: Path, leader: int, followers: list[int], delta_group=None,
-                 groups: list[list[int]] | None = None, group: int = 0, policy: CheckpointPolicy | None = None):
+                 groups: list[list[int]] | None = None, group: int = 0, policy: CheckpointPolicy | None = None,
+                 retention: RetentionConfig | None = None):
         self.comm, self.trainer, self.run_dir = comm, trainer, Path(run_dir)
         self.policy = policy
         """Leader only: which task is due for a periodic save after its step (None: only preemption saves)."""
+        self.retention = retention
+        """Which adapter versions the task dirs keep (the leader prunes them) and whether an ended task's shards
+        stay (every rank deletes its own); runtime/retention.py. None: everything stays."""
         self.rank = comm.Get_rank()
         self.leader, self.followers, self.delta = leader, followers, delta_group
         self.groups = groups or [[leader] + list(followers)]
@@ -93,6 +101,12 @@ class TrainerRank:
             return self._checkpoint()
         if op.kind == "remove":
             if op.task_id in self.trainer.tasks:
+                # the task ended: groups of it still open are discarded, the final version stays
+                self._prune(op.task_id, self.trainer.version(op.task_id), set(), ended=True)
+                if self.retention is not None and not self.retention.keep_final_checkpoint:
+                    # an ended task is never resumed (rank 0 recorded its end before telling this group)
+                    prune_shards(trainer_shard_path(self.run_dir, self.specs[op.task_id], self.trainer.tp_rank,
+                                                    0).parent, self.trainer.tp_rank, None)
                 self.trainer.remove_task(op.task_id)
             if self.policy is not None:
                 self.policy.forget(op.task_id)
@@ -338,10 +352,26 @@ class TrainerRank:
                   "samples": len(trajectories),
                   # prompt + completion tokens: what the step cost (trainer-group placement weighs tasks by it)
                   "step_tokens": sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)}
+        checkpointed = self.policy.last.get(order.task_id, (None,))[0] if self.policy is not None else None
+        self._prune(order.task_id, version, in_flight_versions(version, order.from_version, order.in_use_from,
+                                                               order.bound, checkpointed))
         with open(task_dir(self.run_dir, self.specs[order.task_id]) / "metrics.jsonl", "a") as sink:
             sink.write(json.dumps(record) + "\n")
         self.tensorboard.write(task_dir(self.run_dir, self.specs[order.task_id]), record)
         self.outbox.send(StepDone(order.task_id, version, record), 0, TAG_EVENT)
+
+    def _prune(self, task_id: str, newest: int, in_flight: set[int], ended: bool = False) -> None:
+        """Leader: deletes the task's adapter versions that the retention policy, the task's pins and
+        `in_flight` do not keep (a timeline note lists them: what was deleted, and what was in flight then)."""
+        if self.retention is None or self.rank != self.leader:
+            return
+        spec = self.specs[task_id]
+        t0 = time.time()
+        deleted = prune_adapters(adapter_dir(self.run_dir, spec, 0).parent, self.retention, newest,
+                                 spec.keep_versions, in_flight)
+        if deleted:
+            self.clock.note("prune_adapters", (task_id,), t0, time.time(), newest=newest, deleted=deleted,
+                            in_flight=sorted(in_flight), ended=ended)
 
     # ---- trainer groups: a task moves to another group at a step boundary ----
     def _move_out(self, move: Move) -> None:

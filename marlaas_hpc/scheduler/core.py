@@ -121,6 +121,10 @@ class Train:
     """The task's staleness bound k; the trainer re-checks every version against it."""
     trainer_group: int = field(default=0, repr=False)
     """The trainer group that owns the task (out of the repr: traces of one-group jobs read as before)."""
+    in_use_from: int | None = field(default=None, repr=False)
+    """The oldest version any other outstanding group of the task was issued at (generating, in a multi-turn
+    episode waiting on a tool, being scored, buffered); None: none. A rollout rank may sample such a group
+    with any version from that one to the newest, so the trainer keeps all of them (runtime/retention.py)."""
 
 
 @dataclass(slots=True)
@@ -536,12 +540,18 @@ class Scheduler:
             busy[group] += 1
             self._serve(task)
             out.append(Train(task.task_id, task.version, tuple(g.group_id for g in batch),
-                             tuple(g.version for g in batch), task.bound, group))
+                             tuple(g.version for g in batch), task.bound, group, self._in_use_from(task)))
         for entry in skipped:
             heapq.heappush(heap, entry)
         if self._train_heap is None:
             self.trainers.changed(group, slots)
         return out
+
+    @staticmethod
+    def _in_use_from(task: TaskState) -> int | None:
+        """The oldest version of the task's outstanding groups other than the step's own."""
+        groups = itertools.chain(task.generating.values(), task.scoring.values(), task.ready)
+        return min(map(_version, groups), default=None)
 
     def _round_incomplete(self) -> bool:
         """Sync: some idle task at the lowest version is short of a batch, so no task may train (the

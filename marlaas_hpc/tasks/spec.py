@@ -207,6 +207,9 @@ class TaskSpec:
     """k: the step producing version v+1 may use samples from versions >= v - k (0 = on-policy)."""
     priority: int = 0
     """Higher runs first when the scheduler orders by priority."""
+    keep_versions: tuple[int, ...] = ()
+    """Adapter versions of this task that its run dir keeps whatever the job's retention policy (`adapters:`
+    keeps the last few, every N-th and the final one; e.g. [5, 12]). Each in [0, total_steps]."""
 
     def validate(self) -> "TaskSpec":
         for name in ("task_id", "tenant"):
@@ -217,6 +220,10 @@ class TaskSpec:
         _int_at_least(self.total_steps, 1, "total_steps", high=10**7)
         _int_at_least(self.max_staleness, 0, "max_staleness", high=10**6)
         _int_at_least(self.priority, -2**31, "priority", high=2**31 - 1)
+        if not isinstance(self.keep_versions, tuple):
+            raise SpecError("keep_versions", f"must be a list of versions, got {self.keep_versions!r}")
+        for i, version in enumerate(self.keep_versions):
+            _int_at_least(version, 0, f"keep_versions[{i}]", high=self.total_steps)
         self.dataset.validate()
         self.prompt.validate()
         self.lora.validate()
@@ -258,6 +265,10 @@ def _build(cls: type, data: Any, prefix: str):
     for key, value in data.items():
         if cls is TaskSpec and key in _NESTED:
             value = _build(_NESTED[key], value, prefix=f"{key}.")
+        elif key == "keep_versions":
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise SpecError(f"{prefix}{key}", f"must be a list of versions, got {value!r}")
+            value = tuple(value)
         elif key == "target_modules":
             if isinstance(value, str) or not isinstance(value, (list, tuple)):
                 raise SpecError(f"{prefix}{key}", "must be a list of module names")

@@ -1,0 +1,152 @@
+"""Retention of adapter versions: which of a task's `adapters/vNNNN` directories the run dir keeps.
+
+The trainer leader writes every version it publishes (a PEFT dir under tasks/<tenant>/<task>/adapters); without
+a policy they pile up (a few hundred steps x tens of tasks x tens of MB each at Qwen3-0.6B). After each of a
+task's steps the leader deletes the versions that the job's policy (`adapters:`, `RetentionConfig`) and the
+task's pins (`TaskSpec.keep_versions`) drop, but never one that is still in flight:
+- the newest version, and the version the step started from (the scheduler issues groups at it until it
+  hears of the step);
+- every version from the oldest one a group of the task still outstanding at the scheduler was issued at
+  (generating, in a multi-turn episode waiting on a tool, being scored, buffered for the trainer:
+  `Train.in_use_from`) to the newest: a rollout rank samples such a group with any of them;
+- the staleness window (v - k .. v): versions whose samples the next steps may still train;
+- the version of the task's newest periodic checkpoint (a resume restarts there; its adapter dir then
+  matches the shard).
+When the task ends, nothing of it can be trained any more (groups still open are discarded): the last pruning
+keeps only what the policy keeps and the final version. A rollout rank keeps no directory per version either: it writes a version's scratch copy
+when the delta arrives and deletes it when its engine retires that version (`ScratchAdapters`), since vLLM
+reloads an adapter from its path (a request still naming it, an LRU eviction) until it is retired.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+_VERSION_DIR = re.compile(r"v(\d{4,})$")
+
+
+@dataclass(kw_only=True)
+class RetentionConfig:
+    """Which adapter versions each task's `adapters/` directory keeps (job config `adapters:`). The final
+    version, the versions a task pins (`keep_versions`) and versions still in flight are always kept."""
+
+    keep_last: int = 2
+    """The newest this many versions of each task (0: only the newest, which is always kept)."""
+    keep_every: int = 10
+    """Every version that is a multiple of this (v0, v10, v20, ...): a sparse history of the run.
+    0: none; 1: every version (nothing is ever deleted)."""
+
+    keep_final_checkpoint: bool = False
+    """Keep an ended task's newest checkpoint shards (adapter and optimizer state, tasks/<tenant>/<task>/
+    checkpoint/) to train it further elsewhere. False: every trainer rank deletes them when the task ends (a
+    resume never restarts an ended task; its final adapter stays in adapters/)."""
+
+    def validate(self, prefix: str = "adapters") -> "RetentionConfig":
+        from marlaas_hpc.tasks.spec import SpecError
+
+        for name in ("keep_last", "keep_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SpecError(f"{prefix}.{name}", f"must be an integer >= 0, got {value!r}")
+        if not isinstance(self.keep_final_checkpoint, bool):
+            raise SpecError(f"{prefix}.keep_final_checkpoint", f"must be true or false, got "
+                                                               f"{self.keep_final_checkpoint!r}")
+        return self
+
+    @classmethod
+    def from_dict(cls, data, prefix: str = "adapters") -> "RetentionConfig":
+        from marlaas_hpc.tasks.spec import check_fields
+
+        check_fields(cls, data, prefix, f"{prefix}.")
+        return cls(**data).validate(prefix)
+
+    def keeps(self, version: int, newest: int, pinned: Iterable[int] = ()) -> bool:
+        """The policy's own answer for one version, in-flight protection aside."""
+        return (version == newest or newest - version < self.keep_last
+                or (self.keep_every > 0 and version % self.keep_every == 0) or version in pinned)
+
+
+def version_dirs(folder: Path) -> dict[int, Path]:
+    """version -> its directory, for the `vNNNN` directories of `folder` (staging dirs are dot-named)."""
+    if not folder.is_dir():
+        return {}
+    out = {}
+    for path in folder.iterdir():
+        match = _VERSION_DIR.match(path.name)
+        if match and path.is_dir():
+            out[int(match.group(1))] = path
+    return out
+
+
+def remove_dir(path: Path) -> None:
+    """Renames a directory out of the way first, so that nobody ever reads a half-deleted adapter."""
+    trash = path.with_name(f".{path.name}.del-{uuid.uuid4().hex[:8]}")
+    try:
+        path.rename(trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def prune_adapters(folder: Path, config: RetentionConfig, newest: int, pinned: Iterable[int] = (),
+                   in_flight: Iterable[int] = ()) -> list[int]:
+    """Deletes the version dirs of `folder` that neither the policy, the pins nor `in_flight` keep (versions
+    above `newest` included: left by an earlier job in the run dir, or by a run that crashed and was rolled
+    back). Returns the versions deleted, in order."""
+    pinned, in_flight = set(pinned), set(in_flight)
+    deleted = []
+    for version, path in sorted(version_dirs(folder).items()):
+        if version in in_flight or (version <= newest and config.keeps(version, newest, pinned)):
+            continue
+        remove_dir(path)
+        deleted.append(version)
+    return deleted
+
+
+def in_flight_versions(newest: int, from_version: int | None, in_use_from: int | None, bound: int,
+                       checkpointed: int | None) -> set[int]:
+    """The versions of a task that must stay after its step to `newest` (see the module docstring): a group
+    issued at `in_use_from` may be sampled with any version up to the newest."""
+    oldest = newest - bound
+    for version in (from_version, in_use_from):
+        if version is not None:
+            oldest = min(oldest, version)
+    keep = set(range(max(0, oldest), newest + 1))
+    if checkpointed is not None:
+        keep.add(checkpointed)
+    return keep
+
+
+class ScratchAdapters:
+    """A rollout rank's copies of adapter versions, for engines that load from a path: one PEFT dir per
+    (task, version) while the engine may still read it, deleted once the engine retires the version."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def path(self, task_id: str, version: int) -> Path:
+        return self.folder / task_id / f"v{version:04d}"
+
+    def write(self, task_id: str, version: int, tensors, lora) -> Path:
+        from marlaas_hpc.trainer.peft_io import write_peft_adapter
+
+        return write_peft_adapter(self.path(task_id, version), tensors, lora)
+
+    def drop_retired(self, engine) -> list[tuple[str, int]]:
+        """Deletes the copies of the versions the engine retired since the last call (only those it retired:
+        a version still used by a request or pinned by an episode is never retired); returns them."""
+        dropped = []
+        for ref in engine.pop_retired():
+            path = Path(ref.path)
+            if path.parent.parent == self.folder:  # only our own copies (an engine may hold others' paths)
+                remove_dir(path)
+                dropped.append((ref.task_id, ref.version))
+        return dropped
+
+    def clear(self) -> None:
+        """After the engine closed: nothing reads the copies any more."""
+        shutil.rmtree(self.folder, ignore_errors=True)
