@@ -59,13 +59,15 @@ def test_baseline_reward_equals_the_tasks(bench, trl_task, tmp_path):
 
 
 def test_baseline_prompt_ids_equal_the_codecs(trl_task, tiny_model_path):
-    """TRL tokenizes the prompt text without adding special tokens; the text carries the raw format's bos."""
+    """TRL tokenizes a plain-text prompt with the tokenizer's defaults (GRPOTrainer._tokenize_prompts); the text
+    carries the raw format's bos."""
     from marlaas_hpc.model import TextCodec
 
     codec = TextCodec.from_pretrained(tiny_model_path)
     for prompt in ["12+7=", "rev abcd=", "cnt a:abca=", "srt 5312="]:
         text = trl_task.prompt_text(codec.tokenizer, prompt)
-        assert codec.tokenizer(text, add_special_tokens=False)["input_ids"] == codec.encode_prompt(prompt)
+        assert codec.tokenizer(text)["input_ids"] == codec.encode_prompt(prompt)
+        assert codec.tokenizer(text, add_special_tokens=False)["input_ids"] == codec.encode_prompt(prompt)  # eval
 
 
 def test_baseline_refuses_a_task_it_cannot_mirror(bench, tmp_path):

@@ -28,8 +28,9 @@ def reward_fn(prompts, completions, answer, **_) -> list[float]:
 
 
 def prompt_text(tokenizer, prompt: str) -> str:
-    """The prompt as TRL will tokenize it (no special tokens added): the raw format's bos, then the text,
-    which gives the ids marlaas's TextCodec.encode_prompt gives (tests/test_bench_vs_trl.py checks)."""
+    """The prompt as TRL tokenizes it (the tokenizer's defaults: the tiny tokenizer adds no special tokens): the
+    raw format's bos, then the text, which gives the ids marlaas's TextCodec.encode_prompt gives
+    (tests/test_bench_vs_trl.py checks)."""
     return (tokenizer.bos_token or "") + prompt
 
 
@@ -75,7 +76,7 @@ def main(payload_path: str, result_path: str) -> None:
         max_completion_length=algo["max_new_tokens"], loss_type="dapo",
         scale_rewards="group" if algo["normalize_adv_std"] else "none", shuffle_dataset=False,
         use_cpu=True, bf16=False, seed=payload["seed"], logging_steps=10, save_strategy="no", report_to="none",
-        dataloader_num_workers=0, disable_tqdm=True)
+        gradient_checkpointing=False, dataloader_num_workers=0, disable_tqdm=True)
     trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn], args=config, train_dataset=dataset,
                           processing_class=tokenizer,
                           peft_config=LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=0.0,
