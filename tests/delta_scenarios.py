@@ -32,7 +32,9 @@ def delta(version: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(version)
     return {"layers.0.q_proj.lora_A.weight": torch.randn(4, 64, generator=gen),
             "layers.0.q_proj.lora_B.weight": torch.randn(128, 4, generator=gen),
-            "layers.1.down_proj.lora_A.weight": torch.randn(4, 96, generator=gen)}
+            "layers.1.down_proj.lora_A.weight": torch.randn(4, 96, generator=gen),
+            # 4 MB: more than a socket buffer holds, so a send that waited for the receivers would hang here
+            "layers.2.up_proj.lora_B.weight": torch.randn(2 ** 18, 4, generator=gen)}
 
 
 def main() -> None:
@@ -43,11 +45,16 @@ def main() -> None:
         torch.cuda.set_device(device)
     group = DeltaGroup(comm, 0, list(range(1, comm.Get_size())), device=device)
     ok = True
-    for version in (1, 2, 3):
-        tensors = delta(version)
-        if rank == 0:
-            group.send("task", version, {name: t.to(device) for name, t in tensors.items()}, LoraSpec(rank=4))
-        else:
+    if rank == 0:  # send does not wait for the rollout ranks: they join only after all three were posted
+        for version in (1, 2, 3):
+            group.send("task", version, {name: t.to(device) for name, t in delta(version).items()}, LoraSpec(rank=4))
+        comm.Barrier()
+        group.flush()
+        ok &= not group.in_flight
+    else:
+        comm.Barrier()
+        for version in (1, 2, 3):
+            tensors = delta(version)
             announce = comm.recv(source=0, tag=TAG_DELTA)
             got = group.receive(announce)
             ok &= announce.version == version and set(got) == set(tensors)

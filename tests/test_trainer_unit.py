@@ -47,6 +47,53 @@ def test_lora_context_groups_rows_by_adapter():
             pass
 
 
+def test_lora_context_runs_are_contiguous_rows_per_adapter():
+    ctx = LoraContext()
+    with ctx.use(["a", "a", None, "b", "b", "b"]):
+        assert ctx.runs == [("a", 0, 2), (None, 2, 3), ("b", 3, 6)]
+    with ctx.use(["a", "b", "a"]):
+        assert ctx.runs is None  # a's rows are not one run: the hook indexes rows instead
+    with ctx.use([None, "a", None]):
+        assert ctx.runs == [(None, 0, 1), ("a", 1, 2), (None, 2, 3)]
+
+
+def test_contiguous_runs_give_the_same_logits_and_grads_as_indexing(tiny_model_path, monkeypatch):
+    """The hook's contiguous path (views of each task's rows, one add) equals per-adapter index_add exactly."""
+    from marlaas_hpc.tasks import AlgoSpec
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer
+
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=str(tiny_model_path)))
+    for name, rank in (("ra", 4), ("rb", 8)):
+        if name not in trainer.tasks:
+            trainer.add_task(name, LoraSpec(rank=rank, alpha=2.0 * rank), AlgoSpec())
+        with torch.no_grad():  # non-zero B: the adapters act
+            for param in trainer.lora.parameters(name):
+                param.add_(torch.randn_like(param) * 0.05)
+    rows = ["ra"] * 3 + [None] * 2 + ["rb"] * 3
+    ids = torch.randint(3, 100, (len(rows), 10))
+
+    def logits_and_grads():
+        for name in ("ra", "rb"):
+            trainer.tasks[name].optimizer.zero_grad(set_to_none=True)
+        with trainer.lora.ctx.use(rows):
+            logits = trainer._forward(ids)
+        logits.float().square().mean().backward()
+        grads = [p.grad.clone() for name in ("ra", "rb") for p in trainer.lora.parameters(name)]
+        return logits.detach(), grads
+
+    with trainer.lora.ctx.use(rows):
+        assert trainer.lora.ctx.runs is not None
+    contiguous = logits_and_grads()
+    monkeypatch.setattr(LoraContext, "runs", property(lambda self: None))
+    indexed = logits_and_grads()
+    assert torch.equal(contiguous[0], indexed[0])
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(contiguous[1], indexed[1]))
+    base = trainer.logits(None, ids[3:5])  # rows 3-4 use no adapter
+    assert float((contiguous[0][3:5, :, : trainer.vocab_size] - base).abs().max()) < 1e-5
+    for name in ("ra", "rb"):
+        trainer.remove_task(name)
+
+
 def test_lora_a_init_is_seeded_and_peft_scaled():
     a = kaiming_uniform_a(8, 128, seed=3)
     assert torch.equal(a, kaiming_uniform_a(8, 128, seed=3))

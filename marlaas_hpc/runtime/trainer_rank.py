@@ -242,6 +242,7 @@ class TrainerRank:
         self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall(),
                                    {"trainer_group": self.group, "ranks": self.groups[self.group]}), 0, TAG_EVENT)
         self.outbox.flush()
+        self.delta.flush()  # the last versions' broadcasts, before this rank leaves the group
         write_timeline(self.run_dir, self.rank, "trainer", self.clock)
         self.tensorboard.close()
 

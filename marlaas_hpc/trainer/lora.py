@@ -61,6 +61,7 @@ class LoraContext:
     def __init__(self):
         self._rows: tuple[str | None, ...] | None = None
         self._groups: dict[torch.device, list[tuple[str, torch.Tensor | None]]] = {}
+        self._runs: list[tuple[str | None, int, int]] | None = None
 
     @property
     def rows(self) -> tuple[str | None, ...] | None:
@@ -73,12 +74,18 @@ class LoraContext:
             if batch is None:
                 raise ValueError("a single adapter name needs the batch size")
             rows = [rows] * batch
-        previous = (self._rows, self._groups)
-        self._rows, self._groups = tuple(rows), {}
+        previous = (self._rows, self._groups, self._runs)
+        self._rows, self._groups, self._runs = tuple(rows), {}, _runs_of(tuple(rows))
         try:
             yield
         finally:
-            self._rows, self._groups = previous
+            self._rows, self._groups, self._runs = previous
+
+    @property
+    def runs(self) -> list[tuple[str | None, int, int]] | None:
+        """[(adapter name or None, first row, end row)] covering every row in order when each adapter's rows are
+        one contiguous run (the trainer keeps a task's rows together), else None."""
+        return self._runs
 
     def groups(self, device: torch.device) -> list[tuple[str, torch.Tensor | None]]:
         """[(adapter name, batch-row indices or None for 'every row')] for the adapters in use."""
@@ -93,6 +100,18 @@ class LoraContext:
                     (n, torch.tensor([i for i, r in enumerate(self._rows) if r == n], dtype=torch.long,
                                      device=device)) for n in names]
         return self._groups[device]
+
+
+def _runs_of(rows: tuple[str | None, ...]) -> list[tuple[str | None, int, int]] | None:
+    """Maximal runs of equal names; None when a name comes back after another (not contiguous)."""
+    runs: list[tuple[str | None, int, int]] = []
+    for index, name in enumerate(rows):
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, runs[-1][1], index + 1)
+        else:
+            runs.append((name, index, index + 1))
+    names = [name for name, _, _ in runs if name is not None]
+    return runs if len(names) == len(set(names)) else None
 
 
 def _seed_for(*parts) -> int:
@@ -206,6 +225,9 @@ class LoraSite:
             return output
         x = args[0] if args else kwargs["input_"]
         out, bias = output
+        runs = self.ctx.runs
+        if runs is not None and len(groups) > 1:
+            return self._add_runs(out, x, runs), bias
         for name, rows in groups:
             adapter = self.adapters.get(name)
             if adapter is None:
@@ -215,6 +237,19 @@ class LoraSite:
             else:
                 out = out.index_add(1, rows, self._delta(adapter, x.index_select(1, rows)).to(out.dtype))
         return out, bias
+
+    def _add_runs(self, out: torch.Tensor, x: torch.Tensor, runs) -> torch.Tensor:
+        """Several adapters over contiguous row runs: each adapter's delta from a view of its rows, joined along
+        the batch dim (zeros for rows without one) and added once. index_select/index_add per adapter would copy
+        the whole activation once per adapter (a quarter of a fused step's time with four tasks)."""
+        pieces = []
+        for name, start, end in runs:
+            adapter = self.adapters.get(name) if name is not None else None
+            if adapter is None:
+                pieces.append(out.new_zeros(out.shape[0], end - start, out.shape[2]))
+            else:
+                pieces.append(self._delta(adapter, x[:, start:end]).to(out.dtype))
+        return out + torch.cat(pieces, dim=1)
 
     # -- HF layout ----------------------------------------------------------------------------------------
     def _gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
