@@ -144,7 +144,8 @@ def test_preemption_and_resume_with_two_groups(tmp_path, tiny_model_path):
     steps = 10
     config = {"model": "tiny", "engine": "hf", "mode": "async", "rollout_slots": 4,
               "layout": {"env_ranks": 1, "rollout_ranks": 1, "trainer_tp": 1, "trainer_groups": 2},
-              "tasks": [_task("add", "alice", "addition", steps, 0), _task("sort", "bob", "sort", steps, 2, tokens=7)]}
+              "tasks": [_task("add", "alice", "addition", steps, 0), _task("sort", "bob", "sort", steps, 2, tokens=7)],
+              "adapters": {"keep_every": 1}}  # the checkpointed version's adapter is compared after the run
     config_path = tmp_path / "job.yaml"
     config_path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"

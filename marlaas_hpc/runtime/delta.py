@@ -102,10 +102,15 @@ class DeltaGroup:
         total = sum(int(torch.Size(s).numel()) for s in announce.shapes)
         flat = torch.empty(total, dtype=torch.float32, device=self.device)
         self.group.broadcast(flat, 0).wait()
-        flat = flat.cpu()
-        out, offset = {}, 0
-        for name, shape in zip(announce.names, announce.shapes):
-            n = int(torch.Size(shape).numel())
-            out[name] = flat[offset: offset + n].view(shape).clone()
-            offset += n
-        return out
+        return unflatten(announce, flat)
+
+
+def unflatten(announce: DeltaAnnounce, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The named tensors of one broadcast buffer (the layout DeltaGroup.send flattens them in)."""
+    flat = flat.cpu()
+    out, offset = {}, 0
+    for name, shape in zip(announce.names, announce.shapes):
+        n = int(torch.Size(shape).numel())
+        out[name] = flat[offset: offset + n].view(shape).clone()
+        offset += n
+    return out

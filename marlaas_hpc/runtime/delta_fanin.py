@@ -21,19 +21,8 @@ from typing import Callable, Iterator
 import torch
 
 from marlaas_hpc.runtime.comm import poll
-from marlaas_hpc.runtime.delta import DeltaGroup
+from marlaas_hpc.runtime.delta import DeltaGroup, unflatten
 from marlaas_hpc.runtime.messages import TAG_DELTA, DeltaAnnounce
-
-
-def unflatten(announce: DeltaAnnounce, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The named tensors of one broadcast buffer (the layout DeltaGroup.send flattens them in)."""
-    flat = flat.cpu()
-    out, offset = {}, 0
-    for name, shape in zip(announce.names, announce.shapes):
-        n = int(torch.Size(shape).numel())
-        out[name] = flat[offset: offset + n].view(shape).clone()
-        offset += n
-    return out
 
 
 class DeltaFanIn:
