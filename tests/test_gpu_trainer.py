@@ -8,14 +8,12 @@ import random
 import pytest
 import torch
 
-from trainer_scenarios import TASKS, base_logits, make_trajectories, memory_variants_scenario, probe_ids, run_scenario
+from trainer_scenarios import (BF16_LOGPROB_MAX_TOL, BF16_LOGPROB_MEAN_TOL, TASKS, base_logits, make_trajectories,
+                               memory_variants_scenario, probe_ids, run_scenario)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 TOL = 1e-4
 """fp32 on GPU vs fp32 transformers on CPU (different reduction orders)."""
-BF16_LOGPROB_MEAN_TOL = 0.01
-BF16_LOGPROB_MAX_TOL = 0.05
-"""The same bounds as the CPU twin (tests/test_trainer_precision.py)."""
 
 
 @pytest.fixture(scope="module")

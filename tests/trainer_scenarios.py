@@ -20,6 +20,11 @@ TASKS = {
     "c": (LoraSpec(rank=3, alpha=3.0, target_modules=("k_proj", "up_proj", "down_proj")), AlgoSpec(lr=5e-3)),
 }
 FUSED_STEPS = 3
+BF16_LOGPROB_MEAN_TOL = 0.01
+"""bf16 base weights vs float32: mean |logprob difference| per token (nats); measured 0.0018 on
+random:qwen3-0.6b-mini (CPU). The GPU test holds the GPU to the same bounds."""
+BF16_LOGPROB_MAX_TOL = 0.05
+"""... and the largest single-token difference (nats); measured 0.0064."""
 TINY_PROBE_IDS = [[5, 9, 17, 33, 65, 100, 101, 7, 8, 44], [12, 13, 14, 15, 16, 90, 91, 92, 93, 94]]
 
 
