@@ -6,7 +6,8 @@ import os
 import shutil
 import sys
 
-from marlaas_hpc.tasks.spec import SpecError
+from marlaas_hpc.config_loader import SpecError
+from marlaas_hpc.scheduler import MODES
 
 
 def _under_mpi() -> bool:
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a job: local mode (launches mpirun) or as a rank under MPI/Slurm")
     run.add_argument("config", nargs="?", help="job config YAML (see configs/); optional with --resume")
     run.add_argument("--run-dir", help="output directory (default: the config's run_dir)")
-    run.add_argument("--mode", choices=["async", "sync", "sequential"], help="override the config's mode")
+    run.add_argument("--mode", choices=MODES, help="override the config's mode")
     run.add_argument("--resume", metavar="RUN_DIR",
                      help="continue a preempted or crashed job from RUN_DIR's checkpoints")
     run.set_defaults(func=cmd_run)
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     submit = sub.add_parser("submit", help="submit the job to Slurm as one heterogeneous job (submitit)")
     submit.add_argument("config")
     submit.add_argument("--run-dir", help="output directory on the shared filesystem (default: the config's)")
-    submit.add_argument("--mode", choices=["async", "sync", "sequential"], help="override the config's mode")
+    submit.add_argument("--mode", choices=MODES, help="override the config's mode")
     submit.add_argument("--job-name", default="marlaas")
     submit.add_argument("--max-requeues", type=int, default=10,
                         help="preemptions (USR2) after which the job stops requeueing itself")

@@ -7,19 +7,19 @@ from typing import Any
 
 import yaml
 
+from marlaas_hpc.config_loader import SpecError, fields_under, load_config
 from marlaas_hpc.env.pool import EnvPoolConfig
 from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.launch.layout import JobLayout
 from marlaas_hpc.rollout.vllm_settings import VllmSettings
-from marlaas_hpc.service.identity import TenantOwners, owners_from_dict
 from marlaas_hpc.runtime.checkpoint import CheckpointConfig
 from marlaas_hpc.runtime.retention import RetentionConfig
+from marlaas_hpc.scheduler import MODES, ORDERS, SchedulerConfig
+from marlaas_hpc.service.identity import TenantOwners
 from marlaas_hpc.service.quotas import TenantQuota
-from marlaas_hpc.tasks.spec import SpecError, TaskSpec, check_fields
+from marlaas_hpc.tasks.spec import TaskSpec
 
 ENGINES = ("vllm", "hf")
-MODES = ("async", "sync", "sequential")
-ORDERS = ("fair", "priority", "fifo")
 
 
 @dataclass(kw_only=True)
@@ -37,14 +37,15 @@ class TrainerSettings:
     """Activation recompute of every decoder layer (megatron 'full'): less activation memory on long sequences
     for ~1/3 more compute."""
 
-    def validate(self) -> "TrainerSettings":
+    def validate(self, prefix: str = "trainer") -> "TrainerSettings":
         if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise SpecError("trainer.dtype", f"must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+            raise SpecError(f"{prefix}.dtype", f"must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if not isinstance(self.micro_batch_tokens, int) or isinstance(self.micro_batch_tokens, bool) \
                 or self.micro_batch_tokens < 0:
-            raise SpecError("trainer.micro_batch_tokens", f"must be an integer >= 0, got {self.micro_batch_tokens!r}")
+            raise SpecError(f"{prefix}.micro_batch_tokens",
+                            f"must be an integer >= 0, got {self.micro_batch_tokens!r}")
         if not isinstance(self.recompute, bool):
-            raise SpecError("trainer.recompute", f"must be true or false, got {self.recompute!r}")
+            raise SpecError(f"{prefix}.recompute", f"must be true or false, got {self.recompute!r}")
         return self
 
 
@@ -112,7 +113,13 @@ class JobConfig:
     ('auto' | 'bwrap' | 'landlock' | 'rlimits'), allow_unisolated, uid_range (as root), reward_timeout_s,
     reward_memory_mb (env/tenant_code.py, env/sandbox.py)."""
 
-    def validate(self) -> "JobConfig":
+    def validate(self, prefix: str = "") -> "JobConfig":
+        """Checks every field and every section (layout, tasks, ...), naming the bad one by its dotted path."""
+        with fields_under(prefix):
+            self._validate()
+        return self
+
+    def _validate(self) -> None:
         if self.engine not in ENGINES:
             raise SpecError("engine", f"unknown engine {self.engine!r}; known: {list(ENGINES)}")
         if self.mode not in MODES:
@@ -123,18 +130,16 @@ class JobConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(name, f"must be an integer >= 1, got {value!r}")
-        self.layout.validate()
-        self.trainer.validate()
-        self.checkpoint.validate()
-        self.adapters.validate()
-        try:
-            self.env_pool.validate()
-        except ValueError as exc:
-            raise SpecError(str(exc).split()[0], str(exc).split(" ", 1)[1]) from None
+        self.layout.validate("layout")
+        self.trainer.validate("trainer")
+        self.checkpoint.validate("checkpoint")
+        self.adapters.validate("adapters")
+        self.env_pool.validate("env_pool")
         self._validate_model_name()
         self._validate_engine()
         seen: set[str] = set()
         for i, task in enumerate(self.tasks):
+            task.validate(f"tasks[{i}]")
             if task.task_id in seen:
                 raise SpecError(f"tasks[{i}].task_id", f"duplicate task id {task.task_id!r}")
             seen.add(task.task_id)
@@ -144,7 +149,6 @@ class JobConfig:
         if len(self.tasks) > self.max_adapters:
             raise SpecError("tasks", f"{len(self.tasks)} tasks but only {self.max_adapters} adapter slots "
                                      "(raise max_adapters)")
-        return self
 
     def _validate_model_name(self) -> None:
         from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, SHAPES
@@ -155,6 +159,14 @@ class JobConfig:
         if self.model.startswith(RANDOM_PREFIX) and self.model[len(RANDOM_PREFIX):] not in SHAPES:
             raise SpecError("model", f"unknown random checkpoint {self.model!r}; known: "
                                      f"{[RANDOM_PREFIX + name for name in SHAPES]}")
+
+    def scheduler_config(self, rollout_ranks, env_ranks) -> SchedulerConfig:
+        """Rank 0's scheduler settings for this job, given the world ranks that generate and that score (the one
+        place that maps the job's fields onto the scheduler's names: max_adapters -> max_active_tasks)."""
+        return SchedulerConfig(mode=self.mode, order=self.order, rollout_ranks=tuple(rollout_ranks),
+                               env_ranks=tuple(env_ranks), rollout_slots=self.rollout_slots,
+                               max_active_tasks=self.max_adapters, trainer_slots=self.trainer_slots,
+                               trainer_groups=self.layout.trainer_groups)
 
     def check_model(self, path: Path, vllm_on_cpu: bool = False) -> None:
         """Refuses a checkpoint this job cannot serve, and chat tasks on a tokenizer without a chat template,
@@ -174,7 +186,7 @@ class JobConfig:
         """The engine's settings, and what one rollout rank's GPUs must be for them."""
         if not isinstance(self.vllm, VllmSettings):
             raise SpecError("vllm", f"must be a VllmSettings, got {type(self.vllm).__name__}")
-        self.vllm.validate()
+        self.vllm.validate("vllm")
         gpus = self.layout.rollout.gpus_per_task
         if self.engine == "hf" and gpus > 1:
             raise SpecError("layout.rollout.gpus_per_task", f"is {gpus}, but the hf engine runs on one device")
@@ -193,42 +205,20 @@ class JobConfig:
             raise SpecError("serve_idle_s", f"must be a number of seconds >= 0, got {self.serve_idle_s!r}")
         if not isinstance(self.data_roots, list) or not all(isinstance(r, str) and r for r in self.data_roots):
             raise SpecError("data_roots", f"must be a list of directory paths, got {self.data_roots!r}")
-        if not isinstance(self.tenant_quotas, dict):
-            raise SpecError("tenant_quotas", f"must map tenant names to quotas, got {self.tenant_quotas!r}")
-        for tenant, quota in list(self.tenant_quotas.items()):
-            if not isinstance(quota, TenantQuota):
-                self.tenant_quotas[tenant] = TenantQuota.from_dict(quota, f"tenant_quotas.{tenant}")
-        self.tenants = owners_from_dict(self.tenants)
-        if not isinstance(self.sandbox, SandboxConfig):
-            self.sandbox = SandboxConfig.from_dict(self.sandbox)
-        self.sandbox.validate()
+        for tenant, quota in self.tenant_quotas.items():
+            quota.validate(f"tenant_quotas.{tenant}")
+        for tenant, owners in self.tenants.items():
+            owners.validate(f"tenants.{tenant}")
+        self.sandbox.validate("sandbox")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
-        check_fields(cls, data, "config")
-        kwargs = dict(data)
-        try:
-            kwargs["layout"] = JobLayout.from_dict(kwargs.get("layout") or {})
-        except SpecError as exc:
-            raise SpecError(f"layout.{exc.field}", str(exc).split(": ", 1)[1]) from None
-        kwargs["env_pool"] = _env_pool(kwargs.get("env_pool") or {})
-        check_fields(TrainerSettings, kwargs.get("trainer") or {}, "trainer", "trainer.")
-        kwargs["trainer"] = TrainerSettings(**(kwargs.get("trainer") or {}))
-        kwargs["vllm"] = VllmSettings.from_dict(kwargs.get("vllm") or {})
-        kwargs["checkpoint"] = CheckpointConfig.from_dict(kwargs.get("checkpoint") or {})
-        adapters = kwargs.get("adapters")
-        kwargs["adapters"] = RetentionConfig.from_dict({} if adapters is None else adapters)
-        tasks = []
-        for i, task in enumerate(kwargs.pop("tasks", []) or []):
-            try:
-                tasks.append(TaskSpec.from_dict(task))
-            except SpecError as exc:
-                raise SpecError(f"tasks[{i}].{exc.field}", str(exc).split(": ", 1)[1]) from None
-        return cls(**kwargs, tasks=tasks).validate()
+    def from_dict(cls, data: dict[str, Any] | None) -> "JobConfig":
+        """The validated job config of plain data (a YAML file's mapping; None: every default)."""
+        return load_config(cls, data, root="config")
 
     @classmethod
     def load(cls, path: str | Path) -> "JobConfig":
-        job = cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+        job = cls.from_dict(yaml.safe_load(Path(path).read_text()))
         config_dir = Path(path).resolve().parent  # data next to the config is the operator's own
         job.data_roots = [str(config_dir)] + [str((config_dir / root).resolve()) for root in job.data_roots]
         return job
@@ -249,7 +239,3 @@ class JobConfig:
                                      "'random:<shape>'): download the checkpoint there or fill in its path")
         return Path(self.model)
 
-
-def _env_pool(data: Any) -> EnvPoolConfig:
-    check_fields(EnvPoolConfig, data, "env_pool", "env_pool.")
-    return EnvPoolConfig(**data)

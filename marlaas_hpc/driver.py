@@ -18,7 +18,7 @@ from marlaas_hpc.model import TextCodec
 from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest, RolloutEngine
 from marlaas_hpc.tasks import Sample, TaskData, TaskSpec, build_task_data
-from marlaas_hpc.trainer.grpo import assign_advantages, scored_group
+from marlaas_hpc.trajectory import assign_advantages, scored_group
 from marlaas_hpc.trajectory import Trajectory
 
 

@@ -1,6 +1,8 @@
-"""The data-plane record: one sampled completion, scored, on its way to the trainer."""
+"""The data-plane record: one sampled completion, scored, on its way to the trainer, and GRPO's group-relative
+advantages over such records (plain Python: the env rank, which computes them, needs no torch)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -29,3 +31,38 @@ class Trajectory:
         if len(self.behaviour_logprobs) != n or len(self.mask()) != n:
             raise ValueError(f"trajectory of {self.task_id}: {n} completion tokens but "
                              f"{len(self.behaviour_logprobs)} logprobs and {len(self.mask())} mask entries")
+
+
+def group_advantages(rewards: list[float], normalize_std: bool = False, eps: float = 1e-6) -> list[float]:
+    """One group's rewards -> each minus the group's mean; with normalize_std, divided by the group's sample
+    standard deviation (n - 1) + eps. Sums are exact (fsum): the result does not depend on summation order."""
+    mean = math.fsum(rewards) / len(rewards)
+    centred = [reward - mean for reward in rewards]
+    if normalize_std:
+        std = math.sqrt(math.fsum(c * c for c in centred) / (len(rewards) - 1)) if len(rewards) > 1 else math.nan
+        centred = [c / (std + eps) for c in centred]
+    return centred
+
+
+def assign_advantages(trajectories: list[Trajectory], normalize_std: bool = False) -> None:
+    """Sets each trajectory's advantage from the rewards of its group (groups may arrive interleaved); a group
+    of one gets 0."""
+    groups: dict[str, list[Trajectory]] = {}
+    for traj in trajectories:
+        groups.setdefault(traj.group_id, []).append(traj)
+    for members in groups.values():
+        advantages = group_advantages([t.reward for t in members], normalize_std) if len(members) > 1 else [0.0]
+        for traj, value in zip(members, advantages):
+            traj.advantage = value
+
+
+def scored_group(task_id: str, group_id: str, prompt_ids: list[int], completions: list[list[int]],
+                 logprobs: list[list[float]], version: int | None, rewards: list[float],
+                 normalize_std: bool = False) -> list[Trajectory]:
+    """The G trajectories of one prompt with their rewards and group-relative advantages.
+    version None (base model, no adapter) is recorded as 0: the fresh adapter equals the base."""
+    trajectories = [Trajectory(task_id, group_id, prompt_ids, completion, lps,
+                               version if version is not None else 0, reward=reward)
+                    for completion, lps, reward in zip(completions, logprobs, rewards)]
+    assign_advantages(trajectories, normalize_std)
+    return trajectories

@@ -13,7 +13,7 @@ from trainer_scenarios import TASKS, make_trajectories
 
 
 def build_batches(trainer) -> dict:
-    from marlaas_hpc.trainer.grpo import assign_advantages
+    from marlaas_hpc.trajectory import assign_advantages
 
     batches = {}
     for index, (task_id, (_, algo)) in enumerate(TASKS.items()):

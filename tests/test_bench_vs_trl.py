@@ -61,13 +61,16 @@ def test_baseline_reward_equals_the_tasks(bench, trl_task, tmp_path):
 def test_baseline_prompt_ids_equal_the_codecs(trl_task, tiny_model_path):
     """TRL tokenizes a plain-text prompt with the tokenizer's defaults (GRPOTrainer._tokenize_prompts); the text
     carries the raw format's bos."""
+    from transformers import AutoTokenizer
+
     from marlaas_hpc.model import TextCodec
 
     codec = TextCodec.from_pretrained(tiny_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path))  # what TRL loads
     for prompt in ["12+7=", "rev abcd=", "cnt a:abca=", "srt 5312="]:
-        text = trl_task.prompt_text(codec.tokenizer, prompt)
-        assert codec.tokenizer(text)["input_ids"] == codec.encode_prompt(prompt)
-        assert codec.tokenizer(text, add_special_tokens=False)["input_ids"] == codec.encode_prompt(prompt)  # eval
+        text = trl_task.prompt_text(tokenizer, prompt)
+        assert tokenizer(text)["input_ids"] == codec.encode_prompt(prompt)
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] == codec.encode_prompt(prompt)  # eval
 
 
 def test_baseline_refuses_a_task_it_cannot_mirror(bench, tmp_path):

@@ -141,6 +141,8 @@ def test_pool_refuses_unknown_tasks_and_unpicklable_tasks_in_process_mode():
     ({"env_pool": {"mode": "fibers"}}, "env_pool.mode"),
     ({"env_pool": {"workers": 0}}, "env_pool.workers"),
     ({"env_pool": {"threads": 2}}, "env_pool.threads"),
+    ({"env_pool": {"tool_concurrency": 0}}, "env_pool.tool_concurrency"),
+    ({"env_pool": {"tool_concurrency": "many"}}, "env_pool.tool_concurrency"),
     ({"tasks": [{"task_id": "t", "dataset": {"kind": "lookup"}, "algo": {"max_turns": 0}}]}, "tasks[0].algo.max_turns"),
     ({"tasks": [{"task_id": "t", "dataset": {"kind": "lookup", "tool_latency_s": -1}}]},
      "tasks[0].dataset.tool_latency_s"),
@@ -153,3 +155,4 @@ def test_job_config_refuses_bad_env_settings_naming_the_field(change, field):
         JobConfig.from_dict(change)
     assert refused.value.field == field
     assert JobConfig.from_dict({"env_pool": {"mode": "process", "workers": 3}}).env_pool.workers == 3
+    assert JobConfig.from_dict({"env_pool": {"tool_concurrency": 512}}).env_pool.tool_concurrency == 512

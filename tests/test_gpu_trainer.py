@@ -25,7 +25,7 @@ def qwen_path():
 
 @pytest.fixture(scope="module")
 def batches():
-    from marlaas_hpc.trainer.grpo import assign_advantages
+    from marlaas_hpc.trajectory import assign_advantages
 
     noise = random.Random(1)
     out = {}

@@ -215,7 +215,7 @@ def test_device_layout_fields_are_validated():
     with pytest.raises(LayoutError, match="trainer rank drives one GPU") as info:
         JobLayout(trainer=ComponentResources(gpus_per_task=2)).validate()
     assert info.value.field == "trainer.gpus_per_task"
-    with pytest.raises(LayoutError, match="expected bool") as info:
+    with pytest.raises(LayoutError, match="expected true or false") as info:
         JobLayout.from_dict({"share_gpus": "yes"})
     assert info.value.field == "share_gpus"
 

@@ -126,12 +126,12 @@ def test_from_dict_maps_yaml_one_to_one_and_round_trips():
     ({"rollout_rank": 2}, "rollout_rank", "unknown field"),
     ({"trainer": {"gpus_per_tsk": 1}}, "trainer.gpus_per_tsk", "unknown field"),
     ({"trainer": 4}, "trainer", "must be a mapping"),
-    ({"env_ranks": "2"}, "env_ranks", "expected int"),
-    ({"env_ranks": True}, "env_ranks", "expected int"),
+    ({"env_ranks": "2"}, "env_ranks", "expected an integer"),
+    ({"env_ranks": True}, "env_ranks", "expected an integer"),
     ({"mpi": "pmi3"}, "mpi", "expected"),
-    ({"rollout": {"extra_sbatch": "--exclusive"}}, "rollout.extra_sbatch", "expected list"),
-    ({"exports": {"A": 1}}, "exports", "expected dict"),
-    ({"rollout": {"gpus_per_task": 1.5}}, "rollout.gpus_per_task", "expected int"),
+    ({"rollout": {"extra_sbatch": "--exclusive"}}, "rollout.extra_sbatch", "expected a list"),
+    ({"exports": {"A": 1}}, "exports", "expected a mapping"),
+    ({"rollout": {"gpus_per_task": 1.5}}, "rollout.gpus_per_task", "expected an integer"),
 ])
 def test_from_dict_rejects_unknown_and_mistyped_fields(data, field, words):
     with pytest.raises(LayoutError, match=words) as info:

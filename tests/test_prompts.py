@@ -39,7 +39,9 @@ def test_random_checkpoint_has_the_real_qwen3_traits(qwen_path, codec):
     with safe_open(str(qwen_path / "model.safetensors"), "pt") as weights:
         names = set(weights.keys())
     assert "model.layers.0.self_attn.q_norm.weight" in names and "lm_head.weight" not in names  # qk-norm, tied
-    tok = codec.tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(qwen_path))  # as transformers (and vLLM) load it
     assert len(tok) < config["vocab_size"]  # the embedding has more rows than the tokenizer has tokens
     assert (tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
             == [ENDOFTEXT_ID, IM_START_ID, IM_END_ID])
@@ -141,3 +143,54 @@ def test_gsm8k_tasks_pickle_for_process_pools():
     task = build_task_data(DatasetSpec(kind="gsm8k_synth", seed=1, eval_size=4, answer_format="hash"), "chat")
     copy = pickle.loads(pickle.dumps(task))
     assert copy.train_sample(7) == task.train_sample(7) and copy.answer_format == "hash"
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny", "qwen3-0.6b-mini"])
+def test_tokenizer_file_equals_transformers(checkpoint, qwen_path, tiny_model_path):
+    """TextCodec reads plain tokenizer.json tokenizers without transformers (model/tokenizer_file.py): the same
+    ids, text and chat renderings as AutoTokenizer, special tokens and tool turns included."""
+    from transformers import AutoTokenizer
+
+    from marlaas_hpc.model.tokenizer_file import TokenizerFile, load_tokenizer
+
+    path = qwen_path if checkpoint != "tiny" else tiny_model_path
+    mine, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    assert isinstance(mine, TokenizerFile)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(mine, name) == getattr(theirs, name), name
+    assert mine.special_tokens_map == theirs.special_tokens_map
+    texts = ["What is 2+3?", "  Natalia sold clips to 48 of her friends,\n\tthen 12 more! ", "1+2=3", "", "ü → ∑"]
+    if checkpoint != "tiny":
+        texts += ["<|im_start|>user\nhi<|im_end|>\n<think>\n</think>", "don't stop ."]
+    for text in texts:
+        ids = mine.encode(text, add_special_tokens=False)
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+        for skip in (False, True):
+            assert mine.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    if checkpoint == "tiny":
+        assert mine.chat_template is None and theirs.chat_template is None
+        return
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"},
+                    {"role": "assistant", "content": "<think>\nadd\n</think>\n\n5"},
+                    {"role": "tool", "content": "{\"result\": 5}"}, {"role": "user", "content": "and 4?"}]
+    for messages in (conversation[1:2], conversation[:2], conversation):
+        for generation in (False, True):
+            for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+                want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **kwargs)
+                assert mine.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation,
+                                                **kwargs) == want
+
+
+def test_tokenizers_transformers_builds_its_own_way_stay_with_autotokenizer(qwen_path, tmp_path):
+    """A downloaded Qwen3's tokenizer_config.json names Qwen2Tokenizer: transformers builds that class itself,
+    so TextCodec keeps AutoTokenizer for it rather than assume tokenizer.json alone gives the same ids."""
+    import shutil
+
+    from marlaas_hpc.model.tokenizer_file import TokenizerFile, load_tokenizer
+
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        shutil.copy(qwen_path / name, tmp_path / name)
+    config = json.loads((qwen_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    assert not isinstance(load_tokenizer(tmp_path), TokenizerFile)
+    assert isinstance(load_tokenizer(qwen_path), TokenizerFile)

@@ -68,7 +68,7 @@ def test_generation_stops_at_every_eos_id(qwen_path, tmp_path, stop_id):
 
 def test_vllm_behaviour_logprobs_equal_the_trainers_at_the_same_version(qwen_path, tmp_path):
     from marlaas_hpc.model.codec import TextCodec
-    from marlaas_hpc.trainer.grpo import assign_advantages
+    from marlaas_hpc.trajectory import assign_advantages
     from marlaas_hpc.trainer.launch_local import run_local
     from trainer_scenarios import logprobs_scenario, make_trajectories, train_and_export_scenario
 

@@ -10,9 +10,9 @@ import pytest
 
 from marlaas_hpc.cli import main as marlaas
 from marlaas_hpc.report import comparison_row, load_run
+from marlaas_hpc.scheduler import MODES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
-MODES = ("async", "sync", "sequential")
 
 
 def cells(text: str) -> dict[str, list[str]]:

@@ -5,8 +5,7 @@ import pytest
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
-from marlaas_hpc.runtime.retention import (RetentionConfig, ScratchAdapters, in_flight_versions, prune_adapters,
-                                           version_dirs)
+from marlaas_hpc.runtime.retention import RetentionConfig, in_flight_versions, prune_adapters, version_dirs
 from marlaas_hpc.scheduler import Generated, Scheduler, SchedulerConfig, Scored, StepDone, Submit, Train
 from marlaas_hpc.tasks import TaskSpec
 from marlaas_hpc.trainer.peft_io import read_peft_adapter
@@ -106,29 +105,26 @@ def test_retention_config_and_pins_load():
                                                                keep_final_checkpoint=False)
 
 
-def test_rollout_copies_go_only_when_the_engine_retires_them(tmp_path, tiny_model_path, adapters, codec):
-    """A rollout rank's scratch copies with a real engine: a version pinned by an episode, or used by a request
-    in flight, stays on disk while newer versions land; each goes once the engine retired it."""
-    scratch = ScratchAdapters(tmp_path / "adapters")
+def test_rollout_versions_leave_the_engine_only_when_it_retires_them(tiny_model_path, adapters, codec):
+    """A rollout rank's in-memory versions with a real engine: a version pinned by an episode, or used by a
+    request in flight, stays loaded while newer versions land; each goes once the engine retired it."""
     lora, tensors = read_peft_adapter(adapters["t1"])
     engine = make_engine("hf", tiny_model_path)
 
     def land(version):
-        engine.add_adapter(AdapterRef("t", version, str(scratch.write("t", version, tensors, lora))))
-        return scratch.drop_retired(engine)
+        engine.add_adapter(AdapterRef("t", version, tensors=tensors, lora=lora))
+        return [(ref.task_id, ref.version) for ref in engine.pop_retired()]
 
-    on_disk = lambda: sorted(version_dirs(tmp_path / "adapters" / "t"))  # noqa: E731
+    live = lambda: sorted(v for _, v in engine.loaded_adapters())  # noqa: E731
     assert land(0) == []
     engine.pin("t", 0)  # an episode between turns
     assert land(1) == []
     engine.submit([GenerationRequest("r1", "t", 1, codec.encode_prompt("1+2="), temperature=0.0,
                                      max_new_tokens=2)])
-    assert land(2) == [] and on_disk() == [0, 1, 2]
+    assert land(2) == [] and live() == [0, 1, 2]
     engine.unpin("t", 0)
-    assert scratch.drop_retired(engine) == [("t", 0)] and on_disk() == [1, 2]
+    assert [(r.task_id, r.version) for r in engine.pop_retired()] == [("t", 0)] and live() == [1, 2]
     while engine.has_unfinished():
         engine.step()
-    assert scratch.drop_retired(engine) == [("t", 1)] and on_disk() == [2]
+    assert [(r.task_id, r.version) for r in engine.pop_retired()] == [("t", 1)] and live() == [2]
     engine.close()
-    scratch.clear()
-    assert not (tmp_path / "adapters").exists()

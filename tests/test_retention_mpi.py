@@ -63,8 +63,8 @@ def test_no_version_is_deleted_while_a_group_samples_with_it(finished_run):
     prunes = [r for records in timeline.values() for r in records if r["stage"] == "prune_adapters"]
     assert prunes, "the trainer deleted versions"
     for prune in (p for p in prunes if not p["ended"]):  # once a task ended, its open groups are discarded
-        for group in groups:
-            if group["tasks"] == prune["tasks"] and group["start"] <= prune["start"] <= group["end"]:
+        for group in groups:  # sampling: from its start until its last turn was generated (GroupEnded comes later)
+            if group["tasks"] == prune["tasks"] and group["start"] <= prune["start"] <= group["sampled_until"]:
                 assert group["version"] not in prune["deleted"], (prune, group)
     drops = {rank: [r for r in records if r["stage"] == "drop_adapter"] for rank, records in timeline.items()}
     assert any(drops.values()), "the rollout rank deleted its copies of retired versions"

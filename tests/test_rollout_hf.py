@@ -106,3 +106,35 @@ def test_adapter_versions_bookkeeping():
 def test_make_engine_rejects_unknown_kind(tiny_model_path):
     with pytest.raises(ValueError, match="unknown rollout engine kind"):
         make_engine("sglang", tiny_model_path)
+
+
+def test_adapter_ref_is_a_path_or_tensors_with_their_spec():
+    with pytest.raises(ValueError, match="exactly one of a path or tensors"):
+        AdapterRef("a", 0)
+    with pytest.raises(ValueError, match="exactly one of a path or tensors"):
+        AdapterRef("a", 0, "/p", tensors={})
+    with pytest.raises(ValueError, match="need their LoraSpec"):
+        AdapterRef("a", 0, tensors={})
+
+
+def test_hf_in_memory_adapter_equals_its_directory_and_bad_tensors_are_refused(hf_engine, adapters, codec):
+    """The tensors a rollout rank receives load without a directory and sample exactly like the same adapter
+    loaded from its PEFT dir; tensors that do not fit the model are refused, the engine serving on."""
+    from marlaas_hpc.trainer.peft_io import read_peft_adapter
+
+    lora, tensors = read_peft_adapter(adapters["t2"])
+    hf_engine.add_adapter(AdapterRef("mem", 0, tensors=tensors, lora=lora))
+    reqs = [GenerationRequest(f"{task}-{i}", task, 0, codec.encode_prompt(text), temperature=0.7,
+                              max_new_tokens=10, seed=11 + i)
+            for i, text in enumerate(PROMPTS) for task in ("t2", "mem")]
+    gens = hf_engine.generate(reqs)
+    for disk, memory in zip(gens[::2], gens[1::2]):
+        assert (memory.completion_ids, memory.logprobs) == (disk.completion_ids, disk.logprobs)
+    bad = {k.replace("layers.0.", "layers.99."): v for k, v in tensors.items()}  # the tiny model has 4 layers
+    with pytest.raises(ValueError, match="bad v0: tensors missing .*unexpected"):
+        hf_engine.add_adapter(AdapterRef("bad", 0, tensors=bad, lora=lora))
+    assert "bad" not in hf_engine.versions.latest
+    [again] = hf_engine.generate([GenerationRequest("again", "mem", 0, reqs[1].prompt_ids, temperature=0.7,
+                                                    max_new_tokens=10, seed=11)])
+    assert again.completion_ids == gens[1].completion_ids, "the refused load left 'mem' as it was"
+    np.testing.assert_allclose(again.logprobs, gens[1].logprobs, atol=1e-5)  # alone vs in a padded batch

@@ -1,5 +1,6 @@
 """A rollout rank's engine that fails is rebuilt in place (rollout/restart.py): the adapter versions it held and
-the versions episodes pinned come back, and every request in flight is re-issued and finishes once.
+the versions episodes pinned come back (from their dirs, or from the tensors held in memory), and every request in
+flight is re-issued and finishes once.
 
 The failure is vLLM's own: the engine core is shut down under the engine (what a dead engine core looks like to
 the in-process client); the next step raises inside vLLM."""
@@ -9,6 +10,7 @@ import pytest
 
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
 from marlaas_hpc.rollout.restart import EngineFailed, RestartingEngine
+from marlaas_hpc.trainer.peft_io import read_peft_adapter
 from rollout_helpers import PROMPTS
 
 pytestmark = pytest.mark.vllm
@@ -40,7 +42,8 @@ def test_engine_error_restarts_the_engine_and_reissues_its_requests(factory, ada
     try:
         engine.add_adapter(AdapterRef("t1", 0, str(adapters["t1"])))
         engine.pin("t1", 0)  # a multi-turn episode holds v0 between its turns
-        engine.add_adapter(AdapterRef("t1", 1, str(adapters["t2"])))
+        lora, tensors = read_peft_adapter(adapters["t2"])  # v1 from memory, as a rollout rank's deltas
+        engine.add_adapter(AdapterRef("t1", 1, tensors=tensors, lora=lora))
         expected = {g.request_id.split("-", 1)[1]: g for g in engine.generate(_requests(codec, "before-"))}
         engine.submit(_requests(codec, "after-"))
         done = engine.step()

@@ -127,3 +127,36 @@ def test_vllm_diverged_adapter_does_not_disturb_other_tasks(vllm_engine, adapter
     for gen, ref in zip(vllm_engine.generate(mixed_requests(codec, 0.0, tag="after-nan-")),
                         vllm_engine.generate(mixed_requests(codec, 0.0, tag="after-nan-again-"))):
         assert np.isfinite(gen.logprobs).all() and gen.completion_ids == ref.completion_ids
+
+
+def test_vllm_in_memory_adapter_equals_its_directory_and_bad_tensors_are_refused(vllm_engine, adapters, codec):
+    """The tensors a rollout rank receives load with no directory (a `memory:` placeholder path) and sample like
+    the same adapter loaded from its PEFT dir; tensors naming a module the model lacks are refused (the worker
+    lets go of them), the engine serving on."""
+    from marlaas_hpc.trainer.peft_io import read_peft_adapter
+
+    lora, tensors = read_peft_adapter(adapters["t2"])
+    vllm_engine.add_adapter(AdapterRef("mem", 0, tensors=tensors, lora=lora))
+    assert vllm_engine._lora_requests[("mem", 0)].lora_path.startswith("memory:mem@v0#")
+    reqs = [GenerationRequest(f"mem-{task}-{i}", task, 0, codec.encode_prompt(text), temperature=0.7,
+                              max_new_tokens=10, seed=11 + i)
+            for i, text in enumerate(PROMPTS) for task in ("t2", "mem")]
+    gens = vllm_engine.generate(reqs)
+    for disk, memory in zip(gens[::2], gens[1::2]):
+        assert memory.completion_ids == disk.completion_ids
+        np.testing.assert_allclose(memory.logprobs, disk.logprobs, atol=1e-5)
+    bad = {k.replace("mlp.down_proj", "mlp.side_proj"): v for k, v in tensors.items()}
+    with pytest.raises(ValueError, match="side_proj"):
+        vllm_engine.add_adapter(AdapterRef("bad", 0, tensors=bad, lora=lora))
+    assert "bad" not in vllm_engine.versions.latest
+    [held] = vllm_engine.llm.collective_rpc(_held_ids)
+    assert vllm_engine.versions.int_id[("mem", 0)] in held and len(held) == len(
+        [k for k in vllm_engine.versions.int_id if vllm_engine.versions.ref[k].in_memory]), "bad one let go"
+    [again] = vllm_engine.generate([GenerationRequest("mem-again", "mem", 0, reqs[1].prompt_ids, temperature=0.7,
+                                                      max_new_tokens=10, seed=11)])
+    assert again.completion_ids == gens[1].completion_ids
+
+
+def _held_ids(worker) -> list[int]:
+    """Runs in the vLLM worker: the int ids of the in-memory adapters it holds."""
+    return sorted(worker.model_runner.lora_manager.marlaas_memory)

@@ -55,7 +55,7 @@ vllm: {dtype: bfloat16, gpu_memory_utilization: 0.9, max_model_len: 2048, enforc
     ({"layout": {"trainer": {"gpus_per_task": 2}}}, "layout.trainer.gpus_per_task", "one GPU"),
     ({"layout": {"accelerator": "tpu"}}, "layout.accelerator", "expected one of"),
     ({"model": ""}, "model", "path of an HF checkpoint"),
-    ({"model": 5}, "model", "path of an HF checkpoint"),
+    ({"model": 5}, "model", "expected a string"),
     ({"model": "random:qwen3-70b"}, "model", "unknown random checkpoint"),
 ])
 def test_vllm_settings_and_device_fields_refused_naming_the_field(data, field, words):

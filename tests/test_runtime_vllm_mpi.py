@@ -1,12 +1,39 @@
 """The distributed runtime with the vLLM engine (local mode, mpirun): the job config's `vllm:` settings reach
-every rollout rank's engine, the device binding puts every rank on the CPU here, and the job trains."""
+every rollout rank's engine, the device binding puts every rank on the CPU here, and the job trains, its rollout
+rank loading every adapter version from memory (no directory per version under RUN_DIR/rollout/, ever)."""
 import json
+import re
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
 
 from test_runtime_mpi import run_marlaas, small_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.vllm]
+
+
+@contextmanager
+def adapter_files_seen(run_dir):
+    """Polls RUN_DIR/rollout/ while the job runs; yields the set of per-version dirs and adapter files ever seen
+    there (a copy would live from its delta until its version is retired: seconds, far over the poll period)."""
+    seen, stop = set(), threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            for path in (run_dir / "rollout").rglob("*"):
+                if re.fullmatch(r"\.?v\d{4,}.*", path.name) or path.name.startswith("adapter_"):
+                    seen.add(str(path.relative_to(run_dir)))
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_vllm_settings_reach_the_rollout_engine(tmp_path, tiny_model_path, monkeypatch):
@@ -16,8 +43,13 @@ def test_vllm_settings_reach_the_rollout_engine(tmp_path, tiny_model_path, monke
                                 "enable_prefix_caching": False, "cpu_kv_cache_gib": 1})
     config["tasks"] = config["tasks"][:1]
     config["tasks"][0]["total_steps"] = 2
-    proc, run_dir = run_marlaas(config, tmp_path)
+    with adapter_files_seen(tmp_path / "run") as seen:
+        proc, run_dir = run_marlaas(config, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not seen, f"a rollout rank wrote adapter versions to disk: {sorted(seen)[:5]}"
+    loads = [json.loads(line) for path in (run_dir / "timeline").glob("rank*.jsonl")
+             for line in path.read_text().splitlines() if '"load_delta"' in line]
+    assert sorted(r["version"] for r in loads if r["stage"] == "load_delta") == [0, 1, 2], "every version landed"
     assert "[device] every rank on the CPU (layout.accelerator 'auto': no GPU visible)" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tasks"]["add"]["status"] == "done" and summary["tasks"]["add"]["steps_done"] == 2

@@ -35,7 +35,7 @@ def spec_with(**over):
     ({"colour": "red"}, "colour", "unknown field"),
     ({"algo": {"batch_size": 3}}, "algo.batch_size", "unknown field"),
     ({"total_steps": "ten"}, "total_steps", "integer"),
-    ({"lora": {"rank": 2.5}}, "lora.rank", "positive integer"),
+    ({"lora": {"rank": 2.5}}, "lora.rank", "integer"),
     ({"tenant": "../bob"}, "tenant", "safe name"),
     ({"tenant": ".hidden"}, "tenant", "safe name"),
     ({"task_id": "a/b"}, "task_id", "safe name"),

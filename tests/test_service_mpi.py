@@ -169,7 +169,7 @@ def test_tasks_added_to_a_running_job_queue_cancel_and_complete(serving_run):
 
 def test_bad_specs_refused_and_the_job_unaffected(serving_run):
     run_dir, seen = serving_run
-    words = {"unknown field": "epochs: unknown field", "wrong type": "total_steps: must be an integer",
+    words = {"unknown field": "epochs: unknown field", "wrong type": "total_steps: expected an integer",
              "tenant traversal": "tenant:", "task id traversal": "task_id:",
              "duplicate task id": "task id 'base' is already used", "other base model": "base_model:",
              "data outside roots": "outside the job's allowed data roots", "quota": "max_total_steps=5"}

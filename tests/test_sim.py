@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from marlaas_hpc.config import JobConfig
+from marlaas_hpc.scheduler import MODES
 from marlaas_hpc.sim.calibrate import calibrate, compare
 from marlaas_hpc.sim.engine import Simulation
 from marlaas_hpc.sim.report import staleness_violations
@@ -16,7 +17,6 @@ from marlaas_hpc.tasks.spec import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "calibration"
-MODES = ("async", "sync", "sequential")
 WORKLOADS = sorted((ROOT / "configs" / "workloads").glob("*.yaml"))
 
 

@@ -53,7 +53,8 @@ def probe(hf_base):
 def batches(hf_base):
     """Per task: trajectories with behaviour logprobs = HF base logprobs at the task's temperature + noise
     (ratios near 1: some tokens clipped, most not) and group-relative advantages."""
-    from marlaas_hpc.trainer.grpo import assign_advantages, token_logprobs
+    from marlaas_hpc.trainer.grpo import token_logprobs
+    from marlaas_hpc.trajectory import assign_advantages
 
     noise = random.Random(0)
     out = {}

@@ -191,11 +191,27 @@ def train_and_export_scenario(rank: int, model_path: str, tp: int, batch: list[T
     return {"export": str(trainer.export_adapter("a", out_dir)), "version": trainer.version("a")}
 
 
+def train_tensors_scenario(rank: int, model_path: str, tp: int, batch: list[Trajectory], out_dir: str) -> dict:
+    """Task 'a''s adapter tensors as the trainer leader broadcasts them (`adapter_tensors`) at v0 (new) and v1
+    (after one GRPO step), and v1 exported in PEFT format."""
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, seed=3))
+    lora, algo = TASKS["a"]
+    trainer.add_task("a", lora, algo)
+    v0 = trainer.adapter_tensors("a")
+    trainer.train_step("a", batch)
+    return {"v0": v0, "v1": trainer.adapter_tensors("a"), "version": trainer.version("a"),
+            "export": str(trainer.export_adapter("a", out_dir))}
+
+
 def logprobs_scenario(rank: int, model_path: str, tp: int, adapter: str, version: int,
                       trajectories: list[Trajectory], temperature: float) -> dict:
-    """The trainer's logprobs of given completions with a PEFT adapter loaded at `version`."""
+    """The trainer's logprobs of given completions with a PEFT adapter loaded at `version`, and the base
+    model's (no adapter)."""
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 
     trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, seed=3))
     trainer.load_adapter("a", adapter, algo=TASKS["a"][1], version=version)
-    return {"logprobs": trainer.logprobs("a", trajectories, temperature), "version": trainer.version("a")}
+    return {"logprobs": trainer.logprobs("a", trajectories, temperature), "version": trainer.version("a"),
+            "base": trainer.logprobs(None, trajectories, temperature)}

@@ -37,7 +37,7 @@ def _rows(args) -> list[tuple[list[int], list[int]]]:
 
 
 def trainer_part(args, model_path: str, out_dir: str) -> dict:
-    from marlaas_hpc.trainer.grpo import assign_advantages
+    from marlaas_hpc.trajectory import assign_advantages
     from marlaas_hpc.trainer.launch_local import run_local
     from marlaas_hpc.trajectory import Trajectory
 

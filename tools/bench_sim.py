@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from marlaas_hpc.config import JobConfig  # noqa: E402
+from marlaas_hpc.scheduler import MODES  # noqa: E402
 from marlaas_hpc.sim.engine import Simulation  # noqa: E402
 from marlaas_hpc.sim.setup import copies_to, setup_from_job  # noqa: E402
 from marlaas_hpc.sim.workload import load_workload  # noqa: E402
@@ -80,7 +81,7 @@ def replay(setup, recorded: list, repeats: int = 5) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, nargs="+", default=[8, 128, 1024])
-    parser.add_argument("--mode", default="async", choices=["async", "sync", "sequential"])
+    parser.add_argument("--mode", default="async", choices=MODES)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workload", default=str(ROOT / "configs" / "workloads" / "tiny-cpu.yaml"))
     args = parser.parse_args()

@@ -141,27 +141,6 @@ def run_marlaas(config: Path, mode: str, out: Path) -> dict:
             "busy": summary.get("busy_fraction", {}), "summary": summary}
 
 
-def tool_workload(steps: int, latency_s: float) -> dict:
-    """Agentic-search shape: 2 lookup tasks whose tool waits `latency_s` on a service next to 2 addition tasks
-    (tool-demo's layout and env pool)."""
-    def lookup(i):
-        return {"task_id": f"lookup{i}", "tenant": "alice",
-                "dataset": {"kind": "lookup", "eval_size": 32, "seed": i, "tool_latency_s": latency_s},
-                "lora": {"rank": 8, "alpha": 16}, "total_steps": steps, "max_staleness": 1,
-                "algo": {"group_size": 8, "batch_prompts": 8, "lr": 0.003, "max_new_tokens": 6, "max_turns": 3,
-                         "max_episode_tokens": 40}}
-
-    def addition(i):
-        return {"task_id": f"add{i}", "tenant": "bob", "dataset": {"kind": "addition", "eval_size": 32, "seed": i},
-                "lora": {"rank": 8, "alpha": 16}, "total_steps": steps, "max_staleness": 1,
-                "algo": {"group_size": 8, "batch_prompts": 8, "lr": 0.003, "max_new_tokens": 6}}
-
-    return {"model": "tiny", "engine": "vllm", "mode": "async", "max_adapters": 4, "max_lora_rank": 8,
-            "rollout_slots": 8, "layout": {"env_ranks": 1, "rollout_ranks": 1, "trainer_tp": 1},
-            "env_pool": {"mode": "thread", "workers": 4, "step_timeout_s": 30},
-            "tasks": [lookup(0), lookup(1), addition(0), addition(1)]}
-
-
 # ---- printing --------------------------------------------------------------------------------------------
 def print_marlaas(row: dict) -> None:
     busy = " ".join(f"{k} {v:.2f}" for k, v in row["busy"].items())
@@ -181,9 +160,11 @@ def print_baseline(base: dict) -> None:
 
 
 def main() -> None:
+    from marlaas_hpc.scheduler import MODES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "local-demo.yaml"))
-    parser.add_argument("--modes", nargs="+", default=["async", "sequential"], choices=["async", "sync", "sequential"])
+    parser.add_argument("--modes", nargs="+", default=["async", "sequential"], choices=MODES)
     parser.add_argument("--baseline", default="auto", choices=["auto", "trl", "local", "none"],
                         help="auto: TRL if its venv exists, else LocalDriver per task")
     parser.add_argument("--trl-venv", default=str(DEFAULT_TRL_VENV))
@@ -227,9 +208,11 @@ def main() -> None:
     if args.tool_workload:
         import yaml
 
+        from bench_modes import tool_workload  # tools/ is this script's directory: on sys.path
+
         tool_config = out / "tool-workload.yaml"
         tool_config.parent.mkdir(parents=True, exist_ok=True)
-        tool_config.write_text(yaml.safe_dump(tool_workload(args.tool_steps, args.tool_latency)))
+        tool_config.write_text(yaml.safe_dump(tool_workload(args.tool_steps, [args.tool_latency])))
         tool = {mode: run_marlaas(tool_config, mode, out / f"tool-{mode}") for mode in ("async", "sequential")}
         for row in tool.values():
             print_marlaas(row)

@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from marlaas_hpc.config import JobConfig  # noqa: E402
+from marlaas_hpc.scheduler import MODES  # noqa: E402
 from marlaas_hpc.sim.engine import Simulation  # noqa: E402
 from marlaas_hpc.sim.report import summarize  # noqa: E402
 from marlaas_hpc.sim.setup import copies_to, setup_from_job  # noqa: E402
 from marlaas_hpc.sim.workload import load_workload  # noqa: E402
 
-MODES = ("async", "sync", "sequential")
 CONFIG = ROOT / "configs" / "sim-paper.yaml"
 WORKLOAD = ROOT / "configs" / "workloads" / "h100-qwen3-0.6b.yaml"
 TRAINER_TP = 2

@@ -11,6 +11,20 @@ Modes (`EnvPoolConfig.mode`):
   replaces that worker only. Right for CPU-heavy or untrusted reward functions.
 - ``inline``: run in the caller's thread (debugging; no timeout).
 
+Two lanes. A step that waits on a service (its env names, through `Environment.service_waits(turn)`, tools
+whose `Tool.waits_on_service` is set: the lookup service, a remote search...) is I/O, not CPU work: in thread and
+process mode it runs on a thread of its own in this process, outside the workers, so a rank keeps hundreds of
+such waits in flight while the workers stay free for rewards and CPU tools (calculator, BM25, the python
+sandbox). Without the split a 1 s service call held a worker for its whole wait: 4 workers capped a rank at 4
+calls/s for every tenant, and a cheap reward of another task queued behind them. The I/O lane is bounded per
+tool name (`EnvPoolConfig.tool_concurrency` steps in flight per tool; a step past it waits, FIFO, for a slot);
+the same watchdog enforces `step_timeout_s` on it (a late call is reported failed at once; its thread is
+abandoned and keeps its tool slot until the service answers, so a hung service cannot grow the thread count
+past the bound). Threads, not asyncio: a tool's client is ordinary blocking code (a socket, an HTTP library),
+a waiting thread holds no GIL and little memory, and a thread per call needs no async rewrite of the tools.
+I/O steps only parse the turn, wait and format the observation; rewards (tenant code included) never run on
+this lane, so process mode's isolation of reward functions is unchanged.
+
 A call never raises into the caller: `StepOutcome.error` carries an `EnvError` (a RewardError) naming the task
 when its verifier raised / returned NaN or out-of-range, when its env raised, timed out or killed the worker.
 The caller marks that task failed; other tasks are unaffected.
@@ -25,15 +39,17 @@ import statistics
 import threading
 import time
 import traceback
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.env.protocol import Environment, StepResult
 from marlaas_hpc.tasks.base import RewardError, TaskData
 
 MODES = ("thread", "process", "inline")
 _STARTUP_TIMEOUT_S = 120.0  # spawn + imports + unpickling a task (a BM25 index) on a busy node
+MAX_TOOL_CONCURRENCY = 4096  # one thread per call in flight: beyond this, raise the number of env ranks
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,14 +62,21 @@ class EnvPoolConfig:
     """Per env.step wall-clock limit (a tool's own limits, e.g. the python sandbox's, are shorter)."""
     max_samples_per_stage: int = 100_000
     """Timing samples kept per stage for the stats (oldest dropped)."""
+    tool_concurrency: int = 256
+    """Most env steps waiting on one service tool (by tool name, e.g. 'lookup') in flight at once on this rank;
+    they run on threads of their own, not on the workers, and a step past the bound waits for a slot."""
 
-    def validate(self) -> "EnvPoolConfig":
+    def validate(self, prefix: str = "env_pool") -> "EnvPoolConfig":
         if self.mode not in MODES:
-            raise ValueError(f"env_pool.mode must be one of {MODES}, got {self.mode!r}")
+            raise SpecError(f"{prefix}.mode", f"must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.workers, int) or self.workers < 1:
-            raise ValueError(f"env_pool.workers must be an integer >= 1, got {self.workers!r}")
+            raise SpecError(f"{prefix}.workers", f"must be an integer >= 1, got {self.workers!r}")
         if not self.step_timeout_s > 0:
-            raise ValueError(f"env_pool.step_timeout_s must be > 0, got {self.step_timeout_s!r}")
+            raise SpecError(f"{prefix}.step_timeout_s", f"must be > 0, got {self.step_timeout_s!r}")
+        if not isinstance(self.tool_concurrency, int) or isinstance(self.tool_concurrency, bool) \
+                or not 1 <= self.tool_concurrency <= MAX_TOOL_CONCURRENCY:
+            raise SpecError(f"{prefix}.tool_concurrency",
+                            f"must be an integer in [1, {MAX_TOOL_CONCURRENCY}], got {self.tool_concurrency!r}")
         return self
 
 
@@ -78,6 +101,8 @@ class StepOutcome:
     error: EnvError | None
     queued_s: float
     run_s: float
+    io: bool = False
+    """The step waited on a service on the I/O lane (it held no worker)."""
 
 
 @dataclass
@@ -89,6 +114,9 @@ class _Call:
     submitted: float
     started: float = 0.0
     abandoned: bool = False
+    finished: bool = False
+    service_tools: frozenset[str] = frozenset()
+    """The service tools this step waits on (empty: a CPU step, run by a worker)."""
 
 
 class EnvPool:
@@ -105,13 +133,17 @@ class EnvPool:
         self._opened = time.monotonic()
         self._closed = False
         self._running: dict[int, _Call] = {}
+        """Thread ident -> the call it runs (workers in thread mode, and every I/O-lane thread)."""
+        self._io_waiting: deque[_Call] = deque()
+        self._io_in_flight: Counter[str] = Counter()
+        self._io_most: Counter[str] = Counter()
         self._abandoned: set[int] = set()
         self._thread_ids = itertools.count()
         self._threads: list[threading.Thread] = []
         if config.mode != "inline":
             for _ in range(config.workers):
                 self._start_thread()
-        if config.mode == "thread":
+            # times out thread-mode workers and the I/O lane (a process-mode worker times its own step out)
             threading.Thread(target=self._watchdog, name="env-pool-watchdog", daemon=True).start()
 
     # ------------------------------------------------------------ public API
@@ -136,8 +168,12 @@ class EnvPool:
         if self._closed:
             raise RuntimeError("env pool is closed")
         call = _Call(task_key, env, text, Future(), time.monotonic())
+        if self.config.mode != "inline":
+            call.service_tools = _service_waits(env, text)
         if self.config.mode == "inline":
             self._run_here(call)
+        elif call.service_tools:
+            self._io_submit(call)
         else:
             self._queue.put(call)
         return call.future
@@ -146,13 +182,16 @@ class EnvPool:
         return self.submit(task_key, env, text).result()
 
     def stats(self) -> dict:
-        """Calls, errors and per-stage time summaries ('queue', 'step', 'reward', 'tool:<name>', per task
-        'task:<key>'), plus the workers' busy fraction since the pool opened."""
+        """Calls, errors and per-stage time summaries ('queue' / 'step': waiting for / running on a worker,
+        'queue:io' / 'step:io': the same on the I/O lane, 'reward', 'tool:<name>', per task 'task:<key>'), the
+        workers' busy fraction since the pool opened (I/O-lane steps hold no worker and do not count), and per
+        service tool the most steps in flight at once ('io_in_flight_max', bounded by 'tool_concurrency')."""
         with self._lock:
             wall = max(time.monotonic() - self._opened, 1e-9)
             return {"mode": self.config.mode, "workers": self.config.workers, "calls": dict(self._counts),
                     "errors": {k: list(v) for k, v in self._errors.items()},
                     "busy_fraction": self._busy_s / (wall * self.config.workers),
+                    "tool_concurrency": self.config.tool_concurrency, "io_in_flight_max": dict(self._io_most),
                     "stages": {stage: summarize(list(v)) for stage, v in self._stages.items()}}
 
     def reset_stats(self) -> None:
@@ -160,6 +199,7 @@ class EnvPool:
             self._stages.clear()
             self._counts.clear()
             self._errors.clear()
+            self._io_most = Counter(self._io_in_flight)
             self._busy_s, self._opened = 0.0, time.monotonic()
 
     def close(self) -> None:
@@ -206,6 +246,47 @@ class EnvPool:
             result, error = None, EnvError(call.task_key, "env", _describe(exc))
         self._finish(call, call.env, result, error, time.monotonic() - call.started)
 
+    # ------------------------------------------------------------ I/O lane: steps that wait on a service
+    def _io_submit(self, call: _Call) -> None:
+        with self._lock:
+            self._io_waiting.append(call)
+            admitted = self._io_admit()
+        for ready in admitted:
+            self._io_start(ready)
+
+    def _io_admit(self) -> list[_Call]:
+        """Waiting steps (oldest first) whose every service tool has a free slot; takes the slots. Lock held."""
+        admitted, still = [], deque()
+        for call in self._io_waiting:
+            if all(self._io_in_flight[tool] < self.config.tool_concurrency for tool in call.service_tools):
+                self._io_in_flight.update(call.service_tools)
+                for tool in call.service_tools:
+                    self._io_most[tool] = max(self._io_most[tool], self._io_in_flight[tool])
+                admitted.append(call)
+            else:
+                still.append(call)
+        self._io_waiting = still
+        return admitted
+
+    def _io_start(self, call: _Call) -> None:
+        call.started = time.monotonic()  # its run time (and its timeout) starts when it has its tool slots
+        name = f"env-io-{'+'.join(sorted(call.service_tools))}"
+        threading.Thread(target=self._io_run, args=(call,), name=name, daemon=True).start()
+
+    def _io_run(self, call: _Call) -> None:
+        ident = threading.get_ident()
+        with self._lock:
+            self._running[ident] = call
+        try:
+            self._run_here(call)
+        finally:  # an abandoned (late) call frees its slots only now: the service still had it in flight
+            with self._lock:
+                self._running.pop(ident, None)
+                self._io_in_flight.subtract(call.service_tools)
+                admitted = self._io_admit()
+            for ready in admitted:
+                self._io_start(ready)
+
     def _watchdog(self) -> None:
         while not self._closed:
             time.sleep(0.05)
@@ -214,12 +295,14 @@ class EnvPool:
                 for ident, call in list(self._running.items()):
                     if now - call.started > self.config.step_timeout_s and not call.abandoned:
                         call.abandoned = True
-                        self._abandoned.add(ident)
+                        if not call.service_tools:
+                            self._abandoned.add(ident)  # a worker thread close() must not wait for
                         late.append(call)
             for call in late:
                 self._finish(call, call.env, None, EnvError(call.task_key, "timeout",
                              f"env step exceeded {self.config.step_timeout_s:g} s"), now - call.started)
-                self._start_thread()
+                if not call.service_tools:  # a stuck worker is replaced; an I/O step had a thread of its own
+                    self._start_thread()
 
     def _process_loop(self) -> None:
         worker = _ProcessWorker()
@@ -235,20 +318,32 @@ class EnvPool:
 
     def _finish(self, call: _Call, env: Environment, result: StepResult | None, error: EnvError | None,
                 run_s: float) -> None:
-        if call.future.done():  # a late result of an abandoned call
-            return
         queued_s = max(0.0, call.started - call.submitted)
+        io = bool(call.service_tools)
         with self._lock:
-            self._busy_s += run_s
+            if call.finished:  # a late result of an abandoned call (the watchdog reported it)
+                return
+            call.finished = True
+            if not io:
+                self._busy_s += run_s
             self._counts[call.task_key] += 1
-            self._stages["queue"].append(queued_s)
-            self._stages["step"].append(run_s)
+            self._stages["queue:io" if io else "queue"].append(queued_s)
+            self._stages["step:io" if io else "step"].append(run_s)
             self._stages[f"task:{call.task_key}"].append(run_s)
             for stage, seconds in (result.timings.items() if result is not None else ()):
                 self._stages[stage].append(seconds)
             if error is not None:
                 self._errors[call.task_key].append(str(error))
-        call.future.set_result(StepOutcome(call.task_key, env, result, error, queued_s, run_s))
+        call.future.set_result(StepOutcome(call.task_key, env, result, error, queued_s, run_s, io))
+
+
+def _service_waits(env: Environment, text: str) -> frozenset[str]:
+    """The service tools env.step(text) will wait on; a hook that raises makes it a CPU step (the step itself
+    then reports what is wrong)."""
+    try:
+        return frozenset(env.service_waits(text))
+    except Exception:
+        return frozenset()
 
 
 def _describe(exc: BaseException) -> str:

@@ -80,6 +80,12 @@ class Environment(ABC):
     def step(self, model_turn: str) -> StepResult:
         """Consumes one model turn (decoded text, without eos). Raises RewardError if the verifier fails."""
 
+    def service_waits(self, model_turn: str) -> frozenset[str]:
+        """Names of the tools that step(model_turn) will wait on a service for (`Tool.waits_on_service`): the
+        env pool runs such a step on its I/O lane, not on a worker. Cheap and side-effect free; none by
+        default."""
+        return frozenset()
+
     def truncated(self, reason: str) -> Final:
         """The reward of an episode cut off by a limit ('max_turns' / 'max_tokens'): 0.0."""
         return Final(0.0, reason)

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from marlaas_hpc.env.sandbox import (FunctionWorker, SandboxLimits, SandboxUnavailable, WorkerDied, WorkerTimeout)
 from marlaas_hpc.tasks.base import RewardError, Sample
-from marlaas_hpc.tasks.spec import SpecError
+from marlaas_hpc.config_loader import SpecError, load_config
 
 PACKAGE_PREFIX = "marlaas_hpc."
 FIELD = "dataset.reward_fn"
@@ -111,14 +111,8 @@ class SandboxConfig:
                              isolation=self.isolation, allow_unisolated=self.allow_unisolated, uid_range=uid_range)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "SandboxConfig":
-        from marlaas_hpc.tasks.spec import check_fields
-
-        check_fields(cls, data, "sandbox", "sandbox.")
-        data = dict(data)
-        if isinstance(data.get("uid_range"), list):
-            data["uid_range"] = tuple(data["uid_range"])
-        return cls(**data).validate()
+    def from_dict(cls, data: Any, prefix: str = "sandbox") -> "SandboxConfig":
+        return load_config(cls, data, prefix)
 
 
 class TenantFunction:

@@ -23,6 +23,7 @@ import ast
 import math
 import operator
 import re
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -98,6 +99,9 @@ class ToolError(Exception):
 
 class Tool(ABC):
     name: str = ""
+    waits_on_service: bool = False
+    """True for a tool whose call mostly waits on a service (network, a remote index) rather than computing:
+    the env pool runs steps that call it as I/O, many at once, not on its CPU workers (env/pool.py)."""
 
     @abstractmethod
     def run(self, argument: str, sample: Sample) -> str:
@@ -229,22 +233,45 @@ def format_number(value: int | float) -> str:
 
 # ---------------------------------------------------------------- lookup: a per-sample key -> value table
 class Lookup(Tool):
-    """Looks a key up in the sample's own table (sample.meta['table']); keys are case-sensitive."""
+    """Looks a key up in the sample's own table (sample.meta['table']); keys are case-sensitive. It stands for
+    a lookup service: every call waits `latency_s` for its answer, and the tool counts the calls waiting at
+    once (`waiting`, `most_waiting`), as a service would see them."""
 
     name = "lookup"
+    waits_on_service = True
 
     def __init__(self, latency_s: float = 0.0):
         self.latency_s = latency_s
         """Simulated service latency of every call."""
+        self.waiting = 0
+        """Calls waiting on the service now."""
+        self.most_waiting = 0
+        """The most calls that waited at once."""
+        self._lock = threading.Lock()
 
     def run(self, argument: str, sample: Sample) -> str:
-        if self.latency_s > 0:
-            time.sleep(self.latency_s)
+        with self._lock:
+            self.waiting += 1
+            self.most_waiting = max(self.most_waiting, self.waiting)
+        try:
+            if self.latency_s > 0:
+                time.sleep(self.latency_s)
+        finally:
+            with self._lock:
+                self.waiting -= 1
         table = sample.meta.get("table", {})
         key = argument.strip()
         if key not in table:
             raise ToolError(f"unknown key {key[:20]!r}")
         return str(table[key])
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_lock"]  # a process pool pickles the task with its tools
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
 
 # ---------------------------------------------------------------- search: BM25 over a local corpus
@@ -376,6 +403,11 @@ class ToolEnv(Environment):
             timings[stage] = timings.get(stage, 0.0) + outcome.seconds
         return Observation(self.task.observation(self.sample, outcomes), len(outcomes),
                            sum(not o.ok for o in outcomes), timings)
+
+    def service_waits(self, model_turn: str) -> frozenset[str]:
+        tools = self.task.tools.tools
+        return frozenset(call.name for call in self._calls(model_turn)
+                         if call.error is None and getattr(tools.get(call.name), "waits_on_service", False))
 
     def _calls(self, model_turn: str) -> list[ToolCall]:
         if self.task.syntax == "compact":

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from marlaas_hpc.tasks.spec import SpecError, check_fields
+from marlaas_hpc.config_loader import SpecError, fields_under, load_config
 
 COMPONENTS = ("control", "env", "rollout", "trainer")
 """Het-group order; index = Slurm het group = position in the MPI world."""
@@ -220,7 +218,13 @@ class JobLayout:
         return out
 
     # -- validation -------------------------------------------------------------------------------------
-    def validate(self) -> "JobLayout":
+    def validate(self, prefix: str = "") -> "JobLayout":
+        """Checks every field; errors name it under `prefix` (the layout's place in its file, e.g. 'layout')."""
+        with fields_under(prefix):
+            self._validate()
+        return self
+
+    def _validate(self) -> None:
         _int_at_least(self.env_ranks, 1, "env_ranks", "a job needs at least one env rank to score rollouts")
         _int_at_least(self.rollout_ranks, 1, "rollout_ranks", "a job needs at least one rollout rank to generate")
         _int_at_least(self.trainer_tp, 1, "trainer_tp")
@@ -250,7 +254,6 @@ class JobLayout:
                 raise LayoutError(f"exports.{key}", "is not a valid environment variable name")
             if not isinstance(value, str):
                 raise LayoutError(f"exports.{key}", f"must be a string, got {value!r}")
-        return self
 
     def _validate_component(self, name: str, expected: int) -> None:
         res: ComponentResources = getattr(self, name)
@@ -289,7 +292,7 @@ class JobLayout:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "JobLayout":
         """Builds and validates a layout from plain data; unknown or mistyped fields name themselves."""
-        return _build(cls, data or {}, "").validate()
+        return load_config(cls, data, error=LayoutError, root="layout")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -383,52 +386,3 @@ def require_world_size(layout: JobLayout, actual: int) -> None:
 def _int_at_least(value: Any, low: int, name: str, why: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise LayoutError(name, f"must be an integer >= {low}, got {value!r}" + (f" ({why})" if why else ""))
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    check_fields(cls, data, prefix.rstrip(".") or "layout", prefix, LayoutError)
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        if hints[key] is ComponentResources:
-            value = _build(ComponentResources, value, f"{prefix}{key}.")
-        else:
-            _check_type(f"{prefix}{key}", value, hints[key])
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
-def _check_type(name: str, value: Any, hint: Any) -> None:
-    """Plain-data type check for the field types used above (YAML gives ints, strs, lists, dicts)."""
-    if _matches(value, hint):
-        return
-    raise LayoutError(name, f"expected {_describe(hint)}, got {value!r}")
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, a) for a in args)
-    if origin is Literal:
-        return value in args
-    if origin is list:
-        return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1])
-                                               for k, v in value.items())
-    if hint is type(None):
-        return value is None
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _describe(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    if origin is Literal:
-        return f"one of {list(args)}"
-    if hint is type(None):
-        return "null"
-    return getattr(hint, "__name__", None) if origin is None else str(hint)

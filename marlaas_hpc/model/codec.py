@@ -55,11 +55,10 @@ class TextCodec:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "TextCodec":
-        from transformers import AutoTokenizer
-
         from marlaas_hpc.model.checkpoint import stop_token_ids
+        from marlaas_hpc.model.tokenizer_file import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = load_tokenizer(path)  # no transformers (nor torch) import where tokenizer.json suffices
         return cls(tokenizer, stop_token_ids(path, tokenizer))
 
     def for_prompt(self, spec) -> "TextCodec":

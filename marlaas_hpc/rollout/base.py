@@ -10,15 +10,32 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class AdapterRef:
-    """A task's adapter at one policy version, saved in PEFT format at `path`."""
+    """A task's adapter at one policy version: a PEFT directory at `path`, or its tensors in memory (`tensors`
+    + `lora`, as the trainer broadcasts them: rollout ranks never write a directory)."""
 
     task_id: str
     version: int
-    path: str
+    path: str | None = None
+    """PEFT adapter directory (adapter_config.json + adapter_model.safetensors); None for an in-memory adapter."""
+    tensors: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    """PEFT-named LoRA tensors (`base_model.model.model.layers.{i}....lora_{A|B}.weight`); None: read `path`."""
+    lora: Any = field(default=None, compare=False)
+    """The adapter's LoraSpec (rank, alpha, targets); required with `tensors`."""
+
+    def __post_init__(self):
+        if (self.path is None) == (self.tensors is None):
+            raise ValueError(f"adapter {self.task_id} v{self.version}: give exactly one of a path or tensors")
+        if self.tensors is not None and self.lora is None:
+            raise ValueError(f"adapter {self.task_id} v{self.version}: in-memory tensors need their LoraSpec")
+
+    @property
+    def in_memory(self) -> bool:
+        return self.tensors is not None
 
 
 @dataclass
@@ -60,8 +77,8 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def add_adapter(self, adapter: AdapterRef) -> None:
-        """Registers a task's new version. Older versions stay usable by requests already submitted on them
-        and are dropped once superseded and unused."""
+        """Registers a task's new version (from its PEFT directory, or from its tensors in memory). Older
+        versions stay usable by requests already submitted on them and are dropped once superseded and unused."""
 
     @abstractmethod
     def submit(self, requests: list[GenerationRequest]) -> None:
@@ -99,8 +116,8 @@ class RolloutEngine(ABC):
         """Frees retired (task, version) adapters in the engine (engines that hold adapters override it)."""
 
     def pop_retired(self) -> list[AdapterRef]:
-        """Adapters retired since the last call: the engine never reads their files again, so they may be
-        deleted (engines that load adapters from paths override it)."""
+        """Adapters retired since the last call: the engine never reads them again (a path-based one's files
+        may be deleted; an in-memory one's tensors are freed). Engines that hold adapters override it."""
         return []
 
     def close(self) -> None:
@@ -115,7 +132,8 @@ class AdapterVersions:
     def __init__(self):
         self._next_int_id = 1
         self.int_id: dict[tuple[str, int], int] = {}
-        self.path: dict[tuple[str, int], str] = {}
+        self.ref: dict[tuple[str, int], AdapterRef] = {}
+        """The live versions' adapters (an engine restart registers them again)."""
         self.in_flight: dict[tuple[str, int], int] = {}
         self.pins: dict[tuple[str, int], int] = {}
         """Multi-turn episodes holding a version between their turns."""
@@ -137,7 +155,7 @@ class AdapterVersions:
         self.check_new(adapter)
         self.int_id[key] = self._next_int_id
         self._next_int_id += 1
-        self.path[key] = adapter.path
+        self.ref[key] = adapter
         self.in_flight[key] = 0
         self.latest[adapter.task_id] = adapter.version
         return self._retirable(adapter.task_id)
@@ -182,5 +200,5 @@ class AdapterVersions:
         old = [key for key in self.int_id if key[0] == task_id and key[1] < latest and self.in_flight[key] == 0
                and key not in self.pins]
         for key in old:
-            del self.int_id[key], self.path[key], self.in_flight[key]
+            del self.int_id[key], self.ref[key], self.in_flight[key]
         return old

@@ -95,10 +95,12 @@ class HfEngine(RolloutEngine):
     def add_adapter(self, adapter: AdapterRef) -> None:
         from peft import PeftModel
 
-        if not (Path(adapter.path) / "adapter_config.json").is_file():
+        if not adapter.in_memory and not (Path(adapter.path) / "adapter_config.json").is_file():
             raise FileNotFoundError(f"no PEFT adapter at {adapter.path} ({adapter.task_id} v{adapter.version})")
         name = f"a{self.versions.check_new(adapter)}"  # task ids may hold '.', which module names cannot
-        if self.model is None:
+        if adapter.in_memory:
+            self._load_from_memory(adapter, name)
+        elif self.model is None:
             self.model = PeftModel.from_pretrained(self.base, str(adapter.path), adapter_name=name,
                                                    is_trainable=False).eval()
         else:
@@ -108,6 +110,25 @@ class HfEngine(RolloutEngine):
         self._name_of[key] = name
         self._refs[key] = adapter
         self._retire(retired)
+
+    def _load_from_memory(self, adapter: AdapterRef, name: str) -> None:
+        """What `load_adapter` does with a directory, from PEFT-named tensors: add the adapter, copy them in."""
+        from peft import PeftModel, set_peft_model_state_dict
+
+        from marlaas_hpc.trainer.peft_io import peft_config
+
+        config = peft_config(adapter.lora)
+        if self.model is None:
+            self.model = PeftModel(self.base, config, adapter_name=name).eval()
+        else:
+            self.model.add_adapter(name, config)
+        result = set_peft_model_state_dict(self.model, adapter.tensors, adapter_name=name)
+        missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
+        if missing or result.unexpected_keys:
+            self.model.delete_adapter(name)
+            raise ValueError(f"adapter {adapter.task_id} v{adapter.version}: tensors missing {missing[:3]}, "
+                             f"unexpected {list(result.unexpected_keys)[:3]}")
+        self.model.eval()
 
     def adapter_name(self, task_id: str, version: int | None) -> str:
         """PEFT adapter name of a live (task, version); "__base__" for None."""

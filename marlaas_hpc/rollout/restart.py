@@ -97,8 +97,8 @@ class RestartingEngine(RolloutEngine):
             raise EngineFailed(f"rollout engine failed {self._failures_in_a_row} times in a row; last error: "
                                f"{type(exc).__name__}: {exc}") from exc
         old = self.engine
-        adapters = [AdapterRef(task_id, version, old.versions.path[(task_id, version)])
-                    for task_id, version in sorted(old.versions.int_id, key=lambda key: (key[0], key[1]))]
+        # in-memory adapters keep their tensors in the ref (host memory) until retired: they serve this too
+        adapters = [old.versions.ref[key] for key in sorted(old.versions.int_id)]
         self._retired += old.pop_retired()
         try:
             old.close()

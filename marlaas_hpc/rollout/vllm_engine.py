@@ -12,8 +12,26 @@ Behaviour logprobs: `logprobs=0` returns the sampled token's logprob, and
 `logprobs_mode="processed_logprobs"` makes it log softmax(logits / temperature) (the default raw mode is
 wrong at temperature != 1). At temperature 0 (greedy) it is log softmax(logits).
 
-Adapter files must stay on disk until the engine retires them (`pop_retired()` lists those it dropped):
-vLLM reloads LRU-evicted or still-referenced adapters from their paths.
+Adapters from memory (`AdapterRef(..., tensors=..., lora=...)`: what a rollout rank receives over the delta
+broadcast) never touch the disk. vLLM (to 0.33) loads a LoRA only from a directory (`LoRARequest` has no tensors
+field), so at start the engine wraps each worker's `LRUCacheWorkerLoRAManager._load_adapter` (collective_rpc,
+the one place where vLLM turns a LoRARequest into a LoRAModel, both on first load and on an LRU reload): a
+request whose path is the placeholder `memory:<task>@v<version>#<int id>` is built with
+`LoRAModel.from_lora_tensors` from tensors the worker holds for that int id; any other path loads from disk as
+before. The same call exists on GPU vLLM (no CPU-only code here). SkyRL and verl wrap the same method.
+
+Why the worker keeps each live version's tensors in host memory until the engine retires it, rather than
+pinning `max_cpu_loras` so that vLLM never reloads: vLLM's LoRA cache is an LRU of `max_cpu_loras` models, and
+how many versions are live at once is not bounded by the config (one per task, plus every superseded version a
+request in flight or a multi-turn episode between turns still pins). An evicted version that a request names
+again is reloaded through `_load_adapter`, which is then served from memory, as vLLM's reload from a path was.
+The host cost is one fp32 copy of each live version (~80 MB at Qwen3-0.6B, rank 32 on all seven projections:
+the size of the PEFT file it replaces); it goes when the version is retired (superseded and unused). Each
+version has a fresh int id (and so a name and placeholder path of its own), so the prefix cache, whose keys
+include the LoRA name and path, never serves an old version's KV blocks to a newer one.
+
+A path-based adapter's files must stay on disk until the engine retires it (`pop_retired()` lists those it
+dropped): vLLM reloads LRU-evicted or still-referenced adapters from their paths.
 
 A diverged adapter (inf/NaN activations) writes NaN keys/values. Its own rows come back with non-finite
 logprobs (the trainer then fails that task alone), but the NaN stays in the KV blocks it frees, and on the
@@ -26,10 +44,14 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from marlaas_hpc.model.checkpoint import stop_token_ids
 from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
+
+MEMORY_SCHEME = "memory:"
+"""LoRARequest path prefix of an adapter whose tensors the workers hold (LoRARequest needs a non-empty path)."""
 
 
 def _set_vllm_env(cache_dir: Path, kv_cache_gib: int) -> None:
@@ -49,6 +71,67 @@ def _zero_non_finite_kv(worker) -> int:
         count += int((~torch.isfinite(cache)).sum())
         torch.nan_to_num_(cache, nan=0.0, posinf=0.0, neginf=0.0)
     return count
+
+
+# ---- run inside each vLLM worker (collective_rpc): in-memory adapters (see the module docstring) ----
+def _install_memory_loader(worker) -> None:
+    """Makes the worker's LoRA manager build `memory:` adapters from the tensors it holds (idempotent)."""
+    manager = worker.model_runner.lora_manager
+    if hasattr(manager, "marlaas_memory"):
+        return
+    manager.marlaas_memory = {}  # int id -> (PEFT-named tensors, adapter_config dict)
+    load_from_path = manager._load_adapter
+
+    def load_adapter(lora_request):
+        if not lora_request.lora_path.startswith(MEMORY_SCHEME):
+            return load_from_path(lora_request)
+        return _lora_model_from_memory(manager, lora_request)
+
+    manager._load_adapter = load_adapter  # vLLM offers no hook for tensors: wrap its one loader, per instance
+
+
+def _hold_in_memory(worker, int_id: int, tensors: dict, config: dict) -> None:
+    worker.model_runner.lora_manager.marlaas_memory[int_id] = (tensors, config)
+
+
+def _release_from_memory(worker, int_id: int) -> None:
+    worker.model_runner.lora_manager.marlaas_memory.pop(int_id, None)
+
+
+def _lora_model_from_memory(manager, lora_request):
+    """`WorkerLoRAManager._load_adapter` for tensors held in memory: the same checks (rank, features, target
+    modules) and the same LoRAModel, built by `LoRAModel.from_lora_tensors` instead of from a directory."""
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    held = manager.marlaas_memory.get(lora_request.lora_int_id)
+    if held is None:  # the engine retires a version only once no request names it: a book-keeping bug
+        raise RuntimeError(f"LoRA {lora_request.lora_name} (id {lora_request.lora_int_id}) is not held in memory "
+                           "any more (retired while a request still named it)")
+    tensors, config = held
+    peft_helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    peft_helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    expected = set()
+    for module in manager._adapter_manager.supported_lora_modules:
+        expected.update(manager._adapter_manager.packed_modules_mapping.get(module, [module]))
+    unexpected = sorted({name for name in tensors
+                         if parse_fine_tuned_lora_name(name, mapper)[0].rsplit(".", 1)[-1] not in expected})
+    if unexpected:
+        raise ValueError(f"LoRA {lora_request.lora_name}: tensors {unexpected[:3]} target no module of the model "
+                         f"(LoRA modules: {sorted(expected)})")
+    # copies: activating an adapter scales its lora_b in place (LoRALayerWeights.optimize), and `.to()` onto the
+    # device and dtype a tensor already has returns that tensor: a reload would scale the held copy twice
+    lora = manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_request.lora_int_id, tensors={name: t.clone() for name, t in tensors.items()},
+        peft_helper=peft_helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size, weights_mapper=mapper,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
+    manager._adapter_manager._validate_modules_to_save(lora)
+    return lora
 
 
 class VllmEngine(RolloutEngine):
@@ -100,6 +183,10 @@ class VllmEngine(RolloutEngine):
         kwargs.update({k: v for k, v in (("max_num_seqs", max_num_seqs),
                                          ("enable_prefix_caching", enable_prefix_caching)) if v is not None})
         kwargs.update(llm_kwargs)
+        if not torch.cuda.is_available():
+            from marlaas_hpc.rollout import vllm_cpu_lora
+
+            vllm_cpu_lora.install()  # vLLM's CPU LoRA ops gather a weight matrix per token (see that module)
         start = time.perf_counter()
         self._set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
         self.llm = LLM(str(model_path), **kwargs)
@@ -109,7 +196,9 @@ class VllmEngine(RolloutEngine):
         self.stop_ids = stop_token_ids(model_path, self.llm.get_tokenizer())
         self.versions = AdapterVersions()
         self._key_of_id: dict[int, tuple[str, int]] = {}  # every adapter vLLM may still hold
+        self._lora_requests: dict = {}  # (task, version) -> its LoRARequest (every request of it reuses it)
         self._refs: dict[tuple[str, int], AdapterRef] = {}
+        self.llm.collective_rpc(_install_memory_loader)
         self._retired: list[AdapterRef] = []
         self._pending: dict[str, GenerationRequest] = {}
         self.kv_scrubs: list[int] = []  # non-finite KV entries zeroed, one entry per scrub (see the docstring)
@@ -121,16 +210,33 @@ class VllmEngine(RolloutEngine):
     def add_adapter(self, adapter: AdapterRef) -> None:
         from vllm.lora.request import LoRARequest
 
-        if not (Path(adapter.path) / "adapter_config.json").is_file():
+        if not adapter.in_memory and not (Path(adapter.path) / "adapter_config.json").is_file():
             raise FileNotFoundError(f"no PEFT adapter at {adapter.path} ({adapter.task_id} v{adapter.version})")
         int_id = self.versions.check_new(adapter)
-        if not self.engine.add_lora(LoRARequest(self._lora_name(adapter.task_id, adapter.version), int_id,
-                                                str(adapter.path))):
-            raise RuntimeError(f"vLLM refused adapter {adapter.task_id} v{adapter.version} at {adapter.path}")
+        name = self._lora_name(adapter.task_id, adapter.version)
+        if adapter.in_memory:
+            adapter = self._hold(adapter, int_id)
+        request = LoRARequest(name, int_id, adapter.path or f"{MEMORY_SCHEME}{name}#{int_id}")
+        try:
+            if not self.engine.add_lora(request):
+                raise RuntimeError(f"vLLM refused adapter {adapter.task_id} v{adapter.version} ({request.lora_path})")
+        except BaseException:
+            if adapter.in_memory:
+                self.llm.collective_rpc(_release_from_memory, args=(int_id,))
+            raise
         retired = self.versions.add(adapter)
         self._key_of_id[int_id] = (adapter.task_id, adapter.version)
+        self._lora_requests[(adapter.task_id, adapter.version)] = request
         self._refs[(adapter.task_id, adapter.version)] = adapter
         self._retire(retired)
+
+    def _hold(self, adapter: AdapterRef, int_id: int) -> AdapterRef:
+        """Hands an in-memory adapter's tensors (host memory) and config to every worker under its int id."""
+        from marlaas_hpc.trainer.peft_io import peft_config_dict
+
+        tensors = {name: t.detach().to("cpu") for name, t in adapter.tensors.items()}
+        self.llm.collective_rpc(_hold_in_memory, args=(int_id, tensors, peft_config_dict(adapter.lora)))
+        return replace(adapter, tensors=tensors)  # the same tensors: a restarted engine registers them again
 
     def loaded_adapters(self) -> set[tuple[str, int]]:
         """(task, version) adapters currently loaded in vLLM (registered ones may be LRU-evicted and reload)."""
@@ -147,25 +253,24 @@ class VllmEngine(RolloutEngine):
 
     def _retire(self, keys: list[tuple[str, int]]) -> None:
         for key in keys:
-            int_id = next(i for i, k in self._key_of_id.items() if k == key)
-            self.engine.remove_lora(int_id)
-            del self._key_of_id[int_id]
+            request = self._lora_requests.pop(key)
+            self.engine.remove_lora(request.lora_int_id)
+            del self._key_of_id[request.lora_int_id]
+            if request.lora_path.startswith(MEMORY_SCHEME):
+                self.llm.collective_rpc(_release_from_memory, args=(request.lora_int_id,))
             self._retired.append(self._refs.pop(key))
 
     # ----------------------------------------------------------------- requests
     def submit(self, requests: list[GenerationRequest]) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind
 
         loras = self._acquire_all(requests)
         added = 0
         try:
             for req, int_id in zip(requests, loras):
-                lora = None if int_id is None else LoRARequest(
-                    self._lora_name(req.task_id, req.adapter_version), int_id,
-                    self.versions.path[(req.task_id, req.adapter_version)])
+                lora = None if int_id is None else self._lora_requests[(req.task_id, req.adapter_version)]
                 params = SamplingParams(
                     n=1, temperature=req.temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=req.max_new_tokens,
                     seed=None if req.temperature == 0 else req.seed, logprobs=0, detokenize=False,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from marlaas_hpc.tasks.spec import SpecError, check_fields
+from marlaas_hpc.config_loader import SpecError, load_config
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -76,8 +76,7 @@ class VllmSettings:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, prefix: str = "vllm") -> "VllmSettings":
-        check_fields(cls, data or {}, prefix, f"{prefix}.")
-        return cls(**(data or {})).validate(prefix)
+        return load_config(cls, data, prefix)
 
 
 def _number(value: Any, name: str, above: float, at_most: float) -> None:

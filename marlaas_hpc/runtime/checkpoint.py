@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from marlaas_hpc.config_loader import SpecError, load_config
 from marlaas_hpc.runtime.outputs import atomic_write_text
 
 FORMAT = 2
@@ -65,8 +66,6 @@ class CheckpointConfig:
     """Under Slurm a job whose rank died or failed requeues itself and resumes, at most this many times."""
 
     def validate(self, prefix: str = "checkpoint") -> "CheckpointConfig":
-        from marlaas_hpc.tasks.spec import SpecError
-
         for name in ("every_steps", "max_crash_requeues"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -78,10 +77,7 @@ class CheckpointConfig:
 
     @classmethod
     def from_dict(cls, data, prefix: str = "checkpoint") -> "CheckpointConfig":
-        from marlaas_hpc.tasks.spec import check_fields
-
-        check_fields(cls, data, prefix, f"{prefix}.")
-        return cls(**data).validate(prefix)
+        return load_config(cls, data, prefix)
 
 
 class CheckpointPolicy:

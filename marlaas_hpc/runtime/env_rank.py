@@ -4,7 +4,9 @@ in an EnvPool, and sends scored trajectories straight to the trainer leader; ran
 One prompt group = G episodes of one sample (a single-turn task is the one-turn case):
 
     rank 0 ──GenerateWork(prompt = env.reset text)──► rollout ──GroupData(turn 1, G turns)──► env rank
-    env rank: env.step(turn text) of every episode, concurrently in the EnvPool (per-call timeout)
+    env rank: env.step(turn text) of every episode, concurrently in the EnvPool (per-call timeout): rewards
+              and CPU tools on its workers, steps that wait on a service (lookup) on its I/O lane, hundreds
+              at once (bounded per tool by env_pool.tool_concurrency)
         Observation: its tokens are appended to the episode (loss_mask 0, logprob 0) → the episode goes on
         Final, or a limit (max_turns / max_episode_tokens) → the episode ends (truncation reward: 0.0)
     when every step of the turn is back:
@@ -20,11 +22,13 @@ a turn sampled with any other version is a bug and stops the job. A reward funct
 NaN / out-of-range, an env that raises or an env step past the pool's timeout fails its task only.
 
 Timeline (timeline/rank<N>.jsonl): 'score' records (a turn of a group arrived -> all its env steps back),
-'env_step' records (env steps of >= 1 ms: tool and reward seconds, outcome; the many faster ones are only in
-the stats, to keep the file small),
+'env_step' records (env steps of >= 1 ms: tool and reward seconds, outcome, io: ran on the I/O lane; the many
+faster ones are only in the stats, to keep the file small),
 'episode' records (turns, per-turn versions, tool calls, model / tool token counts, finish reason, reward),
 'turn' busy spans of this rank's own book-keeping. RankStats.extra (summary.json 'env_ranks'): the pool's
-per-stage latency summaries (tool:<name>, reward, step, queue: p50/p90/p99) and per-task episode figures.
+per-stage latency summaries (tool:<name>, reward, step, queue, step:io, queue:io: p50/p90/p99), the most service
+calls in flight at once per tool, and per-task episode figures. The rank's busy fraction is its workers'
+occupancy: service waits on the I/O lane hold no worker and do not count.
 """
 from __future__ import annotations
 
@@ -41,8 +45,7 @@ from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, Continue
                                           GroupEnded, RankStats, ScoredGroup, Shutdown)
 from marlaas_hpc.scheduler import Admit, Generated, Move, Scored, TaskFailed
 from marlaas_hpc.tasks import build_task_data
-from marlaas_hpc.trainer.grpo import assign_advantages
-from marlaas_hpc.trajectory import Trajectory
+from marlaas_hpc.trajectory import Trajectory, assign_advantages
 
 
 TIMELINE_MIN_STEP_S = 0.001
@@ -217,7 +220,8 @@ class EnvRank:
         episode, task_id = group.episodes[j], group.first.task_id
         episode.env = outcome.env
         self._note_step(group, j, outcome)
-        self.clock.busy += outcome.run_s / self.pool.config.workers  # pool occupancy, not this thread's
+        if not outcome.io:  # worker occupancy, not this thread's; a service wait (I/O lane) holds no worker
+            self.clock.busy += outcome.run_s / self.pool.config.workers
         if outcome.error is not None:
             self._fail(task_id, f"env rank {self.rank}: {outcome.error}")
             return
@@ -304,7 +308,8 @@ class EnvRank:
         timings = dict(result.timings) if result is not None else {}
         end = time.time()
         self.clock.note("env_step", (group.first.task_id,), end - outcome.run_s, end, group_id=group.first.group_id,
-                        episode=j, turn=group.turn, outcome=kind, queued_s=outcome.queued_s, **timings)
+                        episode=j, turn=group.turn, outcome=kind, queued_s=outcome.queued_s, io=outcome.io,
+                        **timings)
 
     def _note_turn_scored(self, group: _Group) -> None:
         """A 'score' span: a turn of the group arrived -> all its env steps are back (the simulator's

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.launch.layout import assign_role, ranks_of, trainer_group_ranks, world_size_matches
+from marlaas_hpc.scheduler import MODES
 from marlaas_hpc.tasks.spec import SpecError
 
 
@@ -192,6 +193,22 @@ def _restore_rng(run_dir: Path, tp_rank: int, group: int = 0, dp_rank: int = 0) 
         torch.set_rng_state(torch.load(path))
 
 
+def _ready(comm, rank: int, kind: str, start: float) -> None:
+    """Tells rank 0 how long this rank took to get ready (wall and CPU seconds), then waits for every rank."""
+    import time
+
+    comm.gather((rank, kind, time.time() - start, time.process_time()), root=0)
+    comm.Barrier()
+
+
+def describe_readiness(readiness: list[tuple[int, str, float, float]]) -> str:
+    """'slowest: rollout rank 2 24.1 s (CPU 15.2 s); CPU s per rank: ...' from the ranks' (rank, role, wall,
+    CPU) at ready: where a slow start-up goes (on a shared machine the ranks' imports compete for cores)."""
+    rank, kind, wall, cpu = max(readiness, key=lambda entry: entry[2])
+    per_rank = ", ".join(f"{k} {c:.1f}" for _, k, _, c in sorted(readiness))
+    return f"slowest: {kind} rank {rank} {wall:.1f} s, CPU s per rank: {per_rank}"
+
+
 def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dict | None = None) -> dict | None:
     """Sets up this rank's role on its device (`binding`, from bind_rank_device), waits until every rank is ready
     (so TTFS and busy fractions measure the job, not engine start-up), then runs the role's loop. Rank 0
@@ -199,8 +216,6 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     import time
 
     from marlaas_hpc.model import TextCodec
-    from marlaas_hpc.runtime.delta import DeltaGroup
-    from marlaas_hpc.runtime.delta_fanin import DeltaFanIn
 
     start = time.time()
     rank = comm.Get_rank()
@@ -223,8 +238,10 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         from marlaas_hpc.runtime.scheduler_rank import SchedulerRank
 
         run_dir.mkdir(parents=True, exist_ok=True)
+        readiness = comm.gather(None, root=0)[1:]
         comm.Barrier()
-        log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - start:.1f} s")
+        log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - start:.1f} s "
+            f"({describe_readiness(readiness)})")
         return SchedulerRank(comm, job, roles, codec, run_dir, log=log, startup_s=time.time() - start,
                              preempt=preempt, resume=resume).run()
     if role.kind == "env":
@@ -232,7 +249,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
 
         worker = EnvRank(comm, codec, leader, run_dir=run_dir, pool_config=job.env_pool, sandbox=job.sandbox,
                          group_leaders=leaders)
-        comm.Barrier()
+        _ready(comm, rank, role.kind, start)
         worker.run()
     elif role.kind == "rollout":
         from marlaas_hpc.model.tiny import default_cache_dir
@@ -247,13 +264,15 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         else:
             kwargs = {"device": binding.device}
         from marlaas_hpc.rollout.restart import RestartingEngine
+        from marlaas_hpc.runtime.delta import DeltaGroup
+        from marlaas_hpc.runtime.delta_fanin import DeltaFanIn
 
         engine = RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))
         # one delta group per trainer group leader, set up in group order (each leader waits for its own)
         delta = DeltaFanIn(comm, [DeltaGroup(comm, rank, roles["rollout"], device=binding.device)
                                   for rank in leaders])
-        worker = RolloutRank(comm, engine, delta, work / "adapters", seed=seed, run_dir=run_dir)
-        comm.Barrier()
+        worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir)
+        _ready(comm, rank, role.kind, start)
         worker.run()
     else:
         from marlaas_hpc.runtime.trainer_rank import TrainerRank
@@ -262,16 +281,17 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         trainer = _trainer(comm, job, mine, model_path, binding.device)
         if rank == mine[0]:
             from marlaas_hpc.runtime.checkpoint import CheckpointPolicy
+            from marlaas_hpc.runtime.delta import DeltaGroup
 
             delta = DeltaGroup(comm, rank, roles["rollout"], device=binding.device)
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
                                  policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
-            comm.Barrier()
+            _ready(comm, rank, role.kind, start)
             worker.run_leader()
         else:
             worker = TrainerRank(comm, trainer, run_dir, mine[0], [], groups=groups, group=role.group,
                                  retention=job.adapters)
-            comm.Barrier()
+            _ready(comm, rank, role.kind, start)
             worker.run_follower()
     return None
 
@@ -280,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("config", nargs="?")
     parser.add_argument("--run-dir")
-    parser.add_argument("--mode", choices=["async", "sync", "sequential"])
+    parser.add_argument("--mode", choices=MODES)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the preempted job of RUN_DIR")
     parser.add_argument("--auto-resume", action="store_true",
                         help="resume if the run dir holds a checkpoint, else start fresh (Slurm requeue)")

@@ -13,9 +13,9 @@ task's pins (`TaskSpec.keep_versions`) drop, but never one that is still in flig
 - the version of the task's newest periodic checkpoint (a resume restarts there; its adapter dir then
   matches the shard).
 When the task ends, nothing of it can be trained any more (groups still open are discarded): the last pruning
-keeps only what the policy keeps and the final version. A rollout rank keeps no directory per version either: it writes a version's scratch copy
-when the delta arrives and deletes it when its engine retires that version (`ScratchAdapters`), since vLLM
-reloads an adapter from its path (a request still naming it, an LRU eviction) until it is retired.
+keeps only what the policy keeps and the final version. A rollout rank writes no directory at all: it hands each
+version's broadcast tensors to its engine, which holds them in host memory until it retires that version
+(rollout/vllm_engine.py).
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
+
+from marlaas_hpc.config_loader import SpecError, load_config
 
 _VERSION_DIR = re.compile(r"v(\d{4,})$")
 
@@ -46,8 +48,6 @@ class RetentionConfig:
     resume never restarts an ended task; its final adapter stays in adapters/)."""
 
     def validate(self, prefix: str = "adapters") -> "RetentionConfig":
-        from marlaas_hpc.tasks.spec import SpecError
-
         for name in ("keep_last", "keep_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -59,10 +59,7 @@ class RetentionConfig:
 
     @classmethod
     def from_dict(cls, data, prefix: str = "adapters") -> "RetentionConfig":
-        from marlaas_hpc.tasks.spec import check_fields
-
-        check_fields(cls, data, prefix, f"{prefix}.")
-        return cls(**data).validate(prefix)
+        return load_config(cls, data, prefix)
 
     def keeps(self, version: int, newest: int, pinned: Iterable[int] = ()) -> bool:
         """The policy's own answer for one version, in-flight protection aside."""
@@ -119,34 +116,3 @@ def in_flight_versions(newest: int, from_version: int | None, in_use_from: int |
     if checkpointed is not None:
         keep.add(checkpointed)
     return keep
-
-
-class ScratchAdapters:
-    """A rollout rank's copies of adapter versions, for engines that load from a path: one PEFT dir per
-    (task, version) while the engine may still read it, deleted once the engine retires the version."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-
-    def path(self, task_id: str, version: int) -> Path:
-        return self.folder / task_id / f"v{version:04d}"
-
-    def write(self, task_id: str, version: int, tensors, lora) -> Path:
-        from marlaas_hpc.trainer.peft_io import write_peft_adapter
-
-        return write_peft_adapter(self.path(task_id, version), tensors, lora)
-
-    def drop_retired(self, engine) -> list[tuple[str, int]]:
-        """Deletes the copies of the versions the engine retired since the last call (only those it retired:
-        a version still used by a request or pinned by an episode is never retired); returns them."""
-        dropped = []
-        for ref in engine.pop_retired():
-            path = Path(ref.path)
-            if path.parent.parent == self.folder:  # only our own copies (an engine may hold others' paths)
-                remove_dir(path)
-                dropped.append((ref.task_id, ref.version))
-        return dropped
-
-    def clear(self) -> None:
-        """After the engine closed: nothing reads the copies any more."""
-        shutil.rmtree(self.folder, ignore_errors=True)

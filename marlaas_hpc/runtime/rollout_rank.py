@@ -10,8 +10,9 @@ one) until it sends GroupEnded. The group's version is pinned in the engine from
 GroupEnded, so the engine cannot retire it while an episode waits on a tool; its Generated event comes from
 the env rank when the group ends (so it reaches rank 0 before the group's Scored, on the same channel).
 
-Each version's delta is written to a scratch copy (the engines load adapters from a path), deleted as soon as
-the engine retires that version (runtime/retention.py ScratchAdapters); the scratch dir goes at shutdown.
+Each version's delta goes into the engine as tensors (`AdapterRef(..., tensors=..., lora=...)`): no directory
+per version on a rollout rank. The engine holds them in host memory until it retires the version (superseded,
+no request on it, no episode pinning it); rollout/vllm_engine.py says why memory and not a pinned LoRA cache.
 
 An engine that fails (rollout/restart.py: RestartingEngine) is rebuilt in place and its requests re-issued; the
 rank tells rank 0 (EngineRestarted), which logs it. Its groups go on as if nothing happened.
@@ -26,7 +27,6 @@ from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, GenerateWork,
                                           GroupData, GroupEnded, PromptGroup, RankStats, Shutdown)
-from marlaas_hpc.runtime.retention import ScratchAdapters
 from marlaas_hpc.scheduler import Generated
 
 
@@ -44,15 +44,16 @@ class _OpenGroup:
     newest: int | None = None
     model_tokens: dict[int, int] = field(default_factory=dict)
     """Episode -> tokens sampled over all its turns."""
+    sampled_until: float | None = None
+    """When its latest turn finished generating (a multi-turn group stays open after its last turn until the env
+    rank's GroupEnded arrives, but samples nothing more)."""
 
 
 class RolloutRank:
-    def __init__(self, comm, engine, delta_group, scratch_dir: Path, seed: int = 0, run_dir: Path | None = None):
+    def __init__(self, comm, engine, delta_group, seed: int = 0, run_dir: Path | None = None):
         self.comm, self.engine, self.delta = comm, engine, delta_group
         self.run_dir = run_dir
         self.rank = comm.Get_rank()
-        self.scratch = ScratchAdapters(Path(scratch_dir))
-        """Each version's PEFT copy, from its delta until the engine retires it (then deleted)."""
         self.seed = seed
         self.versions: dict[str, int] = {}
         self.waiting: list[GenerateWork] = []
@@ -91,7 +92,6 @@ class RolloutRank:
             write_timeline(self.run_dir, self.rank, "rollout", self.clock)
         self.outbox.flush()
         self.engine.close()
-        self.scratch.clear()
 
     def _drain_deltas(self) -> None:
         """Joins the announced broadcasts (a leader blocks until all rollout ranks join; with several trainer
@@ -102,16 +102,16 @@ class RolloutRank:
                 tensors = receive()
                 if announce.version <= self.versions.get(announce.task_id, -1):
                     continue
-                path = self.scratch.write(announce.task_id, announce.version, tensors, announce.lora)
-                self.engine.add_adapter(AdapterRef(announce.task_id, announce.version, str(path)))
+                self.engine.add_adapter(AdapterRef(announce.task_id, announce.version, tensors=tensors,
+                                                   lora=announce.lora))
             self.versions[announce.task_id] = announce.version
 
     def _drop_retired(self) -> None:
-        """Deletes the copies of versions the engine retired (superseded, no request on them, no episode
-        pinning them): vLLM reads an adapter's path until then (a request naming it, an LRU reload)."""
+        """Notes the versions the engine retired (superseded, no request on them, no episode pinning them) and
+        so freed: until then it keeps their tensors (a request naming them, an LRU reload in vLLM)."""
         now = time.time()
-        for task_id, version in self.scratch.drop_retired(self.engine):
-            self.clock.note("drop_adapter", (task_id,), now, time.time(), version=version)
+        for ref in self.engine.pop_retired():
+            self.clock.note("drop_adapter", (ref.task_id,), now, now, version=ref.version)
 
     def _submit_ready(self) -> None:
         """Starts work whose adapter version is here (a Generate may overtake its version's delta). Training
@@ -209,6 +209,7 @@ class RolloutRank:
 
     def _send_turn(self, entry: _OpenGroup) -> None:
         work, group = entry.work, entry.group
+        entry.sampled_until = time.time()
         episodes = sorted(entry.done)
         gens = [entry.done[j] for j in episodes]
         data = GroupData(work.task_id, group.group_id, group.prompt_index, entry.version, group.prompt_ids,
@@ -227,4 +228,4 @@ class RolloutRank:
         self.clock.note("group", (entry.work.task_id,), entry.t0, time.time(), group_id=entry.group.group_id,
                         eval=entry.work.eval, prompt_tokens=len(entry.group.prompt_ids), turns=entry.turn,
                         completion_tokens=[entry.model_tokens.get(j, 0) for j in range(entry.work.group_size)],
-                        version=entry.version)
+                        version=entry.version, sampled_until=entry.sampled_until)

@@ -17,7 +17,7 @@ from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, Checkp
                                           GenerateWork, PromptGroup, RankStats, Shutdown, TaskSaved)
 from marlaas_hpc.runtime.outputs import AuditLog, write_status, write_summary
 from marlaas_hpc.runtime.recovery import crashed_run, rollback_outputs
-from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, Scheduler, SchedulerConfig, StepDone,
+from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, Scheduler, StepDone,
                                    Submit, TaskEnded, Train)
 from marlaas_hpc.service import QueueIntake
 from marlaas_hpc.tasks import SpecError, build_task_data
@@ -31,10 +31,7 @@ class SchedulerRank:
         self.outbox = Outbox(comm)
         self.start = time.time()
         self.startup_s = startup_s
-        self.scheduler = Scheduler(SchedulerConfig(
-            mode=job.mode, order=job.order, rollout_ranks=tuple(roles["rollout"]), env_ranks=tuple(roles["env"]),
-            rollout_slots=job.rollout_slots, max_active_tasks=job.max_adapters, trainer_slots=job.trainer_slots,
-            trainer_groups=job.layout.trainer_groups), clock=time.time)
+        self.scheduler = Scheduler(job.scheduler_config(roles["rollout"], roles["env"]), clock=time.time)
         self.leaders = [ranks[0] for ranks in trainer_group_ranks(job.layout)]
         """World rank of each trainer group's leader, by group."""
         self.checkpoints: dict[str, int] = {}

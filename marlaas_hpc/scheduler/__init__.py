@@ -1,11 +1,11 @@
 """Rank-0 scheduler: a pure state machine (core.py) moved by MPI messages or by a simulated clock."""
-from marlaas_hpc.scheduler.core import (Admit, AuditRecord, Cancel, Discard, Generate, Generated, Move, Moved,
-                                        Scheduler, SchedulerConfig, Scored, StepDone, Submit, TaskEnded, TaskFailed,
+from marlaas_hpc.scheduler.core import (MODES, ORDERS, Admit, AuditRecord, Cancel, Discard, Generate, Generated,
+                                        Move, Moved, Scheduler, SchedulerConfig, Scored, StepDone, Submit, TaskEnded, TaskFailed,
                                         Train)
 from marlaas_hpc.scheduler.placement import Placement
 from marlaas_hpc.scheduler.state import CANCELLED, DONE, FAILED, QUEUED, RUNNING, Group, TaskState
 
-__all__ = ["Admit", "AuditRecord", "Cancel", "Discard", "Generate", "Generated", "Move", "Moved", "Placement",
+__all__ = ["MODES", "ORDERS", "Admit", "AuditRecord", "Cancel", "Discard", "Generate", "Generated", "Move", "Moved", "Placement",
            "Scheduler", "SchedulerConfig",
            "Scored", "StepDone", "Submit", "TaskEnded", "TaskFailed", "Train", "CANCELLED", "DONE", "FAILED",
            "QUEUED", "RUNNING", "Group", "TaskState"]

@@ -16,7 +16,7 @@ import pwd
 from dataclasses import dataclass, field
 from typing import Any
 
-from marlaas_hpc.tasks.spec import SpecError, check_fields
+from marlaas_hpc.config_loader import SpecError, load_config
 
 
 @dataclass(kw_only=True)
@@ -28,14 +28,16 @@ class TenantOwners:
     groups: list[str] = field(default_factory=list)
     """Groups whose members (primary or supplementary) may add and cancel this tenant's tasks."""
 
-    @classmethod
-    def from_dict(cls, data: Any, prefix: str) -> "TenantOwners":
-        check_fields(cls, data, prefix, f"{prefix}.")
+    def validate(self, prefix: str) -> "TenantOwners":
         for name in ("users", "groups"):
-            value = data.get(name, [])
+            value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
                 raise SpecError(f"{prefix}.{name}", f"must be a list of names, got {value!r}")
-        return cls(**data)
+        return self
+
+    @classmethod
+    def from_dict(cls, data: Any, prefix: str) -> "TenantOwners":
+        return load_config(cls, data, prefix)
 
 
 def user_name(uid: int) -> str:
@@ -81,9 +83,3 @@ def check_tenant(uid: int, tenant: str, owners: dict[str, TenantOwners], job_own
     raise SpecError("tenant", f"user {user_name(uid)!r} (uid {uid}) may not {doing} tenant {tenant!r}: only {who} "
                               "may (JobConfig.tenants)")
 
-
-def owners_from_dict(data: Any) -> dict[str, TenantOwners]:
-    if not isinstance(data, dict):
-        raise SpecError("tenants", f"must map tenant names to {{users, groups}}, got {data!r}")
-    return {tenant: entry if isinstance(entry, TenantOwners) else TenantOwners.from_dict(entry, f"tenants.{tenant}")
-            for tenant, entry in data.items()}

@@ -9,14 +9,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from marlaas_hpc.config_loader import SpecError, load_config
 from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.runtime.outputs import atomic_write_text
-from marlaas_hpc.service.identity import TenantOwners, check_tenant, owners_from_dict, user_name
+from marlaas_hpc.service.identity import TenantOwners, check_tenant, user_name
 from marlaas_hpc.service.isolation import (allowed_roots, check_data_paths, check_reward_file, check_unique_id,
                                           resolve_data_paths)
 from marlaas_hpc.service.queue import QueueEntry, TaskQueue
 from marlaas_hpc.service.quotas import TaskRecord, TenantQuota, check_quota
-from marlaas_hpc.tasks.spec import SpecError, TaskSpec
+from marlaas_hpc.tasks.spec import TaskSpec
 
 JOB_FILE = "job.json"
 
@@ -50,11 +51,7 @@ class IntakeRules:
 
     @classmethod
     def load(cls, run_dir: str | Path) -> "IntakeRules":
-        data = json.loads((Path(run_dir) / JOB_FILE).read_text())
-        quotas = {name: TenantQuota(**quota) for name, quota in data.pop("tenant_quotas").items()}
-        tenants = owners_from_dict(data.pop("tenants", {}))
-        sandbox = SandboxConfig.from_dict(data.pop("sandbox", {}))
-        return cls(**data, tenant_quotas=quotas, tenants=tenants, sandbox=sandbox)
+        return load_config(cls, json.loads((Path(run_dir) / JOB_FILE).read_text()), root=JOB_FILE)
 
     def check_owner(self, uid: int, tenant: str, doing: str = "add tasks as") -> None:
         """SpecError (field `tenant`) unless the Unix user `uid` may act as `tenant`."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from marlaas_hpc.tasks.spec import SpecError, TaskSpec, check_fields
+from marlaas_hpc.config_loader import SpecError, load_config
+from marlaas_hpc.tasks.spec import TaskSpec
 
 LIVE_STATES = ("pending", "queued", "running")
 """Task states that hold a place in the max_tasks quota (pending = in the queue dir, not yet seen by rank 0)."""
@@ -28,8 +29,7 @@ class TenantQuota:
 
     @classmethod
     def from_dict(cls, data: Any, prefix: str) -> "TenantQuota":
-        check_fields(cls, data, prefix, f"{prefix}.")
-        return cls(**data).validate(prefix)
+        return load_config(cls, data, prefix)
 
 
 def quota_of(quotas: dict[str, TenantQuota], tenant: str) -> TenantQuota:

@@ -153,7 +153,8 @@ def fit_env(runs: list[RunData]) -> EnvModel:
 
 
 def _pool_step_s(run: RunData) -> float:
-    """Busy seconds of the env pool per env step (mean step time over the pool's workers), over the env ranks."""
+    """Busy seconds of the env pool per env step (mean step time over the pool's workers), over the env ranks.
+    Steps that wait on a service ran on the pool's I/O lane ('step:io'), hold no worker and are not counted."""
     figures = [(stats["pool"]["stages"]["step"], stats["pool"]["workers"])
                for stats in (run.summary.get("env_ranks") or {}).values()
                if "step" in stats.get("pool", {}).get("stages", {})]

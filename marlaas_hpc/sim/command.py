@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from marlaas_hpc.scheduler import MODES
 from marlaas_hpc.tasks.spec import SpecError
 
 DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "configs" / "workloads" / "tiny-cpu.yaml"
@@ -17,7 +18,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="simulate a job on the discrete-event simulator (real scheduler)")
     p.add_argument("config", help="job config YAML (layout, tasks, mode, slots)")
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD), help="workload YAML (configs/workloads/)")
-    p.add_argument("--mode", choices=["async", "sync", "sequential"], help="override the config's mode")
+    p.add_argument("--mode", choices=MODES, help="override the config's mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write summary.json and audit.jsonl here")
     p.add_argument("--tasks", type=int, help="simulate this many tasks (copies of the config's)")

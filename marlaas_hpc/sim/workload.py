@@ -23,14 +23,21 @@ from typing import Any
 import yaml
 
 from marlaas_hpc.sim.units import BANDWIDTH, SIZE, TIME, TOKENS, format_quantity, parse_quantity
-from marlaas_hpc.tasks.spec import SpecError, check_fields
+from marlaas_hpc.config_loader import SpecError, check_fields, load_config
 
 DISTRIBUTIONS = ("constant", "uniform", "lognormal", "exponential", "empirical")
 BATCHING = ("continuous", "static")
 
 
 def _unit(dimension: str, positive: bool = False):
-    return {"unit": dimension, "positive": positive}
+    """Field metadata of a quantity written with its unit: the loader parses it ('8 ms' -> 0.008)."""
+    return {"unit": dimension, "positive": positive,
+            "parse": lambda value, name: _quantity(value, dimension, name, positive)}
+
+
+def _random(dimension: str):
+    """Field metadata of a Distribution of quantities (a plain quantity is a constant)."""
+    return {"unit": dimension, "parse": lambda value, name: _distribution(value, dimension, name)}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,7 +109,7 @@ class RolloutModel:
 class EnvModel:
     """One env rank (CPU): scores groups one after another (a group's busy time on the rank)."""
 
-    reward_per_sample: Distribution = field(default_factory=Distribution, metadata=_unit(TIME))
+    reward_per_sample: Distribution = field(default_factory=Distribution, metadata=_random(TIME))
     """Env-rank time of one episode: its env's reset and book-keeping, plus its verifier (and tool) time over
     the env pool's workers."""
     group_overhead: float = field(default=0.0, metadata=_unit(TIME))
@@ -156,16 +163,16 @@ class NetworkModel:
 class TaskProfile:
     """What one episode of a task kind looks like."""
 
-    prompt_tokens: Distribution = field(default_factory=lambda: Distribution(value=64.0), metadata=_unit(TOKENS))
+    prompt_tokens: Distribution = field(default_factory=lambda: Distribution(value=64.0), metadata=_random(TOKENS))
     """Prompt length."""
     response_tokens: Distribution = field(default_factory=lambda: Distribution(value=128.0),
-                                          metadata=_unit(TOKENS))
+                                          metadata=_random(TOKENS))
     """Tokens generated per turn; clipped to the task's algo.max_new_tokens."""
     turns: int = 1
     """Model turns per episode; a tool call runs between consecutive turns (multi-turn: turns > 1)."""
-    tool_latency: Distribution = field(default_factory=Distribution, metadata=_unit(TIME))
+    tool_latency: Distribution = field(default_factory=Distribution, metadata=_random(TIME))
     """Wall time of one tool call (waiting, not env-rank CPU)."""
-    tool_output_tokens: Distribution = field(default_factory=Distribution, metadata=_unit(TOKENS))
+    tool_output_tokens: Distribution = field(default_factory=Distribution, metadata=_random(TOKENS))
     """Tokens a tool call appends to the context (prefilled before the next turn)."""
 
 
@@ -185,6 +192,21 @@ class Workload:
     """Episode shape per task kind (a task's dataset.kind, else 'default')."""
     evals: bool = True
     """Simulate the runtime's greedy evals (dataset.eval_size prompts at admission and at the end)."""
+
+    def validate(self, prefix: str = "") -> "Workload":
+        """What the types alone do not say: the default profile, the batching, plain counts >= 1 and plain
+        numbers finite and >= 0 (quantities with units are checked as they are parsed)."""
+        if not isinstance(self.profiles, dict) or not self.profiles:
+            raise SpecError("profiles", "must be a mapping of task kind -> profile")
+        if "default" not in self.profiles:
+            raise SpecError("profiles.default", "is required (the profile of task kinds not listed)")
+        if self.rollout.batching not in BATCHING:
+            raise SpecError("rollout.batching", f"unknown batching {self.rollout.batching!r}; known {BATCHING}")
+        for name in _NESTED:
+            _check_plain_numbers(getattr(self, name), name)
+        for kind, profile in self.profiles.items():
+            _check_plain_numbers(profile, f"profiles.{kind}")
+        return self
 
     def profile(self, kind: str) -> TaskProfile:
         return self.profiles.get(kind, self.profiles["default"])
@@ -206,55 +228,19 @@ def load_workload(path: str | Path) -> Workload:
 
 
 def workload_from_dict(data: Any) -> Workload:
-    workload = _build(Workload, data, "")
-    if "default" not in workload.profiles:
-        raise SpecError("profiles.default", "is required (the profile of task kinds not listed)")
-    if workload.rollout.batching not in BATCHING:
-        raise SpecError("rollout.batching", f"unknown batching {workload.rollout.batching!r}; known {BATCHING}")
-    return workload
+    return load_config(Workload, data, root="workload")
 
 
-def _build(cls, data: Any, prefix: str):
-    fields = check_fields(cls, data, prefix.rstrip(".") or "workload", prefix)
-    kwargs = {name: _value(fields[name], value, f"{prefix}{name}") for name, value in data.items()}
-    return cls(**kwargs)
-
-
-def _value(spec: dataclasses.Field, value: Any, name: str):
-    unit = spec.metadata.get("unit")
-    if spec.name in _NESTED:
-        return _build(_NESTED[spec.name], value, f"{name}.")
-    if spec.name == "profiles":
-        if not isinstance(value, dict) or not value:
-            raise SpecError(name, "must be a mapping of task kind -> profile")
-        return {str(kind): _build(TaskProfile, p, f"{name}.{kind}.") for kind, p in value.items()}
-    if "Distribution" in str(spec.type):
-        return _distribution(value, unit, name)
-    if unit is not None:
-        quantity = parse_quantity(value, unit, name)
-        _check_sign(quantity, name, spec.metadata.get("positive", False))
-        return quantity
-    return _plain(spec, value, name)
-
-
-def _plain(spec: dataclasses.Field, value: Any, name: str):
-    kind = str(spec.type)
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise SpecError(name, f"must be true or false, got {value!r}")
-        return value
-    if kind == "str":
-        if not isinstance(value, str):
-            raise SpecError(name, f"must be a string, got {value!r}")
-        return value
-    if kind == "int":
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise SpecError(name, f"must be an integer >= 1, got {value!r}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SpecError(name, f"must be a number, got {value!r}")
-    _check_sign(float(value), name)
-    return float(value)
+def _check_plain_numbers(model: Any, prefix: str) -> None:
+    for spec in dataclasses.fields(model):
+        value = getattr(model, spec.name)
+        if "unit" in spec.metadata or isinstance(value, (bool, str)):
+            continue
+        if isinstance(value, int):
+            if value < 1:
+                raise SpecError(f"{prefix}.{spec.name}", f"must be an integer >= 1, got {value!r}")
+        else:
+            _check_sign(value, f"{prefix}.{spec.name}")
 
 
 def _check_sign(value: float, name: str, positive: bool = False) -> None:
@@ -295,9 +281,9 @@ def _distribution(value: Any, dimension: str, name: str) -> Distribution:
     return Distribution(**kwargs)
 
 
-def _quantity(value: Any, dimension: str, name: str) -> float:
+def _quantity(value: Any, dimension: str, name: str, positive: bool = False) -> float:
     quantity = parse_quantity(value, dimension, name)
-    _check_sign(quantity, name)
+    _check_sign(quantity, name, positive)
     return quantity
 
 

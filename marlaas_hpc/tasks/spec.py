@@ -11,32 +11,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from marlaas_hpc.config_loader import SpecError, check_fields, fields_under, load_config
+
+__all__ = ["AlgoSpec", "DatasetSpec", "LoraSpec", "PromptSpec", "SpecError", "TaskSpec", "check_fields"]
+
 # HF module names of a Qwen3 decoder layer that a LoRA may target (DESIGN.md §6).
 QWEN3_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_LORA_RANK = 4096
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-class SpecError(ValueError):
-    """A spec field is invalid. `field` is the dotted path of the field, e.g. ``algo.group_size``."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
-
-
-def check_fields(cls: type, data: Any, where: str, prefix: str = "",
-                 error: type[SpecError] = SpecError) -> dict[str, dataclasses.Field]:
-    """Refuses `data` unless it is a mapping whose keys are all fields of the dataclass `cls`; returns
-    those fields by name. Every config reader (task spec, job config, layout, workload) starts here, so a
-    misspelt key is reported the same way everywhere: `where` names the mapping, `prefix` its keys."""
-    if not isinstance(data, dict):
-        raise error(where, f"must be a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise error(f"{prefix}{unknown[0]}", f"unknown field (known: {sorted(fields)})")
-    return fields
 
 
 @dataclass(kw_only=True)
@@ -211,7 +193,13 @@ class TaskSpec:
     """Adapter versions of this task that its run dir keeps whatever the job's retention policy (`adapters:`
     keeps the last few, every N-th and the final one; e.g. [5, 12]). Each in [0, total_steps]."""
 
-    def validate(self) -> "TaskSpec":
+    def validate(self, prefix: str = "") -> "TaskSpec":
+        """Checks every field; errors name it under `prefix` (the spec's place in its file, e.g. 'tasks[0]')."""
+        with fields_under(prefix):
+            self._validate()
+        return self
+
+    def _validate(self) -> None:
         for name in ("task_id", "tenant"):
             value = getattr(self, name)
             if not isinstance(value, str) or not _SAFE_NAME.match(value) or ".." in value:
@@ -228,13 +216,11 @@ class TaskSpec:
         self.prompt.validate()
         self.lora.validate()
         self.algo.validate()
-        return self
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TaskSpec":
         """Builds and validates a spec from plain data (YAML); unknown or mistyped fields name themselves."""
-        spec = _build(cls, data, prefix="")
-        return spec.validate()
+        return load_config(cls, data, root="spec")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -254,30 +240,3 @@ def _real_in(value: Any, name: str, low: float, high: float | None, low_open: bo
     if value < low or (low_open and value == low) or (high is not None and value > high):
         span = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
         raise SpecError(name, f"must be in {span}, got {value!r}")
-
-
-_NESTED = {"dataset": DatasetSpec, "prompt": PromptSpec, "lora": LoraSpec, "algo": AlgoSpec}
-
-
-def _build(cls: type, data: Any, prefix: str):
-    check_fields(cls, data, prefix.rstrip(".") or "spec", prefix)
-    kwargs = {}
-    for key, value in data.items():
-        if cls is TaskSpec and key in _NESTED:
-            value = _build(_NESTED[key], value, prefix=f"{key}.")
-        elif key == "keep_versions":
-            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-                raise SpecError(f"{prefix}{key}", f"must be a list of versions, got {value!r}")
-            value = tuple(value)
-        elif key == "target_modules":
-            if isinstance(value, str) or not isinstance(value, (list, tuple)):
-                raise SpecError(f"{prefix}{key}", "must be a list of module names")
-            value = tuple(value)
-        elif key in ("alpha", "lr", "clip_eps", "kl_beta", "temperature", "weight_decay", "grad_clip",
-                     "tool_latency_s") \
-                and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        kwargs[key] = value
-    if cls is TaskSpec and "task_id" not in kwargs:
-        raise SpecError("task_id", "is required")
-    return cls(**kwargs)

@@ -1,4 +1,4 @@
-"""GRPO: group-relative advantages and the token-level PPO-clip loss (DESIGN.md §4).
+"""GRPO: the token-level PPO-clip loss (DESIGN.md §4); the group-relative advantages are in trajectory.py.
 
 Pure tensor functions: no model, no process groups. The clipped ratio is what keeps asynchronous
 (off-policy by up to k versions) training stable.
@@ -6,40 +6,6 @@ Pure tensor functions: no model, no process groups. The clipped ratio is what ke
 from __future__ import annotations
 
 import torch
-
-from marlaas_hpc.trajectory import Trajectory
-
-
-def group_advantages(rewards: torch.Tensor, normalize_std: bool = False, eps: float = 1e-6) -> torch.Tensor:
-    """rewards [groups, G] -> reward minus its group's mean (optionally divided by the group's std)."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if normalize_std:
-        centred = centred / (rewards.std(dim=1, keepdim=True) + eps)
-    return centred
-
-
-def assign_advantages(trajectories: list[Trajectory], normalize_std: bool = False) -> None:
-    """Sets each trajectory's advantage from the rewards of its group (groups may arrive interleaved)."""
-    groups: dict[str, list[Trajectory]] = {}
-    for traj in trajectories:
-        groups.setdefault(traj.group_id, []).append(traj)
-    for members in groups.values():
-        rewards = torch.tensor([[t.reward for t in members]], dtype=torch.float64)
-        adv = group_advantages(rewards, normalize_std)[0] if len(members) > 1 else torch.zeros(1)
-        for traj, value in zip(members, adv.tolist()):
-            traj.advantage = value
-
-
-def scored_group(task_id: str, group_id: str, prompt_ids: list[int], completions: list[list[int]],
-                 logprobs: list[list[float]], version: int | None, rewards: list[float],
-                 normalize_std: bool = False) -> list[Trajectory]:
-    """The G trajectories of one prompt with their rewards and group-relative advantages.
-    version None (base model, no adapter) is recorded as 0: the fresh adapter equals the base."""
-    trajectories = [Trajectory(task_id, group_id, prompt_ids, completion, lps,
-                               version if version is not None else 0, reward=reward)
-                    for completion, lps, reward in zip(completions, logprobs, rewards)]
-    assign_advantages(trajectories, normalize_std)
-    return trajectories
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -19,13 +19,27 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 
 
+def peft_config(spec: LoraSpec, base_model_name_or_path: str | None = None):
+    """peft's LoraConfig of an adapter (what adapter_config.json holds; in-memory loads use it too)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, bias="none",
+                      target_modules=sorted(spec.target_modules), task_type="CAUSAL_LM",
+                      base_model_name_or_path=base_model_name_or_path, inference_mode=True)
+
+
+def peft_config_dict(spec: LoraSpec) -> dict:
+    """adapter_config.json's content as a dict (JSON types only: vLLM's PEFTHelper reads it)."""
+    data = {k: sorted(v) if isinstance(v, set) else v for k, v in peft_config(spec).to_dict().items()}
+    return json.loads(json.dumps(data))  # as save_pretrained writes it (sets as lists, enums as strings)
+
+
 def write_peft_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], spec: LoraSpec,
                        base_model_name_or_path: str | None = None) -> Path:
     """Writes a PEFT LoRA adapter directory atomically (staged next to it, then renamed into place).
 
     An existing `out_dir` is replaced.
     """
-    from peft import LoraConfig
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -33,10 +47,7 @@ def write_peft_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], sp
     staging = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
-        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, bias="none",
-                            target_modules=sorted(spec.target_modules), task_type="CAUSAL_LM",
-                            base_model_name_or_path=base_model_name_or_path, inference_mode=True)
-        config.save_pretrained(str(staging))
+        peft_config(spec, base_model_name_or_path).save_pretrained(str(staging))
         save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sorted(tensors.items())},
                   str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
         if out.exists():
