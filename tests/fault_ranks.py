@@ -24,13 +24,14 @@ def gloo_pair(comm, rank):
     """Ranks 1 and 2 share a gloo group, as the trainer leader and a rollout rank share the delta broadcast."""
     import torch.distributed as dist
 
-    from marlaas_hpc.runtime.delta import free_port
+    from marlaas_hpc.runtime.delta import host_store, join_store
 
-    port = comm.bcast(free_port() if rank == 1 else None, root=1)
+    store, address = host_store(2, "127.0.0.1", 60) if rank == 1 else (None, None)
+    address = comm.bcast(address, root=1)
     if rank == 0:
         return None
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 1, timeout=timedelta(seconds=60))
-    return dist.ProcessGroupGloo(store, rank - 1, 2)
+    store = store or join_store(address, 2, 60)
+    return dist.ProcessGroupGloo(store, rank - 1, 2, timedelta(seconds=60))
 
 
 def main(what: str, run_dir: str) -> None:

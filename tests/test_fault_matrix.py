@@ -20,6 +20,7 @@ costs ~20-60 s on 2 cores, so one chain of 7 runs keeps the matrix to a few minu
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import random
@@ -157,13 +158,26 @@ def _mount_small_disk(folder: Path) -> str | None:
     return None if proc.returncode == 0 else f"mount -t tmpfs failed: {proc.stderr.strip()}"
 
 
-def _fill(folder: Path, leave_bytes: int) -> Path:
-    """A ballast file that leaves `leave_bytes` free on folder's filesystem (less than one adapter)."""
+def _free_bytes(folder: Path) -> int:
     stat = os.statvfs(folder)
+    return stat.f_bavail * stat.f_frsize
+
+
+def _fill(folder: Path, leave_bytes: int) -> Path:
+    """A ballast file that leaves about `leave_bytes` free on folder's filesystem (less than one adapter). The
+    job writes adapters meanwhile: a write that finds the disk full already is fine, the ballast then gives
+    back what it must to leave `leave_bytes`."""
     ballast = folder / "ballast"
-    free = stat.f_bavail * stat.f_frsize
-    with open(ballast, "wb") as sink:
-        sink.write(b"\0" * max(0, free - leave_bytes))
+    with open(ballast, "wb", buffering=0) as sink:
+        try:
+            while (free := _free_bytes(folder)) > leave_bytes:
+                sink.write(b"\0" * min(free - leave_bytes, 1 << 20))
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+        short = leave_bytes - _free_bytes(folder)
+        if short > 0:
+            sink.truncate(max(0, ballast.stat().st_size - short))
     return ballast
 
 

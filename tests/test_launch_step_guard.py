@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from marlaas_hpc.launch.step_guard import running_steps, step_exit_status
+from marlaas_hpc.launch.step_guard import finished_steps, running_steps, step_exit_status
 
 
 def test_running_steps_keeps_numbered_steps_only():
@@ -45,6 +45,17 @@ def test_step_exit_status_unknown_while_running_or_absent():
     assert step_exit_status(SACCT.replace("917+3.0|COMPLETED", "917+3.0|RUNNING"), "917", "0") is None
     assert step_exit_status(SACCT, "917", "1") is None
     assert step_exit_status(SACCT, "91", "0") is None  # another job's id is not a prefix match
+
+
+def test_finished_steps_are_numbered_steps_in_a_final_state_since_the_guard_started():
+    """A step too short for squeue to list it is known from accounting (the hung probe steps of the Slurm tests)."""
+    rows = ("45+0|CANCELLED by 0|2026-11-24T18:50:08\n45+0.batch|RUNNING|2026-11-24T18:50:08\n"
+            "45+0.0|COMPLETED|2026-11-24T18:50:08\n45+1.0|COMPLETED|2026-11-24T18:50:08\n"
+            "45+2.1|RUNNING|2026-11-24T18:50:09\n45.7|COMPLETED|2026-11-24T18:40:00\n")
+    assert finished_steps(rows, "45", "2026-11-24T18:50:07") == {"0"}  # 2 still runs, 7 is an older run's
+    assert finished_steps(rows, "45", "2026-11-24T18:30:00") == {"0", "7"}
+    assert finished_steps(rows, "4", "2026-11-24T18:30:00") == set()
+    assert finished_steps("", "45", "2026-11-24T18:30:00") == set()
 
 
 def test_outside_an_allocation_it_just_runs_the_command():

@@ -104,3 +104,29 @@ def test_under_slurm_the_step_guard_reports_and_requeues_at_most_max_crash_reque
     second = subprocess.run(guard + _mpirun("kill", run_dir), env=env, capture_output=True, text=True, timeout=300)
     assert "Not requeued: 1 crash requeues already (checkpoint.max_crash_requeues=1)" in second.stderr
     assert second.returncode not in (0, 75)
+
+
+def test_a_crash_report_is_not_overtaken_by_the_deaths_it_causes():
+    """A failing rank sends its report, then aborts; the launcher kills the others at once. When the monitor
+    reads the report and a bystander's end in one go (a loaded node), the report still names the cause."""
+    from marlaas_hpc.launch.monitor import RankMonitor, RankReporter
+
+    monitor = RankMonitor("127.0.0.1")
+    try:
+        env = {"MARLAAS_MONITOR": monitor.address}
+        failing = RankReporter.connect({"rank": 4, "role": "trainer leader"}, env)
+        bystanders = [RankReporter.connect({"rank": r, "role": "env"}, env) for r in (1, 2, 3)]
+        deadline = time.monotonic() + 10
+        while len(monitor.hellos) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with monitor._lock:  # the monitor stalls (as under load) while the report and the deaths arrive
+            failing.crash("DistNetworkError: address already in use", peer_lost=False)
+            for reporter in bystanders:
+                reporter.sock.close()  # killed: the connection ends without a word
+            time.sleep(0.3)
+        while len(monitor.failures) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = monitor.first_failure()
+        assert (first.rank, first.kind) == (4, "crash"), monitor.failures
+    finally:
+        monitor.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import socket
 import threading
 import time
@@ -40,6 +41,16 @@ class RankFailure:
     """The rank's hello (pid, host, ...) and crash report (traceback file)."""
 
 
+@dataclass
+class _Peer:
+    """The supervisor's view of one rank's connection."""
+
+    buffer: bytes = b""
+    hello: dict | None = None
+    ended: bool = False
+    """It said bye or crash: the end of its connection is no failure of its own."""
+
+
 class RankMonitor:
     """Supervisor side: accepts one connection per rank and keeps each rank's hello and failure."""
 
@@ -53,37 +64,69 @@ class RankMonitor:
         self.failed = threading.Event()
         """Set at the first failure that is not a consequence of another (the supervisor then makes sure the
         launcher ends)."""
-        threading.Thread(target=self._accept, name="rank-monitor", daemon=True).start()
+        threading.Thread(target=self._serve, name="rank-monitor", daemon=True).start()
 
-    def _accept(self) -> None:
+    def _serve(self) -> None:
+        """One thread reads every rank's line in turn. Within one wake-up, every line that arrived is handled
+        before any connection's end: a rank that fails sends its crash report and then aborts the job, and the
+        launcher kills the others at once; their ends must not overtake the report (with a thread per
+        connection they did, now and then, on a loaded node: a killed bystander was named instead)."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._server, selectors.EVENT_READ)
+        peers: dict[socket.socket, _Peer] = {}
         while not self._closed:
             try:
-                conn, _ = self._server.accept()
-            except OSError:
+                events = selector.select(timeout=0.5)
+            except (OSError, ValueError):  # the server socket was closed
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        hello, ended = None, False
-        with conn, conn.makefile("r") as lines:
-            for line in lines:
-                try:
-                    message = json.loads(line)
-                except json.JSONDecodeError:
+            ended = []
+            for key, _ in events:
+                if key.fileobj is self._server:
+                    try:
+                        conn, _ = self._server.accept()
+                    except OSError:
+                        return
+                    conn.setblocking(False)
+                    selector.register(conn, selectors.EVENT_READ)
+                    peers[conn] = _Peer()
                     continue
-                if message.get("kind") == "hello":
-                    hello = message
-                    with self._lock:
-                        self.hellos[message["rank"]] = message
-                elif message.get("kind") == "crash" and hello is not None:
-                    self._record(RankFailure(hello["rank"], hello["role"], "crash", message["cause"], time.time(),
-                                             bool(message.get("peer_lost")), {**hello, **message}))
-                    ended = True
-                elif message.get("kind") == "bye":
-                    ended = True
-        if hello is not None and not ended and not self._closed:
-            self._record(RankFailure(hello["rank"], hello["role"], "died", "ended without an error report",
-                                     time.time(), False, dict(hello)))
+                try:
+                    data = key.fileobj.recv(65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    self._lines(peers[key.fileobj], data)
+                else:
+                    ended.append(key.fileobj)
+            for conn in ended:
+                selector.unregister(conn)
+                conn.close()
+                peer = peers.pop(conn)
+                if peer.hello is not None and not peer.ended and not self._closed:
+                    self._record(RankFailure(peer.hello["rank"], peer.hello["role"], "died",
+                                             "ended without an error report", time.time(), False, dict(peer.hello)))
+
+    def _lines(self, peer: "_Peer", data: bytes) -> None:
+        peer.buffer += data
+        *lines, peer.buffer = peer.buffer.split(b"\n")
+        for line in lines:
+            try:
+                message = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if message.get("kind") == "hello":
+                peer.hello = message
+                with self._lock:
+                    self.hellos[message["rank"]] = message
+            elif message.get("kind") == "crash" and peer.hello is not None:
+                hello = peer.hello
+                self._record(RankFailure(hello["rank"], hello["role"], "crash", message["cause"], time.time(),
+                                         bool(message.get("peer_lost")), {**hello, **message}))
+                peer.ended = True
+            elif message.get("kind") == "bye":
+                peer.ended = True
 
     def _record(self, failure: RankFailure) -> None:
         with self._lock:

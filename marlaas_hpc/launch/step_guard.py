@@ -8,8 +8,9 @@ each step component COMPLETED 0:0, yet srun, and with it the batch script, keeps
 the time limit (2 of 216 jobs). The guard watches the step in slurmctld (squeue --steps); once it has
 seen the step and the step has been gone for `grace` seconds while srun still runs, it stops srun and
 exits with the step's own result from accounting (sacct), so the job ends as it would have.
-A step shorter than one poll is never seen and so not guarded; ours run for minutes (rank start alone
-takes tens of seconds).
+A step shorter than one poll is never listed by squeue: then accounting tells that it ran and ended (a numbered
+step of the job started since the guard started, in a final state), which counts as seen and gone (a probe's
+one-second step hung this way twice in 50 test runs under load).
 
 When the batch step itself is ended (scancel, a requeue after a checkpoint) the guard ends srun with it:
 it forwards SIGTERM / SIGINT / SIGHUP to srun, and srun gets SIGTERM if the guard dies outright (parent-
@@ -45,6 +46,19 @@ def running_steps(squeue_out: str) -> set[str]:
         _, dot, step = line.partition(".")
         if dot and step.isdigit():
             steps.add(step)
+    return steps
+
+
+def finished_steps(sacct_out: str, job_id: str, since: str) -> set[str]:
+    """Numbered step ids that `sacct -n -P -o JobID,State,Start` output shows in a final state, among those
+    started at or after `since` (sacct's ISO time, compared as text), over every het component."""
+    pattern = re.compile(rf"{re.escape(job_id)}(\+\d+)?\.(\d+)")
+    steps = set()
+    for line in sacct_out.splitlines():
+        fields = line.split("|")
+        match = pattern.fullmatch(fields[0]) if len(fields) >= 3 else None
+        if match and fields[1].split()[0] not in ("RUNNING", "PENDING", "COMPLETING") and fields[2] >= since:
+            steps.add(match.group(2))
     return steps
 
 
@@ -130,6 +144,7 @@ def guard(argv: list[str], job_id: str, poll_s: float = 5.0, grace_s: float = 60
 
 
 def _watch(proc: subprocess.Popen, job_id: str, poll_s: float, grace_s: float) -> int:
+    started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 1))  # sacct's local time
     seen: set[str] = set()
     gone_since = None
     while True:
@@ -142,10 +157,15 @@ def _watch(proc: subprocess.Popen, job_id: str, poll_s: float, grace_s: float) -
         if listing is None:
             continue  # no answer this time: decide nothing
         steps = running_steps(listing)
-        if steps or not seen:  # still running, or not started yet (srun waits for its nodes)
+        if steps:  # still running
             seen |= steps
             gone_since = None
             continue
+        if not seen:  # not started yet (srun waits for its nodes), or so short that squeue never listed it
+            accounting = _query(["sacct", "-n", "-P", "-o", "JobID,State,Start", "-j", job_id])
+            seen |= finished_steps(accounting or "", job_id, started)
+            if not seen:
+                continue
         gone_since = gone_since or time.monotonic()
         if time.monotonic() - gone_since < grace_s:
             continue

@@ -33,10 +33,18 @@ def _process_group(backend: str, store, member: int, size: int, timeout: timedel
     return dist.ProcessGroupGloo(store, member, size, timeout)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+def host_store(size: int, host: str | None = None, timeout_s: float = 600.0) -> tuple[dist.TCPStore, tuple]:
+    """The master side of a TCPStore for `size` members, on a port the kernel picks as it binds (port 0), and
+    the (host, port) the other members connect to. Probing a free port and binding it later left a window in
+    which another process of the job (a second trainer group, a delta group) took it: EADDRINUSE at start."""
+    store = dist.TCPStore(host or socket.gethostname(), 0, size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    return store, (host or socket.gethostname(), store.port)
+
+
+def join_store(address: tuple, size: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """A member's client of the store that `host_store` made at `address`."""
+    return dist.TCPStore(address[0], address[1], size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 class DeltaGroup:
@@ -57,14 +65,13 @@ class DeltaGroup:
         if me == leader:
             keys = [gpu_key(own)] + [comm.recv(source=rank, tag=TAG_DELTA) for rank in self.rollout_ranks]
             self.backend = "nccl" if all(keys) and len(set(keys)) == len(keys) else "gloo"
-            address = (host or socket.gethostname(), free_port())
+            store, address = host_store(self.size, host, timeout_s)
             for rank in self.rollout_ranks:
                 comm.send((address, self.backend), dest=rank, tag=TAG_DELTA)
         else:
             comm.send(gpu_key(own), dest=leader, tag=TAG_DELTA)
             address, self.backend = comm.recv(source=leader, tag=TAG_DELTA)
-        store = dist.TCPStore(address[0], address[1], self.size, is_master=self.member == 0,
-                              timeout=timedelta(seconds=timeout_s))
+            store = join_store(address, self.size, timeout_s)
         self.device = own if self.backend == "nccl" else torch.device("cpu")
         self.group = _process_group(self.backend, store, self.member, self.size, timedelta(seconds=timeout_s))
         self.in_flight: deque = deque()

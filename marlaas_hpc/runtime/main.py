@@ -159,25 +159,25 @@ def _trainer(comm, job, trainers: list[int], model_path: Path, device: str):
     """Sets up one trainer group's own torch.distributed world (its TP x DP ranks `trainers`, leader first) from
     MPI, then the trainer on `device` (the rank's binding: its GPU is cuda:0 once CUDA_VISIBLE_DEVICES is
     narrowed)."""
+    from marlaas_hpc.runtime.delta import host_store, join_store
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 
     leader = trainers[0]
     me = comm.Get_rank()
-    if me == leader:
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            address = (socket.gethostname(), sock.getsockname()[1])
-        for rank in trainers[1:]:
-            comm.send(address, dest=rank, tag=21)
-    else:
-        address = comm.recv(source=leader, tag=21)
+    store = None
+    if len(trainers) > 1:
+        if me == leader:
+            store, address = host_store(len(trainers))
+            for rank in trainers[1:]:
+                comm.send(address, dest=rank, tag=21)
+        else:
+            store = join_store(comm.recv(source=leader, tag=21), len(trainers))
     # LOCAL_RANK is the rank's CUDA device index, not its index among trainers: each rank sees only its own GPU
-    os.environ.update(MASTER_ADDR=address[0], MASTER_PORT=str(address[1]), RANK=str(trainers.index(me)),
-                      WORLD_SIZE=str(len(trainers)), LOCAL_RANK="0")
+    os.environ.update(RANK=str(trainers.index(me)), WORLD_SIZE=str(len(trainers)), LOCAL_RANK="0")
     trainer = MultiLoraTrainer(TrainerConfig(model_path=str(model_path), tensor_parallel=job.layout.trainer_tp,
                                              data_parallel=job.layout.trainer_dp, seed=job.seed, device=device,
                                              dtype=job.trainer.dtype, recompute=job.trainer.recompute,
-                                             micro_batch_tokens=job.trainer.micro_batch_tokens))
+                                             micro_batch_tokens=job.trainer.micro_batch_tokens), store=store)
     _restore_rng(Path(job.run_dir), trainer.tp_rank, assign_role(comm.Get_rank(), job.layout).group,
                  trainer.dp_rank)
     return trainer

@@ -34,8 +34,9 @@ def init_single_process_group(backend: str | None = None) -> None:
 
 
 def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = None,
-                     data_parallel: int = 1) -> None:
-    """Default process group (from torchrun env vars, else single-process) + megatron's TP and DP groups + RNG.
+                     data_parallel: int = 1, store=None) -> None:
+    """Default process group (from `store` with env RANK / WORLD_SIZE, else torchrun env vars, else
+    single-process) + megatron's TP and DP groups + RNG.
 
     The default group must span exactly the trainer group's ranks: `tensor_parallel * data_parallel` of them.
     Idempotent when already initialised with the same sizes. On CUDA the caller selects this rank's device first
@@ -45,7 +46,10 @@ def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = 
 
     apply_cpu_shims()
     if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        if store is not None:
+            dist.init_process_group(backend or default_backend(), store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend or default_backend())
         elif tensor_parallel * data_parallel == 1:
             init_single_process_group(backend)

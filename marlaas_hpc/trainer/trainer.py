@@ -114,14 +114,16 @@ def _scale(temperature: float) -> float:
 class MultiLoraTrainer:
     """GRPO trainer of many LoRA tasks over one frozen megatron-core GPTModel (tensor parallel)."""
 
-    def __init__(self, config: TrainerConfig):
+    def __init__(self, config: TrainerConfig, store=None):
+        """`store`: the trainer group's rendezvous (a TCPStore; RANK / WORLD_SIZE in the environment), else
+        torchrun's environment, else a world of one."""
         from megatron.core import parallel_state
 
         self.config = config.validate()
         self.device = config.torch_device()
         if self.device.type == "cuda":  # before NCCL starts: the process group binds to the current device
             torch.cuda.set_device(self.device)
-        init_distributed(config.tensor_parallel, seed=config.seed, data_parallel=config.data_parallel)
+        init_distributed(config.tensor_parallel, seed=config.seed, data_parallel=config.data_parallel, store=store)
         loaded = build_gpt_model(config.model_path, device=self.device, dtype=config.torch_dtype(self.device),
                                  recompute=config.recompute)
         self.model, self.hf_config = loaded.model, loaded.hf_config
