@@ -169,6 +169,10 @@ class VllmEngine(RolloutEngine):
         self.work_dir.mkdir(parents=True, exist_ok=True)
         _set_vllm_env(Path(cache_dir) if cache_dir else self.work_dir, kv_cache_gib)
         import torch
+
+        from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
+
+        eager_on_cpu()  # before vLLM's import
         from vllm import LLM
 
         kwargs = dict(enforce_eager=enforce_eager, dtype=dtype, seed=seed, enable_lora=True, max_loras=max_loras,

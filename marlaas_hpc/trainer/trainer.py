@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec, SpecError
+from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
 from marlaas_hpc.trainer.grpo import grpo_loss
 from marlaas_hpc.trainer.lora import MultiLora
 from marlaas_hpc.trainer.model import build_gpt_model, causal_mask, init_distributed
@@ -117,6 +118,7 @@ class MultiLoraTrainer:
     def __init__(self, config: TrainerConfig, store=None):
         """`store`: the trainer group's rendezvous (a TCPStore; RANK / WORLD_SIZE in the environment), else
         torchrun's environment, else a world of one."""
+        eager_on_cpu()
         from megatron.core import parallel_state
 
         self.config = config.validate()
