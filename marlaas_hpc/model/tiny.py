@@ -239,17 +239,35 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MARLAAS_CACHE", Path.home() / ".cache" / "marlaas_hpc"))
 
 
+SHIPPED_DIR = Path(__file__).with_name("tiny_weights")
+"""The default config's model as built on the project's machine (3.3 MB), shipped with the package: every host
+starts from the same weights (pre-training on another CPU's BLAS gave other weights, and a task that learned on
+one host stalled on another) and nobody waits for the build. `python tools/build_tiny_model.py --ship` renews it
+after a change to the recipe (tests/test_tiny_model.py fails until then)."""
+
+
+def shipped_fingerprint() -> str | None:
+    """The recipe fingerprint of the shipped weights (None: none shipped)."""
+    meta = SHIPPED_DIR / "marlaas_tiny.json"
+    return json.loads(meta.read_text())["fingerprint"] if meta.is_file() else None
+
+
 def ensure_tiny_model(cfg: TinyModelConfig = TinyModelConfig(), cache_dir: str | Path | None = None,
                       log=print) -> Path:
-    """Path of the cached tiny model, building it first if absent (atomic: built aside, then renamed)."""
+    """Path of the cached tiny model; if absent, the shipped weights when they are this recipe's, else built
+    (atomic: made aside, then renamed)."""
     final = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.fingerprint()}"
     if (final / "marlaas_tiny.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = final.with_name(f"{final.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    log(f"[tiny-model] building {final} (once; ~1-2 min on 2 cores)")
-    build_tiny_model(staging, cfg, log=log)
+    if shipped_fingerprint() == cfg.fingerprint():
+        shutil.copytree(SHIPPED_DIR, staging)
+        log(f"[tiny-model] {final}: the weights shipped with the package")
+    else:
+        log(f"[tiny-model] building {final} (once; ~1-2 min on 2 cores)")
+        build_tiny_model(staging, cfg, log=log)
     try:
         staging.rename(final)
     except OSError:  # another process finished first: use theirs
