@@ -141,6 +141,18 @@ def run_marlaas(config: Path, mode: str, out: Path) -> dict:
             "busy": summary.get("busy_fraction", {}), "summary": summary}
 
 
+def gain_noise(row: dict, base: dict, job) -> float:
+    """Standard error of (marlaas mean eval gain - baseline mean eval gain): both start from the same greedy
+    accuracy, so only the after-accuracies differ, each a binomial over the task's eval prompts."""
+    sizes = {spec.task_id: spec.dataset.eval_size for spec in job.tasks}
+    ours = {task_id: t["eval_accuracy_after"] for task_id, t in row["summary"]["tasks"].items()}
+    variance = 0.0
+    for r in base["tasks"]:
+        for p in (ours[r["task_id"]], r["eval_after"]):
+            variance += p * (1 - p) / sizes[r["task_id"]]
+    return variance ** 0.5 / len(base["tasks"])
+
+
 # ---- printing --------------------------------------------------------------------------------------------
 def print_marlaas(row: dict) -> None:
     busy = " ".join(f"{k} {v:.2f}" for k, v in row["busy"].items())
@@ -201,7 +213,9 @@ def main() -> None:
     print("[bench] ratios (this run):", flush=True)
     if base is not None and "async" in rows:
         print(f"  marlaas async / {base['kind']} one-by-one wall = {rows['async']['wall_s'] / base['wall_s']:.2f} "
-              f"(eval gain {rows['async']['gain']:+.3f} vs {base['gain']:+.3f})", flush=True)
+              f"(eval gain {rows['async']['gain']:+.3f} vs {base['gain']:+.3f}: difference "
+              f"{rows['async']['gain'] - base['gain']:+.3f}, standard error {gain_noise(rows['async'], base, job):.3f})",
+              flush=True)
     if "async" in rows and "sequential" in rows:
         print(f"  async / sequential: process wall {rows['async']['wall_s'] / rows['sequential']['wall_s']:.2f}, "
               f"training {rows['async']['train_s'] / rows['sequential']['train_s']:.2f}", flush=True)
