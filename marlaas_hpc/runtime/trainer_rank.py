@@ -10,8 +10,8 @@ TAG_HANDOVER) and forwards groups that still reach it; the new leader installs t
 Moved, and only then runs the task's Train orders.
 
 After a task's step the leader asks its CheckpointPolicy whether the task is due for a save; if so every rank of
-the group saves the task's shard (a 'save' op; DP replica 0 writes, the replicas hold the same shards) before the
-leader reports the step (TaskSaved, then StepDone). A moving task's save schedule moves with it. An error no task
+the group saves the task's shard (a 'save' op; DP replica 0 writes, the replicas hold the same shards), and once every
+rank has acknowledged its shard the leader reports the step (TaskSaved, then StepDone). A moving task's save schedule moves with it. An error no task
 caused (runtime/faults.py: a peer rank gone, the disk full) is re-raised, never turned into a task failure: the
 rank dies, the job stops and resumes from its checkpoints.
 
@@ -189,10 +189,20 @@ class TrainerRank:
                             bytes=sum(t.numel() * 4 for t in tensors.values()))
         return version
 
+    DURABLE = ("save", "checkpoint")
+    """Ops whose result the leader reports only once every rank of the group has its shard on disk: a TaskSaved
+    (or CheckpointDone) sent while a follower was still writing named a shard that a follower killed then never
+    wrote (seen in the fault matrix; the resume fell back to the checkpoint before)."""
+
     def _everyone(self, op: TrainerOp):
         for rank in self.followers:
             self.comm.send(op, dest=rank, tag=TAG_TRAINER)
-        return self.execute(op)
+        try:
+            return self.execute(op)
+        finally:
+            if op.kind in self.DURABLE:  # acknowledged whatever happened here: no ack is left for a later op
+                for rank in self.followers:
+                    recv_wait(self.comm, TAG_TRAINER, source=rank)
 
     # ---- loops ----
     def run_follower(self) -> None:
@@ -213,6 +223,8 @@ class TrainerRank:
                     if is_job_fault(exc):
                         raise
                     # a task's fault: the leader hits the same error in the same op and reports it
+                if op.kind in self.DURABLE:  # this rank's shard is written (a job fault above never acks)
+                    self.comm.send(op.kind, dest=self.leader, tag=TAG_TRAINER)
 
     def run_leader(self) -> None:
         while True:
