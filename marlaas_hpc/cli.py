@@ -104,7 +104,7 @@ def cmd_sbatch(args) -> int:
 
 def cmd_submit(args) -> int:
     """Submits the job as one Slurm heterogeneous job (control, env, rollout, trainer components)."""
-    from marlaas_hpc.launch.job import submit
+    from marlaas_hpc.submit import submit
     from marlaas_hpc.launch.layout import LayoutError
     from marlaas_hpc.runtime.main import load_job
 
@@ -125,7 +125,7 @@ def cmd_cancel(args) -> int:
     """Cancels a submitted job (every het component). Use `scancel --signal=USR2 JOB` to checkpoint instead."""
     import subprocess
 
-    from marlaas_hpc.launch.job import run_dir_of
+    from marlaas_hpc.submit import run_dir_of
 
     proc = subprocess.run(["scancel", args.job], capture_output=True, text=True)
     if proc.returncode:
@@ -142,7 +142,7 @@ def cmd_status(args) -> int:
     import json
     from pathlib import Path
 
-    from marlaas_hpc.launch.job import run_dir_of, slurm_state
+    from marlaas_hpc.submit import run_dir_of, slurm_state
 
     run_dir = Path(args.run_dir)
     if not run_dir.exists() and args.run_dir.replace("_", "").isdigit():

@@ -12,8 +12,7 @@ from marlaas_hpc.env.pool import EnvPoolConfig
 from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.launch.layout import JobLayout
 from marlaas_hpc.rollout.vllm_settings import VllmSettings
-from marlaas_hpc.runtime.checkpoint import CheckpointConfig
-from marlaas_hpc.runtime.retention import RetentionConfig
+from marlaas_hpc.rundir import CheckpointConfig, RetentionConfig
 from marlaas_hpc.scheduler import MODES, ORDERS, SchedulerConfig
 from marlaas_hpc.service.identity import TenantOwners
 from marlaas_hpc.service.quotas import TenantQuota
@@ -229,7 +228,7 @@ class JobConfig:
         from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, ensure_random_qwen3
 
         if self.model == "tiny":
-            from marlaas_hpc.model import ensure_tiny_model
+            from marlaas_hpc.tiny_model import ensure_tiny_model
 
             return ensure_tiny_model()
         if self.model.startswith(RANDOM_PREFIX):

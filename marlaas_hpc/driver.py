@@ -13,22 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from marlaas_hpc.env.episode import EpisodeRequest, EpisodeResult, EpisodeRunner, summarize_episodes
+from marlaas_hpc.env.kinds import build_task_data
 from marlaas_hpc.env.protocol import environment_for, episode_limits, is_multi_turn
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.report.tensorboard import TensorBoardSink
+from marlaas_hpc.rundir import adapter_dir, task_dir
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest, RolloutEngine
-from marlaas_hpc.tasks import Sample, TaskData, TaskSpec, build_task_data
+from marlaas_hpc.tasks import Sample, TaskData, TaskSpec
 from marlaas_hpc.trajectory import assign_advantages, scored_group
 from marlaas_hpc.trajectory import Trajectory
-
-
-def task_dir(run_dir: str | Path, spec: TaskSpec) -> Path:
-    """Everything a task writes lives here (tenant isolation)."""
-    return Path(run_dir) / "tasks" / spec.tenant / spec.task_id
-
-
-def adapter_dir(run_dir: str | Path, spec: TaskSpec, version: int) -> Path:
-    return task_dir(run_dir, spec) / "adapters" / f"v{version:04d}"
 
 
 @dataclass

@@ -9,7 +9,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def tiny_model_path():
-    from marlaas_hpc.model import ensure_tiny_model
+    from marlaas_hpc.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model()
 

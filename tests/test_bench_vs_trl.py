@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from marlaas_hpc.config import JobConfig
-from marlaas_hpc.tasks import TaskSpec, build_task_data
+from marlaas_hpc.env import build_task_data
+from marlaas_hpc.tasks import TaskSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,8 @@ from marlaas_hpc.env.scripted import ScriptedEngine
 from marlaas_hpc.model.codec import TextCodec
 from marlaas_hpc.model.tokenizer import build_char_tokenizer
 from marlaas_hpc.rollout.base import AdapterRef
-from marlaas_hpc.tasks import DatasetSpec, build_task_data
+from marlaas_hpc.env import build_task_data
+from marlaas_hpc.tasks import DatasetSpec
 
 CODEC = TextCodec(build_char_tokenizer())
 LOOKUP = LookupTask(DatasetSpec(kind="lookup", eval_size=16, seed=3))

@@ -1,7 +1,7 @@
 """Tool use is learnable: on the lookup workload (solvable only by calling the tool), GRPO over multi-turn
 episodes raises the tiny model's greedy eval accuracy by >= 20 points and its tool-call rate, in one process
 (HF engine, EpisodeRunner, trainer). The base model samples the tool call now and then but greedily answers
-blind (see model/tiny.py)."""
+blind (see tiny_model.py)."""
 import pytest
 
 from marlaas_hpc.driver import LocalDriver

@@ -8,7 +8,8 @@
 import pytest
 import torch
 
-from marlaas_hpc.driver import LocalDriver, adapter_dir
+from marlaas_hpc.driver import LocalDriver
+from marlaas_hpc.rundir import adapter_dir
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
 from marlaas_hpc.tasks import TaskSpec

@@ -8,7 +8,8 @@ import pytest
 
 from marlaas_hpc.model.codec import TextCodec
 from marlaas_hpc.model.random_qwen3 import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
-from marlaas_hpc.tasks import DatasetSpec, SpecError, TaskSpec, build_task_data
+from marlaas_hpc.env import build_task_data
+from marlaas_hpc.tasks import DatasetSpec, SpecError, TaskSpec
 from marlaas_hpc.tasks.gsm8k import final_answer, math_verify_reward
 from marlaas_hpc.tasks.spec import PromptSpec
 

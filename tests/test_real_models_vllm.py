@@ -26,7 +26,7 @@ def qwen_path():
 
 
 def _engine(path, work_dir):
-    from marlaas_hpc.model.tiny import default_cache_dir
+    from marlaas_hpc.model.cache import default_cache_dir
 
     return make_engine("vllm", path, work_dir=work_dir, cache_dir=default_cache_dir() / "vllm", max_loras=2,
                        max_lora_rank=8, seed=0)

@@ -23,7 +23,7 @@ def held_ids(worker) -> list[int]:
 
 def test_a_pinned_version_evicted_from_vllm_reloads_from_memory_until_retired(tiny_model_path, adapters, codec):
     pytest.importorskip("vllm")
-    from marlaas_hpc.model.tiny import default_cache_dir
+    from marlaas_hpc.model.cache import default_cache_dir
 
     engine = RestartingEngine(lambda: make_engine(
         "vllm", tiny_model_path, work_dir=default_cache_dir() / "vllm-test-engine", max_loras=1, max_cpu_loras=1,

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def factory(tiny_model_path):
     pytest.importorskip("vllm")
-    from marlaas_hpc.model.tiny import default_cache_dir
+    from marlaas_hpc.model.cache import default_cache_dir
 
     return lambda: make_engine("vllm", tiny_model_path, work_dir=default_cache_dir() / "vllm-test-engine",
                                max_loras=4, max_lora_rank=8, seed=0)

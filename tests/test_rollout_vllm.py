@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_model_path, adapters):
     pytest.importorskip("vllm")
-    from marlaas_hpc.model.tiny import default_cache_dir
+    from marlaas_hpc.model.cache import default_cache_dir
 
     # persistent caches: a cold inductor cache costs a minute or more of C++ compiles on 2 cores
     engine = make_engine("vllm", tiny_model_path, work_dir=default_cache_dir() / "vllm-test-engine", max_loras=4,

@@ -27,7 +27,7 @@ def _requests(codec, version: int, tag: str) -> list[GenerationRequest]:
 
 def test_logprobs_after_an_in_memory_hot_swap_equal_the_trainers_at_that_version(tiny_model_path, codec, tmp_path):
     pytest.importorskip("vllm")
-    from marlaas_hpc.model.tiny import default_cache_dir
+    from marlaas_hpc.model.cache import default_cache_dir
     from marlaas_hpc.trajectory import assign_advantages
     from marlaas_hpc.trainer.launch_local import run_local
     from trainer_scenarios import TASKS, logprobs_scenario, make_trajectories, train_tensors_scenario

@@ -232,7 +232,7 @@ def test_example_serving_config_and_spec_are_valid(tmp_path):
     checked = check_spec(spec, IntakeRules.from_job(job, tmp_path), [], root / "configs" / "tasks")
     assert checked.dataset.reward_fn == f"{root / 'configs' / 'tasks' / 'sums_reward.py'}:score"
     from marlaas_hpc.env.tenant_code import check_reward_code
-    from marlaas_hpc.tasks import build_task_data
+    from marlaas_hpc.env import build_task_data
 
     check_reward_code(checked.dataset, job.sandbox)  # loads in a sandboxed worker
     task = build_task_data(checked.dataset, sandbox=job.sandbox)

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from marlaas_hpc.tasks import SYNTHETIC_KINDS, DatasetSpec, RewardError, SpecError, TaskSpec, build_task_data
+from marlaas_hpc.env import build_task_data
+from marlaas_hpc.tasks import SYNTHETIC_KINDS, DatasetSpec, RewardError, SpecError, TaskSpec
 from marlaas_hpc.tasks.base import Sample
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from marlaas_hpc.env import EnvPool, EnvPoolConfig, SingleTurnEnv
 from marlaas_hpc.env.tenant_code import SandboxConfig, TenantFunction, check_reward_code
-from marlaas_hpc.tasks import DatasetSpec, SpecError, build_task_data
+from marlaas_hpc.env import build_task_data
+from marlaas_hpc.tasks import DatasetSpec, SpecError
 
 REWARDS = '''
 import os, time

@@ -1,16 +1,16 @@
-"""The tiny base model ships with the package (marlaas_hpc/model/tiny_weights): its weights are the current
+"""The tiny base model ships with the package (marlaas_hpc/tiny_weights): its weights are the current
 recipe's, a fresh cache is filled from them without pre-training, and they are a model transformers loads, with
 the pre-training's starting accuracies (room for RL on every task)."""
 from __future__ import annotations
 
 import json
 
-from marlaas_hpc.model.tiny import SHIPPED_DIR, TinyModelConfig, ensure_tiny_model, shipped_fingerprint
+from marlaas_hpc.tiny_model import SHIPPED_DIR, TinyModelConfig, ensure_tiny_model, shipped_fingerprint
 
 
 def test_the_shipped_weights_are_the_current_recipes():
     assert shipped_fingerprint() == TinyModelConfig().fingerprint(), (
-        "the tiny model's recipe changed (model/tiny.py, tokenizer.py, TextCodec.encode_prompt or LookupTask): "
+        "the tiny model's recipe changed (tiny_model.py, model/tokenizer.py, TextCodec.encode_prompt or LookupTask): "
         "renew the shipped weights with `python tools/build_tiny_model.py --ship` and commit them")
 
 

@@ -50,7 +50,7 @@ def main() -> None:
     import json
 
     from marlaas_hpc.config import JobConfig
-    from marlaas_hpc.model.tiny import default_cache_dir
+    from marlaas_hpc.model.cache import default_cache_dir
     from marlaas_hpc.rollout import AdapterRef, make_engine
     from marlaas_hpc.tasks.spec import LoraSpec
     from marlaas_hpc.trainer.peft_io import write_peft_adapter

@@ -33,7 +33,7 @@ def rollout_tokens_per_s(kind: str, model_path, prompts: int, tokens: int, work_
     from marlaas_hpc.rollout import GenerationRequest, make_engine
 
     codec = TextCodec.from_pretrained(model_path)
-    from marlaas_hpc.model.tiny import default_cache_dir
+    from marlaas_hpc.model.cache import default_cache_dir
 
     kwargs = {"work_dir": work_dir, "cache_dir": default_cache_dir() / "vllm", "max_loras": 2,
               "max_lora_rank": 8} if kind == "vllm" else {}
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    from marlaas_hpc.model import ensure_tiny_model
+    from marlaas_hpc.tiny_model import ensure_tiny_model
 
     model_path = ensure_tiny_model()
     print(f"model {model_path.name}: {args.prompts} prompts x <= {args.tokens} tokens, sampling T=1")

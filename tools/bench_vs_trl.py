@@ -35,7 +35,7 @@ def task_payload(spec, model_path, output_dir, seed: int = 0) -> dict:
     whose reward is the exact match of synthetic tasks only (the baseline's verifier)."""
     from dataclasses import asdict
 
-    from marlaas_hpc.tasks import build_task_data
+    from marlaas_hpc.env import build_task_data
     from marlaas_hpc.tasks.synthetic import SyntheticTask
 
     data = build_task_data(spec.dataset, spec.prompt.format)

@@ -1,5 +1,5 @@
 """Builds (and caches) the project's tiny Qwen3-shaped base model. Deterministic for a given config on one machine
-(another CPU's BLAS gives other weights: hence the shipped copy, marlaas_hpc/model/tiny_weights).
+(another CPU's BLAS gives other weights: hence the shipped copy, marlaas_hpc/tiny_weights).
 
 Usage: python tools/build_tiny_model.py [--out DIR | --ship]
   (default: the cache that runs and tests use, from the shipped weights when they are the current recipe's;
@@ -7,10 +7,8 @@ Usage: python tools/build_tiny_model.py [--out DIR | --ship]
 """
 import argparse
 import shutil
-from pathlib import Path
 
-from marlaas_hpc.model import TinyModelConfig, build_tiny_model, ensure_tiny_model
-from marlaas_hpc.model.tiny import SHIPPED_DIR
+from marlaas_hpc.tiny_model import SHIPPED_DIR, TinyModelConfig, build_tiny_model, ensure_tiny_model
 
 
 def ship() -> None:

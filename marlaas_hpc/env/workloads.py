@@ -25,11 +25,13 @@ import string
 from collections import Counter
 from typing import Any
 
+from marlaas_hpc.env.custom import reward_function
 from marlaas_hpc.env.protocol import Environment, SingleTurnEnv
 from marlaas_hpc.env.tools import (SYNTAXES, Bm25Index, Calculator, Document, Lookup, Search, ToolBox, ToolOutcome,
                                    ToolTask)
 from marlaas_hpc.tasks.base import Sample
-from marlaas_hpc.tasks.files import _FileTask, read_jsonl_rows, reward_function
+from marlaas_hpc.tasks.files import FileTask, read_jsonl_rows
+from marlaas_hpc.tasks.registry import ENV_TASK_KINDS
 from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_file_samples
 from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
 
@@ -104,7 +106,7 @@ def extract_answer(turn: str) -> str:
 GSM8K_TOOL_HINT = 'Use <tool name="calculator">expression</tool> for arithmetic. End with #### and the number.'
 
 
-class Gsm8kEnvTask(Gsm8kTask, _FileTask, ToolTask):
+class Gsm8kEnvTask(Gsm8kTask, FileTask, ToolTask):
     """GSM8K-format math, reward by math-verify; with `calculator=True` a multi-turn calculator episode."""
 
     def __init__(self, spec: DatasetSpec, calculator: bool, prompt_format: str = "raw"):
@@ -123,7 +125,7 @@ class Gsm8kEnvTask(Gsm8kTask, _FileTask, ToolTask):
 HOTPOT_HINT = 'Search with <tool name="search">query</tool>. Give the final answer as <answer>...</answer>.'
 
 
-class HotpotQATask(_FileTask, ToolTask):
+class HotpotQATask(FileTask, ToolTask):
     """Multi-hop QA over a local corpus with BM25 search; reward token F1 or exact match."""
 
     kind = "hotpotqa"
@@ -243,9 +245,6 @@ class LookupTask(ToolTask):
 
 
 # ---------------------------------------------------------------- kinds
-ENV_TASK_KINDS = ("gsm8k_tool", "gsm8k_plain", "hotpotqa", "lookup")
-
-
 def build_env_task(spec: DatasetSpec, prompt_format: str = "raw", sandbox=None) -> ToolTask:
     """Builds an env workload; optional spec fields (read if the DatasetSpec has them): corpus, metric,
     syntax, tool_latency_s, reward_fn (replaces the workload's verifier; a tenant file runs sandboxed under

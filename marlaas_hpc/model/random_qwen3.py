@@ -178,7 +178,7 @@ def fingerprint(shape: Qwen3Shape, seed: int) -> str:
 
 def ensure_random_qwen3(name: str, cache_dir: str | Path | None = None, seed: int = 0, log=print) -> Path:
     """Path of the cached random checkpoint `name` (a key of SHAPES), building it first if absent."""
-    from marlaas_hpc.model.tiny import default_cache_dir
+    from marlaas_hpc.model.cache import default_cache_dir
 
     if name not in SHAPES:
         raise KeyError(f"unknown random checkpoint {name!r}; known: {sorted(SHAPES)}")

@@ -39,45 +39,15 @@ import os
 import re
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from marlaas_hpc.config_loader import SpecError, load_config
-from marlaas_hpc.runtime.outputs import atomic_write_text
+from marlaas_hpc.rundir import CheckpointConfig, atomic_write_text
 
 FORMAT = 2
 KEEP_SHARDS = 3
 """Shards kept per task and TP rank: the newest two records' shards must exist while rank 0 may still be one
 save behind the trainer (it records a save when it handles the StepDone that follows it)."""
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    """When tasks are checkpointed while the job runs (job config `checkpoint:`), and how a crashed Slurm job
-    restarts. Either trigger saves a task after its step; 0 turns a trigger off (both 0: only preemption
-    checkpoints, and a crash restarts tasks from their start)."""
-
-    every_steps: int = 10
-    """Save a task after every this many of its optimizer steps: a crash loses at most this many steps."""
-    every_minutes: float = 10.0
-    """... or after its first step once its last save is this old (slow tasks: bounds the lost wall time)."""
-    max_crash_requeues: int = 3
-    """Under Slurm a job whose rank died or failed requeues itself and resumes, at most this many times."""
-
-    def validate(self, prefix: str = "checkpoint") -> "CheckpointConfig":
-        for name in ("every_steps", "max_crash_requeues"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise SpecError(f"{prefix}.{name}", f"must be an integer >= 0, got {value!r}")
-        value = self.every_minutes
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
-            raise SpecError(f"{prefix}.every_minutes", f"must be a number of minutes >= 0, got {value!r}")
-        return self
-
-    @classmethod
-    def from_dict(cls, data, prefix: str = "checkpoint") -> "CheckpointConfig":
-        return load_config(cls, data, prefix)
 
 
 class CheckpointPolicy:
@@ -129,7 +99,7 @@ def requeue_marker(run_dir: Path) -> Path:
 
 
 def trainer_shard_path(run_dir: Path, spec, tp_rank: int, version: int) -> Path:
-    from marlaas_hpc.driver import task_dir
+    from marlaas_hpc.rundir import task_dir
 
     return task_dir(Path(run_dir), spec) / "checkpoint" / f"tp{tp_rank}-v{version:06d}.pt"
 

@@ -36,6 +36,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from marlaas_hpc.env.kinds import build_task_data
 from marlaas_hpc.env.pool import EnvPool, EnvPoolConfig, StepOutcome
 from marlaas_hpc.env.protocol import Environment, Final, environment_for, episode_limits, is_multi_turn
 from marlaas_hpc.env.tenant_code import SandboxConfig
@@ -44,7 +45,6 @@ from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupData,
                                           GroupEnded, RankStats, ScoredGroup, Shutdown)
 from marlaas_hpc.scheduler import Admit, Generated, Move, Scored, TaskFailed
-from marlaas_hpc.tasks import build_task_data
 from marlaas_hpc.trajectory import Trajectory, assign_advantages
 
 

@@ -128,7 +128,7 @@ def record_rank(run_dir: Path, rank: int, role: str) -> None:
     find a rank's process here)."""
     import json
 
-    from marlaas_hpc.runtime.outputs import atomic_write_text
+    from marlaas_hpc.rundir import atomic_write_text
 
     atomic_write_text(Path(run_dir) / "ranks" / f"rank{rank}.json",
                       json.dumps({"rank": rank, "role": role, "pid": os.getpid(), "host": socket.gethostname()}) + "\n")
@@ -252,7 +252,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         _ready(comm, rank, role.kind, start)
         worker.run()
     elif role.kind == "rollout":
-        from marlaas_hpc.model.tiny import default_cache_dir
+        from marlaas_hpc.model.cache import default_cache_dir
         from marlaas_hpc.rollout import make_engine
         from marlaas_hpc.runtime.rollout_rank import RolloutRank
 

@@ -2,15 +2,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+from marlaas_hpc.rundir import atomic_write_text, task_record
 
 
 def audit_lines(record, group_size: int) -> str:
@@ -48,23 +42,6 @@ class AuditLog:
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def task_record(task) -> dict:
-    """What summary.json and status.json say of one task (scheduler state only)."""
-    group_size = task.spec.algo.group_size
-    return {
-        "tenant": task.spec.tenant, "kind": task.spec.dataset.kind, "status": task.status, "error": task.error,
-        "steps_done": max(task.version, 0), "total_steps": task.spec.total_steps,
-        "staleness_bound": task.bound, "max_staleness_trained": task.max_trained_staleness,
-        "dropped_groups": task.dropped_groups, "dropped_samples": task.dropped_groups * group_size,
-        "preempted_groups": task.preempted_groups,
-        "trained_samples": task.trained_groups * group_size,
-        "reward_first": task.reward_history[0] if task.reward_history else None,
-        "reward_last": task.reward_history[-1] if task.reward_history else None,
-        "ttfs_s": task.ttfs(), "tpts_s": task.tpts(),
-        "trainer_group": task.trainer_group, "trainer_moves": task.moves,
-    }
 
 
 def write_status(run_dir: Path, job, scheduler, elapsed_s: float) -> None:

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from marlaas_hpc.runtime.checkpoint import CorruptCheckpoint, read_verified, trainer_shard_path
-from marlaas_hpc.runtime.outputs import atomic_write_text
+from marlaas_hpc.rundir import atomic_write_text
 
 CRASH_FILE = "crash.json"
 """RUN_DIR/crash.json: the last crash, written by the supervisor (launch/supervise.py)."""
@@ -94,7 +94,7 @@ def rollback_outputs(run_dir: Path, state: dict) -> list:
     """Cuts audit.jsonl and every task's metrics.jsonl back to the versions resumed from (steps trained after a
     task's checkpoint by a run that then crashed are trained again, and must appear once). Returns the audit
     records kept, one per trained group, in file order."""
-    from marlaas_hpc.driver import task_dir
+    from marlaas_hpc.rundir import task_dir
     from marlaas_hpc.tasks import TaskSpec
 
     versions = resumed_versions(state)

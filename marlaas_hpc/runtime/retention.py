@@ -22,49 +22,14 @@ from __future__ import annotations
 import re
 import shutil
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from marlaas_hpc.config_loader import SpecError, load_config
+from marlaas_hpc.rundir import RetentionConfig
+
+__all__ = ["RetentionConfig", "in_flight_versions", "prune_adapters", "remove_dir", "version_dirs"]
 
 _VERSION_DIR = re.compile(r"v(\d{4,})$")
-
-
-@dataclass(kw_only=True)
-class RetentionConfig:
-    """Which adapter versions each task's `adapters/` directory keeps (job config `adapters:`). The final
-    version, the versions a task pins (`keep_versions`) and versions still in flight are always kept."""
-
-    keep_last: int = 2
-    """The newest this many versions of each task (0: only the newest, which is always kept)."""
-    keep_every: int = 10
-    """Every version that is a multiple of this (v0, v10, v20, ...): a sparse history of the run.
-    0: none; 1: every version (nothing is ever deleted)."""
-
-    keep_final_checkpoint: bool = False
-    """Keep an ended task's newest checkpoint shards (adapter and optimizer state, tasks/<tenant>/<task>/
-    checkpoint/) to train it further elsewhere. False: every trainer rank deletes them when the task ends (a
-    resume never restarts an ended task; its final adapter stays in adapters/)."""
-
-    def validate(self, prefix: str = "adapters") -> "RetentionConfig":
-        for name in ("keep_last", "keep_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise SpecError(f"{prefix}.{name}", f"must be an integer >= 0, got {value!r}")
-        if not isinstance(self.keep_final_checkpoint, bool):
-            raise SpecError(f"{prefix}.keep_final_checkpoint", f"must be true or false, got "
-                                                               f"{self.keep_final_checkpoint!r}")
-        return self
-
-    @classmethod
-    def from_dict(cls, data, prefix: str = "adapters") -> "RetentionConfig":
-        return load_config(cls, data, prefix)
-
-    def keeps(self, version: int, newest: int, pinned: Iterable[int] = ()) -> bool:
-        """The policy's own answer for one version, in-flight protection aside."""
-        return (version == newest or newest - version < self.keep_last
-                or (self.keep_every > 0 and version % self.keep_every == 0) or version in pinned)
 
 
 def version_dirs(folder: Path) -> dict[int, Path]:

@@ -20,7 +20,8 @@ from marlaas_hpc.runtime.recovery import crashed_run, rollback_outputs
 from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, Scheduler, StepDone,
                                    Submit, TaskEnded, Train)
 from marlaas_hpc.service import QueueIntake
-from marlaas_hpc.tasks import SpecError, build_task_data
+from marlaas_hpc.env import build_task_data
+from marlaas_hpc.tasks import SpecError
 
 
 class SchedulerRank:

@@ -24,7 +24,7 @@ import math
 import time
 from pathlib import Path
 
-from marlaas_hpc.driver import adapter_dir, task_dir
+from marlaas_hpc.rundir import adapter_dir, task_dir
 from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
 from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_shards, save_torch, trainer_rng_path,

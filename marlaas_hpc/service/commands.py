@@ -66,7 +66,7 @@ def cmd_add(args) -> int:
         spec = check_spec(data, rules, known_tasks(run_dir), base_dir=spec_path.resolve().parent,
                           owner_uid=os.getuid())
         from marlaas_hpc.env.tenant_code import check_reward_code
-        from marlaas_hpc.tasks import build_task_data
+        from marlaas_hpc.env import build_task_data
 
         # a missing or malformed data file is refused now, not later
         build_task_data(spec.dataset, spec.prompt.format, sandbox=rules.sandbox)

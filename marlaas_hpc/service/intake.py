@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 
 from marlaas_hpc.config_loader import SpecError, load_config
 from marlaas_hpc.env.tenant_code import SandboxConfig
-from marlaas_hpc.runtime.outputs import atomic_write_text
+from marlaas_hpc.rundir import atomic_write_text
 from marlaas_hpc.service.identity import TenantOwners, check_tenant, user_name
 from marlaas_hpc.service.isolation import (allowed_roots, check_data_paths, check_reward_file, check_unique_id,
                                           resolve_data_paths)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from marlaas_hpc.runtime.outputs import atomic_write_text
+from marlaas_hpc.rundir import atomic_write_text
 
 
 @dataclass

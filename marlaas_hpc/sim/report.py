@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from marlaas_hpc.runtime.outputs import task_record
+from marlaas_hpc.rundir import task_record
 from marlaas_hpc.sim.engine import Simulation, SimOutcome
 
 

@@ -1,10 +1,11 @@
-"""File-backed tasks: GSM8K-format JSONL (math-verify reward) and a user's own JSONL + reward function."""
+"""File-backed tasks: reading JSONL data files, the seeded split of a fixed sample list (`FileTask`, which the
+env's file workloads and tenant datasets build on), GSM8K-format JSONL (math-verify reward)."""
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from marlaas_hpc.tasks.base import Sample, TaskData
 from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_file_samples
@@ -48,7 +49,7 @@ def read_jsonl(path: str | None, required: tuple[str, ...], field_name: str = "d
     return [row for _, row in read_jsonl_rows(path, required, field_name)]
 
 
-class _FileTask(TaskData):
+class FileTask(TaskData):
     """Seeded split of a fixed list of samples; the train stream cycles through a seeded permutation."""
 
     def __init__(self, spec: DatasetSpec, samples: list[Sample]):
@@ -69,7 +70,7 @@ class _FileTask(TaskData):
         return list(self._eval)
 
 
-class Gsm8kFileTask(Gsm8kTask, _FileTask):
+class Gsm8kFileTask(Gsm8kTask, FileTask):
     """GSM8K format: {"question": ..., "answer": "... #### N"} per line; reward by math-verify."""
 
     kind = "gsm8k"
@@ -77,29 +78,3 @@ class Gsm8kFileTask(Gsm8kTask, _FileTask):
     def __init__(self, spec: DatasetSpec, prompt_format: str = "raw"):
         self.answer_format = spec.answer_format
         super().__init__(spec, gsm8k_file_samples(spec, prompt_format))
-
-
-def reward_function(spec: DatasetSpec, sandbox=None) -> Callable[[Sample, str], float]:
-    """The spec's reward_fn: a tenant file's function, run only in a sandboxed worker (env/tenant_code.py;
-    `sandbox` is the job's SandboxConfig), or a function of this package."""
-    from marlaas_hpc.env.tenant_code import SandboxConfig, reward_function as make
-
-    limits = (sandbox or SandboxConfig()).reward_limits()
-    return make(spec.reward_fn or "", limits, read_files=(spec.path, getattr(spec, "corpus", None)))
-
-
-class CustomTask(_FileTask):
-    """A user's JSONL ({"prompt": ..., "answer": ..., any other fields}) scored by their own function."""
-
-    kind = "custom"
-
-    def __init__(self, spec: DatasetSpec, sandbox=None):
-        self._reward_fn = reward_function(spec, sandbox)
-        rows = read_jsonl(spec.path, ("prompt", "answer"))
-        samples = [Sample(i, row["prompt"], row["answer"],
-                          {k: v for k, v in row.items() if k not in ("prompt", "answer")})
-                   for i, row in enumerate(rows)]
-        super().__init__(spec, samples)
-
-    def score(self, sample: Sample, completion: str) -> float:
-        return self._reward_fn(sample, completion)

@@ -76,7 +76,7 @@ def submit(job, config_path: str, job_name: str = "marlaas", max_requeues: int =
 
 
 def jobs_registry() -> Path:
-    from marlaas_hpc.model.tiny import default_cache_dir
+    from marlaas_hpc.model.cache import default_cache_dir
 
     return default_cache_dir() / "jobs"
 

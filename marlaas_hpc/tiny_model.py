@@ -10,6 +10,9 @@ demonstrate the tool call and the use of its result ('c4+7=' -> '?', observation
 make the realistic mistake of answering blind (the addend), and some tool transcripts train only the answer
 after the observation. So the base policy samples the tool call now and then but greedily answers blind:
 RL can raise the tool-call rate and, with it, the accuracy.
+
+The recipe needs the tasks and the env's workloads, so it lives above both (the model package below them holds
+the codec and tokenizers they use); the built weights ship in tiny_weights/ beside this module.
 """
 from __future__ import annotations
 
@@ -23,9 +26,11 @@ from pathlib import Path
 
 import torch
 
+from marlaas_hpc.env.kinds import build_task_data
+from marlaas_hpc.model.cache import default_cache_dir
 from marlaas_hpc.model.codec import TextCodec
 from marlaas_hpc.model.tokenizer import VOCAB_SIZE, build_char_tokenizer
-from marlaas_hpc.tasks import SYNTHETIC_KINDS, DatasetSpec, Sample, build_task_data
+from marlaas_hpc.tasks import SYNTHETIC_KINDS, DatasetSpec, Sample
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -69,7 +74,7 @@ class TinyModelConfig:
 
         from marlaas_hpc.env.workloads import LookupTask
 
-        source = Path(__file__).read_bytes() + Path(__file__).with_name("tokenizer.py").read_bytes()
+        source = Path(__file__).read_bytes() + (Path(__file__).parent / "model" / "tokenizer.py").read_bytes()
         source += inspect.getsource(TextCodec.encode_prompt).encode()  # how the pre-training prompts are encoded
         source += inspect.getsource(LookupTask).encode()  # its generator and demonstrations are in the mix
         blob = json.dumps(asdict(self), sort_keys=True).encode() + source
@@ -233,10 +238,6 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig = TinyModelConfig
     (out / "marlaas_tiny.json").write_text(json.dumps({"config": asdict(cfg), "eval_accuracy": accuracy,
                                                         "fingerprint": cfg.fingerprint()}, indent=2))
     return accuracy
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("MARLAAS_CACHE", Path.home() / ".cache" / "marlaas_hpc"))
 
 
 SHIPPED_DIR = Path(__file__).with_name("tiny_weights")
