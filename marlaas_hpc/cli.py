@@ -18,10 +18,17 @@ def _under_mpi() -> bool:
     return int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_STEP_ID" in os.environ
 
 
-def _cuda_available() -> bool:
-    import torch
+def _gpus_visible(job) -> bool:
+    """Whether the ranks will find a GPU, without importing torch to ask CUDA (~1 s before any rank starts): the
+    driver's GPUs as CUDA_VISIBLE_DEVICES / Slurm's variables narrow them (launch/devices.py)."""
+    from marlaas_hpc.launch.devices import DeviceError, count_driver_gpus, visible_gpus
 
-    return torch.cuda.is_available()
+    if job.layout.accelerator == "cpu":
+        return False
+    try:
+        return bool(visible_gpus(os.environ, count_driver_gpus())[0])
+    except DeviceError:
+        return False  # every rank refuses it at start, naming the variable
 
 
 def mpirun_command(job, config: str | None, run_dir: str, mode: str, resume: bool = False) -> list[str]:
@@ -54,7 +61,7 @@ def cmd_run(args) -> int:
               file=sys.stderr)
         return 2
     try:  # build the tiny model (or a random checkpoint) once here, not in every rank; then check it
-        job.check_model(job.model_path(), vllm_on_cpu=not _cuda_available())
+        job.check_model(job.model_path(), vllm_on_cpu=not _gpus_visible(job))
     except SpecError as exc:
         print(f"marlaas: invalid config {args.config or args.resume}: {exc}", file=sys.stderr)
         return 2

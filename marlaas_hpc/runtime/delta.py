@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from marlaas_hpc.runtime.comm import recv_wait
 from marlaas_hpc.runtime.messages import TAG_DELTA, DeltaAnnounce
 
 
@@ -63,14 +64,15 @@ class DeltaGroup:
         self.size = len(members)
         own = torch.device(device)
         if me == leader:
-            keys = [gpu_key(own)] + [comm.recv(source=rank, tag=TAG_DELTA) for rank in self.rollout_ranks]
+            # the rollout ranks arrive once their engine is up, seconds after a trainer: wait without spinning
+            keys = [gpu_key(own)] + [recv_wait(comm, TAG_DELTA, source=rank)[0] for rank in self.rollout_ranks]
             self.backend = "nccl" if all(keys) and len(set(keys)) == len(keys) else "gloo"
             store, address = host_store(self.size, host, timeout_s)
             for rank in self.rollout_ranks:
                 comm.send((address, self.backend), dest=rank, tag=TAG_DELTA)
         else:
             comm.send(gpu_key(own), dest=leader, tag=TAG_DELTA)
-            address, self.backend = comm.recv(source=leader, tag=TAG_DELTA)
+            (address, self.backend), _ = recv_wait(comm, TAG_DELTA, source=leader)
             store = join_store(address, self.size, timeout_s)
         self.device = own if self.backend == "nccl" else torch.device("cpu")
         self.group = _process_group(self.backend, store, self.member, self.size, timedelta(seconds=timeout_s))

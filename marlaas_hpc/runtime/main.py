@@ -20,6 +20,7 @@ from pathlib import Path
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.launch.layout import assign_role, ranks_of, trainer_group_ranks, world_size_matches
+from marlaas_hpc.runtime.comm import quiet_barrier, recv_wait
 from marlaas_hpc.scheduler import MODES
 from marlaas_hpc.tasks.spec import SpecError
 
@@ -171,7 +172,7 @@ def _trainer(comm, job, trainers: list[int], model_path: Path, device: str):
             for rank in trainers[1:]:
                 comm.send(address, dest=rank, tag=21)
         else:
-            store = join_store(comm.recv(source=leader, tag=21), len(trainers))
+            store = join_store(recv_wait(comm, 21, source=leader)[0], len(trainers))
     # LOCAL_RANK is the rank's CUDA device index, not its index among trainers: each rank sees only its own GPU
     os.environ.update(RANK=str(trainers.index(me)), WORLD_SIZE=str(len(trainers)), LOCAL_RANK="0")
     trainer = MultiLoraTrainer(TrainerConfig(model_path=str(model_path), tensor_parallel=job.layout.trainer_tp,
@@ -197,8 +198,9 @@ def _ready(comm, rank: int, kind: str, start: float) -> None:
     """Tells rank 0 how long this rank took to get ready (wall and CPU seconds), then waits for every rank."""
     import time
 
-    comm.gather((rank, kind, time.time() - start, time.process_time()), root=0)
-    comm.Barrier()
+    readiness = (rank, kind, time.time() - start, time.process_time())
+    quiet_barrier(comm)  # the rollout ranks are ready last: the others wait here without spinning
+    comm.gather(readiness, root=0)
 
 
 def describe_readiness(readiness: list[tuple[int, str, float, float]]) -> str:
@@ -238,8 +240,8 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         from marlaas_hpc.runtime.scheduler_rank import SchedulerRank
 
         run_dir.mkdir(parents=True, exist_ok=True)
+        quiet_barrier(comm)
         readiness = comm.gather(None, root=0)[1:]
-        comm.Barrier()
         log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - start:.1f} s "
             f"({describe_readiness(readiness)})")
         return SchedulerRank(comm, job, roles, codec, run_dir, log=log, startup_s=time.time() - start,
@@ -336,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             ok = ""
         except SpecError as exc:
             ok = str(exc)
+        quiet_barrier(comm)
         ok = comm.bcast(ok, root=0)
     else:
+        quiet_barrier(comm)  # while rank 0 checks the run dir and the model
         ok = comm.bcast(None, root=0)
     if ok:
         if comm.Get_rank() == 0:
@@ -367,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         comm.Abort(1)
     if summary is not None and not summary["preempted"]:
         log(f"[job] {job.mode} finished in {summary['wall_time_s']:.1f} s; summary: {Path(job.run_dir) / 'summary.json'}")
+    quiet_barrier(comm)  # ranks finish at different times (a rollout rank shuts its engine down)
     preempted = comm.bcast(bool(summary and summary["preempted"]), root=0)
     reporter.bye()
     # only rank 0 reports the preemption: under srun --kill-on-bad-exit an early non-zero exit of another
@@ -374,5 +379,18 @@ def main(argv: list[str] | None = None) -> int:
     return PREEMPTED_EXIT if preempted and comm.Get_rank() == 0 else 0
 
 
+def end_rank(code: int) -> None:
+    """Ends this rank's process once every output is written: MPI finalized, stdio flushed, then os._exit. The
+    interpreter's own teardown of torch, vLLM and megatron took ~1.3 s per rank (and a rollout rank's orderly
+    vLLM shutdown ~0.9 s more), all of it time the job's launcher waited for and none of it freeing anything
+    that the exit does not. (Env ranks close their pools and sandbox workers themselves before they get here.)"""
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    end_rank(main())
