@@ -71,11 +71,10 @@ class RolloutRank:
         while True:
             self.outbox.progress()
             self._drain_deltas()
-            command, _ = poll(self.comm, TAG_CMD, source=0)
-            if isinstance(command, Shutdown):
+            commands = self._drain_commands()
+            if any(isinstance(command, Shutdown) for command in commands):
                 break
-            if isinstance(command, GenerateWork):
-                self.waiting.append(command)
+            self.waiting += [command for command in commands if isinstance(command, GenerateWork)]
             self._submit_ready()
             from_env = self._drain_env()
             if self.engine.has_unfinished():
@@ -83,7 +82,7 @@ class RolloutRank:
                 with self.clock.track("generate", tasks):
                     finished = self.engine.step()
                 self._collect(finished)
-            elif command is None and not from_env:
+            elif not commands and not from_env:
                 time.sleep(0.002)
             self._drop_retired()
         self.outbox.send(RankStats(self.rank, "rollout", self.clock.busy, self.clock.wall(),
@@ -91,7 +90,18 @@ class RolloutRank:
         if self.run_dir is not None:
             write_timeline(self.run_dir, self.rank, "rollout", self.clock)
         self.outbox.flush()
-        self.engine.close()
+        # the engine is not shut down: the process ends next (runtime/main.py end_rank), and vLLM's orderly
+        # shutdown took ~0.9 s that frees nothing the exit does not
+
+    def _drain_commands(self) -> list:
+        """Every command waiting from rank 0. Taking one per loop turn (one engine step, 10-30 ms) left work for
+        freed slots queued in MPI while the engine ran half-empty batches: rank 0 issues a group per freed slot."""
+        commands = []
+        while True:
+            command, _ = poll(self.comm, TAG_CMD, source=0)
+            if command is None:
+                return commands
+            commands.append(command)
 
     def _drain_deltas(self) -> None:
         """Joins the announced broadcasts (a leader blocks until all rollout ranks join; with several trainer
