@@ -134,3 +134,62 @@ def test_read_peft_rejects_unsupported_variants(tmp_path):
     (out / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="use_dora"):
         read_peft_adapter(out)
+
+
+def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(tiny_model_path, monkeypatch):
+    """Rows whose advantage is 0 (a group whose samples all got one reward) are not run; over three fused steps
+    (Adam moments built up) the adapters, optimizer state and loss equal those of running every row, for a task
+    with some such groups and for one with nothing but (its AdamW still steps on a zero gradient)."""
+    import random
+
+    from marlaas_hpc.tasks import AlgoSpec
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer
+    from marlaas_hpc.trajectory import Trajectory, assign_advantages
+
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=str(tiny_model_path)))
+    rng = random.Random(7)
+
+    def batch(task_id: str, rewards_per_group: list[list[float]]) -> list[Trajectory]:
+        out = []
+        for g, rewards in enumerate(rewards_per_group):
+            prompt = [rng.randrange(3, 100) for _ in range(rng.randrange(3, 7))]
+            for reward in rewards:
+                completion = [rng.randrange(3, 100) for _ in range(rng.randrange(2, 6))]
+                out.append(Trajectory(task_id, f"{task_id}/g{g}", prompt, completion,
+                                      [-rng.random() for _ in completion], 0, reward=reward))
+        assign_advantages(out, normalize_std=True)
+        return out
+
+    batches = [{"some": batch("some", [[1, 0, 0, 1], [1, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]]),
+                "none": batch("none", [[1, 1, 1, 1], [0, 0, 0, 0]])} for _ in range(3)]
+    for name in ("some", "none"):
+        trainer.add_task(name, LoraSpec(rank=4, alpha=8.0), AlgoSpec(lr=0.01, weight_decay=0.1))
+        with torch.no_grad():  # non-zero B: every step moves the adapters
+            for param in trainer.lora.parameters(name):
+                param.add_(torch.randn_like(param) * 0.05)
+    start = {name: trainer.state_dict(name) for name in ("some", "none")}
+
+    def run() -> tuple[list[dict], dict]:
+        for name, state in start.items():
+            trainer.load_state_dict(name, state)
+        metrics = [trainer.train_steps(step) for step in batches]
+        return metrics, {name: trainer.state_dict(name) for name in start}
+
+    skipped_metrics, skipped = run()
+    monkeypatch.setattr(MultiLoraTrainer, "_contributes", lambda self, task_id, traj: True)
+    every_metrics, every = run()
+    assert [m["some"]["skipped_rows"] for m in skipped_metrics] == [8.0] * 3
+    assert [m["none"]["skipped_rows"] for m in skipped_metrics] == [8.0] * 3
+    for name in start:
+        for key, tensor in every[name]["adapter"].items():
+            assert torch.allclose(skipped[name]["adapter"][key], tensor, rtol=1e-5, atol=1e-7), (name, key)
+        assert not torch.equal(every[name]["adapter"][next(iter(every[name]["adapter"]))],
+                               start[name]["adapter"][next(iter(start[name]["adapter"]))])  # they did move
+        for state_a, state_b in zip(skipped[name]["optimizer"]["state"].values(),
+                                    every[name]["optimizer"]["state"].values()):
+            assert all(torch.allclose(state_a[k], state_b[k], rtol=1e-5, atol=1e-9) for k in state_a)
+    for fast, full in zip(skipped_metrics, every_metrics):
+        assert fast["some"]["loss"] == pytest.approx(full["some"]["loss"], rel=1e-5, abs=1e-9)
+        assert fast["none"]["loss"] == 0.0 == full["none"]["loss"]
+    for name in start:
+        trainer.remove_task(name)

@@ -142,6 +142,11 @@ class LoraAdapter(torch.nn.Module):
     def effective_b(self) -> torch.Tensor:
         return self.lora_B if self.mask is None else self.lora_B * self.mask
 
+    def scaled_b(self) -> torch.Tensor:
+        """B (masked) times alpha / r: the scaling applied to the [out, r] matrix, not to the activation-sized
+        output of the B product (a full pass over the activations, forward and backward, per site and task)."""
+        return self.effective_b() * self.scaling
+
 
 class LoraSite:
     """The adapters of one megatron linear, applied by a forward hook (base module left as is)."""
@@ -215,7 +220,7 @@ class LoraSite:
             hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
         else:
             hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.tp_group)
-        return F.linear(hidden, adapter.effective_b()) * adapter.scaling
+        return F.linear(hidden, adapter.scaled_b())
 
     def _hook(self, module, args, kwargs, output):
         if not self.adapters:

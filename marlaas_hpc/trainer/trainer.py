@@ -292,7 +292,8 @@ class MultiLoraTrainer:
         """One optimizer step for each task in `batches`, sharing the base forward of the fused batch.
 
         Each task's loss is its token mean over its whole batch, whatever the micro-batching: a micro-batch's
-        token-mean loss is weighted by its share of the task's trained tokens before backward.
+        token-mean loss is weighted by its share of the task's trained tokens before backward. Rows that add
+        nothing to the loss are not run (`_contributes`); every task of the batch still takes its optimizer step.
         """
         for task_id, trajs in batches.items():
             self._task(task_id)
@@ -300,17 +301,43 @@ class MultiLoraTrainer:
                 if traj.task_id != task_id:
                     raise ValueError(f"trajectory of task {traj.task_id!r} in the batch of {task_id!r}")
         totals = {t: sum(sum(traj.mask()) for traj in trajs) for t, trajs in batches.items()}
+        items = [(task_id, traj) for task_id, trajs in batches.items() for traj in trajs
+                 if self._contributes(task_id, traj)]
+        computed = {t: 0 for t in batches}
+        """Trained tokens of the rows that run: the loss statistics are means over them."""
+        for task_id, traj in items:
+            computed[task_id] += sum(traj.mask())
         stats: dict[str, dict[str, float]] = {t: {} for t in batches}
         for task_id in batches:
             self.tasks[task_id].optimizer.zero_grad(set_to_none=True)
-        items = [(task_id, traj) for task_id, trajs in batches.items() for traj in trajs]
         mine = items[self.dp_rank::self.dp_size]  # this DP replica's rows (still grouped by task)
         for indices in self._micro_batches(mine, [self._length(traj) for _, traj in mine]):
-            self._accumulate_gradients([mine[i] for i in indices], totals, stats)
+            self._accumulate_gradients([mine[i] for i in indices], totals, computed, stats)
+        self._zero_missing_grads(list(batches), totals)
         if self.dp_size > 1:
             self._all_reduce_dp(list(batches), totals, stats)
-        return {task_id: self._optimizer_step(task_id, trajs, totals[task_id], stats[task_id])
+        return {task_id: self._optimizer_step(task_id, trajs, totals[task_id], stats[task_id],
+                                              skipped=len(trajs) - sum(1 for t, _ in items if t == task_id))
                 for task_id, trajs in batches.items()}
+
+    def _contributes(self, task_id: str, traj: Trajectory) -> bool:
+        """Whether a row's forward and backward can change the task's update. A row whose advantage is 0 (every
+        sample of its prompt group got the same reward: a third of local-demo's groups) adds exactly 0 to the
+        clipped surrogate and to its gradient; only a KL term to the base model would still pull on it. Its
+        tokens still count in the loss's token mean (`totals`), so the update is the same without it."""
+        return traj.advantage != 0 or self.tasks[task_id].algo.kl_beta > 0
+
+    def _zero_missing_grads(self, task_ids: list[str], totals: dict[str, int]) -> None:
+        """Zero gradients for the LoRA parameters of every task with trained tokens that got none here: all of its
+        rows were skipped (`_contributes`), or sit on another DP replica. AdamW then steps it as it would a zero
+        gradient (its moments decay and keep moving the weights). A task without trained tokens keeps none: its
+        AdamW skips it, on every replica alike."""
+        for task_id in task_ids:
+            if totals[task_id] == 0:
+                continue
+            for param in self.lora.parameters(task_id):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
 
     def _base_logprobs(self, rows: list[str], batch: dict[str, Any]) -> dict[float, torch.Tensor]:
         """Base-model (adapter off) logprobs at each temperature a KL-regularised task of the batch uses."""
@@ -322,20 +349,22 @@ class MultiLoraTrainer:
             return {temp: self._token_logprobs(vp_base, batch["labels"], temp) for temp in temperatures}
 
     def _accumulate_gradients(self, chunk: list[tuple[str, Trajectory]], totals: dict[str, int],
-                              stats: dict[str, dict[str, float]]) -> None:
+                              computed: dict[str, int], stats: dict[str, dict[str, float]]) -> None:
         """Forward and backward of one micro-batch. The rows' adapters stay selected through backward:
         activation recompute re-runs the forward (and its LoRA hooks) inside backward."""
         rows = [t for t, _ in chunk]
         batch = self._collate([traj for _, traj in chunk])
         base_logp = self._base_logprobs(rows, batch)
         with self.lora.ctx.use(rows):
-            total_loss = self._micro_batch_loss(rows, batch, base_logp, totals, stats)
+            total_loss = self._micro_batch_loss(rows, batch, base_logp, totals, computed, stats)
             if total_loss is not None:
                 total_loss.backward()
 
     def _micro_batch_loss(self, rows: list[str], batch: dict[str, Any], base_logp: dict[float, torch.Tensor],
-                          totals: dict[str, int], stats: dict[str, dict[str, float]]) -> torch.Tensor | None:
-        """Sum over the micro-batch's tasks of (task loss x its share of the task's trained tokens)."""
+                          totals: dict[str, int], computed: dict[str, int],
+                          stats: dict[str, dict[str, float]]) -> torch.Tensor | None:
+        """Sum over the micro-batch's tasks of (task loss x its share of the task's trained tokens); the statistics
+        are weighted by the micro-batch's share of the tokens that run (`computed`)."""
         vp = self._forward(batch["ids"])[:, :-1]
         total_loss = None
         for task_id, rows_of_task in _task_slices(rows):  # views: no copy of the (vocab-wide) logits per task
@@ -350,28 +379,22 @@ class MultiLoraTrainer:
                                        clip_eps=algo.clip_eps, kl_beta=algo.kl_beta, base_logp=base)
             weight = n_tokens / totals[task_id]
             total_loss = loss * weight if total_loss is None else total_loss + loss * weight
-            acc = stats[task_id]
+            acc, share = stats[task_id], n_tokens / computed[task_id]
             for key, value in mb_stats.items():
-                if key != "tokens":
+                if key == "loss":  # a mean over every trained token (skipped rows add 0)
                     acc[key] = acc.get(key, 0.0) + value * weight
+                elif key != "tokens":
+                    acc[key] = acc.get(key, 0.0) + value * share
             with torch.no_grad():  # distance to the behaviour policy: ~0 on-policy at equal version
-                diff = float(((logp - behaviour).abs() * mask).sum()) / totals[task_id]
+                diff = float(((logp - behaviour).abs() * mask).sum()) / computed[task_id]
             acc["logp_diff_abs"] = acc.get("logp_diff_abs", 0.0) + diff
         return total_loss
 
     def _all_reduce_dp(self, task_ids: list[str], totals: dict[str, int], stats: dict[str, dict[str, float]]) -> None:
         """Sums the DP replicas' LoRA gradients and loss statistics. Every replica weighted its rows' losses by the
-        task's tokens over the whole batch, so the sums are the whole batch's gradient and statistics. A task with
-        trained tokens gets gradients on every replica (zeros where it had no rows), as on one replica; one
-        without any keeps none, so its AdamW skips it on every replica alike."""
-        params = []
-        for task_id in task_ids:
-            if totals[task_id] == 0:
-                continue
-            for param in self.lora.parameters(task_id):
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                params.append(param)
+        task's tokens over the whole batch, so the sums are the whole batch's gradient and statistics. Every task
+        with trained tokens has gradients on every replica (`_zero_missing_grads`)."""
+        params = [param for task_id in task_ids if totals[task_id] for param in self.lora.parameters(task_id)]
         if params:
             flat = torch.cat([param.grad.reshape(-1) for param in params])
             dist.all_reduce(flat, group=self.dp_group)
@@ -386,7 +409,7 @@ class MultiLoraTrainer:
                               for key in sorted({k for r in replicas for k in r[task_id]})}
 
     def _optimizer_step(self, task_id: str, trajs: Sequence[Trajectory], tokens: int,
-                        stats: dict[str, float]) -> dict[str, float]:
+                        stats: dict[str, float], skipped: int = 0) -> dict[str, float]:
         task = self.tasks[task_id]
         grad_norm = float(self.lora.grad_norm(task_id))
         if task.algo.grad_clip > 0 and grad_norm > task.algo.grad_clip:
@@ -397,7 +420,8 @@ class MultiLoraTrainer:
         task.optimizer.step()
         task.version += 1
         metrics = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "logp_diff_abs": 0.0, **stats}
-        metrics.update(tokens=float(tokens), trajectories=float(len(trajs)), grad_norm=grad_norm,
+        metrics.update(tokens=float(tokens), trajectories=float(len(trajs)), skipped_rows=float(skipped),
+                       grad_norm=grad_norm,
                        lr=float(task.algo.lr), version=float(task.version),
                        reward_mean=sum(t.reward for t in trajs) / max(len(trajs), 1))
         return metrics
