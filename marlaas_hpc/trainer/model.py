@@ -205,3 +205,13 @@ def causal_mask(batch: int, seq: int, device=None) -> torch.Tensor:
     """Explicit megatron attention mask [b, 1, s, s], True = masked out (future positions)."""
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)
     return mask.view(1, 1, seq, seq).expand(batch, 1, seq, seq)
+
+
+def packed_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """Attention mask [b, 1, s, s] (True = masked out) of packed rows: segments [b, s] names the sequence each
+    position belongs to, and a position sees the earlier positions of its own sequence only. RoPE makes the
+    result independent of where a sequence sits in its row (attention scores depend on relative positions)."""
+    seq = segments.shape[1]
+    future = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=segments.device), diagonal=1)
+    other = segments.unsqueeze(2) != segments.unsqueeze(1)
+    return (future | other).unsqueeze(1)

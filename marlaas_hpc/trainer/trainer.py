@@ -22,7 +22,7 @@ from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec, SpecError
 from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
 from marlaas_hpc.trainer.grpo import grpo_loss
 from marlaas_hpc.trainer.lora import MultiLora
-from marlaas_hpc.trainer.model import build_gpt_model, causal_mask, init_distributed
+from marlaas_hpc.trainer.model import build_gpt_model, causal_mask, init_distributed, packed_causal_mask
 from marlaas_hpc.trainer.peft_io import read_peft_adapter, write_peft_adapter
 from marlaas_hpc.trajectory import Trajectory
 
@@ -183,11 +183,14 @@ class MultiLoraTrainer:
             return None
         return torch.arange(first, first + local, device=self.device) >= self.vocab_size
 
-    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel logits [b, s, V_padded/tp] with the adapters `self.lora.ctx` holds for the rows."""
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocab-parallel logits [b, s, V_padded/tp] with the adapters `self.lora.ctx` holds for the rows; the
+        attention mask of packed rows (`_pack`), else causal."""
         batch, seq = input_ids.shape
         positions = torch.arange(seq, device=self.device).unsqueeze(0).expand(batch, seq)
-        return self.model(input_ids, positions, causal_mask(batch, seq, self.device))
+        if attention_mask is None:
+            attention_mask = causal_mask(batch, seq, self.device)
+        return self.model(input_ids, positions, attention_mask)
 
     def _token_logprobs(self, vp_logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
         """log softmax(logits / T)[label] in float32 over the vocab-parallel logits (no full-vocab gather)."""
@@ -242,31 +245,62 @@ class MultiLoraTrainer:
     def _length(traj: Trajectory) -> int:
         return len(traj.prompt_ids) + len(traj.completion_ids)
 
-    def _collate(self, trajectories: Sequence[Trajectory]) -> dict[str, Any]:
-        """Right-padded prompt+completion ids; per-position (label space, length s-1) targets and masks."""
+    PACKED_ROW_MIN_TOKENS = 32
+    """Packed rows are at least this long (else as long as the longest sequence): short sequences share a row."""
+
+    def _pack(self, items: Sequence[tuple[str | None, Trajectory]]) -> dict[str, Any]:
+        """A micro-batch's sequences packed into rows, one task per row (first fit, longest first). A fused step
+        padded every sequence to its longest one: four times the trained tokens where a multi-turn task's episodes
+        met a short task's. Returns ids [rows, s]; per position in label space (length s-1) the targets, the
+        loss mask, behaviour logprobs and advantages; the attention mask that keeps each sequence to itself
+        (`packed_causal_mask`); `tasks`, the adapter of each row; `spans`, each item's (row, first label
+        position, completion tokens)."""
         lengths = []
-        for traj in trajectories:
+        for _, traj in items:
             traj.check()
             if not traj.prompt_ids:
                 raise ValueError(f"trajectory of {traj.task_id}: empty prompt")
             lengths.append(len(traj.prompt_ids) + len(traj.completion_ids))
-        batch, seq = len(trajectories), max(max(lengths), 2)
-        ids = torch.full((batch, seq), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(batch, seq - 1)
-        behaviour = torch.zeros(batch, seq - 1)
-        spans = []
-        for i, traj in enumerate(trajectories):
-            tokens = list(traj.prompt_ids) + list(traj.completion_ids)
-            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            start, n = len(traj.prompt_ids) - 1, len(traj.completion_ids)
-            if n:
-                mask[i, start: start + n] = torch.tensor(traj.mask(), dtype=torch.float32)
-                behaviour[i, start: start + n] = torch.tensor(traj.behaviour_logprobs, dtype=torch.float32)
-            spans.append((start, n))
-        advantages = torch.tensor([float(t.advantage) for t in trajectories])
+        width = max(max(lengths), 2, self.PACKED_ROW_MIN_TOKENS)
+        rows: list[tuple[str | None, list[int]]] = []
+        for task in dict.fromkeys(task for task, _ in items):
+            filled: list[tuple[str | None, list[int]]] = []
+            room: list[int] = []
+            for i in sorted((i for i, (t, _) in enumerate(items) if t == task), key=lambda i: -lengths[i]):
+                row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+                if row is None:
+                    filled.append((task, []))
+                    room.append(width)
+                    row = len(filled) - 1
+                filled[row][1].append(i)
+                room[row] -= lengths[i]
+            rows += filled
+        return self._packed_tensors(items, rows, width)
+
+    def _packed_tensors(self, items: Sequence[tuple[str | None, Trajectory]],
+                        rows: list[tuple[str | None, list[int]]], width: int) -> dict[str, Any]:
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        segments = torch.full((len(rows), width), -1, dtype=torch.long)  # padding: a segment of its own
+        mask, behaviour, advantages = (torch.zeros(len(rows), width - 1) for _ in range(3))
+        spans: list[tuple[int, int, int]] = [(0, 0, 0)] * len(items)
+        for r, (_, members) in enumerate(rows):
+            offset = 0
+            for i in members:
+                traj = items[i][1]
+                tokens = list(traj.prompt_ids) + list(traj.completion_ids)
+                ids[r, offset: offset + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+                segments[r, offset: offset + len(tokens)] = i
+                start, n = offset + len(traj.prompt_ids) - 1, len(traj.completion_ids)
+                if n:  # position p predicts token p + 1: the completion's tokens, not the next sequence's first
+                    mask[r, start: start + n] = torch.tensor(traj.mask(), dtype=torch.float32)
+                    behaviour[r, start: start + n] = torch.tensor(traj.behaviour_logprobs, dtype=torch.float32)
+                    advantages[r, start: start + n] = float(traj.advantage)
+                spans[i] = (r, start, n)
+                offset += len(tokens)
         to = dict(device=self.device)
         return dict(ids=ids.to(**to), labels=ids[:, 1:].contiguous().to(**to), mask=mask.to(**to),
-                    behaviour=behaviour.to(**to), advantages=advantages.to(**to), spans=spans)
+                    behaviour=behaviour.to(**to), advantages=advantages.to(**to),
+                    attention=packed_causal_mask(segments.to(**to)), tasks=[task for task, _ in rows], spans=spans)
 
     @torch.no_grad()
     def logprobs(self, task_id: str | None, trajectories: Sequence[Trajectory],
@@ -275,11 +309,11 @@ class MultiLoraTrainer:
         trajectories = list(trajectories)
         out: list[list[float]] = [[] for _ in trajectories]
         for indices in self._micro_batches(trajectories, [self._length(t) for t in trajectories]):
-            batch = self._collate([trajectories[i] for i in indices])
-            with self.lora.ctx.use(self._rows(task_id, len(indices))):
-                vp = self._forward(batch["ids"])[:, :-1]
+            batch = self._pack([(task_id, trajectories[i]) for i in indices])
+            with self.lora.ctx.use(self._rows(task_id, len(batch["tasks"]))):
+                vp = self._forward(batch["ids"], batch["attention"])[:, :-1]
             logp = self._token_logprobs(vp, batch["labels"], temperature).cpu()
-            for row, (index, (start, n)) in enumerate(zip(indices, batch["spans"])):
+            for index, (row, start, n) in zip(indices, batch["spans"]):
                 out[index] = logp[row, start: start + n].tolist()
         return out
 
@@ -345,15 +379,15 @@ class MultiLoraTrainer:
         if not temperatures:
             return {}
         with torch.no_grad(), self.lora.ctx.use(None, batch=len(rows)):
-            vp_base = self._forward(batch["ids"])[:, :-1]
+            vp_base = self._forward(batch["ids"], batch["attention"])[:, :-1]
             return {temp: self._token_logprobs(vp_base, batch["labels"], temp) for temp in temperatures}
 
     def _accumulate_gradients(self, chunk: list[tuple[str, Trajectory]], totals: dict[str, int],
                               computed: dict[str, int], stats: dict[str, dict[str, float]]) -> None:
         """Forward and backward of one micro-batch. The rows' adapters stay selected through backward:
         activation recompute re-runs the forward (and its LoRA hooks) inside backward."""
-        rows = [t for t, _ in chunk]
-        batch = self._collate([traj for _, traj in chunk])
+        batch = self._pack(chunk)
+        rows = batch["tasks"]
         base_logp = self._base_logprobs(rows, batch)
         with self.lora.ctx.use(rows):
             total_loss = self._micro_batch_loss(rows, batch, base_logp, totals, computed, stats)
@@ -365,7 +399,7 @@ class MultiLoraTrainer:
                           stats: dict[str, dict[str, float]]) -> torch.Tensor | None:
         """Sum over the micro-batch's tasks of (task loss x its share of the task's trained tokens); the statistics
         are weighted by the micro-batch's share of the tokens that run (`computed`)."""
-        vp = self._forward(batch["ids"])[:, :-1]
+        vp = self._forward(batch["ids"], batch["attention"])[:, :-1]
         total_loss = None
         for task_id, rows_of_task in _task_slices(rows):  # views: no copy of the (vocab-wide) logits per task
             algo = self.tasks[task_id].algo
