@@ -11,7 +11,7 @@ One prompt group = G episodes of one sample (a single-turn task is the one-turn 
         Final, or a limit (max_turns / max_episode_tokens) → the episode ends (truncation reward: 0.0)
     when every step of the turn is back:
         some go on  → ContinueGroup(their contexts) ──► rollout ──GroupData(turn t+1, those)──► env rank ...
-        all ended   → ScoredGroup ──► trainer leader;  Generated (multi-turn), Scored ──► rank 0;
+        all ended   → ScoredGroup ──► trainer leader;  Scored ──► rank 0;
                       GroupEnded ──► rollout (unpins the group's version)
 
 Rank 0 builds the first prompt by calling the task env's `reset` (envs reset deterministically); the env
@@ -44,7 +44,7 @@ from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupData,
                                           GroupEnded, RankStats, ScoredGroup, Shutdown)
-from marlaas_hpc.scheduler import Admit, Generated, Move, Scored, TaskFailed
+from marlaas_hpc.scheduler import Admit, Move, Scored, TaskFailed
 from marlaas_hpc.trajectory import Trajectory, assign_advantages
 
 
@@ -155,7 +155,7 @@ class EnvRank:
     def _on_turn(self, data: GroupData, rollout_rank: int) -> None:
         if data.task_id in self.failed:
             if is_multi_turn(self.tasks[data.task_id]):
-                self._drop(data, rollout_rank, generated=data.turn == 1)  # later turns: dropped in _fail
+                self._drop(data, rollout_rank)
             return
         with self.clock.track("turn", (data.task_id,)):  # no extras: back-to-back spans merge
             group = self.groups.get(data.group_id) if data.turn > 1 else self._open(data, rollout_rank)
@@ -177,7 +177,7 @@ class EnvRank:
                 self._fail(data.task_id, f"env rank {self.rank}: env reset() gave a different prompt than rank "
                                          "0's (resets must be deterministic)")
                 if is_multi_turn(task):
-                    self._drop(data, rollout_rank, generated=True)
+                    self._drop(data, rollout_rank)
                 return None
         group = _Group(data, rollout_rank, is_multi_turn(task), [_Episode(env) for env in envs], time.time())
         self.groups[data.group_id] = group
@@ -276,8 +276,6 @@ class EnvRank:
             trajectory.check()
         assign_advantages(trajectories, self.specs[first.task_id].algo.normalize_adv_std)
         self.outbox.send(ScoredGroup(first.group_id, trajectories), self.trainer_of[first.task_id], TAG_DATA)
-        if group.multi_turn:  # same channel as Scored, so rank 0 sees the group generated before scored
-            self.outbox.send(Generated(group.rollout_rank, (first.group_id,), (first.version,)), 0, TAG_EVENT)
         self.outbox.send(Scored(first.group_id, sum(rewards) / len(rewards)), 0, TAG_EVENT)
 
     def _fail(self, task_id: str, error: str) -> None:
@@ -290,14 +288,12 @@ class EnvRank:
             if group.first.task_id == task_id:
                 del self.groups[group_id]
                 if group.multi_turn:
-                    self._drop(group.first, group.rollout_rank, generated=True)
+                    self._drop(group.first, group.rollout_rank)
 
-    def _drop(self, first: GroupData, rollout_rank: int, generated: bool) -> None:
-        """Ends a multi-turn group of a failed task: the rollout rank unpins it, and rank 0 frees its rollout
-        slot (its Generated comes from here; exactly once per group)."""
+    def _drop(self, first: GroupData, rollout_rank: int) -> None:
+        """Ends a multi-turn group of a failed task: the rollout rank unpins it (its slot was freed at its first
+        turn: the rollout rank's Generated)."""
         self.outbox.send(GroupEnded(first.group_id), rollout_rank, TAG_DATA)
-        if generated and not first.eval:
-            self.outbox.send(Generated(rollout_rank, (first.group_id,), (first.version,)), 0, TAG_EVENT)
 
     # ---- measurements ----
     def _note_step(self, group: _Group, j: int, outcome: StepOutcome) -> None:

@@ -3,12 +3,15 @@ deltas from the trainer group leaders (runtime/delta_fanin.py), and sends finish
 rank.
 
 A prompt group's first turn comes from rank 0 (GenerateWork). Training work asked for a superseded version
-samples with the newest one. Single-turn groups are done when their G completions are: GroupData to the env
-rank, Generated to rank 0. Multi-turn groups (tool tasks) stay open: the env rank answers each turn with
-ContinueGroup (the next turn of the episodes that go on, sampled with the group's version, never a newer
-one) until it sends GroupEnded. The group's version is pinned in the engine from its first turn to
-GroupEnded, so the engine cannot retire it while an episode waits on a tool; its Generated event comes from
-the env rank when the group ends (so it reaches rank 0 before the group's Scored, on the same channel).
+samples with the newest one. When a group's turn is done (its G completions): GroupData to the env rank, Generated
+to rank 0, which frees the group's rollout slot. Single-turn groups are then done. Multi-turn groups (tool tasks)
+stay open: the env rank answers each turn with ContinueGroup (the next turn of the episodes that go on, sampled
+with the group's version, never a newer one) until it sends GroupEnded. A slot counts a group's turn in the
+engine, not its life: while its tool calls wait on a service the group holds none, and its next turn takes one
+again when it enters the batch (Resumed to rank 0). A slot held through the tool waits kept the other tasks'
+groups out of an idle engine: single-turn tasks next to a lookup task stepped at the pace of its tool. The
+group's version is pinned in the engine from its first turn to GroupEnded, so the engine cannot retire it while
+an episode waits on a tool.
 
 Each version's delta goes into the engine as tensors (`AdapterRef(..., tensors=..., lora=...)`): no directory
 per version on a rollout rank. The engine holds them in host memory until it retires the version (superseded,
@@ -27,7 +30,7 @@ from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, GenerateWork,
                                           GroupData, GroupEnded, PromptGroup, RankStats, Shutdown)
-from marlaas_hpc.scheduler import Generated
+from marlaas_hpc.scheduler import Generated, Resumed
 
 
 @dataclass
@@ -190,12 +193,17 @@ class RolloutRank:
             return
         entry.turn = message.turn
         self.engine.submit(self._turn_requests(entry, message.episodes, message.contexts))
+        if not entry.work.eval:
+            self.outbox.send(Resumed(self.rank, (message.group_id,)), 0, TAG_EVENT)
 
     def _end(self, group_id: str) -> None:
-        """Closes a multi-turn group; turns still generating are dropped when they finish."""
+        """Closes a multi-turn group; a turn still generating (its task failed) is dropped when it finishes, and
+        its slot is freed now."""
         entry = self.open_groups.pop(group_id, None)
         if entry is None:
             return
+        if entry.waiting and not entry.work.eval:
+            self.outbox.send(Generated(self.rank, (group_id,), (entry.version,)), 0, TAG_EVENT)
         if entry.version is not None:
             self.engine.unpin(entry.work.task_id, entry.version)
         self._note_group(entry)
@@ -227,12 +235,12 @@ class RolloutRank:
                          turn=entry.turn, episodes=episodes, sampled_versions=[g.adapter_version for g in gens],
                          newest_version=entry.newest)
         self.outbox.send(data, work.env_rank, TAG_DATA)
+        if not work.eval:  # the turn left the engine: its slot is free
+            self.outbox.send(Generated(self.rank, (group.group_id,), (entry.version,)), 0, TAG_EVENT)
         if work.multi_turn:
             return
         del self.open_groups[group.group_id]
         self._note_group(entry)
-        if not work.eval:
-            self.outbox.send(Generated(self.rank, (group.group_id,), (entry.version,)), 0, TAG_EVENT)
 
     def _note_group(self, entry: _OpenGroup) -> None:
         self.clock.note("group", (entry.work.task_id,), entry.t0, time.time(), group_id=entry.group.group_id,

@@ -63,6 +63,16 @@ class Generated:
 
 
 @dataclass(slots=True)
+class Resumed:
+    """A multi-turn group's next turn entered the rollout rank's batch (its tool calls are back): it takes a rollout
+    slot again, even past rollout_slots (its episodes' version is pinned: it never waits). Its Generated, when the
+    turn is done, frees the slot."""
+
+    rollout_rank: int
+    group_ids: tuple[str, ...]
+
+
+@dataclass(slots=True)
 class Scored:
     group_id: str
     reward_mean: float
@@ -178,7 +188,9 @@ class SchedulerConfig:
     env_ranks: tuple[int, ...] = (2,)
     """World ranks that score."""
     rollout_slots: int = 4
-    """Groups one rollout rank generates concurrently (its continuous batch, in prompt groups)."""
+    """Groups one rollout rank generates concurrently (its continuous batch, in prompt groups). A group holds its
+    slot until its first turn is done (Generated): a multi-turn group's later turns rejoin the batch without one,
+    so tool calls that wait on a service do not keep other tasks' groups out of the engine."""
     max_active_tasks: int = 8
     """Adapter slots: tasks running at once; the rest wait queued."""
     trainer_slots: int = 4
@@ -304,6 +316,10 @@ class Scheduler:
         self.trainers.moving.discard(event.task_id)
         return []
 
+    def _resumed(self, event: Resumed) -> list:
+        self._rank_taken(event.rollout_rank, len(event.group_ids))
+        return []
+
     def _submit(self, spec: TaskSpec, resume: dict | None = None) -> None:
         if spec.task_id in self.tasks:
             raise ValueError(f"task_id: duplicate task id {spec.task_id!r}")
@@ -321,7 +337,8 @@ class Scheduler:
 
     def _generated(self, event: Generated) -> list:
         # Events from different ranks may arrive in any order: a group's Scored (from its env rank) can
-        # overtake its Generated (from its rollout rank). Only a group still generating moves to scoring.
+        # overtake its Generated (from its rollout rank). Only a group still generating moves to scoring; the
+        # Generated of a multi-turn group's later turn (after its Resumed) only frees the slot.
         out = []
         versions = event.versions or (None,) * len(event.group_ids)
         self._rank_freed(event.rollout_rank, len(event.group_ids))
@@ -631,9 +648,10 @@ class Scheduler:
             bisect.insort(self._free_ranks, self._rank_index[rank])
 
     def _rank_taken(self, rank: int, count: int) -> None:
-        """A rollout rank (one listed in _free_ranks) was given `count` groups."""
+        """A rollout rank was given `count` group turns: new groups (it is listed in _free_ranks), or multi-turn
+        groups' next turns (Resumed: they may take it past its slots)."""
         load = self.rollout_load[rank] = self.rollout_load[rank] + count
-        if load >= self.config.rollout_slots:
+        if load - count < self.config.rollout_slots <= load:
             del self._free_ranks[bisect.bisect_left(self._free_ranks, self._rank_index[rank])]
 
     def _first_sequential(self) -> TaskState:
@@ -782,4 +800,4 @@ class Scheduler:
 # event type -> handler (one dict lookup per event instead of a chain of isinstance checks)
 Scheduler._HANDLERS = {Submit: Scheduler._on_submit, Cancel: Scheduler._on_cancel, Generated: Scheduler._generated,
                        Scored: Scheduler._scored, StepDone: Scheduler._step_done, TaskFailed: Scheduler._on_failed,
-                       Moved: Scheduler._on_moved}
+                       Moved: Scheduler._on_moved, Resumed: Scheduler._resumed}

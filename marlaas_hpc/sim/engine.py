@@ -25,7 +25,7 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, Scheduler, Scored, StepDone,
+from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, Resumed, Scheduler, Scored, StepDone,
                                    Submit, TaskEnded, TaskFailed, Train)
 from marlaas_hpc.sim.setup import SimSetup
 from marlaas_hpc.sim.workload import TaskProfile, Workload
@@ -84,6 +84,10 @@ class SimGroup:
     eval: bool = False
     tokens: int = 0
     """Prompt + generated + tool tokens of all its sequences (what the trainer trains on)."""
+    in_engine: int = 0
+    """Its sequences in the engine (running or queued for room). A group holds a rollout slot while any is: at 0
+    its turn left the engine (Generated: the slot is free while tools run); a sequence back from its tool call
+    takes the slot again (Resumed), as the runtime counts slots."""
 
 
 @dataclass(eq=False, slots=True)
@@ -130,6 +134,7 @@ class RolloutSim:
         rng, profile = self.sim.rng, group.profile
         prompt = round(profile.prompt_tokens.sample(rng))
         group.tokens += prompt * group.sequences_left
+        group.in_engine = group.sequences_left
         self._prefill(prompt * group.sequences_left)
         for _ in range(group.sequences_left):
             self._enter(Sequence(group, profile.turns if not group.eval else 1))
@@ -228,8 +233,11 @@ class RolloutSim:
         self._schedule()
 
     def _turn_done(self, sequence: Sequence) -> None:
-        sequence.turns_left -= 1
         group = sequence.group
+        group.in_engine -= 1
+        if group.in_engine == 0:
+            self.sim.group_left_engine(self.rank, group)
+        sequence.turns_left -= 1
         if sequence.turns_left > 0:  # a tool call, then the next turn continues the episode
             rng = self.sim.rng
             self.sim.queue.after(group.profile.tool_latency.sample(rng), self._tool_returns, sequence,
@@ -240,6 +248,9 @@ class RolloutSim:
             self.sim.group_generated(self.rank, group)
 
     def _tool_returns(self, sequence: Sequence, tool_tokens: int) -> None:
+        if sequence.group.in_engine == 0:
+            self.sim.group_resumed(self.rank, sequence.group)
+        sequence.group.in_engine += 1
         sequence.group.tokens += tool_tokens
         self._prefill(tool_tokens)
         self._enter(sequence)
@@ -520,10 +531,19 @@ class Simulation:
             self.queue.after(self.latency, self.rollout[rollout].receive, group, version)
 
     # ---- worker -> worker ----
-    def group_generated(self, rollout_rank: int, group: SimGroup) -> None:
+    def group_left_engine(self, rollout_rank: int, group: SimGroup) -> None:
+        """None of the group's sequences is in the engine: its rollout slot is free."""
         if not group.eval:
             self.queue.after(self.latency, self.scheduler_event,
                              Generated(rollout_rank, (group.group_id,), (group.version,)))
+
+    def group_resumed(self, rollout_rank: int, group: SimGroup) -> None:
+        """A sequence of the group is back from its tool call: the group takes a rollout slot again."""
+        if not group.eval:
+            self.queue.after(self.latency, self.scheduler_event, Resumed(rollout_rank, (group.group_id,)))
+
+    def group_generated(self, rollout_rank: int, group: SimGroup) -> None:
+        """Every turn of the group is done: its data goes to scoring."""
         samples = 1 if group.eval else self._specs[group.task_id].algo.group_size
         self.queue.after(self.latency, self.env[group.env_rank].score, group, samples, rollout_rank)
 
