@@ -69,3 +69,24 @@ def test_slot_rows_slices_contiguous_runs_and_indexes_the_rest():
     groups = dict(slot_rows(torch.tensor([2, 2, 0, 1, 0, -1, 3, 3])))
     assert groups[2] == slice(0, 2) and groups[1] == slice(3, 4) and groups[3] == slice(6, 8)
     assert groups[0].tolist() == [2, 4] and -1 not in groups
+
+
+def test_an_adapter_written_into_a_slot_replaces_the_cached_one():
+    """vLLM writes a newly activated adapter into its slot in place (copy_ into the stacked weights); the grouped
+    wrapper's per-slot fused weights follow it (the stacked tensors' versions move)."""
+    gen = torch.Generator().manual_seed(2)
+    token_ids = [11] * 5 + [7] * 4
+    x = torch.randn(len(token_ids), HIDDEN, generator=gen)
+    a, b = _weights(gen)
+    wrapper = GroupedPunicaWrapperCPU(max_num_batched_tokens=256, max_batches=64, device="cpu")
+    mapping = LoRAMapping(index_mapping=token_ids, prompt_mapping=token_ids, is_prefill=False)
+    wrapper.update_metadata(mapping, LORA_IDS, SLOTS, vocab_size=100)
+    wrapper.add_lora_linear(torch.zeros(len(token_ids), sum(SLICES)), x, a, b, 0.5, SLICES)
+    slot = LORA_IDS.index(7)
+    for k in range(len(SLICES)):  # as vLLM's set_lora: in place, through views of the stacked tensors
+        a[k][slot, 0].copy_(torch.randn(RANK, HIDDEN, generator=gen))
+        b[k][slot, 0].copy_(torch.randn(SLICES[k], RANK, generator=gen))
+    got = torch.zeros(len(token_ids), sum(SLICES))
+    wrapper.add_lora_linear(got, x, a, b, 0.5, SLICES)
+    expected = _run(PunicaWrapperCPU, token_ids, False, x, a, b, 0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

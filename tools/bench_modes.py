@@ -1,7 +1,7 @@
 """The same multi-task workload in the three modes (async / sync / sequential) at several task counts.
 
     python tools/bench_modes.py [--tasks 1 2 4 8] [--steps 6] [--engine vllm] [--out runs/bench_modes]
-    python tools/bench_modes.py --tool-workload [--steps 10] [--tool-latency 0.5 2.0] [--rollout-slots 8]
+    python tools/bench_modes.py --tool-workload [--steps 10] [--tool-latency 0.5 2.0] [--rollout-slots 32]
 
 Each run is a real local-mode job (`marlaas run`, mpirun, all ranks); figures come from its summary.json.
 Prints e2e time, busy fractions, mean TTFS / TPTS and mean final accuracy per mode, and the ratios
@@ -11,8 +11,8 @@ async/sequential and async/sync measured in this run.
 tool waits `tool_latency_s` on a service (one latency per lookup task) next to 2 single-turn addition tasks, in
 async and sequential modes, and prints async/sequential, the single-turn tasks' time per step (TPTS) in both
 (a tool wait must not slow another tenant's cheap reward), and the env rank's figures: the most lookup calls in
-flight at once and the workers' queue wait. A multi-turn group holds its rollout slot until its episodes end,
-tool waits included, so `rollout_slots` (tool-demo's 8 by default) bounds how many groups wait on tools at once.
+flight at once and the workers' queue wait. A group holds a rollout slot for the turns it spends in the engine,
+not through its tool waits; the workload samples 32 groups at once on its one rollout rank, as local-demo does.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def workload(n_tasks: int, steps: int, engine: str, staleness: int) -> dict:
             "layout": {"env_ranks": 1, "rollout_ranks": 2, "trainer_tp": 1}, "tasks": tasks}
 
 
-def tool_workload(steps: int, latencies_s: list[float], engine: str = "vllm", rollout_slots: int = 8) -> dict:
+def tool_workload(steps: int, latencies_s: list[float], engine: str = "vllm", rollout_slots: int = 32) -> dict:
     """Agentic-search shape: 2 lookup tasks whose tool waits on a service (lookup i: latencies_s[i % n]) next to
     2 single-turn addition tasks (tool-demo's layout and env pool)."""
     def lookup(i):
@@ -134,7 +134,7 @@ def main() -> None:
                              "sequential, instead of --tasks")
     parser.add_argument("--tool-latency", type=float, nargs="+", default=[0.5, 2.0],
                         help="tool_latency_s of each lookup task (cycled)")
-    parser.add_argument("--rollout-slots", type=int, default=8, help="the tool workload's rollout_slots")
+    parser.add_argument("--rollout-slots", type=int, default=32, help="the tool workload's rollout_slots")
     args = parser.parse_args()
     if args.tool_workload:
         return tool_bench(args)

@@ -35,6 +35,9 @@ class GroupedPunicaWrapperCPU(PunicaWrapperCPU):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._groups = SlotGroups.of(torch.empty(0, dtype=torch.long))
+        self._fused: dict[tuple[int, int], tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+        """(id of a projection's first stacked A, slot) -> (the stacked tensors' versions, stacked A, block B):
+        rebuilt when vLLM writes another adapter into the slot (an in-place copy bumps the tensors' versions)."""
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
@@ -52,14 +55,28 @@ class GroupedPunicaWrapperCPU(PunicaWrapperCPU):
         grouped = x2[groups.span] if groups.order is None else x2.index_select(0, groups.order)
         delta = torch.empty(grouped.shape[0], sum(output_slices), dtype=torch.float32)
         for slot, first, end in groups.ranges:
-            a = torch.cat([_matrix(a_all, slot) for a_all in lora_a_stacked]).to(torch.float32)
+            a, b = self._slot_weights(lora_a_stacked, lora_b_stacked, slot, output_slices, scale)
             shrunk = grouped[first:end].to(torch.float32) @ a.T  # fp32 like the Triton kernels' buffer
-            torch.mm(shrunk, _block_b(lora_b_stacked, slot, output_slices, scale).T, out=delta[first:end])
+            torch.mm(shrunk, b.T, out=delta[first:end])
         delta = delta.to(y2.dtype)
         if groups.order is None:
             y2[groups.span] += delta
         else:
             y2.index_add_(0, groups.order, delta)
+
+
+    def _slot_weights(self, lora_a_stacked, lora_b_stacked, slot: int, output_slices: tuple[int, ...],
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's stacked A [slices x rank, in] and block-diagonal B [sum(widths), slices x rank] (times scale),
+        fp32, built once per adapter that vLLM puts in the slot."""
+        stacked = (*lora_a_stacked, *lora_b_stacked)
+        versions = tuple(t._version for t in stacked) + (scale,)
+        key = (id(lora_a_stacked[0]), slot)
+        cached = self._fused.get(key)
+        if cached is None or cached[0] != versions:
+            a = torch.cat([_matrix(a_all, slot) for a_all in lora_a_stacked]).to(torch.float32)
+            cached = self._fused[key] = (versions, a, _block_b(lora_b_stacked, slot, output_slices, scale))
+        return cached[1], cached[2]
 
 
 def _block_b(lora_b_stacked: tuple[torch.Tensor, ...], slot: int, output_slices: tuple[int, ...],
