@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from marlaas_hpc.scheduler import (CANCELLED, DONE, Cancel, Scheduler, SchedulerConfig, Submit, Generate, Train,
-                                   Admit, StepDone, Generated, Scored)
+                                   Admit, StepDone, Generated, Resumed, Scored)
 from marlaas_hpc.scheduler.simloop import SimLoop
 from marlaas_hpc.tasks import TaskSpec
 
@@ -107,6 +107,27 @@ def test_late_generated_with_a_newer_version_keeps_the_oldest_groups_first():
     assert train.behaviour_versions == (0, 0, 1)
     sched.handle(StepDone("a", 2))
     assert {r.group_id: r.behaviour_version for r in sched.audit if r.trained_into == 2}[gids[3]] == 1
+
+
+def test_a_slot_is_held_for_a_turn_in_the_engine_not_through_tool_waits():
+    """A multi-turn group's Generated (its turn left the engine) frees its rollout slot for another task's groups;
+    its Resumed (next turn entered the batch) takes one again, past rollout_slots if need be, and no new group is
+    issued to the rank until the load is below its slots again."""
+    sched = Scheduler(SchedulerConfig(rollout_ranks=(1,), env_ranks=(2,), rollout_slots=2), clock=lambda: 0.0)
+    sched.handle(Submit(spec("tool", 1, steps=4, batch=2)))
+    sched.handle(Submit(spec("fast", 1, steps=4, batch=2)))
+    issued = sched.handle(StepDone("tool", 0))
+    assert [(c.task_id, len(c.groups)) for c in issued if isinstance(c, Generate)] == [("tool", 2)]
+    assert sched.handle(StepDone("fast", 0)) == []  # both slots are taken
+    tool_groups = [g for c in issued for g, _ in c.groups]
+    freed = sched.handle(Generated(1, (tool_groups[0],)))  # its first turn is done: it waits on a tool now
+    assert [(c.task_id, len(c.groups)) for c in freed if isinstance(c, Generate)] == [("fast", 1)]
+    assert sched.handle(Resumed(1, (tool_groups[0],))) == []  # its next turn: 3 turns in the engine, 2 slots
+    assert sched.rollout_load[1] == 3
+    assert sched.handle(Generated(1, (tool_groups[1],))) == []  # still at its slots: nothing new is issued
+    assert [len(c.groups) for c in sched.handle(Generated(1, (tool_groups[0],))) if isinstance(c, Generate)] == [1]
+    assert sched.rollout_load[1] == 2  # below its slots again: the freed one went to a new group
+    assert sched.tasks["tool"].scoring.keys() == set(tool_groups)  # a later turn's Generated only frees the slot
 
 
 def test_on_policy_k0_trains_only_current_version():
