@@ -72,21 +72,32 @@ def test_slot_rows_slices_contiguous_runs_and_indexes_the_rest():
 
 
 def test_an_adapter_written_into_a_slot_replaces_the_cached_one():
-    """vLLM writes a newly activated adapter into its slot in place (copy_ into the stacked weights); the grouped
-    wrapper's per-slot fused weights follow it (the stacked tensors' versions move)."""
+    """vLLM activates a new adapter (a new LoRA id) by writing it into a slot in place; the grouped wrapper's
+    per-slot fused weights follow the slot's id."""
     gen = torch.Generator().manual_seed(2)
-    token_ids = [11] * 5 + [7] * 4
-    x = torch.randn(len(token_ids), HIDDEN, generator=gen)
+    x = torch.randn(9, HIDDEN, generator=gen)
     a, b = _weights(gen)
     wrapper = GroupedPunicaWrapperCPU(max_num_batched_tokens=256, max_batches=64, device="cpu")
-    mapping = LoRAMapping(index_mapping=token_ids, prompt_mapping=token_ids, is_prefill=False)
-    wrapper.update_metadata(mapping, LORA_IDS, SLOTS, vocab_size=100)
-    wrapper.add_lora_linear(torch.zeros(len(token_ids), sum(SLICES)), x, a, b, 0.5, SLICES)
+
+    def run(ids, token_ids):
+        wrapper.update_metadata(LoRAMapping(index_mapping=token_ids, prompt_mapping=token_ids, is_prefill=False),
+                                ids, SLOTS, vocab_size=100)
+        y = torch.zeros(len(token_ids), sum(SLICES))
+        wrapper.add_lora_linear(y, x, a, b, 0.5, SLICES)
+        return y
+
+    run(LORA_IDS, [11] * 5 + [7] * 4)
     slot = LORA_IDS.index(7)
-    for k in range(len(SLICES)):  # as vLLM's set_lora: in place, through views of the stacked tensors
+    new_ids = list(LORA_IDS)
+    new_ids[slot] = 8  # id 7's slot now holds id 8: vLLM's set_lora, in place through views of the stacked tensors
+    for k in range(len(SLICES)):
         a[k][slot, 0].copy_(torch.randn(RANK, HIDDEN, generator=gen))
         b[k][slot, 0].copy_(torch.randn(SLICES[k], RANK, generator=gen))
-    got = torch.zeros(len(token_ids), sum(SLICES))
-    wrapper.add_lora_linear(got, x, a, b, 0.5, SLICES)
-    expected = _run(PunicaWrapperCPU, token_ids, False, x, a, b, 0.5)
+    token_ids = [11] * 5 + [8] * 4
+    got = run(new_ids, token_ids)
+    reference = PunicaWrapperCPU(max_num_batched_tokens=256, max_batches=64, device="cpu")
+    reference.update_metadata(LoRAMapping(index_mapping=token_ids, prompt_mapping=token_ids, is_prefill=False),
+                              new_ids, SLOTS, vocab_size=100)
+    expected = torch.zeros(len(token_ids), sum(SLICES))
+    reference.add_lora_linear(expected, x, a, b, 0.5, SLICES)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

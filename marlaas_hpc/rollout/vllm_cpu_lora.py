@@ -35,13 +35,15 @@ class GroupedPunicaWrapperCPU(PunicaWrapperCPU):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._groups = SlotGroups.of(torch.empty(0, dtype=torch.long))
-        self._fused: dict[tuple[int, int], tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
-        """(id of a projection's first stacked A, slot) -> (the stacked tensors' versions, stacked A, block B):
-        rebuilt when vLLM writes another adapter into the slot (an in-place copy bumps the tensors' versions)."""
+        self._slot_ids: list[int | None] = []
+        self._fused: dict[tuple[int, int], tuple[tuple, torch.Tensor, torch.Tensor]] = {}
+        """(id of a projection's first stacked A, slot) -> ((LoRA id in the slot, scale), stacked A, block B):
+        rebuilt when vLLM puts another adapter (another LoRA id: one per task version here) into the slot."""
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
         self._groups = SlotGroups.of(self.token_lora_indices)
+        self._slot_ids = list(lora_index_to_id)
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
                         lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
@@ -69,13 +71,12 @@ class GroupedPunicaWrapperCPU(PunicaWrapperCPU):
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """A slot's stacked A [slices x rank, in] and block-diagonal B [sum(widths), slices x rank] (times scale),
         fp32, built once per adapter that vLLM puts in the slot."""
-        stacked = (*lora_a_stacked, *lora_b_stacked)
-        versions = tuple(t._version for t in stacked) + (scale,)
+        held = (self._slot_ids[slot], scale)
         key = (id(lora_a_stacked[0]), slot)
         cached = self._fused.get(key)
-        if cached is None or cached[0] != versions:
+        if cached is None or cached[0] != held:
             a = torch.cat([_matrix(a_all, slot) for a_all in lora_a_stacked]).to(torch.float32)
-            cached = self._fused[key] = (versions, a, _block_b(lora_b_stacked, slot, output_slices, scale))
+            cached = self._fused[key] = (held, a, _block_b(lora_b_stacked, slot, output_slices, scale))
         return cached[1], cached[2]
 
 
