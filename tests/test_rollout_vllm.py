@@ -57,6 +57,27 @@ def test_vllm_mixed_batch_rows_equal_single_runs(vllm_engine, codec, temperature
         np.testing.assert_allclose(gen.logprobs, single.logprobs, atol=1e-4)
 
 
+def test_vllm_samples_of_one_prompt_go_in_as_one_request_and_equal_separate_ones(vllm_engine, codec):
+    """A prompt group's G requests (same prompt, seeds counting up) are one vLLM request with n = G samples; each
+    sample equals the request sampled alone with its own seed (vLLM seeds sample i with seed + i)."""
+    from marlaas_hpc.rollout.vllm_engine import _samples_of_one_prompt
+
+    prompt = codec.encode_prompt(PROMPTS[1])
+    group = [GenerationRequest(f"grp#{j}@1", "t1", 0, prompt, temperature=1.0, max_new_tokens=10, seed=500 + j)
+             for j in range(6)]
+    assert [len(run) for run in _samples_of_one_prompt(group)] == [6]
+    together = vllm_engine.generate(group)
+    for gen, req in zip(together, group):
+        [alone] = vllm_engine.generate([GenerationRequest("alone-" + req.request_id, "t1", 0, prompt, temperature=1.0,
+                                                          max_new_tokens=10, seed=req.seed)])
+        assert gen.request_id == req.request_id and gen.completion_ids == alone.completion_ids
+        np.testing.assert_allclose(gen.logprobs, alone.logprobs, atol=1e-5)
+    assert len({tuple(g.completion_ids) for g in together}) > 1, "the samples differ"
+    skipped_seed = group[:2] + [GenerationRequest("other", "t1", 0, prompt, temperature=1.0, max_new_tokens=10,
+                                                  seed=999)] + group[2:3]
+    assert [len(run) for run in _samples_of_one_prompt(skipped_seed)] == [2, 1, 1]
+
+
 def test_vllm_version_pinning_and_retirement(vllm_engine, adapters, codec):
     engine, prompt = vllm_engine, codec.encode_prompt(PROMPTS[1])
     engine.add_adapter(AdapterRef("pin", 0, str(adapters["t1"])))
