@@ -183,16 +183,17 @@ def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(tiny_model_p
     assert [m["none"]["skipped_rows"] for m in skipped_metrics] == [8.0] * 3
     for name in start:
         for key, tensor in every[name]["adapter"].items():
-            # packed rows hold other sequences when rows are skipped: float sums in another order, nothing more
-            # (a missed step or a wrong token count moves them by the learning rate, 1e-2)
-            assert torch.allclose(skipped[name]["adapter"][key], tensor, rtol=1e-4, atol=1e-5), (name, key)
+            # packed rows hold other sequences when rows are skipped: float sums in another order, which Adam
+            # turns into up to ~1e-4 for a weight whose gradient is ~0; a missed step or a wrong token count
+            # moves weights by the learning rate, 1e-2 (the loss and gradient norm are compared tightly below)
+            assert torch.allclose(skipped[name]["adapter"][key], tensor, rtol=1e-4, atol=2e-4), (name, key)
         assert not torch.equal(every[name]["adapter"][next(iter(every[name]["adapter"]))],
                                start[name]["adapter"][next(iter(start[name]["adapter"]))])  # they did move
         for state_a, state_b in zip(skipped[name]["optimizer"]["state"].values(),
                                     every[name]["optimizer"]["state"].values()):
             for key in ("exp_avg", "exp_avg_sq"):  # relative to the largest entry: second moments are ~1e-10
                 scale = float(state_b[key].abs().max())
-                assert float((state_a[key] - state_b[key]).abs().max()) <= 1e-4 * scale, (name, key)
+                assert float((state_a[key] - state_b[key]).abs().max()) <= 1e-3 * scale, (name, key)
     for fast, full in zip(skipped_metrics, every_metrics):
         assert fast["some"]["loss"] == pytest.approx(full["some"]["loss"], rel=1e-5, abs=1e-9)
         assert fast["some"]["grad_norm"] == pytest.approx(full["some"]["grad_norm"], rel=1e-4)
@@ -202,8 +203,9 @@ def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(tiny_model_p
 
 
 def test_packed_sequences_get_the_logprobs_each_gets_alone(tiny_model_path):
-    """Sequences of one task packed into shared rows (block-diagonal causal attention) score their completions as
-    each does in a row of its own: no token sees another sequence, and RoPE depends only on relative positions."""
+    """Samples of one task packed into shared rows, each prompt once for its samples (trainer/packing.py), score
+    their completions as each sequence does alone: no token sees another sequence, and every token has the RoPE
+    position it has alone."""
     import random
 
     from marlaas_hpc.tasks import AlgoSpec
@@ -216,16 +218,23 @@ def test_packed_sequences_get_the_logprobs_each_gets_alone(tiny_model_path):
         for param in trainer.lora.parameters("pk"):
             param.add_(torch.randn_like(param) * 0.05)
     rng = random.Random(3)
-    trajs = [Trajectory("pk", f"pk/g{i}", [rng.randrange(3, 100) for _ in range(rng.randrange(2, 12))],
-                        [rng.randrange(3, 100) for _ in range(rng.randrange(1, 9))], [], 0) for i in range(12)]
-    for traj in trajs:
-        traj.behaviour_logprobs = [0.0] * len(traj.completion_ids)
+    trajs = []
+    for group in range(5):  # 3 samples of each prompt
+        prompt = [rng.randrange(3, 100) for _ in range(rng.randrange(2, 12))]
+        for _ in range(3):
+            completion = [rng.randrange(3, 100) for _ in range(rng.randrange(1, 9))]
+            trajs.append(Trajectory("pk", f"pk/g{group}", prompt, completion, [0.0] * len(completion), 0))
     packed = trainer._pack([("pk", traj) for traj in trajs])
-    assert len(packed["tasks"]) < len(trajs), "several sequences share a row"
+    placed = int((packed.ids != trainer.pad_id).sum())
+    once = sum(len(t.prompt_ids) for t in trajs[::3]) + sum(len(t.completion_ids) for t in trajs)
+    alone = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
+    # a prompt repeats only in another row (rows are 32 tokens here: a prompt and its 3 samples may not fit one)
+    assert once <= placed < alone - 60, "prompts are shared by their samples"
+    assert len(packed.tasks) < len(trajs)
     got = trainer.logprobs("pk", trajs, temperature=0.7)
     for traj, logprobs in zip(trajs, got):
         ids = traj.prompt_ids + traj.completion_ids
         alone = torch.log_softmax(trainer.logits("pk", [ids])[0].float() / 0.7, dim=-1)
         want = [float(alone[len(traj.prompt_ids) - 1 + j, token]) for j, token in enumerate(traj.completion_ids)]
-        assert logprobs == pytest.approx(want, abs=2e-5)
+        assert logprobs == pytest.approx(want, abs=1e-5)
     trainer.remove_task("pk")

@@ -20,14 +20,14 @@ def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torc
               ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip loss averaged over every trained token of the batch.
 
-    logp, behaviour_logp, mask, base_logp: [batch, seq]; advantages: [batch] (one per sequence) or [batch, seq]
-    (per position: packed rows hold several sequences).
+    logp, behaviour_logp, mask, base_logp: one shape ([batch, seq], or [tokens] as the trainer's packed batches
+    give them); advantages: one per token (that shape) or one per sequence ([batch] for [batch, seq]).
     """
     mask = mask.to(logp.dtype)
     n_tokens = mask.sum().clamp(min=1.0)
     ratio = torch.exp(logp - behaviour_logp)
     adv = advantages.to(logp.dtype)
-    if adv.dim() == 1:
+    if adv.dim() == logp.dim() - 1:
         adv = adv.unsqueeze(-1)
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
     per_token = -surrogate

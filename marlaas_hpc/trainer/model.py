@@ -12,8 +12,10 @@ DP groups. `init_distributed` creates it from the torchrun environment, or a sin
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -207,11 +209,37 @@ def causal_mask(batch: int, seq: int, device=None) -> torch.Tensor:
     return mask.view(1, 1, seq, seq).expand(batch, 1, seq, seq)
 
 
-def packed_causal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """Attention mask [b, 1, s, s] (True = masked out) of packed rows: segments [b, s] names the sequence each
-    position belongs to, and a position sees the earlier positions of its own sequence only. RoPE makes the
-    result independent of where a sequence sits in its row (attention scores depend on relative positions)."""
-    seq = segments.shape[1]
-    future = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=segments.device), diagonal=1)
-    other = segments.unsqueeze(2) != segments.unsqueeze(1)
-    return (future | other).unsqueeze(1)
+class PositionContext:
+    """The RoPE positions [rows, s] of the current forward's tokens (None: 0 .. s-1 in every row), held by the
+    trainer around forward and backward (activation recompute re-runs the forward inside backward)."""
+
+    def __init__(self):
+        self.positions: torch.Tensor | None = None
+
+    @contextmanager
+    def use(self, positions: torch.Tensor | None) -> Iterator[None]:
+        previous, self.positions = self.positions, positions
+        try:
+            yield
+        finally:
+            self.positions = previous
+
+
+class PositionedRotaryEmbedding(torch.nn.Module):
+    """megatron's RotaryEmbedding at the positions a PositionContext holds: [s, rows, 1, dim] instead of
+    [s, 1, 1, dim], which its rotation broadcasts alike. Packed rows (trainer/packing.py) hold several sequences
+    and each completion sits after its prompt's other completions, yet has the positions it has alone."""
+
+    def __init__(self, rotary: torch.nn.Module, context: PositionContext):
+        super().__init__()
+        self.rotary, self.context = rotary, context
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self.rotary.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, max_seq_len: int, *args, **kwargs) -> torch.Tensor:
+        positions = self.context.positions
+        if positions is None:
+            return self.rotary(max_seq_len, *args, **kwargs)
+        emb = self.rotary(int(positions.max()) + 1)  # [p, 1, 1, dim]
+        return emb[positions.t(), 0]  # [s, rows, 1, dim]

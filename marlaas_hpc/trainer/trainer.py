@@ -22,7 +22,9 @@ from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec, SpecError
 from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
 from marlaas_hpc.trainer.grpo import grpo_loss
 from marlaas_hpc.trainer.lora import MultiLora
-from marlaas_hpc.trainer.model import build_gpt_model, causal_mask, init_distributed, packed_causal_mask
+from marlaas_hpc.trainer.model import (PositionContext, PositionedRotaryEmbedding, build_gpt_model, causal_mask,
+                                       init_distributed)
+from marlaas_hpc.trainer.packing import PackedBatch, pack
 from marlaas_hpc.trainer.peft_io import read_peft_adapter, write_peft_adapter
 from marlaas_hpc.trajectory import Trajectory
 
@@ -95,19 +97,6 @@ class _Task:
     version: int = 0
 
 
-def _task_slices(rows: Sequence[str]) -> list[tuple[str, slice]]:
-    """(task, its rows) of a micro-batch whose rows are grouped by task (`_micro_batches` keeps them so)."""
-    out: list[tuple[str, slice]] = []
-    for i, task_id in enumerate(rows):
-        if out and out[-1][0] == task_id:
-            out[-1] = (task_id, slice(out[-1][1].start, i + 1))
-        else:
-            if any(task_id == t for t, _ in out):
-                raise ValueError(f"rows of task {task_id!r} are not contiguous in the micro-batch")
-            out.append((task_id, slice(i, i + 1)))
-    return out
-
-
 def _scale(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
@@ -140,6 +129,8 @@ class MultiLoraTrainer:
         pad = getattr(self.hf_config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
         self.lora = MultiLora(self.model, tp_group=self.tp_group)
+        self.positions = PositionContext()
+        self.model.rotary_pos_emb = PositionedRotaryEmbedding(self.model.rotary_pos_emb, self.positions)
         self.tasks: dict[str, _Task] = {}
 
     # -- tasks --------------------------------------------------------------------------------------------
@@ -248,59 +239,16 @@ class MultiLoraTrainer:
     PACKED_ROW_MIN_TOKENS = 32
     """Packed rows are at least this long (else as long as the longest sequence): short sequences share a row."""
 
-    def _pack(self, items: Sequence[tuple[str | None, Trajectory]]) -> dict[str, Any]:
-        """A micro-batch's sequences packed into rows, one task per row (first fit, longest first). A fused step
-        padded every sequence to its longest one: four times the trained tokens where a multi-turn task's episodes
-        met a short task's. Returns ids [rows, s]; per position in label space (length s-1) the targets, the
-        loss mask, behaviour logprobs and advantages; the attention mask that keeps each sequence to itself
-        (`packed_causal_mask`); `tasks`, the adapter of each row; `spans`, each item's (row, first label
-        position, completion tokens)."""
-        lengths = []
-        for _, traj in items:
-            traj.check()
-            if not traj.prompt_ids:
-                raise ValueError(f"trajectory of {traj.task_id}: empty prompt")
-            lengths.append(len(traj.prompt_ids) + len(traj.completion_ids))
-        width = max(max(lengths), 2, self.PACKED_ROW_MIN_TOKENS)
-        rows: list[tuple[str | None, list[int]]] = []
-        for task in dict.fromkeys(task for task, _ in items):
-            filled: list[tuple[str | None, list[int]]] = []
-            room: list[int] = []
-            for i in sorted((i for i, (t, _) in enumerate(items) if t == task), key=lambda i: -lengths[i]):
-                row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
-                if row is None:
-                    filled.append((task, []))
-                    room.append(width)
-                    row = len(filled) - 1
-                filled[row][1].append(i)
-                room[row] -= lengths[i]
-            rows += filled
-        return self._packed_tensors(items, rows, width)
+    def _pack(self, items: Sequence[tuple[str | None, Trajectory]]) -> PackedBatch:
+        """A micro-batch packed into rows of one task each (trainer/packing.py), on this trainer's device."""
+        return pack(items, self.PACKED_ROW_MIN_TOKENS, self.pad_id).to(self.device)
 
-    def _packed_tensors(self, items: Sequence[tuple[str | None, Trajectory]],
-                        rows: list[tuple[str | None, list[int]]], width: int) -> dict[str, Any]:
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        segments = torch.full((len(rows), width), -1, dtype=torch.long)  # padding: a segment of its own
-        mask, behaviour, advantages = (torch.zeros(len(rows), width - 1) for _ in range(3))
-        spans: list[tuple[int, int, int]] = [(0, 0, 0)] * len(items)
-        for r, (_, members) in enumerate(rows):
-            offset = 0
-            for i in members:
-                traj = items[i][1]
-                tokens = list(traj.prompt_ids) + list(traj.completion_ids)
-                ids[r, offset: offset + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-                segments[r, offset: offset + len(tokens)] = i
-                start, n = offset + len(traj.prompt_ids) - 1, len(traj.completion_ids)
-                if n:  # position p predicts token p + 1: the completion's tokens, not the next sequence's first
-                    mask[r, start: start + n] = torch.tensor(traj.mask(), dtype=torch.float32)
-                    behaviour[r, start: start + n] = torch.tensor(traj.behaviour_logprobs, dtype=torch.float32)
-                    advantages[r, start: start + n] = float(traj.advantage)
-                spans[i] = (r, start, n)
-                offset += len(tokens)
-        to = dict(device=self.device)
-        return dict(ids=ids.to(**to), labels=ids[:, 1:].contiguous().to(**to), mask=mask.to(**to),
-                    behaviour=behaviour.to(**to), advantages=advantages.to(**to),
-                    attention=packed_causal_mask(segments.to(**to)), tasks=[task for task, _ in rows], spans=spans)
+    def _packed_logits(self, batch: PackedBatch, rows: Sequence[str | None]) -> torch.Tensor:
+        """Vocab-parallel logits [trained tokens, V_padded/tp] of a packed batch: each trained token's, read where
+        its predecessor sits, with the rows' adapters `rows` (None: base)."""
+        with self.lora.ctx.use(list(rows)), self.positions.use(batch.positions):
+            vp = self._forward(batch.ids, batch.attention_mask)
+        return vp[batch.token_row, batch.token_source]
 
     @torch.no_grad()
     def logprobs(self, task_id: str | None, trajectories: Sequence[Trajectory],
@@ -310,11 +258,10 @@ class MultiLoraTrainer:
         out: list[list[float]] = [[] for _ in trajectories]
         for indices in self._micro_batches(trajectories, [self._length(t) for t in trajectories]):
             batch = self._pack([(task_id, trajectories[i]) for i in indices])
-            with self.lora.ctx.use(self._rows(task_id, len(batch["tasks"]))):
-                vp = self._forward(batch["ids"], batch["attention"])[:, :-1]
-            logp = self._token_logprobs(vp, batch["labels"], temperature).cpu()
-            for index, (row, start, n) in zip(indices, batch["spans"]):
-                out[index] = logp[row, start: start + n].tolist()
+            picked = self._packed_logits(batch, self._rows(task_id, len(batch.tasks)))
+            logp = self._token_logprobs(picked, batch.targets, temperature).cpu()
+            for index, (start, n) in zip(indices, batch.item_spans):
+                out[index] = logp[start: start + n].tolist()
         return out
 
     # -- training -----------------------------------------------------------------------------------------
@@ -373,43 +320,44 @@ class MultiLoraTrainer:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
 
-    def _base_logprobs(self, rows: list[str], batch: dict[str, Any]) -> dict[float, torch.Tensor]:
-        """Base-model (adapter off) logprobs at each temperature a KL-regularised task of the batch uses."""
-        temperatures = {self.tasks[t].algo.temperature for t in set(rows) if self.tasks[t].algo.kl_beta > 0}
+    def _base_logprobs(self, batch: PackedBatch) -> dict[float, torch.Tensor]:
+        """Base-model (adapter off) logprobs of the trained tokens at each temperature a KL-regularised task of the
+        batch uses."""
+        temperatures = {self.tasks[t].algo.temperature for t in set(batch.tasks) if self.tasks[t].algo.kl_beta > 0}
         if not temperatures:
             return {}
-        with torch.no_grad(), self.lora.ctx.use(None, batch=len(rows)):
-            vp_base = self._forward(batch["ids"], batch["attention"])[:, :-1]
-            return {temp: self._token_logprobs(vp_base, batch["labels"], temp) for temp in temperatures}
+        with torch.no_grad():
+            picked = self._packed_logits(batch, [None] * len(batch.tasks))
+            return {temp: self._token_logprobs(picked, batch.targets, temp) for temp in temperatures}
 
     def _accumulate_gradients(self, chunk: list[tuple[str, Trajectory]], totals: dict[str, int],
                               computed: dict[str, int], stats: dict[str, dict[str, float]]) -> None:
         """Forward and backward of one micro-batch. The rows' adapters stay selected through backward:
         activation recompute re-runs the forward (and its LoRA hooks) inside backward."""
         batch = self._pack(chunk)
-        rows = batch["tasks"]
-        base_logp = self._base_logprobs(rows, batch)
-        with self.lora.ctx.use(rows):
-            total_loss = self._micro_batch_loss(rows, batch, base_logp, totals, computed, stats)
+        base_logp = self._base_logprobs(batch)
+        with self.lora.ctx.use(batch.tasks), self.positions.use(batch.positions):
+            total_loss = self._micro_batch_loss(batch, base_logp, totals, computed, stats)
             if total_loss is not None:
                 total_loss.backward()
 
-    def _micro_batch_loss(self, rows: list[str], batch: dict[str, Any], base_logp: dict[float, torch.Tensor],
+    def _micro_batch_loss(self, batch: PackedBatch, base_logp: dict[float, torch.Tensor],
                           totals: dict[str, int], computed: dict[str, int],
                           stats: dict[str, dict[str, float]]) -> torch.Tensor | None:
         """Sum over the micro-batch's tasks of (task loss x its share of the task's trained tokens); the statistics
         are weighted by the micro-batch's share of the tokens that run (`computed`)."""
-        vp = self._forward(batch["ids"], batch["attention"])[:, :-1]
+        picked = self._packed_logits(batch, batch.tasks)
         total_loss = None
-        for task_id, rows_of_task in _task_slices(rows):  # views: no copy of the (vocab-wide) logits per task
+        for task_id, first, end in batch.task_spans:
             algo = self.tasks[task_id].algo
-            mask, behaviour = batch["mask"][rows_of_task], batch["behaviour"][rows_of_task]
+            tokens = slice(first, end)  # this task's trained tokens (views: no copy of the vocab-wide logits)
+            mask, behaviour = batch.mask[tokens], batch.behaviour[tokens]
             n_tokens = float(mask.sum())
             if n_tokens == 0:
                 continue
-            logp = self._token_logprobs(vp[rows_of_task], batch["labels"][rows_of_task], algo.temperature)
-            base = base_logp[algo.temperature][rows_of_task] if algo.kl_beta > 0 else None
-            loss, mb_stats = grpo_loss(logp, behaviour, batch["advantages"][rows_of_task], mask,
+            logp = self._token_logprobs(picked[tokens], batch.targets[tokens], algo.temperature)
+            base = base_logp[algo.temperature][tokens] if algo.kl_beta > 0 else None
+            loss, mb_stats = grpo_loss(logp, behaviour, batch.advantages[tokens], mask,
                                        clip_eps=algo.clip_eps, kl_beta=algo.kl_beta, base_logp=base)
             weight = n_tokens / totals[task_id]
             total_loss = loss * weight if total_loss is None else total_loss + loss * weight

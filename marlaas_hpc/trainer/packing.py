@@ -1,0 +1,175 @@
+"""Packed training rows: a micro-batch's sequences laid out without padding, each prompt once for its samples.
+
+A GRPO step trains G samples of each prompt. Padded to one length, a fused step of short and long sequences ran
+several times the tokens it trains (a lookup task's 40-token episodes next to 9-token additions: 4.3x), and every
+sample repeated its prompt (on local-demo about half the tokens). Here the sequences of one task share rows:
+
+    row:        [ prompt a | completion a1 | completion a2 | prompt b | completion b1 | ... | padding ]
+    positions:    0 .. Pa-1  Pa .. Pa+n1-1   Pa .. Pa+n2-1   0 .. Pb-1  Pb ..
+    attends to:   prompt a    prompt a, a1    prompt a, a2    prompt b    prompt b, b1
+
+Each completion sees its prompt and itself only (`attention_mask`), at the positions it has alone (`positions`,
+RoPE's), so every token's logits are those of the sequence on its own. A trained token is read off the logits
+where its predecessor sits (`token_row`, `token_source`): the first token of every completion of a prompt from
+the prompt's last position, the next ones from the completion's own tokens. Rows hold one task each (rows pick
+their LoRA adapter), prompts are matched by their token ids within a task, and a prompt is repeated in another
+row when its completions do not fit one (rows are `width` long: at least the longest sequence).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from marlaas_hpc.trajectory import Trajectory
+
+
+@dataclass
+class PackedBatch:
+    """Row tensors [rows, width] and one entry per trained token (completion tokens, in item order by task)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    attention_mask: torch.Tensor
+    """[rows, 1, width, width], True = masked out (megatron's convention)."""
+    tasks: list[str | None]
+    """Each row's adapter."""
+    token_row: torch.Tensor
+    token_source: torch.Tensor
+    """Where each trained token's logits are: (row, position of the token before it in its sequence)."""
+    targets: torch.Tensor
+    mask: torch.Tensor
+    behaviour: torch.Tensor
+    advantages: torch.Tensor
+    task_spans: list[tuple[str | None, int, int]]
+    """(task, first token, end) of each task's trained tokens: contiguous, in the rows' task order."""
+    item_spans: list[tuple[int, int]] = field(default_factory=list)
+    """(first token, count) of each item's completion in the trained tokens."""
+
+    def to(self, device) -> "PackedBatch":
+        moved = {name: value.to(device) if isinstance(value, torch.Tensor) else value
+                 for name, value in self.__dict__.items()}
+        return PackedBatch(**moved)
+
+
+@dataclass
+class _Row:
+    task: str | None
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    prompt_of: list[int] = field(default_factory=list)
+    """Per position: the index (in this row) of the prompt occurrence it belongs to; -1 = padding."""
+    own: list[int] = field(default_factory=list)
+    """Per position: -1 for a prompt token, else the item whose completion it is."""
+    prompts: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)
+    """Prompt ids -> (occurrence id, position of its last token) of the prompts this row holds."""
+
+    def room(self, width: int) -> int:
+        return width - len(self.tokens)
+
+    def add_prompt(self, prompt: tuple[int, ...]) -> None:
+        occurrence = len(self.prompts)
+        self.tokens += prompt
+        self.positions += range(len(prompt))
+        self.prompt_of += [occurrence] * len(prompt)
+        self.own += [-1] * len(prompt)
+        self.prompts[prompt] = (occurrence, len(self.tokens) - 1)
+
+    def add_completion(self, prompt: tuple[int, ...], item: int, completion: list[int]) -> int:
+        """Appends a completion after its prompt's occurrence in this row; returns its first position."""
+        occurrence, _ = self.prompts[prompt]
+        start = len(self.tokens)
+        self.tokens += completion
+        self.positions += range(len(prompt), len(prompt) + len(completion))
+        self.prompt_of += [occurrence] * len(completion)
+        self.own += [item] * len(completion)
+        return start
+
+
+def pack(items: Sequence[tuple[str | None, Trajectory]], min_width: int, pad_id: int) -> PackedBatch:
+    """Lays out `items` ((task, trajectory), grouped by task) in rows of one task each (first fit, a prompt's
+    completions longest first, each next to an occurrence of its prompt when one has room)."""
+    for _, traj in items:
+        traj.check()
+        if not traj.prompt_ids:
+            raise ValueError(f"trajectory of {traj.task_id}: empty prompt")
+    width = max([min_width, 2] + [len(t.prompt_ids) + len(t.completion_ids) for _, t in items])
+    rows: list[_Row] = []
+    placed: dict[int, tuple[int, int]] = {}  # item -> (row, first position of its completion)
+    for task in dict.fromkeys(task for task, _ in items):
+        first = len(rows)
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for i, (t, traj) in enumerate(items):
+            if t == task:
+                by_prompt.setdefault(tuple(traj.prompt_ids), []).append(i)
+        for prompt, members in by_prompt.items():
+            for i in sorted(members, key=lambda i: -len(items[i][1].completion_ids)):
+                row = _row_for(rows, first, task, prompt, len(items[i][1].completion_ids), width)
+                placed[i] = (row, rows[row].add_completion(prompt, i, list(items[i][1].completion_ids)))
+    return _tensors(items, rows, placed, width, pad_id)
+
+
+def _row_for(rows: list[_Row], first: int, task, prompt: tuple[int, ...], length: int, width: int) -> int:
+    """The row (of this task's, from `first`) a completion goes in: one that holds its prompt (anywhere before:
+    the mask, not adjacency, ties a completion to its prompt), else one with room for both, else a new one."""
+    for r in range(first, len(rows)):
+        if prompt in rows[r].prompts and rows[r].room(width) >= length:
+            return r
+    for r in range(first, len(rows)):
+        if rows[r].room(width) >= len(prompt) + length:
+            rows[r].add_prompt(prompt)
+            return r
+    rows.append(_Row(task))
+    rows[-1].add_prompt(prompt)
+    return len(rows) - 1
+
+
+def _tensors(items, rows: list[_Row], placed: dict[int, tuple[int, int]], width: int, pad_id: int) -> PackedBatch:
+    n_rows = len(rows)
+    ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+    positions = torch.zeros(n_rows, width, dtype=torch.long)
+    prompt_of = torch.full((n_rows, width), -1, dtype=torch.long)
+    own = torch.full((n_rows, width), -2, dtype=torch.long)  # padding: neither a prompt nor a completion
+    for r, row in enumerate(rows):
+        n = len(row.tokens)
+        ids[r, :n] = torch.tensor(row.tokens, dtype=torch.long)
+        positions[r, :n] = torch.tensor(row.positions, dtype=torch.long)
+        prompt_of[r, :n] = torch.tensor(row.prompt_of, dtype=torch.long)
+        own[r, :n] = torch.tensor(row.own, dtype=torch.long)
+    token_row, token_source, targets, mask, behaviour, advantages = [], [], [], [], [], []
+    item_spans: list[tuple[int, int]] = [(0, 0)] * len(items)
+    task_spans: list[tuple[str | None, int, int]] = []
+    for i, (task, traj) in enumerate(items):
+        row, start = placed[i]
+        last_prompt = rows[row].prompts[tuple(traj.prompt_ids)][1]
+        n = len(traj.completion_ids)
+        item_spans[i] = (len(targets), n)
+        if not task_spans or task_spans[-1][0] != task:
+            if any(t == task for t, _, _ in task_spans):
+                raise ValueError(f"items of task {task!r} are not contiguous")
+            task_spans.append((task, len(targets), len(targets)))
+        token_row += [row] * n
+        token_source += [last_prompt] + list(range(start, start + n - 1)) if n else []
+        targets += traj.completion_ids
+        mask += traj.mask()
+        behaviour += traj.behaviour_logprobs
+        advantages += [float(traj.advantage)] * n
+        task_spans[-1] = (task, task_spans[-1][1], len(targets))
+    return PackedBatch(
+        ids=ids, positions=positions, attention_mask=attention_mask(prompt_of, own), tasks=[r.task for r in rows],
+        token_row=torch.tensor(token_row, dtype=torch.long), token_source=torch.tensor(token_source, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long), mask=torch.tensor(mask, dtype=torch.float32),
+        behaviour=torch.tensor(behaviour, dtype=torch.float32), advantages=torch.tensor(advantages, dtype=torch.float32),
+        task_spans=task_spans, item_spans=item_spans)
+
+
+def attention_mask(prompt_of: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, s, s], True = masked out: a position sees the earlier positions of its prompt occurrence that are
+    the prompt or its own completion (padding sees padding)."""
+    seq = prompt_of.shape[1]
+    earlier = torch.tril(torch.ones(seq, seq, dtype=torch.bool, device=prompt_of.device))
+    same_prompt = prompt_of.unsqueeze(2) == prompt_of.unsqueeze(1)
+    key_own = own.unsqueeze(1)
+    visible = earlier & same_prompt & ((key_own == -1) | (key_own == own.unsqueeze(2)))
+    return (~visible).unsqueeze(1)
