@@ -51,6 +51,7 @@ from pathlib import Path
 from marlaas_hpc.model.checkpoint import stop_token_ids
 from marlaas_hpc.model.tokenizer_file import load_tokenizer
 from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
+from marlaas_hpc.tasks.spec import QWEN3_LORA_TARGETS
 
 MEMORY_SCHEME = "memory:"
 """LoRARequest path prefix of an adapter whose tensors the workers hold (LoRARequest needs a non-empty path)."""
@@ -180,6 +181,9 @@ class VllmEngine(RolloutEngine):
 
         kwargs = dict(enforce_eager=enforce_eager, dtype=dtype, seed=seed, enable_lora=True, max_loras=max_loras,
                       max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras or max(2 * max_loras, 8),
+                      # only the projections a task's LoRA may target (LoraSpec): vLLM would otherwise wrap the
+                      # embedding and the LM head too and run their (empty) LoRA terms every step
+                      lora_target_modules=list(QWEN3_LORA_TARGETS),
                       logprobs_mode="processed_logprobs", max_model_len=max_model_len,
                       generation_config="vllm",  # no sampling defaults from the model's generation_config.json
                       skip_tokenizer_init=True)  # prompts go in as ids and come out as ids (detokenize=False)
