@@ -24,7 +24,9 @@ NaN / out-of-range, an env that raises or an env step past the pool's timeout fa
 Timeline (timeline/rank<N>.jsonl): 'score' records (a turn of a group arrived -> all its env steps back),
 'env_step' records (env steps of >= 1 ms: tool and reward seconds, outcome, io: ran on the I/O lane; the many
 faster ones are only in the stats, to keep the file small),
-'episode' records (turns, per-turn versions, tool calls, model / tool token counts, finish reason, reward),
+'episode' records of multi-turn groups (turns, per-turn versions, tool calls, model / tool token counts, finish
+reason, reward), and for a single-turn group, where every episode is one turn and no tool, one 'episodes' record
+(model tokens, finish reasons and rewards of its G episodes: a record per episode was most of local-demo's run dir),
 'turn' busy spans of this rank's own book-keeping. RankStats.extra (summary.json 'env_ranks'): the pool's
 per-stage latency summaries (tool:<name>, reward, step, queue, step:io, queue:io: p50/p90/p99), the most service
 calls in flight at once per tool, and per-task episode figures. The rank's busy fraction is its workers'
@@ -261,8 +263,7 @@ class EnvRank:
     def _finish(self, group: _Group) -> None:
         first = group.first
         del self.groups[first.group_id]
-        for j, episode in enumerate(group.episodes):
-            self._note_episode(group, j, episode)
+        self._note_episodes(group)
         rewards = [episode.final.reward for episode in group.episodes]
         if group.multi_turn:
             self.outbox.send(GroupEnded(first.group_id), group.rollout_rank, TAG_DATA)
@@ -314,16 +315,32 @@ class EnvRank:
         self.clock.note("score", (group.first.task_id,), group.turn_t0, time.time(), samples=stepped,
                         group_id=group.first.group_id, turn=group.turn, eval=group.first.eval)
 
-    def _note_episode(self, group: _Group, j: int, episode: _Episode) -> None:
+    def _note_episodes(self, group: _Group) -> None:
+        """The group's episodes in the timeline (see the module docstring) and in the per-task episode figures."""
+        first, now = group.first, time.time()
+        if not group.multi_turn:
+            self.clock.note("episodes", (first.task_id,), group.t0, now, group_id=first.group_id, eval=first.eval,
+                            prompt_tokens=len(first.prompt_ids), version=first.version,
+                            model_tokens=[sum(e.mask) for e in group.episodes],
+                            finish=[e.final.reason for e in group.episodes],
+                            rewards=[e.final.reward for e in group.episodes])
+        for j, episode in enumerate(group.episodes):
+            if group.multi_turn:
+                self._note_episode(group, j, episode, now)
+            self._count_episode(first, episode)
+
+    def _note_episode(self, group: _Group, j: int, episode: _Episode, now: float) -> None:
         first = group.first
         model_tokens = sum(episode.mask)
-        self.clock.note("episode", (first.task_id,), group.t0, time.time(), group_id=first.group_id, episode=j,
+        self.clock.note("episode", (first.task_id,), group.t0, now, group_id=first.group_id, episode=j,
                         eval=first.eval, turns=len(episode.turn_versions), prompt_tokens=len(first.prompt_ids),
                         turn_versions=episode.turn_versions,
                         newest_versions=episode.newest_versions, tool_calls=episode.tool_calls,
                         tool_errors=episode.tool_errors, model_tokens=model_tokens,
                         tool_tokens=len(episode.mask) - model_tokens, finish=episode.final.reason,
                         reward=episode.final.reward)
+
+    def _count_episode(self, first: GroupData, episode: _Episode) -> None:
         phase = "train" if not first.eval else "eval_before" if first.version is None else "eval_after"
         stats = self.episode_stats.setdefault((first.task_id, phase), {
             "episodes": 0, "with_tool_call": 0, "turns": 0, "reward": 0.0, "finish": {}})
