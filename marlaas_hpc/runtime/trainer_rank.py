@@ -35,6 +35,7 @@ from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HAND
                                           TaskSaved, TrainerOp)
 from marlaas_hpc.runtime.retention import RetentionConfig, in_flight_versions, prune_adapters
 from marlaas_hpc.scheduler import Admit, Discard, Move, Moved, StepDone, TaskEnded, TaskFailed, Train
+from marlaas_hpc.scheduler.staleness import within_bound
 from marlaas_hpc.trainer.peft_io import write_peft_adapter
 
 
@@ -43,12 +44,12 @@ class StalenessViolation(RuntimeError):
 
 
 def check_bound(order: Train, trajectories, trainer_version: int) -> None:
+    """The trainer's own check of the staleness rule (scheduler/staleness.py) on every sample of an order."""
     if trainer_version != order.from_version:
         raise StalenessViolation(f"{order.task_id}: order for v{order.from_version} but trainer is at "
                                  f"v{trainer_version}")
-    oldest = order.from_version - order.bound
     for traj in trajectories:
-        if traj.behaviour_version < oldest or traj.behaviour_version > order.from_version:
+        if not within_bound(traj.behaviour_version, order.from_version, order.bound):
             raise StalenessViolation(f"{order.task_id}: sample of v{traj.behaviour_version} in the step from "
                                      f"v{order.from_version} (bound k={order.bound})")
 

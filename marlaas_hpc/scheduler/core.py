@@ -6,10 +6,13 @@ It runs on world rank 0 behind a thin MPI loop, and unchanged under the discrete
     running: Generate(rollout rank, env rank, groups @ version v) ──► Generated ──► Scored ──► ready
              ready ≥ B (versions ≥ v − k) ──► Train(groups) ──► StepDone(v+1) ──► ... ──► done
 
-Staleness (DESIGN.md §3): the optimizer step producing version v+1 may only use groups sampled by
-versions ≥ v − k. Admission control keeps at most (k+1)·B groups of a task generated or in flight beyond
-what the trainer consumed; a ready group that is too old when its task's step is formed is dropped
-(Discard) and counted, never trained. Every trained group goes to the audit log.
+Staleness (scheduler/staleness.py, the rule written once): the optimizer step producing version v+1 may only
+use groups sampled by versions >= v - k. Admission control keeps at most (k+1)·B groups of a task generated or
+in flight beyond what the trainer consumed (async mode's quota); a ready group that is too old when its task's
+step is formed is dropped (Discard) and counted, never trained. Every trained group goes to the audit log.
+
+Modes (scheduler/modes.py): one policy object per mode (async / sync / sequential) owns its quota and train
+rules; the scheduler asks it and tells it what changed. Handlers are `_on_<event>`.
 
 Trainer groups (`trainer_groups` G, scheduler/placement.py): every admitted task is owned by one group, the
 least loaded by tokens per step; Admit and Train name it. Each group fuses up to `trainer_slots` orders, in the
@@ -22,16 +25,16 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections import Counter
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Callable
 
+from marlaas_hpc.scheduler.modes import MODES, mode_policy
 from marlaas_hpc.scheduler.placement import Placement, estimated_tokens_per_step
+from marlaas_hpc.scheduler.staleness import oldest_allowed
 from marlaas_hpc.scheduler.state import CANCELLED, DONE, FAILED, QUEUED, RUNNING, Group, TaskState
 from marlaas_hpc.tasks.spec import TaskSpec
 
-MODES = ("async", "sync", "sequential")
 ORDERS = ("fair", "priority", "fifo")
 _version = attrgetter("version")
 
@@ -173,7 +176,8 @@ class AuditRecord:
 
     @property
     def staleness(self) -> int:
-        """Versions between the sampler and the step's starting version (trained_into - 1)."""
+        """Versions between the sampler and the step's starting version (trained_into - 1): at most `bound`
+        (scheduler/staleness.py)."""
         return self.trained_into - 1 - self.behaviour_version
 
 
@@ -277,16 +281,8 @@ class Scheduler:
         self._train_heap: list | None = self.trainers.heaps[0] if config.trainer_groups == 1 else None
         """One trainer group: its heap (the hot path of a one-group job stays as it was). None with several:
         their heaps are in `trainers`."""
-        self._round_versions: Counter = Counter()
-        """Sync mode: versions of running tasks (the round is the minimum)."""
-        self._short_of_batch: Counter = Counter()
-        """Sync: per version, running idle tasks at it with less than a batch ready."""
-        self._counted: dict[str, tuple] = {}
-        """task_id -> (its version in _round_versions, its key in _short_of_batch), as last counted."""
-        self._sequential: list = []
-        """Sequential mode: heap of (-priority, submitted_at, task_id) of admitted tasks; ended ones are
-        dropped from the top lazily."""
-        self._last_round = None
+        self.mode = mode_policy(config.mode, self.tasks)
+        """The mode's policy: quota and train rules (scheduler/modes.py)."""
         self._env_heap = [(0, rank) for rank in sorted(config.env_ranks)]
         """(load, env rank) entries; one whose load is not the rank's load now is stale."""
         self._rank_index = {rank: i for i, rank in enumerate(config.rollout_ranks)}
@@ -309,14 +305,14 @@ class Scheduler:
     def _on_cancel(self, event: Cancel) -> list:
         return self._cancel(event.task_id)
 
-    def _on_failed(self, event: TaskFailed) -> list:
+    def _on_task_failed(self, event: TaskFailed) -> list:
         return self._end(event.task_id, FAILED, event.error)
 
     def _on_moved(self, event: Moved) -> list:
         self.trainers.moving.discard(event.task_id)
         return []
 
-    def _resumed(self, event: Resumed) -> list:
+    def _on_resumed(self, event: Resumed) -> list:
         self._rank_taken(event.rollout_rank, len(event.group_ids))
         return []
 
@@ -335,7 +331,7 @@ class Scheduler:
         key = (-spec.priority, task.submitted_at) if self.config.order == "priority" else (task.submitted_at,)
         heapq.heappush(self._queued, (key, self._served[spec.task_id], spec.task_id))
 
-    def _generated(self, event: Generated) -> list:
+    def _on_generated(self, event: Generated) -> list:
         # Events from different ranks may arrive in any order: a group's Scored (from its env rank) can
         # overtake its Generated (from its rollout rank). Only a group still generating moves to scoring; the
         # Generated of a multi-turn group's later turn (after its Resumed) only frees the slot.
@@ -366,7 +362,7 @@ class Scheduler:
             task.ready.sort(key=_version)
             self._touch(task, quota_changed=False)
 
-    def _scored(self, event: Scored) -> list:
+    def _on_scored(self, event: Scored) -> list:
         group = self._group_of.get(event.group_id)
         if group is None:
             return []
@@ -385,7 +381,7 @@ class Scheduler:
         self._touch(task, quota_changed=False)  # scoring -> ready: outstanding (the quota's input) unchanged
         return []
 
-    def _step_done(self, event: StepDone) -> list:
+    def _on_step_done(self, event: StepDone) -> list:
         task = self.tasks[event.task_id]
         now = self.clock()
         if task.version < 0:  # admitted: the adapter exists (v0, or the resumed version) on every rollout rank
@@ -397,10 +393,9 @@ class Scheduler:
             return []
         if task.training is None or event.version != task.version + 1:
             raise RuntimeError(f"{task.task_id}: unexpected StepDone v{event.version} at v{task.version}")
-        audit, group_of, task_id, bound = self.audit, self._group_of, task.task_id, task.bound
         for group in task.training:
-            audit.append(AuditRecord(task_id, group.group_id, group.version, event.version, bound))
-            group_of.pop(group.group_id, None)
+            self.audit.append(AuditRecord(task.task_id, group.group_id, group.version, event.version, task.bound))
+            self._group_of.pop(group.group_id, None)
         stalest = event.version - 1 - min([g.version for g in task.training])  # as AuditRecord.staleness
         if stalest > task.max_trained_staleness:
             task.max_trained_staleness = stalest
@@ -489,8 +484,9 @@ class Scheduler:
             return []
         # each pass is skipped outright when its index says it has nothing to do (the common case per event)
         out = self._admit() if self._queued else []
-        if self.config.mode != "async":
-            self._new_round()
+        if self.mode.has_rounds and self._n_running:  # quotas that depend on every task (sync, sequential)
+            for task in self.mode.new_round():
+                self._refile_issuable(task)
         heap = self._train_heap
         if heap is not None:  # one trainer group
             if heap and len(self.training) < self.config.trainer_slots:
@@ -512,13 +508,10 @@ class Scheduler:
             self._n_running += 1
             task.trainer_group = (0 if self._train_heap is not None else
                                   self.trainers.placement.place(task.task_id, estimated_tokens_per_step(task.spec)))
-            heapq.heappush(self._sequential, (-task.spec.priority, task.submitted_at, task.task_id))
+            self.mode.admitted(task)
             self._touch(task)
             out.append(Admit(task.spec, task.resume_version, task.trainer_group))
         return out
-
-    def _running(self) -> list[TaskState]:
-        return [t for t in self.tasks.values() if t.status == RUNNING]
 
     def _order_key(self, task: TaskState, served: dict[str, int] | None = None):
         """Train order by `_served` (default); rollout order by `_served_rollout`."""
@@ -533,7 +526,7 @@ class Scheduler:
     def _train(self, group: int) -> list:
         """Train orders for one trainer group (dispatch comes here with a slot of it free, its heap not empty)."""
         out: list = []
-        if self._round_incomplete():
+        if self.mode.round_incomplete():
             return out
         # only tasks in _trainable would do anything in this pass, taken in order from their group's heap
         heap, busy, slots = self.trainers.heaps[group], self.trainers.busy, self.config.trainer_slots
@@ -543,7 +536,7 @@ class Scheduler:
             task = self.tasks[entry[2]]
             if self._trainable.get(task.task_id) != entry[1]:
                 continue
-            if not self._may_train(task):
+            if not self.mode.may_train(task):
                 skipped.append(entry)
                 continue
             out += self._drop_stale(task)
@@ -570,13 +563,6 @@ class Scheduler:
         groups = itertools.chain(task.generating.values(), task.scoring.values(), task.ready)
         return min(map(_version, groups), default=None)
 
-    def _round_incomplete(self) -> bool:
-        """Sync: some idle task at the lowest version is short of a batch, so no task may train (the
-        per-task rule of _may_train, checked once instead of for every waiting task)."""
-        if self.config.mode != "sync" or not self._short_of_batch:
-            return False
-        return min(self._short_of_batch) <= min(v for v in self._round_versions if v >= 0)
-
     def _serve(self, task: TaskState) -> None:
         """The task was just given a train order (fair order): it moves to the back of the trainer's queue only
         (issuing prompts moves it in the rollout queue, `_issue`)."""
@@ -585,20 +571,14 @@ class Scheduler:
         self._touch(task)
 
     def _drop_stale(self, task: TaskState) -> list:
-        oldest_allowed = task.version - task.bound
-        cut = bisect.bisect_left(task.ready, oldest_allowed, key=_version)  # ready is in version order
+        """Discards the task's ready groups that the staleness rule forbids in its next step."""
+        oldest = oldest_allowed(task.version, task.bound)
+        cut = bisect.bisect_left(task.ready, oldest, key=_version)  # ready is in version order
         if not cut:
             return []
         stale, task.ready = task.ready[:cut], task.ready[cut:]
         task.dropped_groups += len(stale)
         return [self._forget(stale, task, f"staler than k={task.bound} at v{task.version}")]
-
-    def _may_train(self, task: TaskState) -> bool:
-        if self.config.mode != "sync":
-            return True
-        # lockstep: the round trains only once every task of the round has its whole batch scored
-        # (no running idle task at a version <= this one is short of a batch)
-        return not any(version <= task.version for version in self._short_of_batch)
 
     def _quota(self, task: TaskState) -> int:
         """Groups this task may have issued now, by the mode's rule (never more than its remaining steps need)."""
@@ -609,15 +589,7 @@ class Scheduler:
         remaining = (task.total_steps - version) * task.batch - outstanding
         if remaining <= 0:
             return 0  # finished issuing: the groups out there suffice for the remaining steps
-        mode = self.config.mode
-        if mode == "async":
-            allowed = (task.bound + 1) * task.batch - outstanding
-        elif mode == "sync":
-            allowed = task.batch - outstanding if version == min(self._round_versions) else 0
-        else:  # sequential: only the first unfinished task, one synchronous step at a time
-            allowed = task.batch - outstanding if task is self._first_sequential() and task.training is None else 0
-        allowed = allowed if allowed < remaining else remaining
-        return allowed if allowed > 0 else 0
+        return max(0, min(self.mode.allowed(task, outstanding), remaining))
 
     def _env_rank_freed(self, rank: int) -> None:
         """A group left an env rank: its load falls by one (re-filed in the heap; its old entry goes stale)."""
@@ -654,30 +626,23 @@ class Scheduler:
         if load - count < self.config.rollout_slots <= load:
             del self._free_ranks[bisect.bisect_left(self._free_ranks, self._rank_index[rank])]
 
-    def _first_sequential(self) -> TaskState:
-        """The task sequential mode serves: the running task first by (-priority, submitted_at, task_id)."""
-        while self.tasks[self._sequential[0][2]].status != RUNNING:
-            heapq.heappop(self._sequential)
-        return self.tasks[self._sequential[0][2]]
-
     def _generate(self) -> list:
+        """Fills the rollout ranks' free slots (config order) with the issuable tasks' groups, in rollout order."""
         out = []
-        slots, ranks, load = self.config.rollout_slots, self.config.rollout_ranks, self.rollout_load
-        heap, issuable, tasks, free_ranks = self._issue_heap, self._issuable, self.tasks, self._free_ranks
-        while issuable and free_ranks:
-            rank = ranks[free_ranks[0]]  # the first rank (config order) with room
-            free = slots - load[rank]
+        while self._issuable and self._free_ranks:
+            rank = self.config.rollout_ranks[self._free_ranks[0]]  # the first rank (config order) with room
+            free = self.config.rollout_slots - self.rollout_load[rank]
             # tasks with quota > 0 in order; each one popped is issued (take > 0), so none needs re-pushing
             # unless it keeps quota, which means the rank is full and this rank's pass ends
-            while free > 0 and heap:
-                _, stamp, task_id = heapq.heappop(heap)
-                if issuable.get(task_id) != stamp:
-                    continue
-                task = tasks[task_id]
+            while free > 0 and self._issue_heap:
+                _, stamp, task_id = heapq.heappop(self._issue_heap)
+                if self._issuable.get(task_id) != stamp:
+                    continue  # a stale entry: the task was re-filed since
+                task = self.tasks[task_id]
                 quota = self._quota(task)
-                take = free if free < quota else quota
+                take = min(free, quota)
                 if take <= 0:  # cannot happen while the indexes are true; never issue nothing
-                    del issuable[task_id]
+                    del self._issuable[task_id]
                     continue
                 out.append(self._issue(task, rank, take, quota - take))
                 free -= take
@@ -691,21 +656,20 @@ class Scheduler:
         mode's quota falls one for one with it (down to the clamp at 0)."""
         env_rank = self._take_env_rank(count)
         groups = []
-        task_id, version, group_of, generating = task.task_id, task.version, self._group_of, task.generating
         for prompt in range(task.next_prompt, task.next_prompt + count):
-            gid = f"{task_id}/g{prompt}"
-            group_of[gid] = generating[gid] = Group(gid, task_id, prompt, version, rank, env_rank)
-            groups.append((gid, prompt))
+            group = Group(f"{task.task_id}/g{prompt}", task.task_id, prompt, task.version, rank, env_rank)
+            self._group_of[group.group_id] = task.generating[group.group_id] = group
+            groups.append((group.group_id, prompt))
         task.next_prompt += count
         self._rank_taken(rank, count)
         # served (fair order): the task moves to the back of the rollout queue only (its train order must not
         # change: it could be overtaken again and again); only the issuable index is re-filed
-        self._served_rollout[task_id] = next(self._seq)
+        self._served_rollout[task.task_id] = next(self._seq)
         if quota_left > 0:
             self._file_issuable(task)
         else:
-            del self._issuable[task_id]
-        return Generate(rank, env_rank, task_id, version, tuple(groups))
+            del self._issuable[task.task_id]
+        return Generate(rank, env_rank, task.task_id, task.version, tuple(groups))
 
     # ---------------------------------------------------------------- queries
     def settled(self) -> bool:
@@ -728,12 +692,11 @@ class Scheduler:
         """Re-files one task in the indexes after any change to it (status, version, groups, order key)."""
         running = task.status == RUNNING
         idle = running and task.training is None and task.version >= 0
-        if self.config.mode == "sync":
-            self._recount(task, running, idle)
+        if self.mode.watches_tasks:
+            self.mode.touched(task, running, idle)
         ready = task.ready
-        oldest_allowed = task.version - task.bound
-        if idle and ready and (len(ready) >= task.batch
-                               or ready[0].version < oldest_allowed):  # ready is in version order
+        if idle and ready and (len(ready) >= task.batch  # ready is in version order: a stale group is first
+                               or ready[0].version < oldest_allowed(task.version, task.bound)):
             if task.task_id not in self._trainable:
                 stamp = next(self._stamps)
                 self._trainable[task.task_id] = stamp
@@ -759,45 +722,10 @@ class Scheduler:
         stamp = self._issuable[task.task_id] = next(self._stamps)
         heapq.heappush(self._issue_heap, (self._order_key(task, self._served_rollout), stamp, task.task_id))
 
-    def _recount(self, task: TaskState, running: bool, idle: bool) -> None:
-        """The sync-mode counters: round versions, and tasks short of a batch per version."""
-        short = task.version if idle and len(task.ready) < task.batch else None
-        counted = (task.version if running else None, short)
-        before = self._counted.get(task.task_id, (None, None))
-        if counted == before:
-            return
-        for counter, old, new in ((self._round_versions, before[0], counted[0]),
-                                  (self._short_of_batch, before[1], counted[1])):
-            if old != new:
-                if old is not None:
-                    counter[old] -= 1
-                    if counter[old] == 0:
-                        del counter[old]
-                if new is not None:
-                    counter[new] += 1
-        self._counted[task.task_id] = counted
-
-    def _new_round(self) -> None:
-        """Quotas that depend on every task (the sync round, the sequential first task) are re-filed when
-        that changes: once per round or per admitted / ended task, not per event."""
-        mode = self.config.mode
-        if mode == "async" or not self._n_running:
-            return
-        if mode == "sequential":  # only the previous and the new first task can change quota
-            first, previous = self._first_sequential(), self._last_round
-            if first is not previous:
-                self._last_round = first
-                for task in (previous, first):
-                    if task is not None:
-                        self._refile_issuable(task)
-            return
-        if min(self._round_versions) != self._last_round:
-            self._last_round = min(self._round_versions)
-            for task in self._running():
-                self._refile_issuable(task)
 
 
 # event type -> handler (one dict lookup per event instead of a chain of isinstance checks)
-Scheduler._HANDLERS = {Submit: Scheduler._on_submit, Cancel: Scheduler._on_cancel, Generated: Scheduler._generated,
-                       Scored: Scheduler._scored, StepDone: Scheduler._step_done, TaskFailed: Scheduler._on_failed,
-                       Moved: Scheduler._on_moved, Resumed: Scheduler._resumed}
+Scheduler._HANDLERS = {Submit: Scheduler._on_submit, Cancel: Scheduler._on_cancel,
+                       Generated: Scheduler._on_generated, Resumed: Scheduler._on_resumed, Scored: Scheduler._on_scored,
+                       StepDone: Scheduler._on_step_done, TaskFailed: Scheduler._on_task_failed,
+                       Moved: Scheduler._on_moved}

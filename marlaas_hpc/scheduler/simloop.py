@@ -13,6 +13,7 @@ from typing import Protocol
 
 from marlaas_hpc.scheduler.core import (Admit, Discard, Generate, Generated, Move, Moved, Scheduler, Scored,
                                         StepDone, Submit, TaskEnded, TaskFailed, Train)
+from marlaas_hpc.scheduler.staleness import within_bound
 from marlaas_hpc.tasks.spec import TaskSpec
 
 
@@ -83,8 +84,8 @@ class SimLoop:
                 self.at(gen_time + self._jitter(), Generated(command.rollout_rank, (group_id,)))
                 self.at(gen_time + d.score(command.task_id, group_id) + self._jitter(), Scored(group_id, 0.0))
         elif isinstance(command, Train):
-            # the trainer's own check of the bound, as the real trainer does
-            if any(v < command.from_version - command.bound for v in command.behaviour_versions):
+            # the trainer's own check of the staleness rule, as the real trainer does
+            if not all(within_bound(v, command.from_version, command.bound) for v in command.behaviour_versions):
                 self.at(0.0, TaskFailed(command.task_id, "trainer: staleness bound violated"))
                 return
             self.result.trained_versions.setdefault(command.task_id, []).append(

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from marlaas_hpc.rundir import task_record
+from marlaas_hpc.scheduler.staleness import within_bound
 from marlaas_hpc.sim.engine import Simulation, SimOutcome
 
 
@@ -48,8 +49,8 @@ def write_outputs(out_dir: str | Path, summary: dict, sim: Simulation) -> Path:
 
 
 def staleness_violations(sim: Simulation) -> list:
-    """Audit records breaking the bound (behaviour_version >= trained_into - 1 - k), as the runtime audits."""
-    return [r for r in sim.scheduler.audit if r.behaviour_version < r.trained_into - 1 - r.bound]
+    """Audit records breaking the staleness rule (scheduler/staleness.py), as the runtime audits."""
+    return [r for r in sim.scheduler.audit if not within_bound(r.behaviour_version, r.trained_into - 1, r.bound)]
 
 
 def headline(summary: dict) -> str:
