@@ -128,14 +128,102 @@ class Shutdown:
     reason: str = "all tasks ended"
 
 
-@dataclass
+# ---- trainer operations: a group's leader -> every rank of the group (TAG_TRAINER), run by all in one order ----
 class TrainerOp:
-    """Leader -> every TP rank: run the same trainer call in the same order."""
+    """The same trainer call on every rank of a trainer group. `stage` names its timeline span; a `durable` op
+    writes shards, and each follower acknowledges it (runtime/trainer_rank.py `_everyone`)."""
 
-    kind: str
-    """'admit', 'train', 'save', 'checkpoint', 'remove', 'shutdown'."""
-    task_id: str = ""
-    payload: object = None
+    stage = ""
+    durable = False
+
+    def tasks(self) -> list[str]:
+        """The tasks it acts on (the timeline's)."""
+        return []
+
+
+@dataclass
+class AdmitOp(TrainerOp):
+    """Create a task's adapter (v0), or restore it at `admit.resume_version`, and publish it."""
+
+    admit: object
+    """The scheduler's Admit."""
+    stage = "admit"
+
+    def tasks(self) -> list[str]:
+        return [self.admit.spec.task_id]
+
+
+@dataclass
+class TrainOp(TrainerOp):
+    """One optimizer step for each order, fused (one shared base forward and backward)."""
+
+    batches: list
+    """(Train order, its trajectories) per task."""
+    stage = "train"
+
+    def tasks(self) -> list[str]:
+        return [order.task_id for order, _ in self.batches]
+
+
+@dataclass
+class SaveOp(TrainerOp):
+    """Periodic checkpoint of these tasks' shards (at their versions now)."""
+
+    task_ids: list
+    stage, durable = "save", True
+
+    def tasks(self) -> list[str]:
+        return list(self.task_ids)
+
+
+@dataclass
+class CheckpointOp(TrainerOp):
+    """Preemption: every live task's shards and the RNG."""
+
+    stage, durable = "checkpoint", True
+
+
+@dataclass
+class RemoveOp(TrainerOp):
+    """The task ended: drop its adapter (its final version stays on disk)."""
+
+    task_id: str
+    stage = "remove"
+
+    def tasks(self) -> list[str]:
+        return [self.task_id]
+
+
+@dataclass
+class MoveOutOp(TrainerOp):
+    """Send the task's shard to the same position of another trainer group (`target_ranks`) and drop it."""
+
+    task_id: str
+    target_ranks: list
+    stage = "move_out"
+
+    def tasks(self) -> list[str]:
+        return [self.task_id]
+
+
+@dataclass
+class MoveInOp(TrainerOp):
+    """Receive a moving task's shard from the same position of its old group (`source_ranks`)."""
+
+    task_id: str
+    spec: object
+    source_ranks: list
+    stage = "move_in"
+
+    def tasks(self) -> list[str]:
+        return [self.task_id]
+
+
+@dataclass
+class ShutdownOp(TrainerOp):
+    """The job ends: followers leave their loop."""
+
+    stage = "shutdown"
 
 
 @dataclass

@@ -30,9 +30,10 @@ from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_t
 from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_shards, save_torch, trainer_rng_path,
                                             trainer_shard_path)
 from marlaas_hpc.runtime.faults import is_job_fault, is_storage_error, storage_error
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER,
-                                          Checkpoint, CheckpointDone, Handover, RankStats, ScoredGroup, Shutdown,
-                                          TaskSaved, TrainerOp)
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER, AdmitOp,
+                                          Checkpoint, CheckpointDone, CheckpointOp, Handover, MoveInOp, MoveOutOp,
+                                          RankStats, RemoveOp, SaveOp, ScoredGroup, Shutdown, ShutdownOp, TaskSaved,
+                                          TrainerOp, TrainOp)
 from marlaas_hpc.runtime.retention import RetentionConfig, in_flight_versions, prune_adapters
 from marlaas_hpc.scheduler import Admit, Discard, Move, Moved, StepDone, TaskEnded, TaskFailed, Train
 from marlaas_hpc.scheduler.staleness import within_bound
@@ -84,39 +85,45 @@ class TrainerRank:
 
     # ---- every TP rank executes the same ops in the same order ----
     def execute(self, op: TrainerOp):
-        if op.kind == "admit":
-            return self._admit(op.payload)
-        if op.kind == "train":  # one fused step over several tasks' orders (shared base forward/backward)
-            batches = op.payload
-            for order, trajectories in batches:
-                check_bound(order, trajectories, self.trainer.version(order.task_id))
-            metrics = self.trainer.train_steps({order.task_id: trajectories for order, trajectories in batches})
-            for order, _ in batches:
-                task_metrics = metrics[order.task_id]
-                if math.isfinite(task_metrics.get("loss", 0.0)) and self._publish(order.task_id) is None:
-                    task_metrics["diverged"] = "non-finite adapter weights after the step (not published)"
-            return metrics
-        if op.kind == "save":
-            return self._save(op.payload)
-        if op.kind == "checkpoint":
-            return self._checkpoint()
-        if op.kind == "remove":
-            if op.task_id in self.trainer.tasks:
-                # the task ended: groups of it still open are discarded, the final version stays
-                self._prune(op.task_id, self.trainer.version(op.task_id), set(), ended=True)
-                if self.retention is not None and not self.retention.keep_final_checkpoint:
-                    # an ended task is never resumed (rank 0 recorded its end before telling this group)
-                    prune_shards(trainer_shard_path(self.run_dir, self.specs[op.task_id], self.trainer.tp_rank,
-                                                    0).parent, self.trainer.tp_rank, None)
-                self.trainer.remove_task(op.task_id)
-            if self.policy is not None:
-                self.policy.forget(op.task_id)
-            return None
-        if op.kind == "move_out":
-            return self._send_state(op.task_id, op.payload)
-        if op.kind == "move_in":
-            return self._receive_state(op.task_id, *op.payload)
-        raise ValueError(f"unknown trainer op {op.kind!r}")
+        return self._OPS[type(op)](self, op)
+
+    def _run_admit(self, op: AdmitOp) -> int:
+        return self._admit(op.admit)
+
+    def _run_train(self, op: TrainOp) -> dict:
+        """One fused step over several tasks' orders (shared base forward/backward), then each is published."""
+        for order, trajectories in op.batches:
+            check_bound(order, trajectories, self.trainer.version(order.task_id))
+        metrics = self.trainer.train_steps({order.task_id: trajectories for order, trajectories in op.batches})
+        for order, _ in op.batches:
+            task_metrics = metrics[order.task_id]
+            if math.isfinite(task_metrics.get("loss", 0.0)) and self._publish(order.task_id) is None:
+                task_metrics["diverged"] = "non-finite adapter weights after the step (not published)"
+        return metrics
+
+    def _run_save(self, op: SaveOp) -> dict[str, int]:
+        return self._save(op.task_ids)
+
+    def _run_checkpoint(self, op: CheckpointOp) -> dict[str, int]:
+        return self._checkpoint()
+
+    def _run_remove(self, op: RemoveOp) -> None:
+        if op.task_id in self.trainer.tasks:
+            # the task ended: groups of it still open are discarded, the final version stays
+            self._prune(op.task_id, self.trainer.version(op.task_id), set(), ended=True)
+            if self.retention is not None and not self.retention.keep_final_checkpoint:
+                # an ended task is never resumed (rank 0 recorded its end before telling this group)
+                prune_shards(trainer_shard_path(self.run_dir, self.specs[op.task_id], self.trainer.tp_rank,
+                                                0).parent, self.trainer.tp_rank, None)
+            self.trainer.remove_task(op.task_id)
+        if self.policy is not None:
+            self.policy.forget(op.task_id)
+
+    def _run_move_out(self, op: MoveOutOp) -> None:
+        self._send_state(op.task_id, op.target_ranks)
+
+    def _run_move_in(self, op: MoveInOp) -> None:
+        self._receive_state(op.task_id, op.spec, op.source_ranks)
 
     def _admit(self, admit: Admit) -> int:
         """A new task gets a fresh adapter (v0); a resumed one its saved shard and optimizer state."""
@@ -190,18 +197,17 @@ class TrainerRank:
                             bytes=sum(t.numel() * 4 for t in tensors.values()))
         return version
 
-    DURABLE = ("save", "checkpoint")
-    """Ops whose result the leader reports only once every rank of the group has its shard on disk: a TaskSaved
-    (or CheckpointDone) sent while a follower was still writing named a shard that a follower killed then never
-    wrote (seen in the fault matrix; the resume fell back to the checkpoint before)."""
-
     def _everyone(self, op: TrainerOp):
+        """The leader runs `op` on every rank of its group. A durable op (SaveOp, CheckpointOp) returns only once
+        every follower acknowledged its shard on disk: a TaskSaved (or CheckpointDone) sent while a follower was
+        still writing named a shard that a follower killed then never wrote (seen in the fault matrix; the resume
+        fell back to the checkpoint before)."""
         for rank in self.followers:
             self.comm.send(op, dest=rank, tag=TAG_TRAINER)
         try:
             return self.execute(op)
         finally:
-            if op.kind in self.DURABLE:  # acknowledged whatever happened here: no ack is left for a later op
+            if op.durable:  # acknowledged whatever happened here: no ack is left for a later op
                 for rank in self.followers:
                     recv_wait(self.comm, TAG_TRAINER, source=rank)
 
@@ -209,23 +215,19 @@ class TrainerRank:
     def run_follower(self) -> None:
         while True:
             op, _ = recv_wait(self.comm, TAG_TRAINER, source=self.leader)
-            if op.kind == "shutdown":
+            if isinstance(op, ShutdownOp):
                 write_timeline(self.run_dir, self.rank, "trainer", self.clock)
                 self.outbox.flush()
                 break
-            if op.kind == "train":
-                tasks = [order.task_id for order, _ in op.payload]
-            else:
-                tasks = [op.task_id] if op.task_id else []
-            with self.clock.track(op.kind, tasks):
+            with self.clock.track(op.stage, op.tasks()):
                 try:
                     self.execute(op)
                 except Exception as exc:
                     if is_job_fault(exc):
                         raise
                     # a task's fault: the leader hits the same error in the same op and reports it
-                if op.kind in self.DURABLE:  # this rank's shard is written (a job fault above never acks)
-                    self.comm.send(op.kind, dest=self.leader, tag=TAG_TRAINER)
+                if op.durable:  # this rank's shard is written (a job fault above never acks)
+                    self.comm.send(op.stage, dest=self.leader, tag=TAG_TRAINER)
 
     def run_leader(self) -> None:
         while True:
@@ -234,7 +236,7 @@ class TrainerRank:
             commands = self._drain(TAG_CMD, source=0)
             if any(isinstance(c, Shutdown) for c in commands):
                 for rank in self.followers:
-                    self.comm.send(TrainerOp("shutdown"), dest=rank, tag=TAG_TRAINER)
+                    self.comm.send(ShutdownOp(), dest=rank, tag=TAG_TRAINER)
                 break
             for command in commands:
                 self._command(command)
@@ -271,7 +273,7 @@ class TrainerRank:
         if isinstance(command, Admit):
             with self.clock.track("admit", (command.spec.task_id,)):
                 try:
-                    version = self._everyone(TrainerOp("admit", command.spec.task_id, command))
+                    version = self._everyone(AdmitOp(command))
                 except Exception as exc:  # e.g. a resumed shard saved at another TP size: this task fails
                     if is_job_fault(exc):
                         raise
@@ -280,7 +282,7 @@ class TrainerRank:
             self.outbox.send(StepDone(command.spec.task_id, version), 0, TAG_EVENT)
         elif isinstance(command, Checkpoint):
             with self.clock.track("checkpoint"):
-                versions = self._everyone(TrainerOp("checkpoint"))
+                versions = self._everyone(CheckpointOp())
             self.outbox.send(CheckpointDone(versions), 0, TAG_EVENT)
         elif isinstance(command, Train):
             self.orders.append(command)
@@ -291,7 +293,7 @@ class TrainerRank:
         elif isinstance(command, TaskEnded):
             self.ended.add(command.task_id)
             self.orders = [o for o in self.orders if o.task_id != command.task_id]
-            self._everyone(TrainerOp("remove", command.task_id))
+            self._everyone(RemoveOp(command.task_id))
         elif isinstance(command, Move):
             self._move_out(command)
 
@@ -319,7 +321,7 @@ class TrainerRank:
             tokens = sum(len(t.completion_ids) + len(t.prompt_ids) for _, trajs in batches for t in trajs)
             with self.clock.track("train", [o.task_id for o, _ in batches], tokens=tokens,
                                   samples=sum(len(trajs) for _, trajs in batches)):
-                metrics = self._everyone(TrainerOp("train", "", batches))
+                metrics = self._everyone(TrainOp(batches))
         except Exception as exc:
             if is_job_fault(exc):
                 raise
@@ -347,7 +349,7 @@ class TrainerRank:
         if not due:
             return {}
         with self.clock.track("save", due):
-            return self._everyone(TrainerOp("save", "", due))
+            return self._everyone(SaveOp(due))
 
     def _fail(self, task_id: str, exc: Exception) -> None:
         self.outbox.send(TaskFailed(task_id, f"trainer: {type(exc).__name__}: {exc}"), 0, TAG_EVENT)
@@ -394,7 +396,7 @@ class TrainerRank:
         target = self.groups[move.to_group]
         spec = self.specs[move.task_id]
         with self.clock.track("move_out", (move.task_id,)):
-            self._everyone(TrainerOp("move_out", move.task_id, target))
+            self._everyone(MoveOutOp(move.task_id, target))
         buffered = {gid: trajs for gid, trajs in self.buffer.items() if trajs and trajs[0].task_id == move.task_id}
         for gid in buffered:
             del self.buffer[gid]
@@ -411,7 +413,7 @@ class TrainerRank:
         self.moved_to.pop(task_id, None)  # it may come back to a group it left
         with self.clock.track("move_in", (task_id,)):
             try:
-                self._everyone(TrainerOp("move_in", task_id, (handover.spec, handover.source_ranks)))
+                self._everyone(MoveInOp(task_id, handover.spec, handover.source_ranks))
                 if self.trainer.version(task_id) != handover.version:
                     raise RuntimeError(f"{task_id}: handed over at v{self.trainer.version(task_id)}, the scheduler "
                                        f"moved it at v{handover.version}")
@@ -427,7 +429,7 @@ class TrainerRank:
             else:
                 self.buffer[gid] = trajectories
         if task_id in self.ended:
-            self._everyone(TrainerOp("remove", task_id))
+            self._everyone(RemoveOp(task_id))
         self.outbox.send(Moved(task_id, self.group), 0, TAG_EVENT)
 
     def _owner_elsewhere(self, scored: ScoredGroup) -> int | None:
@@ -445,3 +447,9 @@ class TrainerRank:
             raise RuntimeError(f"expected the state of {task_id} from rank {source_ranks[self.position]}, got {sent}")
         self.trainer.load_state_dict(task_id, state)
         self.specs[task_id] = spec
+
+
+# trainer op type -> the method every rank of the group runs for it
+TrainerRank._OPS = {AdmitOp: TrainerRank._run_admit, TrainOp: TrainerRank._run_train, SaveOp: TrainerRank._run_save,
+                    CheckpointOp: TrainerRank._run_checkpoint, RemoveOp: TrainerRank._run_remove,
+                    MoveOutOp: TrainerRank._run_move_out, MoveInOp: TrainerRank._run_move_in}
