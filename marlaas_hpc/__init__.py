@@ -6,12 +6,12 @@ every task within its staleness bound k: at most (k+1)*B prompt groups issued an
           │ Submit
           ▼
     rank 0: SchedulerRank + Scheduler ───GenerateWork───► rollout ranks: RolloutRank (vLLM multi-LoRA)
-      ▲ events: Generated, Scored,  │ Admit, Train,             GroupData │  ▲ ContinueGroup, GroupEnded
+      ▲ events: Generated, Scored,  │ Admit, Train,             GroupTurn │  ▲ ContinueGroup, GroupEnded
       │ StepDone, TaskFailed, ...   │ Discard, Move, ...                  ▼  │ (multi-turn)
       ├─────────────────────────────┼───────────────── env ranks: EnvRank (tools, rewards, advantages)
       │                             ▼                                     │ ScoredGroup
       └──────────── trainer groups: TrainerRank + MultiLoraTrainer (megatron-core, TP x DP) ◄┘
-                                    │ DeltaAnnounce + broadcast on each group leader's DeltaGroup
+                                    │ DeltaAnnounce + broadcast on each group leader's DeltaChannel
                                     └──► every rollout rank installs the task's new adapter version
 
 docs/architecture.md has the full picture: roles and communicators, messages, the staleness rule, modes, trainer

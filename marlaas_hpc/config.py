@@ -161,11 +161,10 @@ class JobConfig:
                                      f"{[RANDOM_PREFIX + name for name in SHAPES]}")
 
     def scheduler_config(self, rollout_ranks, env_ranks) -> SchedulerConfig:
-        """Rank 0's scheduler settings for this job, given the world ranks that generate and that score (the one
-        place that maps the job's fields onto the scheduler's names: max_adapters -> max_active_tasks)."""
+        """Rank 0's scheduler settings for this job, given the world ranks that generate and that score."""
         return SchedulerConfig(mode=self.mode, order=self.order, rollout_ranks=tuple(rollout_ranks),
                                env_ranks=tuple(env_ranks), rollout_slots=self.rollout_slots,
-                               max_active_tasks=self.max_adapters, trainer_slots=self.trainer_slots,
+                               max_adapters=self.max_adapters, trainer_slots=self.trainer_slots,
                                trainer_groups=self.layout.trainer_groups)
 
     def check_model(self, path: Path, vllm_on_cpu: bool = False) -> None:

@@ -25,7 +25,7 @@ from marlaas_hpc.trajectory import Trajectory
 
 
 @dataclass
-class TaskState:
+class DriverTask:
     spec: TaskSpec
     data: TaskData
     cursor: int = 0
@@ -33,7 +33,7 @@ class TaskState:
     history: list[dict] = field(default_factory=list)
 
 
-def to_trajectories(task: TaskState, samples: list[Sample], gens: list[Generation], codec: TextCodec,
+def to_trajectories(task: DriverTask, samples: list[Sample], gens: list[Generation], codec: TextCodec,
                     group_size: int) -> list[Trajectory]:
     """Scores generations (grouped G per sample, in order) and sets group-relative advantages."""
     trajectories = []
@@ -53,7 +53,7 @@ class LocalDriver:
                  log=print):
         self.engine, self.trainer, self.codec = engine, trainer, codec
         self.run_dir, self.seed, self.log = Path(run_dir), seed, log
-        self.tasks: dict[str, TaskState] = {}
+        self.tasks: dict[str, DriverTask] = {}
         self._request_counter = 0
         self.tensorboard = TensorBoardSink()
 
@@ -61,7 +61,7 @@ class LocalDriver:
         """Admits a task: loads its data (errors name the field), creates its adapter, publishes v0."""
         data = build_task_data(spec.dataset, spec.prompt.format)
         self.trainer.add_task(spec.task_id, spec.lora, spec.algo)
-        self.tasks[spec.task_id] = TaskState(spec, data)
+        self.tasks[spec.task_id] = DriverTask(spec, data)
         task_dir(self.run_dir, spec).mkdir(parents=True, exist_ok=True)
         self._publish(spec.task_id)
 

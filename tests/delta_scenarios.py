@@ -5,7 +5,7 @@ leader) to every other rank (rollout ranks), each member on the device MODE give
     MODE: cpu (every member on the CPU) | cuda (member i on GPU i) | mixed (leader on GPU 0, the rest on the
           CPU) | same_gpu (every member on GPU 0, as under layout.share_gpus)
 
-Rank 0 prints one JSON line: the backend the group chose, whether every rollout rank received every tensor
+Rank 0 prints one JSON line: the backend the channel chose, whether every rollout rank received every tensor
 bit for bit, and each member's broadcast-buffer device.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from marlaas_hpc.runtime.delta import DeltaGroup  # noqa: E402
+from marlaas_hpc.runtime.delta import DeltaChannel  # noqa: E402
 from marlaas_hpc.runtime.messages import TAG_DELTA  # noqa: E402
 from marlaas_hpc.tasks.spec import LoraSpec  # noqa: E402
 
@@ -43,26 +43,26 @@ def main() -> None:
     device = torch.device(DEVICES[mode](rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = DeltaGroup(comm, 0, list(range(1, comm.Get_size())), device=device)
+    channel = DeltaChannel(comm, 0, list(range(1, comm.Get_size())), device=device)
     ok = True
     if rank == 0:  # send does not wait for the rollout ranks: they join only after all three were posted
         for version in (1, 2, 3):
-            group.send("task", version, {name: t.to(device) for name, t in delta(version).items()}, LoraSpec(rank=4))
+            channel.send("task", version, {name: t.to(device) for name, t in delta(version).items()}, LoraSpec(rank=4))
         comm.Barrier()
-        group.flush()
-        ok &= not group.in_flight
+        channel.flush()
+        ok &= not channel.in_flight
     else:
         comm.Barrier()
         for version in (1, 2, 3):
             tensors = delta(version)
             announce = comm.recv(source=0, tag=TAG_DELTA)
-            got = group.receive(announce)
+            got = channel.receive(announce)
             ok &= announce.version == version and set(got) == set(tensors)
             ok &= all(torch.equal(got[name], tensors[name]) for name in tensors)
     ok = comm.allreduce(bool(ok), op=MPI.LAND)
-    buffers = comm.gather(str(group.device), root=0)
+    buffers = comm.gather(str(channel.device), root=0)
     if rank == 0:
-        print(json.dumps({"backend": group.backend, "ok": ok, "buffer_devices": buffers}), flush=True)
+        print(json.dumps({"backend": channel.backend, "ok": ok, "buffer_devices": buffers}), flush=True)
 
 
 if __name__ == "__main__":

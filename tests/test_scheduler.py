@@ -40,7 +40,7 @@ def simulate(specs, mode="async", seed=0, rollout_ranks=2, slots=3, order="fair"
              jitter=0.0, trainer_slots=4):
     loop = SimLoop.__new__(SimLoop)
     config = SchedulerConfig(mode=mode, order=order, rollout_ranks=tuple(range(1, rollout_ranks + 1)),
-                             env_ranks=(99,), rollout_slots=slots, max_active_tasks=max_active,
+                             env_ranks=(99,), rollout_slots=slots, max_adapters=max_active,
                              trainer_slots=trainer_slots)
     scheduler = Scheduler(config, clock=lambda: loop.now)
     SimLoop.__init__(loop, scheduler, RandomDurations(seed, tail), delivery_jitter=jitter, seed=seed)
@@ -205,7 +205,7 @@ def test_async_beats_sync_and_sequential_with_long_tails():
 def test_cancel_at_step_boundary_and_queue_admission():
     specs = [spec("a", 1, steps=50), spec("b", 1, steps=3), spec("c", 1, steps=3)]
     loop = SimLoop.__new__(SimLoop)
-    sched = Scheduler(SchedulerConfig(rollout_ranks=(1,), env_ranks=(2,), max_active_tasks=2),
+    sched = Scheduler(SchedulerConfig(rollout_ranks=(1,), env_ranks=(2,), max_adapters=2),
                       clock=lambda: loop.now)
     SimLoop.__init__(loop, sched, RandomDurations(0))
     for s in specs:

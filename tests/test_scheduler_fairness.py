@@ -40,7 +40,7 @@ class TrainerBound:
 def run(order: str, n_tasks: int, trainer_slots: int, generate_s: float, seed: int, priorities: list[int]):
     loop = SimLoop.__new__(SimLoop)
     config = SchedulerConfig(order=order, rollout_ranks=(1, 2), env_ranks=(99,), rollout_slots=8,
-                             max_active_tasks=n_tasks, trainer_slots=trainer_slots)
+                             max_adapters=n_tasks, trainer_slots=trainer_slots)
     scheduler = Scheduler(config, clock=lambda: loop.now)
     SimLoop.__init__(loop, scheduler, TrainerBound(seed, generate_s))
     for i in range(n_tasks):

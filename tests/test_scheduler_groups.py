@@ -55,7 +55,7 @@ class CheckedLoop(SimLoop):
 def simulate(specs, groups, seed=0, trainer_slots=2, jitter=0.5, mode="async", max_active=8):
     loop = CheckedLoop.__new__(CheckedLoop)
     config = SchedulerConfig(mode=mode, rollout_ranks=(1, 2), env_ranks=(99,), rollout_slots=3,
-                             max_active_tasks=max_active, trainer_slots=trainer_slots, trainer_groups=groups)
+                             max_adapters=max_active, trainer_slots=trainer_slots, trainer_groups=groups)
     scheduler = Scheduler(config, clock=lambda: loop.now)
     CheckedLoop.__init__(loop, scheduler, RandomDurations(seed), delivery_jitter=jitter, seed=seed)
     for s in specs:

@@ -29,7 +29,7 @@ def simulate(mode="async", seed=0, n_tasks=None, workload=None, staleness=None, 
     tasks = copies_to(job.tasks, n_tasks) if n_tasks else job.tasks
     if staleness is not None:
         tasks = [dataclasses.replace(t, max_staleness=staleness) for t in tasks]
-    setup = setup_from_job(job, mode=mode, tasks=tasks, max_active_tasks=max(8, len(tasks)), **layout)
+    setup = setup_from_job(job, mode=mode, tasks=tasks, max_adapters=max(8, len(tasks)), **layout)
     sim = Simulation(setup, workload or load_workload(ROOT / "configs/workloads/tiny-cpu.yaml"), seed=seed)
     return sim, sim.run()
 
@@ -119,7 +119,7 @@ def test_staleness_bound_holds_at_1024_tasks():
     job = small_job()
     tasks = [dataclasses.replace(t, max_staleness=i % 4, total_steps=2)
              for i, t in enumerate(copies_to(job.tasks, 1024))]
-    setup = setup_from_job(job, tasks=tasks, max_active_tasks=1024, rollout_ranks=64, env_ranks=8,
+    setup = setup_from_job(job, tasks=tasks, max_adapters=1024, rollout_ranks=64, env_ranks=8,
                            trainer_groups=8, trainer_slots=4)
     sim = Simulation(setup, load_workload(ROOT / "configs/workloads/tiny-cpu.yaml"), seed=3, trace=False)
     outcome = sim.run()

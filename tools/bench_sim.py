@@ -32,7 +32,7 @@ def measure(n_tasks: int, mode: str, steps: int, workload) -> dict:
     job = JobConfig.load(ROOT / "configs" / "calib-small.yaml")
     tasks = [dataclasses.replace(t, total_steps=steps) for t in copies_to(job.tasks, n_tasks)]
     ranks = max(1, n_tasks // 8)
-    setup = setup_from_job(job, mode=mode, tasks=tasks, max_active_tasks=n_tasks, rollout_ranks=ranks,
+    setup = setup_from_job(job, mode=mode, tasks=tasks, max_adapters=n_tasks, rollout_ranks=ranks,
                            env_ranks=max(1, ranks // 4), trainer_groups=max(1, ranks // 4), trainer_slots=4)
     sim = Simulation(setup, workload, seed=0, trace=False)
     handle, spent = sim.scheduler.handle, [0.0]

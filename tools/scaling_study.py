@@ -75,7 +75,7 @@ def run_point(point: Point, job: JobConfig, workload) -> dict:
                                  algo=dataclasses.replace(t.algo, batch_prompts=point.batch or t.algo.batch_prompts))
              for t in copies_to(job.tasks, point.tasks)]
     shape = shape_of(point)
-    setup = setup_from_job(job, mode=point.mode, tasks=tasks, max_active_tasks=point.tasks, **shape)
+    setup = setup_from_job(job, mode=point.mode, tasks=tasks, max_adapters=point.tasks, **shape)
     start = time.perf_counter()
     sim = Simulation(setup, workload, seed=0, trace=False)
     summary = summarize(sim, sim.run(), 0)

@@ -6,9 +6,9 @@
     rollout_rank.py    RolloutRank: one engine for every task's adapters; installs delta broadcasts
     env_rank.py        EnvRank: episodes, env steps in an EnvPool, rewards and advantages
     trainer_rank.py    TrainerRank: a trainer group's leader and followers; check_bound; task moves
-    messages.py        what travels between ranks (tags, GenerateWork, GroupData, ScoredGroup, ...)
+    messages.py        what travels between ranks (tags, GenerateWork, GroupTurn, ScoredGroup, ...)
     comm.py            poll, Outbox (non-blocking sends), BusyClock and the per-rank timeline
-    delta.py           DeltaGroup: a trainer leader's broadcast group to the rollout ranks (NCCL or gloo)
+    delta.py           DeltaChannel: a trainer leader's broadcast group to the rollout ranks (NCCL or gloo)
     delta_fanin.py     DeltaFanIn: a rollout rank's view of every leader's broadcasts
     checkpoint.py      periodic and preemption checkpoints, CheckpointPolicy, JobRecords, PreemptFlag
     recovery.py        resume points (shard digests checked on every trainer rank), output rollback

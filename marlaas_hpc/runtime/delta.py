@@ -37,7 +37,7 @@ def _process_group(backend: str, store, member: int, size: int, timeout: timedel
 def host_store(size: int, host: str | None = None, timeout_s: float = 600.0) -> tuple[dist.TCPStore, tuple]:
     """The master side of a TCPStore for `size` members, on a port the kernel picks as it binds (port 0), and
     the (host, port) the other members connect to. Probing a free port and binding it later left a window in
-    which another process of the job (a second trainer group, a delta group) took it: EADDRINUSE at start."""
+    which another process of the job (a second trainer group, a delta channel) took it: EADDRINUSE at start."""
     store = dist.TCPStore(host or socket.gethostname(), 0, size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     return store, (host or socket.gethostname(), store.port)
@@ -48,7 +48,7 @@ def join_store(address: tuple, size: int, timeout_s: float = 600.0) -> dist.TCPS
     return dist.TCPStore(address[0], address[1], size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-class DeltaGroup:
+class DeltaChannel:
     """Member 0 is the trainer leader (source of every broadcast); members 1.. are rollout ranks.
 
     Each member passes its own device (its binding, launch/devices.py). The group uses NCCL when every member
@@ -75,7 +75,7 @@ class DeltaGroup:
             (address, self.backend), _ = recv_wait(comm, TAG_DELTA, source=leader)
             store = join_store(address, self.size, timeout_s)
         self.device = own if self.backend == "nccl" else torch.device("cpu")
-        self.group = _process_group(self.backend, store, self.member, self.size, timedelta(seconds=timeout_s))
+        self.process_group = _process_group(self.backend, store, self.member, self.size, timedelta(seconds=timeout_s))
         self.in_flight: deque = deque()
         """Leader: (work, buffer, announce requests) of posted broadcasts, oldest first."""
 
@@ -89,7 +89,7 @@ class DeltaGroup:
         announce = DeltaAnnounce(task_id, version, names, [tuple(tensors[n].shape) for n in names], lora)
         requests = [self.comm.isend(announce, dest=rank, tag=TAG_DELTA) for rank in self.rollout_ranks]
         flat = torch.cat([tensors[n].detach().reshape(-1).float() for n in names]).to(self.device)
-        self.in_flight.append((self.group.broadcast(flat, 0), flat, requests))  # the buffer lives until done
+        self.in_flight.append((self.process_group.broadcast(flat, 0), flat, requests))  # the buffer lives until done
 
     MAX_IN_FLIGHT = 16
     """Posted broadcasts the leader lets wait for the rollout ranks before it waits itself (bounds memory)."""
@@ -110,12 +110,12 @@ class DeltaGroup:
         """Rollout rank: join the broadcast that follows `announce` and unflatten it."""
         total = sum(int(torch.Size(s).numel()) for s in announce.shapes)
         flat = torch.empty(total, dtype=torch.float32, device=self.device)
-        self.group.broadcast(flat, 0).wait()
+        self.process_group.broadcast(flat, 0).wait()
         return unflatten(announce, flat)
 
 
 def unflatten(announce: DeltaAnnounce, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The named tensors of one broadcast buffer (the layout DeltaGroup.send flattens them in)."""
+    """The named tensors of one broadcast buffer (the layout DeltaChannel.send flattens them in)."""
     flat = flat.cpu()
     out, offset = {}, 0
     for name, shape in zip(announce.names, announce.shapes):

@@ -1,4 +1,4 @@
-"""Rollout side of the LoRA delta broadcasts: one DeltaGroup per trainer group leader (runtime/delta.py).
+"""Rollout side of the LoRA delta broadcasts: one DeltaChannel per trainer group leader (runtime/delta.py).
 
 With one trainer group a rollout rank joins each announced broadcast at once, as it always did. With several,
 joining one broadcast and waiting for it could deadlock: rollout rank 1 may see leader A's announce first and
@@ -21,36 +21,36 @@ from typing import Callable, Iterator
 import torch
 
 from marlaas_hpc.runtime.comm import poll
-from marlaas_hpc.runtime.delta import DeltaGroup, unflatten
+from marlaas_hpc.runtime.delta import DeltaChannel, unflatten
 from marlaas_hpc.runtime.messages import TAG_DELTA, DeltaAnnounce
 
 
 class DeltaFanIn:
     """The delta broadcasts of every trainer group leader, as one source of (announce, tensors)."""
 
-    def __init__(self, comm, groups: list[DeltaGroup]):
-        if not groups:
-            raise ValueError("a rollout rank needs the delta group of at least one trainer leader")
+    def __init__(self, comm, channels: list[DeltaChannel]):
+        if not channels:
+            raise ValueError("a rollout rank needs the delta channel of at least one trainer leader")
         self.comm = comm
-        self.groups = {group.leader: group for group in groups}
-        self.pending: dict[int, deque] = {leader: deque() for leader in self.groups}
+        self.channels = {channel.leader: channel for channel in channels}
+        self.pending: dict[int, deque] = {leader: deque() for leader in self.channels}
         """Per leader: (announce, buffer, work) of posted broadcasts, in the leader's order."""
 
     @property
     def leaders(self) -> list[int]:
-        return list(self.groups)
+        return list(self.channels)
 
     def poll(self) -> Iterator[tuple[DeltaAnnounce, Callable[[], dict[str, torch.Tensor]]]]:
         """Yields (announce, receive) for each broadcast ready to be taken; `receive()` returns its tensors.
         One group: every announce at once, `receive` joins the broadcast (blocking, as before). Several: only
         broadcasts that have completed, in each leader's order."""
-        if len(self.groups) == 1:
-            (leader, group), = self.groups.items()
+        if len(self.channels) == 1:
+            (leader, channel), = self.channels.items()
             while True:
                 announce, _ = poll(self.comm, TAG_DELTA, source=leader)
                 if announce is None:
                     return
-                yield announce, lambda announce=announce: group.receive(announce)
+                yield announce, lambda announce=announce: channel.receive(announce)
         self._post_announced()
         for leader, queue in self.pending.items():
             while queue and queue[0][2].is_completed():
@@ -68,7 +68,7 @@ class DeltaFanIn:
             announce, source = poll(self.comm, TAG_DELTA)
             if announce is None:
                 return
-            group = self.groups[source]
+            channel = self.channels[source]
             total = sum(int(torch.Size(s).numel()) for s in announce.shapes)
-            flat = torch.empty(total, dtype=torch.float32, device=group.device)
-            self.pending[source].append((announce, flat, group.group.broadcast(flat, 0)))
+            flat = torch.empty(total, dtype=torch.float32, device=channel.device)
+            self.pending[source].append((announce, flat, channel.process_group.broadcast(flat, 0)))

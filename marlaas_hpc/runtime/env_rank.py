@@ -3,14 +3,14 @@ in an EnvPool, and sends scored trajectories straight to the trainer leader; ran
 
 One prompt group = G episodes of one sample (a single-turn task is the one-turn case):
 
-    rank 0 ──GenerateWork(prompt = env.reset text)──► rollout ──GroupData(turn 1, G turns)──► env rank
+    rank 0 ──GenerateWork(prompt = env.reset text)──► rollout ──GroupTurn(turn 1, G turns)──► env rank
     env rank: env.step(turn text) of every episode, concurrently in the EnvPool (per-call timeout): rewards
               and CPU tools on its workers, steps that wait on a service (lookup) on its I/O lane, hundreds
               at once (bounded per tool by env_pool.tool_concurrency)
         Observation: its tokens are appended to the episode (loss_mask 0, logprob 0) → the episode goes on
         Final, or a limit (max_turns / max_episode_tokens) → the episode ends (truncation reward: 0.0)
     when every step of the turn is back:
-        some go on  → ContinueGroup(their contexts) ──► rollout ──GroupData(turn t+1, those)──► env rank ...
+        some go on  → ContinueGroup(their contexts) ──► rollout ──GroupTurn(turn t+1, those)──► env rank ...
         all ended   → ScoredGroup ──► trainer leader;  Scored ──► rank 0;
                       GroupEnded ──► rollout (unpins the group's version)
 
@@ -44,7 +44,7 @@ from marlaas_hpc.env.protocol import Environment, Final, environment_for, episod
 from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupData,
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupTurn,
                                           GroupEnded, RankStats, ScoredGroup, Shutdown)
 from marlaas_hpc.scheduler import Admit, Move, Scored, TaskFailed
 from marlaas_hpc.trajectory import Trajectory, assign_advantages
@@ -71,8 +71,8 @@ class _Episode:
 
 
 @dataclass
-class _Group:
-    first: GroupData
+class _ScoringGroup:
+    first: GroupTurn
     rollout_rank: int
     multi_turn: bool
     episodes: list[_Episode]
@@ -103,9 +103,9 @@ class EnvRank:
         """Per task: the codec of its prompt format (raw or chat)."""
         self.eval_samples: dict[str, dict[int, object]] = {}
         self.failed: set[str] = set()
-        self.early: list[tuple[GroupData, int]] = []
+        self.early: list[tuple[GroupTurn, int]] = []
         """Data of a task whose Admit has not arrived yet (rank 0 and rollout ranks race)."""
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, _ScoringGroup] = {}
         self.in_pool: dict[Future, tuple[str, int]] = {}
         self.episode_stats: dict[tuple[str, str], dict] = {}
         self.pool = EnvPool(pool_config)
@@ -123,7 +123,7 @@ class EnvRank:
             elif isinstance(command, Move):  # groups scored from now on go to the new owner (the old one forwards)
                 self.trainer_of[command.task_id] = self.group_leaders[command.to_group]
             data, source = poll(self.comm, TAG_DATA)
-            if isinstance(data, GroupData):
+            if isinstance(data, GroupTurn):
                 if data.task_id not in self.tasks:
                     self.early.append((data, source))
                 else:
@@ -154,7 +154,7 @@ class EnvRank:
             self._on_turn(data, source)
 
     # ---- a turn of a group arrives: start its env steps ----
-    def _on_turn(self, data: GroupData, rollout_rank: int) -> None:
+    def _on_turn(self, data: GroupTurn, rollout_rank: int) -> None:
         if data.task_id in self.failed:
             if is_multi_turn(self.tasks[data.task_id]):
                 self._drop(data, rollout_rank)
@@ -169,7 +169,7 @@ class EnvRank:
             for j, ids, logprobs, version in zip(episodes, data.completions, data.logprobs, sampled):
                 self._add_model_turn(group, j, ids, logprobs, version, data.newest_version)
 
-    def _open(self, data: GroupData, rollout_rank: int) -> _Group | None:
+    def _open(self, data: GroupTurn, rollout_rank: int) -> _ScoringGroup | None:
         task = self.tasks[data.task_id]
         sample = self.eval_samples[data.task_id][data.prompt_index] if data.eval \
             else task.train_sample(data.prompt_index)
@@ -181,11 +181,11 @@ class EnvRank:
                 if is_multi_turn(task):
                     self._drop(data, rollout_rank)
                 return None
-        group = _Group(data, rollout_rank, is_multi_turn(task), [_Episode(env) for env in envs], time.time())
+        group = _ScoringGroup(data, rollout_rank, is_multi_turn(task), [_Episode(env) for env in envs], time.time())
         self.groups[data.group_id] = group
         return group
 
-    def _add_model_turn(self, group: _Group, j: int, ids: list[int], logprobs: list[float],
+    def _add_model_turn(self, group: _ScoringGroup, j: int, ids: list[int], logprobs: list[float],
                         version: int | None, newest: int | None) -> None:
         first = group.first
         if version != first.version:
@@ -218,7 +218,7 @@ class EnvRank:
                 self._next_turn(group)
         return bool(done)
 
-    def _on_step(self, group: _Group, j: int, outcome: StepOutcome) -> None:
+    def _on_step(self, group: _ScoringGroup, j: int, outcome: StepOutcome) -> None:
         episode, task_id = group.episodes[j], group.first.task_id
         episode.env = outcome.env
         self._note_step(group, j, outcome)
@@ -247,7 +247,7 @@ class EnvRank:
             episode.mask += [0] * len(observation)
             episode.goes_on = True
 
-    def _next_turn(self, group: _Group) -> None:
+    def _next_turn(self, group: _ScoringGroup) -> None:
         going_on = [j for j, episode in enumerate(group.episodes) if episode.goes_on]
         if not going_on:
             self._finish(group)
@@ -260,7 +260,7 @@ class EnvRank:
                          TAG_DATA)
 
     # ---- a group ends ----
-    def _finish(self, group: _Group) -> None:
+    def _finish(self, group: _ScoringGroup) -> None:
         first = group.first
         del self.groups[first.group_id]
         self._note_episodes(group)
@@ -291,13 +291,13 @@ class EnvRank:
                 if group.multi_turn:
                     self._drop(group.first, group.rollout_rank)
 
-    def _drop(self, first: GroupData, rollout_rank: int) -> None:
+    def _drop(self, first: GroupTurn, rollout_rank: int) -> None:
         """Ends a multi-turn group of a failed task: the rollout rank unpins it (its slot was freed at its first
         turn: the rollout rank's Generated)."""
         self.outbox.send(GroupEnded(first.group_id), rollout_rank, TAG_DATA)
 
     # ---- measurements ----
-    def _note_step(self, group: _Group, j: int, outcome: StepOutcome) -> None:
+    def _note_step(self, group: _ScoringGroup, j: int, outcome: StepOutcome) -> None:
         if outcome.run_s < TIMELINE_MIN_STEP_S:
             return
         result = outcome.result
@@ -308,14 +308,14 @@ class EnvRank:
                         episode=j, turn=group.turn, outcome=kind, queued_s=outcome.queued_s, io=outcome.io,
                         **timings)
 
-    def _note_turn_scored(self, group: _Group) -> None:
+    def _note_turn_scored(self, group: _ScoringGroup) -> None:
         """A 'score' span: a turn of the group arrived -> all its env steps are back (the simulator's
         calibration reads these as the env stage's time per group)."""
         stepped = sum(len(e.turn_versions) == group.turn for e in group.episodes)
         self.clock.note("score", (group.first.task_id,), group.turn_t0, time.time(), samples=stepped,
                         group_id=group.first.group_id, turn=group.turn, eval=group.first.eval)
 
-    def _note_episodes(self, group: _Group) -> None:
+    def _note_episodes(self, group: _ScoringGroup) -> None:
         """The group's episodes in the timeline (see the module docstring) and in the per-task episode figures."""
         first, now = group.first, time.time()
         if not group.multi_turn:
@@ -329,7 +329,7 @@ class EnvRank:
                 self._note_episode(group, j, episode, now)
             self._count_episode(first, episode)
 
-    def _note_episode(self, group: _Group, j: int, episode: _Episode, now: float) -> None:
+    def _note_episode(self, group: _ScoringGroup, j: int, episode: _Episode, now: float) -> None:
         first = group.first
         model_tokens = sum(episode.mask)
         self.clock.note("episode", (first.task_id,), group.t0, now, group_id=first.group_id, episode=j,
@@ -340,7 +340,7 @@ class EnvRank:
                         tool_tokens=len(episode.mask) - model_tokens, finish=episode.final.reason,
                         reward=episode.final.reward)
 
-    def _count_episode(self, first: GroupData, episode: _Episode) -> None:
+    def _count_episode(self, first: GroupTurn, episode: _Episode) -> None:
         phase = "train" if not first.eval else "eval_before" if first.version is None else "eval_after"
         stats = self.episode_stats.setdefault((first.task_id, phase), {
             "episodes": 0, "with_tool_call": 0, "turns": 0, "reward": 0.0, "finish": {}})

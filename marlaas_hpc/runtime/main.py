@@ -266,12 +266,12 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         else:
             kwargs = {"device": binding.device}
         from marlaas_hpc.rollout.restart import RestartingEngine
-        from marlaas_hpc.runtime.delta import DeltaGroup
+        from marlaas_hpc.runtime.delta import DeltaChannel
         from marlaas_hpc.runtime.delta_fanin import DeltaFanIn
 
         engine = RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))
-        # one delta group per trainer group leader, set up in group order (each leader waits for its own)
-        delta = DeltaFanIn(comm, [DeltaGroup(comm, rank, roles["rollout"], device=binding.device)
+        # one delta channel per trainer group leader, set up in group order (each leader waits for its own)
+        delta = DeltaFanIn(comm, [DeltaChannel(comm, rank, roles["rollout"], device=binding.device)
                                   for rank in leaders])
         worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir)
         _ready(comm, rank, role.kind, start)
@@ -283,9 +283,9 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         trainer = _trainer(comm, job, mine, model_path, binding.device)
         if rank == mine[0]:
             from marlaas_hpc.runtime.checkpoint import CheckpointPolicy
-            from marlaas_hpc.runtime.delta import DeltaGroup
+            from marlaas_hpc.runtime.delta import DeltaChannel
 
-            delta = DeltaGroup(comm, rank, roles["rollout"], device=binding.device)
+            delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device)
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
                                  policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
             _ready(comm, rank, role.kind, start)

@@ -11,7 +11,7 @@ TAG_CMD = 11
 TAG_EVENT = 12
 """workers -> rank 0: scheduler events, EvalDone, RankStats."""
 TAG_DATA = 13
-"""worker -> worker: GroupData (rollout -> env), ContinueGroup / GroupEnded (env -> rollout, multi-turn),
+"""worker -> worker: GroupTurn (rollout -> env), ContinueGroup / GroupEnded (env -> rollout, multi-turn),
 ScoredGroup (env -> trainer)."""
 TAG_DELTA = 14
 """trainer leader -> rollout ranks: DeltaAnnounce, followed by a torch.distributed broadcast."""
@@ -47,7 +47,7 @@ class GenerateWork:
 
 
 @dataclass
-class GroupData:
+class GroupTurn:
     """One turn of a prompt group's episodes, rollout -> env: turn 1 of all G, or turn t of those that went on."""
 
     task_id: str

@@ -3,7 +3,7 @@ deltas from the trainer group leaders (runtime/delta_fanin.py), and sends finish
 rank.
 
 A prompt group's first turn comes from rank 0 (GenerateWork). Training work asked for a superseded version
-samples with the newest one. When a group's turn is done (its G completions): GroupData to the env rank, Generated
+samples with the newest one. When a group's turn is done (its G completions): GroupTurn to the env rank, Generated
 to rank 0, which frees the group's rollout slot. Single-turn groups are then done. Multi-turn groups (tool tasks)
 stay open: the env rank answers each turn with ContinueGroup (the next turn of the episodes that go on, sampled
 with the group's version, never a newer one) until it sends GroupEnded. A slot counts a group's turn in the
@@ -29,12 +29,21 @@ from pathlib import Path
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, GenerateWork,
-                                          GroupData, GroupEnded, PromptGroup, RankStats, Shutdown)
+                                          GroupTurn, GroupEnded, PromptGroup, RankStats, Shutdown)
 from marlaas_hpc.scheduler import Generated, Resumed
 
 
+@dataclass(frozen=True)
+class _RequestOf:
+    """What an engine request samples: one episode's turn of a prompt group."""
+
+    group_id: str
+    episode: int
+    turn: int
+
+
 @dataclass
-class _OpenGroup:
+class _SamplingGroup:
     work: GenerateWork
     group: PromptGroup
     version: int | None
@@ -53,14 +62,16 @@ class _OpenGroup:
 
 
 class RolloutRank:
-    def __init__(self, comm, engine, delta_group, seed: int = 0, run_dir: Path | None = None):
-        self.comm, self.engine, self.delta = comm, engine, delta_group
+    def __init__(self, comm, engine, delta_channel, seed: int = 0, run_dir: Path | None = None):
+        self.comm, self.engine, self.delta = comm, engine, delta_channel
         self.run_dir = run_dir
         self.rank = comm.Get_rank()
         self.seed = seed
         self.versions: dict[str, int] = {}
         self.waiting: list[GenerateWork] = []
-        self.open_groups: dict[str, _OpenGroup] = {}
+        self.open_groups: dict[str, _SamplingGroup] = {}
+        self.requests: dict[str, _RequestOf] = {}
+        """Engine request id -> the group, episode and turn it samples (until it finishes)."""
         self.counter = 0
         self.clock = BusyClock()
         self.outbox = Outbox(comm)
@@ -144,7 +155,7 @@ class RolloutRank:
     def _start(self, work: GenerateWork) -> None:
         requests = []
         for group in work.groups:
-            entry = _OpenGroup(work, group, work.version, time.time())
+            entry = _SamplingGroup(work, group, work.version, time.time())
             self.open_groups[group.group_id] = entry
             if work.multi_turn and work.version is not None:
                 self.engine.pin(work.task_id, work.version)
@@ -152,15 +163,17 @@ class RolloutRank:
             requests += self._turn_requests(entry, list(range(work.group_size)), contexts)
         self.engine.submit(requests)
 
-    def _turn_requests(self, entry: _OpenGroup, episodes: list[int], contexts: list[list[int]]):
+    def _turn_requests(self, entry: _SamplingGroup, episodes: list[int], contexts: list[list[int]]):
         work = entry.work
         entry.waiting, entry.done = set(episodes), {}
         entry.newest = self.versions.get(work.task_id)
         requests = []
         for j, context in zip(episodes, contexts):
             self.counter += 1
+            request_id = f"{entry.group.group_id}#{j}@{entry.turn}"  # unique and readable; never parsed back
+            self.requests[request_id] = _RequestOf(entry.group.group_id, j, entry.turn)
             requests.append(GenerationRequest(
-                request_id=f"{entry.group.group_id}#{j}@{entry.turn}", task_id=work.task_id,
+                request_id=request_id, task_id=work.task_id,
                 adapter_version=entry.version, prompt_ids=context, temperature=work.temperature,
                 max_new_tokens=self._turn_cap(work, len(context)),
                 seed=(self.seed * 1_000_003 + self.rank * 7919 + self.counter) % (2**31)))
@@ -212,25 +225,24 @@ class RolloutRank:
     def _collect(self, finished) -> None:
         complete = []
         for gen in finished:
-            group_id, _, tail = gen.request_id.rpartition("#")
-            episode, _, turn = tail.partition("@")
-            entry = self.open_groups.get(group_id)
-            if entry is None or int(turn) != entry.turn:
+            request = self.requests.pop(gen.request_id)
+            entry = self.open_groups.get(request.group_id)
+            if entry is None or request.turn != entry.turn:
                 continue  # its group ended while this turn was generating
-            entry.done[int(episode)] = gen
-            entry.waiting.discard(int(episode))
-            entry.model_tokens[int(episode)] = entry.model_tokens.get(int(episode), 0) + len(gen.completion_ids)
+            entry.done[request.episode] = gen
+            entry.waiting.discard(request.episode)
+            entry.model_tokens[request.episode] = entry.model_tokens.get(request.episode, 0) + len(gen.completion_ids)
             if not entry.waiting:
                 complete.append(entry)
         for entry in complete:
             self._send_turn(entry)
 
-    def _send_turn(self, entry: _OpenGroup) -> None:
+    def _send_turn(self, entry: _SamplingGroup) -> None:
         work, group = entry.work, entry.group
         entry.sampled_until = time.time()
         episodes = sorted(entry.done)
         gens = [entry.done[j] for j in episodes]
-        data = GroupData(work.task_id, group.group_id, group.prompt_index, entry.version, group.prompt_ids,
+        data = GroupTurn(work.task_id, group.group_id, group.prompt_index, entry.version, group.prompt_ids,
                          [g.completion_ids for g in gens], [g.logprobs for g in gens], eval=work.eval,
                          turn=entry.turn, episodes=episodes, sampled_versions=[g.adapter_version for g in gens],
                          newest_version=entry.newest)
@@ -242,7 +254,7 @@ class RolloutRank:
         del self.open_groups[group.group_id]
         self._note_group(entry)
 
-    def _note_group(self, entry: _OpenGroup) -> None:
+    def _note_group(self, entry: _SamplingGroup) -> None:
         self.clock.note("group", (entry.work.task_id,), entry.t0, time.time(), group_id=entry.group.group_id,
                         eval=entry.work.eval, prompt_tokens=len(entry.group.prompt_ids), turns=entry.turn,
                         completion_tokens=[entry.model_tokens.get(j, 0) for j in range(entry.work.group_size)],

@@ -56,7 +56,7 @@ def check_bound(order: Train, trajectories, trainer_version: int) -> None:
 
 
 class TrainerRank:
-    def __init__(self, comm, trainer, run_dir: Path, leader: int, followers: list[int], delta_group=None,
+    def __init__(self, comm, trainer, run_dir: Path, leader: int, followers: list[int], delta_channel=None,
                  groups: list[list[int]] | None = None, group: int = 0, policy: CheckpointPolicy | None = None,
                  retention: RetentionConfig | None = None):
         self.comm, self.trainer, self.run_dir = comm, trainer, Path(run_dir)
@@ -66,7 +66,7 @@ class TrainerRank:
         """Which adapter versions the task dirs keep (the leader prunes them) and whether an ended task's shards
         stay (every rank deletes its own); runtime/retention.py. None: everything stays."""
         self.rank = comm.Get_rank()
-        self.leader, self.followers, self.delta = leader, followers, delta_group
+        self.leader, self.followers, self.delta = leader, followers, delta_channel
         self.groups = groups or [[leader] + list(followers)]
         """World ranks of every trainer group (launch.layout.trainer_group_ranks); this rank is in `group`."""
         self.group = group

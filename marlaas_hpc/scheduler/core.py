@@ -192,10 +192,10 @@ class SchedulerConfig:
     env_ranks: tuple[int, ...] = (2,)
     """World ranks that score."""
     rollout_slots: int = 4
-    """Groups one rollout rank generates concurrently (its continuous batch, in prompt groups). A group holds its
-    slot until its first turn is done (Generated): a multi-turn group's later turns rejoin the batch without one,
-    so tool calls that wait on a service do not keep other tasks' groups out of the engine."""
-    max_active_tasks: int = 8
+    """Groups one rollout rank generates concurrently (its continuous batch, in prompt groups). A slot counts a
+    group's turn in the engine (Generated frees it, Resumed takes it again): tool calls that wait on a service do
+    not keep other tasks' groups out of the engine."""
+    max_adapters: int = 8
     """Adapter slots: tasks running at once; the rest wait queued."""
     trainer_slots: int = 4
     """Train orders (of different tasks) in flight at once per trainer group; a group fuses those whose data
@@ -210,8 +210,8 @@ class SchedulerConfig:
             raise ValueError(f"order: unknown {self.order!r}; known {ORDERS}")
         if not self.rollout_ranks or not self.env_ranks:
             raise ValueError("the scheduler needs at least one rollout rank and one env rank")
-        if self.rollout_slots < 1 or self.max_active_tasks < 1 or self.trainer_slots < 1 or self.trainer_groups < 1:
-            raise ValueError("rollout_slots, max_active_tasks, trainer_slots and trainer_groups must be >= 1")
+        if self.rollout_slots < 1 or self.max_adapters < 1 or self.trainer_slots < 1 or self.trainer_groups < 1:
+            raise ValueError("rollout_slots, max_adapters, trainer_slots and trainer_groups must be >= 1")
         return self
 
 
@@ -500,7 +500,7 @@ class Scheduler:
 
     def _admit(self) -> list:
         out = []
-        while self._queued and self._n_running < self.config.max_active_tasks:
+        while self._queued and self._n_running < self.config.max_adapters:
             task = self.tasks[heapq.heappop(self._queued)[2]]
             if task.status != QUEUED:
                 continue  # cancelled while queued

@@ -45,7 +45,7 @@ def build(config: str, workload: str, mode=None, tasks=None, staleness=None, **l
     if staleness is not None:
         specs = [dataclasses.replace(s, max_staleness=staleness) for s in specs]
     active = max(job.max_adapters, len(specs)) if tasks else job.max_adapters
-    setup = setup_from_job(job, mode=mode, tasks=specs, max_active_tasks=active, **layout)
+    setup = setup_from_job(job, mode=mode, tasks=specs, max_adapters=active, **layout)
     return setup, load_workload(workload)
 
 

@@ -34,7 +34,7 @@ class SimSetup:
     """Prompt groups one rollout rank generates concurrently."""
     trainer_slots: int = 4
     """Train orders in flight at once per trainer group (fused into one step when their data is there)."""
-    max_active_tasks: int = 8
+    max_adapters: int = 8
     """Adapter slots: tasks running at once."""
     tasks: list[TaskSpec] = field(default_factory=list)
     """The tasks submitted at time 0."""
@@ -55,12 +55,12 @@ class SimSetup:
         ranks = self.world_ranks()
         return SchedulerConfig(mode=self.mode, order=self.order, rollout_ranks=ranks["rollout"],
                                env_ranks=ranks["env"], rollout_slots=self.rollout_slots,
-                               max_active_tasks=self.max_active_tasks, trainer_slots=self.trainer_slots,
+                               max_adapters=self.max_adapters, trainer_slots=self.trainer_slots,
                                trainer_groups=self.trainer_groups)
 
     def validate(self) -> "SimSetup":
         for name in ("env_ranks", "rollout_ranks", "trainer_tp", "trainer_dp", "trainer_groups", "rollout_slots",
-                     "trainer_slots", "max_active_tasks"):
+                     "trainer_slots", "max_adapters"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(name, f"must be an integer >= 1, got {value!r}")
@@ -76,7 +76,7 @@ def setup_from_job(job: JobConfig, **overrides) -> SimSetup:
                      rollout_ranks=job.layout.rollout_ranks, trainer_tp=job.layout.trainer_tp,
                      trainer_dp=job.layout.trainer_dp, trainer_groups=job.layout.trainer_groups,
                      rollout_slots=job.rollout_slots, trainer_slots=job.trainer_slots,
-                     max_active_tasks=job.max_adapters, tasks=list(job.tasks))
+                     max_adapters=job.max_adapters, tasks=list(job.tasks))
     return dataclasses.replace(setup, **{k: v for k, v in overrides.items() if v is not None}).validate()
 
 

@@ -160,7 +160,8 @@ def _tensors(items, rows: list[_Row], placed: dict[int, tuple[int, int]], width:
         ids=ids, positions=positions, attention_mask=attention_mask(prompt_of, own), tasks=[r.task for r in rows],
         token_row=torch.tensor(token_row, dtype=torch.long), token_source=torch.tensor(token_source, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long), mask=torch.tensor(mask, dtype=torch.float32),
-        behaviour=torch.tensor(behaviour, dtype=torch.float32), advantages=torch.tensor(advantages, dtype=torch.float32),
+        behaviour=torch.tensor(behaviour, dtype=torch.float32),
+        advantages=torch.tensor(advantages, dtype=torch.float32),
         task_spans=task_spans, item_spans=item_spans)
 
 
