@@ -2,7 +2,7 @@
 
 Used by tests, by the benchmark of the learning core, and as the reference semantics of the distributed
 runtime (one on-policy GRPO step per task per round). Multi-turn (tool) tasks play their episodes through
-an EpisodeRunner on the same engine (tool tokens masked out of the loss). Outputs follow DESIGN.md §8:
+an EpisodeRunner on the same engine (tool tokens masked out of the loss). Outputs follow the run dir layout (rundir.py):
 RUN_DIR/tasks/<tenant>/<task_id>/{adapters/v0000,..., metrics.jsonl}.
 """
 from __future__ import annotations

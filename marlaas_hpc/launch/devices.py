@@ -1,5 +1,5 @@
 """Which device each rank of a job uses: one pure function of the rank's environment, the layout and the
-node's GPU count (DESIGN.md §5, §6).
+node's GPU count (docs/architecture.md §2).
 
 The rule (`bind_device`):
 - Scheduler and env ranks run on the CPU. Rollout ranks need `layout.rollout.gpus_per_task` GPUs (at least

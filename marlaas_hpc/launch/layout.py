@@ -1,6 +1,6 @@
 """Job layout: which MPI ranks play which role, and what each Slurm het component asks for.
 
-World (one MPI_COMM_WORLD, DESIGN.md §2), components in this order::
+World (one MPI_COMM_WORLD, docs/architecture.md §2), components in this order::
 
     rank 0                       | 1 .. E          | E+1 .. E+R       | E+R+1 .. E+R+G*DP*TP
     control (scheduler + intake) | env (CPU)       | rollout (GPU)    | trainer (GPU): G groups of DP*TP ranks,

@@ -15,7 +15,7 @@ from marlaas_hpc.config_loader import SpecError, check_fields, fields_under, loa
 
 __all__ = ["AlgoSpec", "DatasetSpec", "LoraSpec", "PromptSpec", "SpecError", "TaskSpec", "check_fields"]
 
-# HF module names of a Qwen3 decoder layer that a LoRA may target (DESIGN.md §6).
+# HF module names of a Qwen3 decoder layer that a LoRA may target.
 QWEN3_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_LORA_RANK = 4096
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -1,4 +1,4 @@
-"""Trainer ranks: GRPO on many LoRA adapters over one frozen megatron-core base (DESIGN.md §4, §6).
+"""Trainer ranks: GRPO on many LoRA adapters over one frozen megatron-core base (docs/architecture.md §10).
 
     grpo.py        advantages and the clipped token-level loss (pure tensors)
     cpu_shims.py   the four CUDA-only megatron-core call sites redirected on CPU (no-op with CUDA)

@@ -1,4 +1,4 @@
-"""GRPO: the token-level PPO-clip loss (DESIGN.md §4); the group-relative advantages are in trajectory.py.
+"""GRPO: the token-level PPO-clip loss (docs/architecture.md §10); the group-relative advantages are in trajectory.py.
 
 Pure tensor functions: no model, no process groups. The clipped ratio is what keeps asynchronous
 (off-policy by up to k versions) training stable.

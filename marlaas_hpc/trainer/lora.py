@@ -1,4 +1,4 @@
-"""Tensor-parallel multi-LoRA on megatron-core's ColumnParallelLinear / RowParallelLinear (DESIGN.md §6).
+"""Tensor-parallel multi-LoRA on megatron-core's ColumnParallelLinear / RowParallelLinear (docs/architecture.md §10).
 
 Every decoder layer has four adapter *sites*, one per megatron linear:
 

@@ -1,4 +1,5 @@
-"""MultiLoraTrainer: many tasks' LoRA adapters trained with GRPO on one frozen megatron-core base (DESIGN.md §4, §6).
+"""MultiLoraTrainer: many tasks' LoRA adapters trained with GRPO on one frozen megatron-core base
+(docs/architecture.md §10).
 
 Every rank of the trainer's world (TP x DP) constructs the trainer and calls the same methods with the same
 arguments (the methods are collective over the TP group; a training step also over the DP group: each DP replica
