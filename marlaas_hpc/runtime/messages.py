@@ -184,39 +184,37 @@ class CheckpointOp(TrainerOp):
 
 
 @dataclass
-class RemoveOp(TrainerOp):
-    """The task ended: drop its adapter (its final version stays on disk)."""
+class TaskOp(TrainerOp):
+    """An op on one task."""
 
     task_id: str
-    stage = "remove"
 
     def tasks(self) -> list[str]:
         return [self.task_id]
 
 
 @dataclass
-class MoveOutOp(TrainerOp):
+class RemoveOp(TaskOp):
+    """The task ended: drop its adapter (its final version stays on disk)."""
+
+    stage = "remove"
+
+
+@dataclass
+class MoveOutOp(TaskOp):
     """Send the task's shard to the same position of another trainer group (`target_ranks`) and drop it."""
 
-    task_id: str
     target_ranks: list
     stage = "move_out"
 
-    def tasks(self) -> list[str]:
-        return [self.task_id]
-
 
 @dataclass
-class MoveInOp(TrainerOp):
+class MoveInOp(TaskOp):
     """Receive a moving task's shard from the same position of its old group (`source_ranks`)."""
 
-    task_id: str
     spec: object
     source_ranks: list
     stage = "move_in"
-
-    def tasks(self) -> list[str]:
-        return [self.task_id]
 
 
 @dataclass
