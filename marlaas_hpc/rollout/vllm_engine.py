@@ -312,7 +312,7 @@ class VllmEngine(RolloutEngine):
                     self._retire(self.versions.release(req.task_id, req.adapter_version))
             raise
 
-    def _acquire_all(self, requests: list[GenerationRequest]) -> list[int | None]:
+    def _acquire_all(self, requests: list[GenerationRequest]) -> None:
         """Pins every request's adapter version, all or none (KeyError for an unknown version)."""
         ids: list[int | None] = []
         try:
@@ -331,7 +331,6 @@ class VllmEngine(RolloutEngine):
                 if int_id is not None:
                     self.versions.release(req.task_id, req.adapter_version)
             raise
-        return ids
 
     def step(self) -> list[Generation]:
         done = []
