@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         if comm.Get_rank() == 0:
             print(f"marlaas: {check.message}", file=sys.stderr, flush=True)
         return 2
-    state = None
+    state, ok = None, None
     if comm.Get_rank() == 0:
         try:
             job.model_path()  # a missing checkpoint stops every rank here, naming `model`
@@ -338,11 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = ""
         except SpecError as exc:
             ok = str(exc)
-        quiet_barrier(comm)
-        ok = comm.bcast(ok, root=0)
-    else:
-        quiet_barrier(comm)  # while rank 0 checks the run dir and the model
-        ok = comm.bcast(None, root=0)
+    quiet_barrier(comm)  # the other ranks wait here while rank 0 checks the run dir and the model
+    ok = comm.bcast(ok, root=0)
     if ok:
         if comm.Get_rank() == 0:
             print(f"marlaas: {ok}", file=sys.stderr, flush=True)
@@ -371,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         comm.Abort(1)
     if summary is not None and not summary["preempted"]:
         log(f"[job] {job.mode} finished in {summary['wall_time_s']:.1f} s; summary: {Path(job.run_dir) / 'summary.json'}")
-    quiet_barrier(comm)  # ranks finish at different times (a rollout rank shuts its engine down)
+    quiet_barrier(comm)  # ranks leave their loops at different times: the early ones wait without spinning
     preempted = comm.bcast(bool(summary and summary["preempted"]), root=0)
     reporter.bye()
     # only rank 0 reports the preemption: under srun --kill-on-bad-exit an early non-zero exit of another
