@@ -71,7 +71,7 @@ class JobConfig:
     """Which ready task goes first: 'fair' (least recently served), 'priority' (TaskSpec.priority), 'fifo'."""
     rollout_slots: int = 4
     """Prompt groups one rollout rank generates concurrently (its continuous batch, in groups). A multi-turn
-    group holds its slot for its first turn: later turns rejoin the batch as their tool calls return."""
+    group holds a slot for each turn while it is in the engine, none while its tool calls wait."""
     trainer_slots: int = 4
     """Train orders of different tasks each trainer group may fuse into one step (shared base forward/backward)."""
     layout: JobLayout = field(default_factory=JobLayout)

@@ -292,8 +292,8 @@ class EnvRank:
                     self._drop(group.first, group.rollout_rank)
 
     def _drop(self, first: GroupTurn, rollout_rank: int) -> None:
-        """Ends a multi-turn group of a failed task: the rollout rank unpins it (its slot was freed at its first
-        turn: the rollout rank's Generated)."""
+        """Ends a multi-turn group of a failed task: the rollout rank unpins it, and frees its slot if a turn
+        is still in the engine (a finished turn freed it with its Generated)."""
         self.outbox.send(GroupEnded(first.group_id), rollout_rank, TAG_DATA)
 
     # ---- measurements ----
