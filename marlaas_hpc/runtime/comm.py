@@ -16,6 +16,16 @@ def poll(comm, tag, source=None, idle_sleep: float = 0.002):
     return None, None
 
 
+def drain(comm, tag, source=None) -> list:
+    """Every message waiting on `tag` (from `source`, or any), in arrival order. Never blocks."""
+    messages = []
+    while True:
+        message, src = poll(comm, tag, source)
+        if src is None:
+            return messages
+        messages.append(message)
+
+
 def recv_wait(comm, tag, source=None, idle_sleep: float = 0.002):
     """Blocking receive that sleeps between probes."""
     while True:

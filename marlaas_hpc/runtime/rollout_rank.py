@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
-from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
+from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, GenerateWork,
                                           GroupTurn, GroupEnded, PromptGroup, RankStats, Shutdown)
 from marlaas_hpc.scheduler import Generated, Resumed
@@ -85,7 +85,9 @@ class RolloutRank:
         while True:
             self.outbox.progress()
             self._drain_deltas()
-            commands = self._drain_commands()
+            # every command waiting: taking one per loop turn (one engine step, 10-30 ms) left work for freed
+            # slots queued in MPI while the engine ran half-empty batches (rank 0 issues a group per freed slot)
+            commands = drain(self.comm, TAG_CMD, source=0)
             if any(isinstance(command, Shutdown) for command in commands):
                 break
             self.waiting += [command for command in commands if isinstance(command, GenerateWork)]
@@ -106,16 +108,6 @@ class RolloutRank:
         self.outbox.flush()
         # the engine is not shut down: the process ends next (runtime/main.py end_rank), and vLLM's orderly
         # shutdown took ~0.9 s that frees nothing the exit does not
-
-    def _drain_commands(self) -> list:
-        """Every command waiting from rank 0. Taking one per loop turn (one engine step, 10-30 ms) left work for
-        freed slots queued in MPI while the engine ran half-empty batches: rank 0 issues a group per freed slot."""
-        commands = []
-        while True:
-            command, _ = poll(self.comm, TAG_CMD, source=0)
-            if command is None:
-                return commands
-            commands.append(command)
 
     def _drain_deltas(self) -> None:
         """Joins the announced broadcasts (a leader blocks until all rollout ranks join; with several trainer
@@ -189,16 +181,13 @@ class RolloutRank:
 
     # ---- messages from env ranks (multi-turn) ----
     def _drain_env(self) -> bool:
-        got = False
-        while True:
-            message, _ = poll(self.comm, TAG_DATA)
-            if message is None:
-                return got
-            got = True
+        messages = drain(self.comm, TAG_DATA)
+        for message in messages:
             if isinstance(message, ContinueGroup):
                 self._continue(message)
             elif isinstance(message, GroupEnded):
                 self._end(message.group_id)
+        return bool(messages)
 
     def _continue(self, message: ContinueGroup) -> None:
         entry = self.open_groups.get(message.group_id)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from marlaas_hpc.rundir import adapter_dir, task_dir
 from marlaas_hpc.report.tensorboard import TensorBoardSink
-from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
+from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, recv_wait, write_timeline
 from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_shards, save_torch, trainer_rng_path,
                                             trainer_shard_path)
 from marlaas_hpc.runtime.faults import is_job_fault, is_storage_error, storage_error
@@ -233,17 +233,17 @@ class TrainerRank:
         while True:
             self.outbox.progress()
             # drain everything that arrived during the last step, so that orders ready together fuse
-            commands = self._drain(TAG_CMD, source=0)
+            commands = drain(self.comm, TAG_CMD, source=0)
             if any(isinstance(c, Shutdown) for c in commands):
                 for rank in self.followers:
                     self.comm.send(ShutdownOp(), dest=rank, tag=TAG_TRAINER)
                 break
             for command in commands:
                 self._command(command)
-            handovers = self._drain(TAG_HANDOVER)
+            handovers = drain(self.comm, TAG_HANDOVER)
             for handover in handovers:
                 self._move_in(handover)
-            data = self._drain(TAG_DATA)
+            data = drain(self.comm, TAG_DATA)
             for scored in data:
                 if scored.group_id in self.discarded:
                     self.discarded.discard(scored.group_id)
@@ -260,14 +260,6 @@ class TrainerRank:
         self.delta.flush()  # the last versions' broadcasts, before this rank leaves the group
         write_timeline(self.run_dir, self.rank, "trainer", self.clock)
         self.tensorboard.close()
-
-    def _drain(self, tag: int, source=None) -> list:
-        messages = []
-        while True:
-            message, src = poll(self.comm, tag, source)
-            if src is None:
-                return messages
-            messages.append(message)
 
     def _command(self, command) -> None:
         if isinstance(command, Admit):
