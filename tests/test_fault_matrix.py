@@ -38,7 +38,10 @@ import yaml
 from test_runtime_mpi import ROOT, _env, small_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-STEPS = 40
+STEPS = 100
+"""Steps of each task: enough that the job is still running at the last kill. Each of the six cells lets
+2-4 steps pass, up to a second of steps more, and loses up to EVERY; at 40 a job whose steps took ~0.15 s had
+finished before the scheduler cell could kill it."""
 EVERY = 2
 """checkpoint.every_steps: the most steps a task may lose to a crash."""
 SEED = int(os.environ.get("MARLAAS_FAULT_SEED", time.time_ns() % 100_000))
