@@ -22,13 +22,9 @@ from typing import Iterable
 from marlaas_hpc.scheduler.staleness import admission_window
 from marlaas_hpc.scheduler.state import RUNNING, TaskState
 
-MODES = ("async", "sync", "sequential")
-
-
 class Mode:
     """A mode's hooks with their common answers: every task may train, no rounds."""
 
-    name = ""
     has_rounds = False
     """Whether quotas depend on every task (the scheduler asks `new_round` once per dispatch)."""
     watches_tasks = False
@@ -57,14 +53,15 @@ class Mode:
 
 
 class AsyncMode(Mode):
-    name = "async"
+    """Every task at its own pace, within the staleness rule's admission window."""
 
     def allowed(self, task: TaskState, outstanding: int) -> int:
         return admission_window(task.bound, task.batch) - outstanding
 
 
 class SyncMode(Mode):
-    name = "sync"
+    """Lockstep rounds at the lowest running version: every step on-policy."""
+
     has_rounds = watches_tasks = True
 
     def __init__(self, tasks: dict[str, TaskState]):
@@ -117,7 +114,8 @@ class SyncMode(Mode):
 
 
 class SequentialMode(Mode):
-    name = "sequential"
+    """One task at a time, one synchronous step after another."""
+
     has_rounds = True
 
     def __init__(self, tasks: dict[str, TaskState]):
@@ -147,6 +145,11 @@ class SequentialMode(Mode):
         return [task for task in (previous, first) if task is not None]
 
 
+_POLICIES: dict[str, type[Mode]] = {"async": AsyncMode, "sync": SyncMode, "sequential": SequentialMode}
+MODES = tuple(_POLICIES)
+"""The mode names a job config may name."""
+
+
 def mode_policy(name: str, tasks: dict[str, TaskState]) -> Mode:
     """The policy object of mode `name` over the scheduler's tasks."""
-    return {"async": AsyncMode, "sync": SyncMode, "sequential": SequentialMode}[name](tasks)
+    return _POLICIES[name](tasks)

@@ -32,7 +32,7 @@ def oldest_allowed(version: int, bound: int) -> int:
 
 def within_bound(behaviour_version: int, from_version: int, bound: int) -> bool:
     """Whether a sample of `behaviour_version` may be trained in the step from `from_version`."""
-    return from_version - bound <= behaviour_version <= from_version
+    return oldest_allowed(from_version, bound) <= behaviour_version <= from_version
 
 
 def admission_window(bound: int, batch: int) -> int:
