@@ -36,9 +36,9 @@ class GroupedPunicaWrapperCPU(PunicaWrapperCPU):
         super().__init__(*args, **kwargs)
         self._groups = SlotGroups.of(torch.empty(0, dtype=torch.long))
         self._slot_ids: list[int | None] = []
+        # (id of a projection's first stacked A, slot) -> ((LoRA id in the slot, scale), stacked A, block B):
+        # rebuilt when vLLM puts another adapter (another LoRA id: one per task version here) into the slot
         self._fused: dict[tuple[int, int], tuple[tuple, torch.Tensor, torch.Tensor]] = {}
-        """(id of a projection's first stacked A, slot) -> ((LoRA id in the slot, scale), stacked A, block B):
-        rebuilt when vLLM puts another adapter (another LoRA id: one per task version here) into the slot."""
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
@@ -65,7 +65,6 @@ class GroupedPunicaWrapperCPU(PunicaWrapperCPU):
             y2[groups.span] += delta
         else:
             y2.index_add_(0, groups.order, delta)
-
 
     def _slot_weights(self, lora_a_stacked, lora_b_stacked, slot: int, output_slices: tuple[int, ...],
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +111,7 @@ class SlotGroups:
             count = where.stop - where.start if isinstance(where, slice) else where.numel()
             ranges.append((slot, first, first + count))
             first += count
-        starts = [where.start for _, where in rows if isinstance(where, slice)]
-        in_place = len(starts) == len(rows) and all(
+        in_place = all(isinstance(where, slice) for _, where in rows) and all(
             rows[i][1].stop == rows[i + 1][1].start for i in range(len(rows) - 1))
         if in_place and rows:
             return cls(ranges, None, slice(rows[0][1].start, rows[-1][1].stop))

@@ -219,8 +219,7 @@ class VllmEngine(RolloutEngine):
         self.llm.collective_rpc(_install_memory_loader)
         self._retired: list[AdapterRef] = []
         self._pending: dict[str, GenerationRequest] = {}
-        self._samples: dict[str, list[GenerationRequest]] = {}
-        """vLLM request id -> the requests its samples answer, in sample index order."""
+        self._samples: dict[str, list[GenerationRequest]] = {}  # vLLM request id -> its samples' requests, in order
         self.kv_scrubs: list[int] = []  # non-finite KV entries zeroed, one entry per scrub (see the docstring)
         self.startup_s = time.perf_counter() - start
         if warmup:
@@ -359,7 +358,6 @@ class VllmEngine(RolloutEngine):
 
     def has_unfinished(self) -> bool:
         return bool(self._pending)
-
 
     def _warmup(self) -> None:
         """Two batch sizes over greedy, seeded and unseeded sampling: vLLM torch.compiles its sampling and

@@ -5,9 +5,9 @@ the Transformer Engine spec (fused `linear_qkv.layer_norm_weight`); here it is p
 norms are separate modules (`input_layernorm`, `pre_mlp_layernorm`). `bridge.get_model()` is not used (it calls
 `.cuda()`): the GPTModel is built directly and the bridge only loads weights.
 
-Process groups (docs/architecture.md §2): the default torch.distributed group (gloo on CPU, nccl on GPU) spans one trainer
-group's ranks, TP x DP (TP-major: TP groups are consecutive ranks); megatron's parallel state splits it into TP and
-DP groups. `init_distributed` creates it from the torchrun environment, or a single-process group for TP=DP=1.
+Process groups (docs/architecture.md §2): the default torch.distributed group (gloo on CPU, nccl on GPU) spans one
+trainer group's ranks, TP x DP (TP-major: TP groups are consecutive ranks); megatron's parallel state splits it into
+TP and DP groups. `init_distributed` creates it from the torchrun environment, or a single-process group for TP=DP=1.
 """
 from __future__ import annotations
 

@@ -285,8 +285,7 @@ class MultiLoraTrainer:
         totals = {t: sum(sum(traj.mask()) for traj in trajs) for t, trajs in batches.items()}
         items = [(task_id, traj) for task_id, trajs in batches.items() for traj in trajs
                  if self._contributes(task_id, traj)]
-        computed = {t: 0 for t in batches}
-        """Trained tokens of the rows that run: the loss statistics are means over them."""
+        computed = {t: 0 for t in batches}  # trained tokens of the rows that run: the statistics average over them
         for task_id, traj in items:
             computed[task_id] += sum(traj.mask())
         stats: dict[str, dict[str, float]] = {t: {} for t in batches}
