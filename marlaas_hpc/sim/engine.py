@@ -25,8 +25,8 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, Resumed, Scheduler, Scored, StepDone,
-                                   Submit, TaskEnded, TaskFailed, Train)
+from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, Resumed, Scheduler, Scored,
+                                   StepDone, Submit, TaskEnded, TaskFailed, Train)
 from marlaas_hpc.sim.setup import SimSetup
 from marlaas_hpc.sim.workload import TaskProfile, Workload
 
