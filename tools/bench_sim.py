@@ -28,13 +28,20 @@ from marlaas_hpc.sim.setup import copies_to, setup_from_job  # noqa: E402
 from marlaas_hpc.sim.workload import load_workload  # noqa: E402
 
 
-def measure(n_tasks: int, mode: str, steps: int, workload) -> dict:
+def simulation(n_tasks: int, mode: str, steps: int, workload) -> Simulation:
+    """calib-small's tasks copied to n_tasks, with one rollout rank per 8 tasks (the same load per rank at
+    every scale), one env rank and one trainer group per 4 rollout ranks."""
     job = JobConfig.load(ROOT / "configs" / "calib-small.yaml")
     tasks = [dataclasses.replace(t, total_steps=steps) for t in copies_to(job.tasks, n_tasks)]
     ranks = max(1, n_tasks // 8)
     setup = setup_from_job(job, mode=mode, tasks=tasks, max_adapters=n_tasks, rollout_ranks=ranks,
                            env_ranks=max(1, ranks // 4), trainer_groups=max(1, ranks // 4), trainer_slots=4)
-    sim = Simulation(setup, workload, seed=0, trace=False)
+    return Simulation(setup, workload, seed=0, trace=False)
+
+
+def measure(n_tasks: int, mode: str, steps: int, workload) -> dict:
+    sim = simulation(n_tasks, mode, steps, workload)
+    setup = sim.setup
     handle, spent = sim.scheduler.handle, [0.0]
 
     def timed(event):
