@@ -286,8 +286,10 @@ class MultiLoraTrainer:
         items = [(task_id, traj) for task_id, trajs in batches.items() for traj in trajs
                  if self._contributes(task_id, traj)]
         computed = {t: 0 for t in batches}  # trained tokens of the rows that run: the statistics average over them
+        ran = {t: 0 for t in batches}
         for task_id, traj in items:
             computed[task_id] += sum(traj.mask())
+            ran[task_id] += 1
         stats: dict[str, dict[str, float]] = {t: {} for t in batches}
         for task_id in batches:
             self.tasks[task_id].optimizer.zero_grad(set_to_none=True)
@@ -298,7 +300,7 @@ class MultiLoraTrainer:
         if self.dp_size > 1:
             self._all_reduce_dp(list(batches), totals, stats)
         return {task_id: self._optimizer_step(task_id, trajs, totals[task_id], stats[task_id],
-                                              skipped=len(trajs) - sum(1 for t, _ in items if t == task_id))
+                                              skipped=len(trajs) - ran[task_id])
                 for task_id, trajs in batches.items()}
 
     def _contributes(self, task_id: str, traj: Trajectory) -> bool:
@@ -391,7 +393,7 @@ class MultiLoraTrainer:
                               for key in sorted({k for r in replicas for k in r[task_id]})}
 
     def _optimizer_step(self, task_id: str, trajs: Sequence[Trajectory], tokens: int,
-                        stats: dict[str, float], skipped: int = 0) -> dict[str, float]:
+                        stats: dict[str, float], skipped: int) -> dict[str, float]:
         task = self.tasks[task_id]
         grad_norm = float(self.lora.grad_norm(task_id))
         if task.algo.grad_clip > 0 and grad_norm > task.algo.grad_clip:
@@ -403,8 +405,7 @@ class MultiLoraTrainer:
         task.version += 1
         metrics = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "logp_diff_abs": 0.0, **stats}
         metrics.update(tokens=float(tokens), trajectories=float(len(trajs)), skipped_rows=float(skipped),
-                       grad_norm=grad_norm,
-                       lr=float(task.algo.lr), version=float(task.version),
+                       grad_norm=grad_norm, lr=float(task.algo.lr), version=float(task.version),
                        reward_mean=sum(t.reward for t in trajs) / max(len(trajs), 1))
         return metrics
 
