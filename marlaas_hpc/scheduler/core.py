@@ -723,7 +723,6 @@ class Scheduler:
         heapq.heappush(self._issue_heap, (self._order_key(task, self._served_rollout), stamp, task.task_id))
 
 
-
 # event type -> handler (one dict lookup per event instead of a chain of isinstance checks)
 Scheduler._HANDLERS = {Submit: Scheduler._on_submit, Cancel: Scheduler._on_cancel,
                        Generated: Scheduler._on_generated, Resumed: Scheduler._on_resumed, Scored: Scheduler._on_scored,

@@ -22,6 +22,7 @@ from typing import Iterable
 from marlaas_hpc.scheduler.staleness import admission_window
 from marlaas_hpc.scheduler.state import RUNNING, TaskState
 
+
 class Mode:
     """A mode's hooks with their common answers: every task may train, no rounds."""
 
