@@ -165,6 +165,13 @@ def test_tasks_cancel_and_ls(tmp_path, capsys):
     assert marlaas(["tasks", "ls", "--run", str(run)]) == 0
     row = capsys.readouterr().out.splitlines()[1].split()
     assert row[:3] == ["t1", "alice", "queued"]
+    # rank 0 took it (pending -> accepted) and has not yet written it into status.json: still listed, once
+    queue = TaskQueue(run)
+    queue.accept(queue.pending()[0])
+    (run / "status.json").write_text(json.dumps({"tasks": {}}))
+    assert marlaas(["tasks", "ls", "--run", str(run)]) == 0
+    rows = [line.split()[:3] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [["t1", "alice", "queued"]]
 
 
 def test_rank0_intake_accepts_rejects_and_moves_every_file(tmp_path):

@@ -36,15 +36,20 @@ def known_tasks(run_dir: Path) -> list[TaskRecord]:
     """Tasks of the run (status.json) plus those queued but not yet in it (pending or just accepted)."""
     records = {task_id: TaskRecord(task_id, t["tenant"], t["total_steps"], t["status"])
                for task_id, t in job_state(run_dir).get("tasks", {}).items()}
-    queue = TaskQueue(run_dir)
-    waiting = [e.data["spec"] for e in queue.pending() if e.data and isinstance(e.data.get("spec"), dict)]
-    waiting += [r["spec"] for r in queue.records("accepted") if isinstance(r.get("spec"), dict)]
-    for spec in waiting:
+    for spec in waiting_specs(TaskQueue(run_dir)):
         task_id = str(spec.get("task_id"))
         if task_id not in records:
             records[task_id] = TaskRecord(task_id, str(spec.get("tenant", "default")),
                                           int(spec.get("total_steps", 0) or 0), "pending")
     return list(records.values())
+
+
+def waiting_specs(queue: TaskQueue) -> list[dict]:
+    """Specs in the queue that the job's status may not list yet: pending, then accepted by rank 0. Read after the
+    status and in this order, none is missed while rank 0 takes it: a spec moves from pending to accepted, and
+    accepted files stay."""
+    waiting = [e.data["spec"] for e in queue.pending() if e.data and isinstance(e.data.get("spec"), dict)]
+    return waiting + [r["spec"] for r in queue.records("accepted") if isinstance(r.get("spec"), dict)]
 
 
 def job_finished(run_dir: Path) -> bool:
@@ -92,10 +97,12 @@ def cmd_ls(args) -> int:
         ttfs = "-" if t["ttfs_s"] is None else f"{t['ttfs_s']:.1f}"
         print(f"{task_id:<16} {t['tenant']:<10} {t['status']:<10} {t['steps_done']:>4}/{t['total_steps']:<4} "
               f"{reward:>7} {ttfs:>7}" + (f"  {t['error']}" if t.get("error") else ""))
-    for spec in [e.data["spec"] for e in queue.pending() if e.data and "spec" in e.data]:
-        if spec.get("task_id") not in state.get("tasks", {}):
+    listed = set(state.get("tasks", {}))
+    for spec in waiting_specs(queue):
+        if spec.get("task_id") not in listed:
+            listed.add(spec.get("task_id"))
             print(f"{spec['task_id']:<16} {spec.get('tenant', 'default'):<10} {'queued':<10} "
-                  f"{0:>4}/{spec.get('total_steps', '?'):<4} {'-':>7} {'-':>7}  (not yet seen by the job)")
+                  f"{0:>4}/{spec.get('total_steps', '?'):<4} {'-':>7} {'-':>7}  (not yet in the job's status)")
     for record in queue.records("rejected"):
         spec = record.get("spec") if isinstance(record.get("spec"), dict) else {}
         print(f"{str(spec.get('task_id', '?')):<16} {str(spec.get('tenant', '?')):<10} {'rejected':<10} "
