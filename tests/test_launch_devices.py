@@ -16,7 +16,7 @@ import pytest
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.launch.devices import (DeviceError, apply_binding, bind_device, count_driver_gpus,
-                                        node_ranks_from_env, visible_gpus)
+                                        node_ranks_from_env, placement_mismatch, visible_gpus, world_rank_from_env)
 from marlaas_hpc.launch.layout import ComponentResources, JobLayout, LayoutError
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -319,3 +319,40 @@ def test_device_refusal_stops_every_rank_under_mpirun(tmp_path):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "marlaas: layout.accelerator: is 'cuda' but rank 2 (rollout) cannot use a GPU" in proc.stderr
     assert "rank 3 (trainer)" in proc.stderr and not (run_dir / "summary.json").exists()
+
+
+# ------------------------------------------------------------------- bound before MPI_Init, checked after it
+def test_device_world_rank_from_launcher_variables():
+    srun = _recorded("slurm_env/het_1_1_2_2.json")
+    assert [world_rank_from_env(env) for env in srun] == list(range(6))
+    mpirun = _recorded("device_env/mpirun_one_node_8_ranks.json")
+    assert [world_rank_from_env(env) for env in mpirun] == list(range(8))
+    assert world_rank_from_env(dict(mpirun[5], SLURM_PROCID="0", SLURM_GTIDS="0", SLURM_STEP_ID="0")) == 5
+    assert world_rank_from_env({"PMI_RANK": "6", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4"}) == 6
+    assert world_rank_from_env({}) == 0  # started alone
+
+
+def test_device_placement_from_launcher_variables_checked_against_mpi():
+    """mpirun's variables assume block placement; MPI's shared-memory split knows the truth. A rank whose binding
+    the truth would change is refused, naming the variables and what to change; node lists that differ without
+    changing the binding (CPU ranks, or a job without GPUs) are no error."""
+    layout = _gpu_layout(rollout_ranks=2, trainer_tp=2)  # ranks 0 sched, 1 env, 2-3 rollout, 4-5 trainer
+    env = {"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "6",
+           "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    applied = bind_device(env, 4, layout, driver_gpus=4)
+    assert applied.gpus == ("2",)  # the 3rd GPU rank of ranks 0..5
+    assert placement_mismatch(env, layout, 4, applied, 4, range(6)) is None
+    cyclic = [0, 2, 4]  # --map-by node over two nodes: ranks 0, 2, 4 share this one
+    message = placement_mismatch(env, layout, 4, applied, 4, cyclic)
+    assert message.startswith("rank 4: its device was chosen before MPI_Init from the launcher's variables "
+                              "(OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_LOCAL_RANK/OMPI_COMM_WORLD_LOCAL_SIZE: world "
+                              "rank 4, node ranks [0, 1, 2, 3, 4, 5]), but MPI places it as world rank 4 among "
+                              "node ranks [0, 2, 4]"), message
+    assert "GPU 2 as cuda:0" in message and "GPU 1 as cuda:0" in message and "--map-by slot" in message
+    cpu_rank = bind_device(dict(env, OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_LOCAL_RANK="1"), 1, layout,
+                           driver_gpus=4)
+    assert placement_mismatch(dict(env, OMPI_COMM_WORLD_RANK="1"), layout, 4, cpu_rank, 1, [1, 3, 5]) is None
+    no_driver = bind_device(env, 4, layout, driver_gpus=0)
+    assert placement_mismatch(env, layout, 0, no_driver, 4, cyclic) is None  # every rank on the CPU anyway
+    wrong_rank = placement_mismatch(env, layout, 4, applied, 5, range(6))  # MPI's rank is not the launcher's
+    assert "world rank 4" in wrong_rank and "as world rank 5" in wrong_rank

@@ -19,13 +19,19 @@ The rule (`bind_device`):
   (so the CPU twin runs where the GPUs are fake, e.g. the local Slurm cluster), 'cuda' refuses a GPU rank
   without GPUs, 'cpu' never uses them.
 
-A rank then runs with CUDA_VISIBLE_DEVICES narrowed to its own GPUs (`apply_binding`, before anything starts
-CUDA), so torch, NCCL and vLLM (its tensor-parallel workers included) see them as cuda:0 .. n-1, and a CPU
-rank on a GPU node sees none.
+A rank then runs with CUDA_VISIBLE_DEVICES narrowed to its own GPUs (`apply_binding`), so torch, NCCL and vLLM
+(its tensor-parallel workers included) see them as cuda:0 .. n-1, and a CPU rank on a GPU node sees none. NCCL
+still uses NVLink / P2P between ranks narrowed this way: it finds peers by PCI bus id and, since CUDA 10.1,
+connects to devices this process cannot see through CUDA IPC (nccl src/transport/p2p.cc, p2pCanConnect). What
+breaks P2P is a devices cgroup that hides the peers' device files (srun --gpus-per-task on sites with
+ConstrainDevices, NVIDIA/nccl#1066): the trainer component asks for GPUs per node instead (launch/sbatch.py).
 
-Which world ranks share a node: `main.py` passes the exact list from MPI (a shared-memory split of the world);
-without it they come from the launcher's variables (SLURM_GTIDS under srun; Open MPI's / MPICH's local
-rank and size under mpirun, assuming mpirun's default by-slot placement).
+The binding is applied before MPI_Init (runtime/main.py `bind_rank_device`): a CUDA-aware MPI transport (UCX)
+may start CUDA inside MPI_Init, after which CUDA_VISIBLE_DEVICES no longer counts. So the rank and the ranks
+sharing its node come from the launcher's variables (`world_rank_from_env`, `node_ranks_from_env`: SLURM_PROCID
+and SLURM_GTIDS under srun; Open MPI's / MPICH's rank, local rank and size under mpirun, which assumes block
+placement), and once MPI is up `placement_mismatch` compares them with MPI's own placement (a shared-memory split
+of the world) and refuses a rank whose binding they would change.
 """
 from __future__ import annotations
 
@@ -199,6 +205,18 @@ def _launcher(environ: Mapping[str, str]) -> str:
     return "single"
 
 
+_RANK_VARIABLES = {"openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                   "mpich": ("PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"), "srun": ("SLURM_PROCID", "SLURM_GTIDS"),
+                   "single": ()}
+"""Per launcher, the variables that give a rank's world rank and the ranks sharing its node."""
+
+
+def world_rank_from_env(environ: Mapping[str, str]) -> int:
+    """This rank's world rank, from the launcher's variables (0 for a process started alone)."""
+    launcher = _launcher(environ)
+    return int(environ[_RANK_VARIABLES[launcher][0]]) if launcher != "single" else 0
+
+
 def node_ranks_from_env(environ: Mapping[str, str]) -> list[int]:
     """World ranks on this rank's node, from the launcher's variables."""
     launcher = _launcher(environ)
@@ -225,15 +243,42 @@ def count_driver_gpus(proc_dir: str = "/proc/driver/nvidia/gpus", dev_dir: str =
     return sum(1 for p in dev.iterdir() if _GPU_DIR.match(p.name)) if dev.is_dir() else 0
 
 
+def placement_mismatch(environ: Mapping[str, str], layout: JobLayout, driver_gpus: int,
+                       applied: DeviceBinding, rank: int, node_ranks: Sequence[int]) -> str | None:
+    """After MPI_Init: why the binding `applied` before it (from the launcher's variables in `environ`, as they
+    were then) is not the one MPI's placement gives (world `rank`, `node_ranks` from a shared-memory split), or
+    None when it is. Node lists that differ without changing this rank's binding are no error."""
+    try:
+        expected: DeviceBinding | str = bind_device(environ, rank, layout, driver_gpus=driver_gpus,
+                                                    node_ranks=node_ranks)
+    except (LayoutError, ValueError) as exc:
+        expected = f"refused ({exc})"
+    if expected == applied:
+        return None
+    launcher = _launcher(environ)
+    names = "/".join(_RANK_VARIABLES[launcher]) or "no launcher variables"
+    should = expected if isinstance(expected, str) else expected.describe()
+    return (f"rank {rank}: its device was chosen before MPI_Init from the launcher's variables ({names}: world rank "
+            f"{world_rank_from_env(environ)}, node ranks {node_ranks_from_env(environ)}), but MPI places it as world "
+            f"rank {rank} among node ranks {sorted(node_ranks)}: it would run as {applied.describe()} instead of "
+            f"{should}. Start the ranks in blocks of consecutive world ranks per node (mpirun's default --map-by "
+            "slot, srun's default block distribution; not --map-by node or srun -m cyclic)")
+
+
 def apply_binding(binding: DeviceBinding, environ: MutableMapping[str, str] = os.environ) -> None:
     """Narrows CUDA_VISIBLE_DEVICES to the rank's GPUs (hides them from a CPU rank) and, on a GPU, makes its
-    first one torch's current device. Must run before anything in the process starts CUDA."""
+    first one torch's current device. Must run before anything in the process starts CUDA, MPI_Init included."""
     if binding.cuda_visible_devices is not None:
         environ["CUDA_VISIBLE_DEVICES"] = binding.cuda_visible_devices
     if not binding.is_cuda:
         return
     import torch
 
+    if torch.version.cuda is None and torch.version.hip is None:
+        raise DeviceError("layout.accelerator", f"rank {binding.rank} ({binding.role}) was given GPU(s) "
+                                                f"{','.join(binding.gpus)} but this torch build has no CUDA "
+                                                f"(torch {torch.__version__}): install a CUDA build of torch, or set "
+                                                "layout.accelerator: cpu")
     count = torch.cuda.device_count()
     if count != len(binding.gpus):
         raise RuntimeError(f"rank {binding.rank}: CUDA sees {count} device(s) after CUDA_VISIBLE_DEVICES="

@@ -4,9 +4,9 @@
     python -m marlaas_hpc.runtime.main --resume DIR          (continue a preempted or crashed job)
 
 Roles come from assign_role(rank, layout); the world size must equal the layout's. Each rank's device comes
-from launch/devices.py (bind_device) and is applied before anything starts CUDA. SIGUSR2 checkpoints every
-task at a step boundary and ends the job with exit status 75 (runtime/checkpoint.py); tasks are also checkpointed
-periodically, so `--resume` continues a crashed job too. A rank that dies of an exception reports it to the job's
+from launch/devices.py (bind_device) and is applied before MPI_Init, which may start CUDA (bind_rank_device).
+SIGUSR2 checkpoints every task at a step boundary and ends the job with exit status 75 (runtime/checkpoint.py);
+tasks are also checkpointed periodically, so `--resume` continues a crashed job too. A rank that dies of an exception reports it to the job's
 supervisor (launch/monitor.py: one message names the rank, its role and the cause), keeps its traceback in
 RUN_DIR/crash/rank<N>.txt and aborts the job: every other rank is blocked in MPI or a collective with it.
 """
@@ -16,13 +16,18 @@ import argparse
 import os
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.launch.layout import assign_role, ranks_of, trainer_group_ranks, world_size_matches
 from marlaas_hpc.runtime.comm import quiet_barrier, recv_wait
 from marlaas_hpc.scheduler import MODES
 from marlaas_hpc.tasks.spec import SpecError
+
+if TYPE_CHECKING:
+    from marlaas_hpc.launch.devices import DeviceBinding
 
 
 def roles_of(layout) -> dict[str, list[int]]:
@@ -82,24 +87,53 @@ def save_job_file(job: JobConfig, config_path: str) -> None:
         path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def bind_rank_device(comm, job: JobConfig):
-    """This rank's device (launch/devices.py), applied: CUDA_VISIBLE_DEVICES narrowed to its GPUs before
-    anything starts CUDA. Collective: the ranks sharing a node come from MPI (a shared-memory split), which
-    knows the placement whatever the launcher. Returns (binding, None) or (None, the refusal)."""
+@dataclass(frozen=True)
+class EarlyBinding:
+    """What `bind_rank_device` decided before MPI_Init, kept for the check against MPI's placement after it."""
+
+    binding: "DeviceBinding | None"
+    """The binding applied, None when refused."""
+    refusal: str | None
+    """Why the rank cannot get its device (reported by rank 0 once MPI is up)."""
+    environ: dict[str, str]
+    """The launcher's environment as it was before CUDA_VISIBLE_DEVICES was narrowed."""
+    driver_gpus: int
+    """GPUs the driver lists on the node."""
+
+
+def bind_rank_device(job: JobConfig, environ=os.environ) -> EarlyBinding:
+    """This rank's device (launch/devices.py), applied BEFORE MPI_Init: a CUDA-aware MPI transport (UCX) may start
+    CUDA inside MPI_Init, and CUDA reads CUDA_VISIBLE_DEVICES once, when it starts. MPI is not up yet, so the rank
+    and the ranks sharing its node come from the launcher's variables; `check_rank_device` compares them with MPI's
+    placement once it is. A refusal is kept, not raised: every rank must reach MPI_Init for rank 0 to report it."""
+    from marlaas_hpc.launch.devices import (apply_binding, bind_device, count_driver_gpus, node_ranks_from_env,
+                                            world_rank_from_env)
+
+    launcher_env, driver_gpus = dict(environ), count_driver_gpus()
+    try:
+        binding = bind_device(launcher_env, world_rank_from_env(launcher_env), job.layout, driver_gpus=driver_gpus,
+                              node_ranks=node_ranks_from_env(launcher_env))
+        apply_binding(binding, environ)
+    except (SpecError, RuntimeError, ValueError) as exc:
+        return EarlyBinding(None, str(exc), launcher_env, driver_gpus)
+    return EarlyBinding(binding, None, launcher_env, driver_gpus)
+
+
+def check_rank_device(comm, job: JobConfig, early: EarlyBinding) -> str | None:
+    """After MPI_Init (collective): the refusal of `bind_rank_device`, or a binding that MPI's placement (world
+    rank, and the ranks sharing the node from a shared-memory split, whatever the launcher) would change; None
+    when the rank runs on the device it was bound to."""
     from mpi4py import MPI
 
-    from marlaas_hpc.launch.devices import apply_binding, bind_device, count_driver_gpus
+    from marlaas_hpc.launch.devices import placement_mismatch
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     node_ranks = node.allgather(comm.Get_rank())
     node.Free()
-    try:
-        binding = bind_device(os.environ, comm.Get_rank(), job.layout, driver_gpus=count_driver_gpus(),
-                              node_ranks=node_ranks)
-        apply_binding(binding)
-    except (SpecError, RuntimeError) as exc:
-        return None, str(exc)
-    return binding, None
+    if early.refusal is not None:
+        return early.refusal
+    return placement_mismatch(early.environ, job.layout, early.driver_gpus, early.binding, comm.Get_rank(),
+                              node_ranks)
 
 
 def _log_devices(bindings, log) -> None:
@@ -308,12 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="resume if the run dir holds a checkpoint, else start fresh (Slurm requeue)")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from mpi4py import MPI
-
     from marlaas_hpc.runtime.checkpoint import PreemptFlag, load_job_checkpoint, requeue_marker
 
     preempt = PreemptFlag.install()  # before anything slow: USR2 must never kill a rank
-    comm = MPI.COMM_WORLD
     run_dir = args.resume or args.run_dir
     resume = bool(args.resume)
     if args.auto_resume and run_dir:
@@ -322,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             resume = True  # check_run_dir says what is wrong with it
     job = load_job(args.config, run_dir, args.mode, resume=resume)
+    early = bind_rank_device(job)
+    from mpi4py import MPI  # MPI_Init: only now, with CUDA_VISIBLE_DEVICES narrowed
+
+    comm = MPI.COMM_WORLD
     check = world_size_matches(job.layout, comm.Get_size())
     if not check:
         if comm.Get_rank() == 0:
@@ -344,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         if comm.Get_rank() == 0:
             print(f"marlaas: {ok}", file=sys.stderr, flush=True)
         return 2
-    binding, refused = bind_rank_device(comm, job)
+    refused = check_rank_device(comm, job, early)
+    binding = early.binding
     refusals = comm.allgather(refused)
     if any(refusals):
         if comm.Get_rank() == 0:
@@ -380,12 +416,15 @@ def end_rank(code: int) -> None:
     """Ends this rank's process once every output is written: MPI finalized, stdio flushed, then os._exit. The
     interpreter's own teardown of torch, vLLM and megatron took ~1.3 s per rank (and a rollout rank's orderly
     vLLM shutdown ~0.9 s more), all of it time the job's launcher waited for and none of it freeing anything
-    that the exit does not. (Env ranks close their pools and sandbox workers themselves before they get here.)"""
-    from mpi4py import MPI
-
+    that the exit does not. (Env ranks close their pools and sandbox workers themselves before they get here.)
+    A rank that stopped before MPI_Init (a config it could not read) ends without starting MPI."""
     sys.stdout.flush()
     sys.stderr.flush()
-    MPI.Finalize()
+    if "mpi4py.MPI" in sys.modules:  # imported = initialized (mpi4py's default)
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
     os._exit(code)
 
 
