@@ -6,9 +6,10 @@
 Roles come from assign_role(rank, layout); the world size must equal the layout's. Each rank's device comes
 from launch/devices.py (bind_device) and is applied before MPI_Init, which may start CUDA (bind_rank_device).
 SIGUSR2 checkpoints every task at a step boundary and ends the job with exit status 75 (runtime/checkpoint.py);
-tasks are also checkpointed periodically, so `--resume` continues a crashed job too. A rank that dies of an exception reports it to the job's
-supervisor (launch/monitor.py: one message names the rank, its role and the cause), keeps its traceback in
-RUN_DIR/crash/rank<N>.txt and aborts the job: every other rank is blocked in MPI or a collective with it.
+tasks are also checkpointed periodically, so `--resume` continues a crashed job too. A rank that dies of an
+exception reports it to the job's supervisor (launch/monitor.py: one message names the rank, its role and the
+cause), keeps its traceback in RUN_DIR/crash/rank<N>.txt and aborts the job: every other rank is blocked in MPI
+or a collective with it.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@
 #
 # Environment knobs (defaults in brackets):
 #   LOCAL_SLURM_DIR [/var/tmp/marlaas-local-slurm]  state: pid/, log/, spool/, tmp/, dev/
-#   LOCAL_SLURM_CPU_NODES [3]  LOCAL_SLURM_GPU_NODES [3]  LOCAL_SLURM_CPUS [4]  LOCAL_SLURM_GPUS [4]
+#   LOCAL_SLURM_CPU_NODES [3]  LOCAL_SLURM_GPU_NODES [3]  LOCAL_SLURM_CPUS [this machine's, nproc]
+#   LOCAL_SLURM_GPUS [4]
 #   LOCAL_SLURM_NO_INSTALL=1   fail instead of running apt-get when packages are missing
 #
 # Writes /etc/slurm/{slurm,gres,slurmdbd}.conf (only when absent or written by this script before:
@@ -22,7 +23,7 @@ set -euo pipefail
 STATE=${LOCAL_SLURM_DIR:-/var/tmp/marlaas-local-slurm}
 NCPU_NODES=${LOCAL_SLURM_CPU_NODES:-3}
 NGPU_NODES=${LOCAL_SLURM_GPU_NODES:-3}
-NODE_CPUS=${LOCAL_SLURM_CPUS:-4}
+NODE_CPUS=${LOCAL_SLURM_CPUS:-$(nproc)}
 NODE_GPUS=${LOCAL_SLURM_GPUS:-4}
 CLUSTER=marlaas
 MARKER="# written by marlaas_hpc slurm/local-cluster/start.sh"
@@ -116,7 +117,9 @@ SlurmdLogFile=$STATE/log/slurmd-%n.log
 TmpFS=$STATE/tmp/%n
 SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+# task/affinity pins each task to the CPUs Slurm gave it (srun --cpus-per-task), so a test can check
+# them with sched_getaffinity; every emulated node offers the machine's real CPUs (the same ones)
+TaskPlugin=task/affinity
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
