@@ -18,7 +18,8 @@ def test_sbatch_renders_a_four_component_hetjob_running_every_rank(tmp_path):
     assert script.startswith("#!") and script.count("#SBATCH hetjob") == 3
     srun = next(line for line in script.splitlines() if " srun " in line and not line.startswith("#"))
     assert srun.startswith(f"{sys.executable} -m marlaas_hpc.launch.step_guard ")  # see launch/step_guard.py
-    assert "--het-group=0-3" in srun and "--mpi=pmix" in srun
+    step = script[script.index(srun):].split(" || ")[0]  # the step's lines, one het component per line
+    assert "--mpi=pmix" in srun and all(f"--het-group={i} --cpus-per-task=1" in step for i in range(4))
     assert "marlaas_hpc.runtime.main" in script and str(tmp_path / "run") in script
     assert "--signal=USR2@" in script
 
@@ -40,7 +41,8 @@ def test_gpu_config_renders_and_run_submit_refuse_its_placeholder_model(tmp_path
     submits (the check is JobConfig.model_path, before any process or Slurm call)."""
     proc = marlaas("sbatch", "configs/qwen3-0.6b-gsm8k.yaml", "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("#SBATCH --gpus-per-task=1") == 2 and proc.stdout.count("#SBATCH hetjob") == 3
+    assert proc.stdout.count("#SBATCH --gpus-per-task=1") == 1 and proc.stdout.count("#SBATCH hetjob") == 3
+    assert proc.stdout.count("#SBATCH --gpus-per-node=2") == 1  # the TP=2 trainer: both GPUs of its node
     for command in ("run", "submit"):
         proc = marlaas(command, "configs/qwen3-0.6b-gsm8k.yaml", "--run-dir", str(tmp_path / "run"))
         assert proc.returncode == 2 and "model: '/path/to/Qwen3-0.6B' is not an HF checkpoint dir" \

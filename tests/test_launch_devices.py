@@ -76,6 +76,19 @@ def test_device_binding_several_nodes_gpus_per_task_1(recording):
     assert len(_assert_no_shared_gpu(envs, bindings)) == 4
 
 
+def test_device_binding_trainer_gpus_per_node():
+    """The TP trainer as launch/sbatch.py renders it (--gpus-per-node=2 --ntasks-per-node=2, recorded on the local
+    cluster): both TP ranks see both GPUs of their node, and the node-pool rule gives each its own one, narrowed
+    to it; engines keep their per-task GPU."""
+    envs = _recorded("device_env/het_trainer_gpus_per_node.json")
+    assert [env.get("CUDA_VISIBLE_DEVICES") for env in envs][2:] == ["0", "1", "0,1", "0,1"]
+    bindings = _bind_all(envs, _gpu_layout(), driver_gpus=_gpu_nodes_with(4))
+    assert [(b.gpus, b.cuda_visible_devices) for b in bindings[2:]] == [(("0",), "0"), (("1",), "1"),
+                                                                         (("0",), "0"), (("1",), "1")]
+    assert [b.how.split(" (")[0] for b in bindings[2:]] == ["Slurm per-task binding"] * 2 + ["node pool of 2"] * 2
+    assert len(_assert_no_shared_gpu(envs, bindings)) == 4
+
+
 def test_device_binding_one_node_8_gpus_shared_by_rollout_and_trainer_mpirun():
     """mpirun -np 8 on one 8-GPU machine: 2 engines of TP=2 and a TP=4 trainer split the node's GPUs."""
     envs = _recorded("device_env/mpirun_one_node_8_ranks.json")

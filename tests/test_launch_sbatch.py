@@ -5,6 +5,7 @@ Regenerate the golden files after an intended change: MARLAAS_UPDATE_GOLDEN=1 py
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from marlaas_hpc.launch.layout import JobLayout, LayoutError
+from marlaas_hpc.launch.layout import ComponentResources, JobLayout, LayoutError
 from marlaas_hpc.launch.sbatch import check_partitions, component_options, render_sbatch, slurm_time
 from marlaas_hpc.launch.submitit_hetjob import HetJobExecutor, HetJobInfoWatcher, fold_states
 
@@ -98,14 +99,76 @@ def test_scripts_are_four_component_hetjobs(name, kind, monkeypatch):
     for i, block in enumerate(blocks):
         assert f"#SBATCH --ntasks={layout.component_sizes[i]}" in block
         assert any(line.startswith("#SBATCH --signal=USR2@") for line in block)
-    srun = next(line for line in text.splitlines() if " srun " in line and not line.startswith("#"))
+    srun = _step(text)
     assert srun.startswith(f"{PYTHON if kind == 'submitit' else sys.executable} -m marlaas_hpc.launch.step_guard "
                            f"--grace={layout.srun_grace_s} -- srun --unbuffered ")
-    assert "--het-group=0-3" in srun and f"--mpi={layout.mpi}" in srun
+    assert f"--mpi={layout.mpi}" in srun and "--kill-on-bad-exit=1" in srun
     assert "%t" not in srun and "%j" not in srun  # wrong in a het step (see submitit_hetjob.py)
     body = text.splitlines()
-    assert body.index("set -euo pipefail") < body.index(srun)
+    assert body.index("set -euo pipefail") < body.index(srun.splitlines()[0])
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def _step(text: str) -> str:
+    """The srun step of a script: its first line up to the end of its continuation lines."""
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if " srun " in line and not line.startswith("#"))
+    last = next(i for i in range(first, len(lines)) if not lines[i].endswith("\\"))
+    return "\n".join(lines[first:last + 1])
+
+
+def _srun_argv(text: str) -> list[str]:
+    """srun's arguments in a script's step, as bash splits them (the step guard's own come before `srun`)."""
+    argv = shlex.split(_step(text).split(" || ")[0].replace("\\\n", " "))  # bash drops backslash-newline
+    return argv[argv.index("srun") + 1:]
+
+
+def _script(kind: str, layout: JobLayout, monkeypatch) -> str:
+    if kind == "sbatch":
+        return render_sbatch(layout, COMMAND, "demo", FOLDER)
+    executor = _executor(layout, monkeypatch)
+    return executor._make_submission_file_text(executor._submitit_command_str, "uid")
+
+
+@pytest.mark.parametrize("kind", ["sbatch", "submitit"])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_component_gets_its_cpus_on_the_srun_line(name, kind, monkeypatch):
+    """Since Slurm 22.05 srun does not take --cpus-per-task from the allocation: the step gives each het
+    component its own part, `--het-group=<i> --cpus-per-task=<the component's>`, separated by ':', and the one
+    command after the last part runs in all of them (one MPI_COMM_WORLD, checked on the local cluster)."""
+    layout = _layout(name)
+    argv = _srun_argv(_script(kind, layout, monkeypatch))
+    parts, part = [], []
+    for arg in argv:
+        if arg == ":":
+            parts.append(part)
+            part = []
+        else:
+            part.append(arg)
+    parts.append(part)
+    assert len(parts) == 4
+    for i, (part, component) in enumerate(zip(parts, ("control", "env", "rollout", "trainer"))):
+        options = [arg for arg in part if arg.startswith("--het-group") or arg.startswith("--cpus-per-task")]
+        assert options == [f"--het-group={i}", f"--cpus-per-task={layout.resources(component).cpus_per_task}"]
+    assert [arg for arg in parts[-1] if not arg.startswith("--")][:3] == (
+        ["python", "-m", "marlaas_hpc.runtime.main"] if kind == "sbatch"
+        else [PYTHON, "-u", "-m"])  # the command once, after the last part
+
+
+@pytest.mark.parametrize("kind", ["sbatch", "submitit"])
+def test_a_tp_trainer_asks_for_its_gpus_per_node(kind, monkeypatch):
+    """A trainer TP group spanning ranks asks Slurm for GPUs per node, not per task: per task, sites that confine
+    devices per task show each rank only its own GPU and NCCL loses NVLink between TP ranks. Engines keep theirs
+    per task, and so does a TP=1 trainer."""
+    for name, per_node in (("gpu_tp4", 4), ("qwen3_0.6b", 2)):
+        trainer = _blocks(sbatch_header(_script(kind, _layout(name), monkeypatch)))[3]
+        assert f"#SBATCH --gpus-per-node={per_node}" in trainer and f"#SBATCH --ntasks-per-node={per_node}" in trainer
+        assert not any("--gpus-per-task" in line or "--gpu-bind" in line for line in trainer)
+        rollout = _blocks(sbatch_header(_script(kind, _layout(name), monkeypatch)))[2]
+        assert any(line.startswith("#SBATCH --gpus-per-task=") for line in rollout)
+    tp1 = JobLayout(trainer_dp=2, trainer=ComponentResources(gpus_per_task=1)).validate()
+    trainer = _blocks(sbatch_header(_script(kind, tp1, monkeypatch)))[3]
+    assert "#SBATCH --gpus-per-task=1" in trainer and not any("--gpus-per-node" in line for line in trainer)
 
 
 def test_emulated_node_settings_only_when_configured():
@@ -119,7 +182,7 @@ def test_emulated_node_settings_only_when_configured():
 def test_component_options_gpu_trainer():
     opts = component_options(_layout("gpu_tp4"), "trainer")
     assert opts == ["--partition=gpu", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--cpus-per-task=16",
-                    "--gpus-per-task=1", "--mem=400G", "--time=1-00:00:00", "--account=rlgroup", "--qos=high",
+                    "--gpus-per-node=4", "--mem=400G", "--time=1-00:00:00", "--account=rlgroup", "--qos=high",
                     "--constraint=h100", "--signal=USR2@300", "--exclusive"]
     assert slurm_time(30) == "00:30:00" and slurm_time("1-2") == "1-02:00:00"
 

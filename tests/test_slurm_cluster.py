@@ -39,7 +39,7 @@ def _hung_after_the_probe(log: Path, world_size: int) -> bool:
     """Every rank printed its probe line, yet the step did not end (seen once in a loaded CI run: a rank stuck
     in MPI finalization on the emulated cluster; the same job then passed in 4 s)."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    return sum(line.startswith('{"cuda_visible_devices"') for line in text.splitlines()) == world_size
+    return sum(line.startswith('{"cpus"') for line in text.splitlines()) == world_size  # the probe's sorted keys
 
 
 def _cluster_problem() -> str | None:
@@ -119,8 +119,31 @@ def _wait_done(job, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+def _placed_layout() -> JobLayout:
+    """_layout() with CPUs per rank that differ by component (each node of the local cluster has the machine's 2
+    CPUs). The control component also holds its node exclusively: on a 2-CPU node that is where the srun line
+    matters, since without its own --cpus-per-task the step's one task got both CPUs of the allocation."""
+    return _layout(control=ComponentResources(partition="cpu", cpus_per_task=1, extra_sbatch=["--exclusive"]),
+                   env=ComponentResources(partition="cpu", cpus_per_task=2))
+
+
+def _check_placement(layout: JobLayout, views: list[dict]) -> None:
+    """Each rank runs on exactly its component's CPUs per task; the rollout ranks see their own (fake) GPU (per
+    task), the two TP ranks of the trainer both GPUs of their node (per node: NCCL keeps NVLink between them),
+    and the binding rule gives each TP rank its own GPU, narrowed to it."""
+    from marlaas_hpc.launch.devices import bind_device
+
+    by_rank = sorted(views, key=lambda view: view["rank"])
+    assert [v["cpus"] for v in by_rank] == [layout.resources(assign_role(v["rank"], layout).component).cpus_per_task
+                                            for v in by_rank], [(v["rank"], v["cpus"]) for v in by_rank]
+    assert [v["cuda_visible_devices"] for v in by_rank][2:] == ["0", "1", "0,1", "0,1"]
+    bindings = [bind_device(v["environ"], v["rank"], layout, driver_gpus=4) for v in by_rank[4:]]
+    assert [(b.gpus, b.cuda_visible_devices) for b in bindings] == [(("0",), "0"), (("1",), "1")]
+    assert all(b.how.startswith("node pool of 2") for b in bindings)
+
+
 def test_submitit_hetjob_runs_one_mpi_world_with_layout_roles(cluster, tmp_path):
-    layout = _layout()
+    layout = _placed_layout()
     for attempt in range(2):
         folder = tmp_path / f"submitit{attempt}"
         executor = HetJobExecutor(folder, layout)
@@ -141,7 +164,7 @@ def test_submitit_hetjob_runs_one_mpi_world_with_layout_roles(cluster, tmp_path)
         assert view["job_id"] == job.job_id  # the leader's id in every component
         assert view["rendezvous_host"] == results[0]["node"]  # first step host = rank 0's node
     assert [v["node"][0] for v in results] == ["c", "c", "g", "g", "g", "g"]
-    assert [v["cuda_visible_devices"] for v in results][2:] == ["0", "1", "0", "1"]  # fake GPUs, one per rank
+    _check_placement(layout, results)
     assert results[0]["world_roles"] == [("scheduler", 0, 0), ("env", 0, 1), ("rollout", 0, 2), ("rollout", 1, 2),
                                          ("trainer", 0, 3), ("trainer", 1, 3)]
     assert _wait_completed(job.job_id, 30) == ["COMPLETED"] * 4
@@ -149,7 +172,7 @@ def test_submitit_hetjob_runs_one_mpi_world_with_layout_roles(cluster, tmp_path)
 
 
 def test_plain_sbatch_script_runs_the_same_probe(cluster, tmp_path):
-    layout = _layout()
+    layout = _placed_layout()
     layout_file = tmp_path / "layout.yaml"
     layout_file.write_text(yaml.safe_dump(layout.to_dict()))
     script = tmp_path / "job.sbatch"
@@ -172,6 +195,7 @@ def test_plain_sbatch_script_runs_the_same_probe(cluster, tmp_path):
     views = _json_objects(log)
     assert sorted(v["rank"] for v in views) == list(range(6))
     assert all(v["role"] == assign_role(v["rank"], layout).kind for v in views)
+    _check_placement(layout, views)
 
 
 def _json_objects(text: str) -> list[dict]:

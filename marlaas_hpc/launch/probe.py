@@ -1,7 +1,8 @@
 """Self-checking programs for a site (and the slurm tests): run them through HetJobExecutor.
 
 `hetjob_probe(layout)`: every rank checks that MPI_COMM_WORLD has the layout's size, that its role from
-`assign_role` agrees with the component Slurm put it in, and the whole world agrees on the role map.
+`assign_role` agrees with the component Slurm put it in, and the whole world agrees on the role map; it also
+returns the CPUs it may run on and the variables its device binding comes from.
 `RequeueProbe`: a Checkpointable that waits for USR2 on its first run and proves, after the requeue,
 that checkpoint() ran, SLURM_RESTART_COUNT went up and state written before the requeue survived.
 """
@@ -18,6 +19,11 @@ from submitit.helpers import Checkpointable
 
 from marlaas_hpc.launch.layout import JobLayout, assign_role, world_size_matches
 from marlaas_hpc.launch.slurm_env import placement_from_env
+
+
+LAUNCHER_VARIABLES = ("SLURM_PROCID", "SLURM_GTIDS", "SLURM_STEP_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS",
+                      "SLURMD_NODENAME", "CUDA_VISIBLE_DEVICES")
+"""What a rank's device binding is computed from (launch/devices.py); the probe returns them."""
 
 
 def hetjob_probe(layout: JobLayout) -> dict[str, Any]:
@@ -43,7 +49,9 @@ def hetjob_probe(layout: JobLayout) -> dict[str, Any]:
             "trainer_group": role and role.group,
             "node": placement.node_name, "host": socket.gethostname(), "job_id": placement.job_id,
             "rendezvous_host": placement.rendezvous_host,
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "problems": problems}
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": len(os.sched_getaffinity(0)),
+            "environ": {name: os.environ[name] for name in LAUNCHER_VARIABLES if name in os.environ},
+            "problems": problems}
     everyone = comm.allgather(view)  # a collective: proves the world is really connected
     bad = [f"rank {v['rank']}: {p}" for v in everyone for p in v["problems"]]
     if bad:

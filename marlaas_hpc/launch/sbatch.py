@@ -1,8 +1,19 @@
 """The heterogeneous sbatch script of a job layout (template: slurm/hetjob.sbatch.j2).
 
 One `#SBATCH` block per component (control, env, rollout, trainer) separated by `#SBATCH hetjob`,
-then one `srun --het-group=0-3 --mpi=<plugin>` step: a single MPI_COMM_WORLD across all components.
-The per-component option lines are shared with the submitit executor (submitit_hetjob.py).
+then one srun step over all of them: a single MPI_COMM_WORLD across all components. The step gives each
+component its own part, `--het-group=<i> --cpus-per-task=<n>`, separated by ':' (since Slurm 22.05 srun no
+longer takes --cpus-per-task from the allocation: without it every rank got one CPU). The per-component option
+lines and the step are shared with the submitit executor (submitit_hetjob.py).
+
+GPUs: rollout ranks ask for theirs per task (--gpus-per-task: each engine its own). A trainer whose TP group
+spans several ranks asks for them per node instead (--gpus-per-node with --ntasks-per-node): with
+--gpus-per-task, sites that confine devices per task (cgroup ConstrainDevices) show each rank only its own GPU,
+and NCCL then sends TP all-reduces through host memory instead of NVLink (NVIDIA/nccl#1066, #324). Per node,
+every trainer rank sees the node's GPUs and launch/devices.py gives each its own (node pool). The srun part of
+the trainer adds no --gpu-bind=none: the default binding of a --gpus-per-node step is already none, and on Slurm
+before 23.11 an explicit --gpu-bind=none leaves CUDA_VISIBLE_DEVICES unset in every task (Slurm bug 16807,
+fixed by commit 657efad), which would hide from a rank which GPUs are its job's.
 """
 from __future__ import annotations
 
@@ -39,15 +50,28 @@ def time_minutes(value: str | int) -> int:
     return math.ceil(parse_slurm_time(value) / 60)
 
 
+def gpus_per_node(layout: JobLayout, component: int | str) -> int | None:
+    """GPUs per node that a component asks for instead of GPUs per task: the trainer's when its TP group spans
+    several ranks (one GPU per rank, the node's ranks sharing them so that NCCL keeps NVLink); else None."""
+    name = component if isinstance(component, str) else COMPONENTS[component]
+    res = layout.resources(name)
+    if name != "trainer" or layout.trainer_tp == 1 or not res.gpus_per_task:
+        return None
+    return layout.component_sizes[COMPONENTS.index(name)] // res.nodes * res.gpus_per_task
+
+
 def component_options(layout: JobLayout, component: int | str, *, signal: bool = True) -> list[str]:
     """sbatch options (long form) of one het component, in a fixed order."""
     name = component if isinstance(component, str) else COMPONENTS[component]
     res = layout.resources(name)
     ntasks = layout.component_sizes[COMPONENTS.index(name)]
+    per_node = gpus_per_node(layout, name)
+    spread = ntasks % res.nodes == 0 and (res.nodes > 1 or per_node)  # GPUs per node need the tasks per node
     opts = [f"--{key}={shlex.quote(str(value))}" for key, value in (
         ("partition", res.partition), ("nodes", res.nodes), ("ntasks", ntasks),
-        ("ntasks-per-node", ntasks // res.nodes if ntasks % res.nodes == 0 and res.nodes > 1 else None),
-        ("cpus-per-task", res.cpus_per_task), ("gpus-per-task", res.gpus_per_task or None), ("mem", res.mem),
+        ("ntasks-per-node", ntasks // res.nodes if spread else None),
+        ("cpus-per-task", res.cpus_per_task), ("gpus-per-task", None if per_node else res.gpus_per_task or None),
+        ("gpus-per-node", per_node), ("mem", res.mem),
         ("time", slurm_time(layout.component_time(name))), ("account", res.account), ("qos", res.qos),
         ("constraint", res.constraint)) if value is not None]
     if signal:
@@ -55,16 +79,26 @@ def component_options(layout: JobLayout, component: int | str, *, signal: bool =
     return opts + list(res.extra_sbatch)
 
 
-def srun_args(layout: JobLayout) -> list[str]:
-    """Arguments of the one srun step that starts every rank."""
-    return [f"--het-group=0-{len(COMPONENTS) - 1}", f"--mpi={layout.mpi}", "--kill-on-bad-exit=1"]
+STEP_OPTIONS = ("--unbuffered", "--kill-on-bad-exit=1")
+"""srun options of the whole step (Slurm propagates both to every het component's part)."""
 
 
-def guarded_srun(layout: JobLayout, python: str, *extra: str) -> str:
-    """The batch script's srun line, run under launch/step_guard.py (ends an srun that outlives its step).
+def srun_parts(layout: JobLayout, *extra: str) -> list[list[str]]:
+    """One srun part per het component: `--het-group=<i>` with that component's CPUs per task, then `extra` (srun
+    options for every part). The step writes them separated by ':' and the command after the last part: srun
+    runs it in every part (it reuses the next application given for the parts without one)."""
+    return [[f"--het-group={i}", f"--cpus-per-task={layout.resources(name).cpus_per_task}", *extra]
+            for i, name in enumerate(COMPONENTS)]
+
+
+def guarded_srun(layout: JobLayout, python: str, command: str, *extra: str) -> str:
+    """The batch script's step: srun running `command` (a shell command line) on every rank, under
+    launch/step_guard.py (ends an srun that outlives its step), one het component's part per line.
     `python`: the interpreter as a shell word (already quoted, as submitit keeps it)."""
-    return f"{python} " + shlex.join(["-m", "marlaas_hpc.launch.step_guard", f"--grace={layout.srun_grace_s}",
-                                      "--", "srun", "--unbuffered", *srun_args(layout), *extra])
+    guard = shlex.join(["-m", "marlaas_hpc.launch.step_guard", f"--grace={layout.srun_grace_s}", "--", "srun",
+                        *STEP_OPTIONS, f"--mpi={layout.mpi}"])
+    parts = [shlex.join(part) for part in srun_parts(layout, *extra)]
+    return " \\\n    ".join([f"{python} {guard}", *(f"{part} :" for part in parts[:-1]), parts[-1], command])
 
 
 def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | Path,
@@ -93,7 +127,7 @@ def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | 
         job_name=job_name, world_size=layout.world_size, trainer_tp=layout.trainer_tp,
         trainer_dp=layout.trainer_dp, trainer_groups=layout.trainer_groups, blocks=blocks, setup=layout.setup,
         exports=[f"export {k}={shlex.quote(v)}" for k, v in layout.exports_for_job().items()],
-        srun=guarded_srun(layout, shlex.quote(python)), grace_s=layout.srun_grace_s, command=command,
+        step=guarded_srun(layout, shlex.quote(python), command), grace_s=layout.srun_grace_s,
         requeue_marker=shlex.quote(str(requeue_marker)) if requeue_marker else "")
 
 

@@ -7,7 +7,8 @@ Checkpointable USR2 requeue, and changes only what a het job needs:
 - component 0 (control) is submitit's own option block; components 1..3 follow as `#SBATCH hetjob` +
   `#SBATCH` lines emitted through submitit's `setup` lines, which still sit inside the option header
   (`additional_parameters` are sorted, so separators cannot go there);
-- the step is `srun --het-group=0-3 --mpi=<plugin>` and every rank runs `marlaas_hpc.launch.hetjob_task`,
+- the step is one srun with a part per component (`--het-group=<i> --cpus-per-task=<n>`, launch/sbatch.py) and
+  every rank runs `marlaas_hpc.launch.hetjob_task` (or the executor's `task_module`),
   which writes its log to FOLDER/<leader id>_<world rank>_log.{out,err} itself: srun's `%t` in a het step
   is not the world rank (Slurm 22.05 gives component c's ranks r+c) and `%j` is each component's own id;
 - `_num_tasks()` is the world size, so `job.results()` returns every rank's result;
@@ -119,8 +120,8 @@ class HetJobExecutor(_slurm.SlurmExecutor):
         params["additional_parameters"] = extra
         params["setup"] = (self._header_lines() + self.layout.setup + list(params.get("setup") or [])
                            + [f"export {k}={shlex.quote(v)}" for k, v in self.layout.exports_for_job().items()])
-        srun = guarded_srun(self.layout, self.python, *(params.pop("srun_args", None) or []))
-        return _slurm._make_sbatch_string(command=f"{srun} {command}", folder=self.folder, **params)
+        step = guarded_srun(self.layout, self.python, command, *(params.pop("srun_args", None) or []))
+        return _slurm._make_sbatch_string(command=step, folder=self.folder, **params)
 
     def _header_lines(self) -> tp.List[str]:
         """`#SBATCH hetjob` + option lines of components 1..3 (they must precede every shell command)."""

@@ -1,14 +1,16 @@
 """Record the environment every task of a job step sees, as a test fixture.
 
     python slurm/local-cluster/record_env.py OUT.json [--plain | --spread | --one-node-gpus N | --mpirun N]
-                                                      [--rollout-tasks N] [--rollout-gpus N]
+                                                      [--rollout-tasks N] [--rollout-gpus N] [--trainer-per-node]
 
 By default it submits a 4-component het job (1 cpu + 1 cpu + 2 gpu + 2 gpu tasks on partitions cpu/gpu,
 as start.sh creates them) with one `srun --het-group=0-3` step (--spread: its rollout group on
 2 nodes; --rollout-tasks / --rollout-gpus: the rollout group's task count and --gpus-per-task, e.g. one
-engine with 2 GPUs); --plain: one plain step of 3 tasks on 2 nodes; --one-node-gpus N: one plain step of
---ntasks tasks (default 8) on one gpu node that asks for N GPUs per node (--gres=gpu:N, no per-task binding:
-every task sees all N); --mpirun N: `mpirun -np N` on this machine, no Slurm (Open MPI's variables).
+engine with 2 GPUs; --trainer-per-node: the trainer group asks for its GPUs per node, --gpus-per-node=2
+--ntasks-per-node=2, as launch/sbatch.py renders a TP trainer); --plain: one plain step of 3 tasks on 2 nodes;
+--one-node-gpus N: one plain step of --ntasks tasks (default 8) on one gpu node that asks for N GPUs per node
+(--gres=gpu:N, no per-task binding: every task sees all N); --mpirun N: `mpirun -np N` on this machine, no
+Slurm (Open MPI's variables).
 Keeps SLURM_*, SLURMD_NODENAME, CUDA_VISIBLE_DEVICES and the MPI launchers' rank variables; the fixture
 is a list (one dict per world rank). Run it on a real site to add that site's environment to
 tests/golden/slurm_env/ or tests/golden/device_env/.
@@ -30,7 +32,7 @@ HET_HEADER = """#SBATCH --partition=cpu --ntasks=1
 #SBATCH hetjob
 #SBATCH --partition=gpu {rollout}
 #SBATCH hetjob
-#SBATCH --partition=gpu --ntasks=2 --gpus-per-task=1
+#SBATCH --partition=gpu {trainer}
 """
 PLAIN_HEADER = "#SBATCH --partition=cpu --nodes=2 --ntasks=3\n"
 ONE_NODE_HEADER = "#SBATCH --partition=gpu --nodes=1 --ntasks={ntasks} --gres=gpu:{gpus}\n"
@@ -49,7 +51,9 @@ def _header(args) -> str:
     rollout = f"--ntasks={args.rollout_tasks} --gpus-per-task={args.rollout_gpus}"
     if args.spread:
         rollout = f"--nodes={args.rollout_tasks} " + rollout
-    return HET_HEADER.format(rollout=rollout)
+    trainer = "--ntasks=2 --ntasks-per-node=2 --gpus-per-node=2" if args.trainer_per_node else \
+        "--ntasks=2 --gpus-per-task=1"
+    return HET_HEADER.format(rollout=rollout, trainer=trainer)
 
 
 def _run_slurm(args, work: Path) -> None:
@@ -86,6 +90,8 @@ def main() -> None:
     parser.add_argument("--spread", action="store_true", help="het job whose rollout group spans its own nodes")
     parser.add_argument("--rollout-tasks", type=int, default=2, help="rollout tasks of the het job")
     parser.add_argument("--rollout-gpus", type=int, default=1, help="--gpus-per-task of the rollout group")
+    parser.add_argument("--trainer-per-node", action="store_true",
+                        help="het job whose trainer group asks for GPUs per node (--gpus-per-node=2)")
     parser.add_argument("--one-node-gpus", type=int, metavar="N", help="plain step on one node with N GPUs")
     parser.add_argument("--ntasks", type=int, default=8, help="tasks of the --one-node-gpus step")
     parser.add_argument("--mpirun", type=int, metavar="N", help="mpirun -np N on this machine instead of Slurm")

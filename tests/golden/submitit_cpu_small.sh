@@ -50,4 +50,9 @@ export OMP_NUM_THREADS=1
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-/opt/marlaas/.venv/bin/python -m marlaas_hpc.launch.step_guard --grace=60 -- srun --unbuffered --het-group=0-3 --mpi=pmix --kill-on-bad-exit=1 /opt/marlaas/.venv/bin/python -u -m marlaas_hpc.launch.hetjob_task /scratch/marlaas/runs/demo
+/opt/marlaas/.venv/bin/python -m marlaas_hpc.launch.step_guard --grace=60 -- srun --unbuffered --kill-on-bad-exit=1 --mpi=pmix \
+    --het-group=0 --cpus-per-task=1 : \
+    --het-group=1 --cpus-per-task=1 : \
+    --het-group=2 --cpus-per-task=2 : \
+    --het-group=3 --cpus-per-task=1 \
+    /opt/marlaas/.venv/bin/python -u -m marlaas_hpc.launch.hetjob_task /scratch/marlaas/runs/demo

@@ -43,7 +43,7 @@
 #SBATCH --ntasks=4
 #SBATCH --ntasks-per-node=2
 #SBATCH --cpus-per-task=8
-#SBATCH --gpus-per-task=1
+#SBATCH --gpus-per-node=2
 #SBATCH --mem=200G
 #SBATCH --time=04:00:00
 #SBATCH --signal=USR2@180
@@ -57,4 +57,9 @@ export OMP_NUM_THREADS=1
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-/opt/marlaas/.venv/bin/python -m marlaas_hpc.launch.step_guard --grace=60 -- srun --unbuffered --het-group=0-3 --mpi=pmix --kill-on-bad-exit=1 /opt/marlaas/.venv/bin/python -u -m marlaas_hpc.launch.hetjob_task /scratch/marlaas/runs/demo
+/opt/marlaas/.venv/bin/python -m marlaas_hpc.launch.step_guard --grace=60 -- srun --unbuffered --kill-on-bad-exit=1 --mpi=pmix \
+    --het-group=0 --cpus-per-task=2 : \
+    --het-group=1 --cpus-per-task=4 : \
+    --het-group=2 --cpus-per-task=8 : \
+    --het-group=3 --cpus-per-task=8 \
+    /opt/marlaas/.venv/bin/python -u -m marlaas_hpc.launch.hetjob_task /scratch/marlaas/runs/demo

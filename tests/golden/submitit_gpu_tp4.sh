@@ -49,7 +49,7 @@
 #SBATCH --ntasks=8
 #SBATCH --ntasks-per-node=4
 #SBATCH --cpus-per-task=16
-#SBATCH --gpus-per-task=1
+#SBATCH --gpus-per-node=4
 #SBATCH --mem=400G
 #SBATCH --time=1-00:00:00
 #SBATCH --account=rlgroup
@@ -69,4 +69,9 @@ export NCCL_IB_HCA=mlx5
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-/opt/marlaas/.venv/bin/python -m marlaas_hpc.launch.step_guard --grace=60 -- srun --unbuffered --het-group=0-3 --mpi=pmix --kill-on-bad-exit=1 /opt/marlaas/.venv/bin/python -u -m marlaas_hpc.launch.hetjob_task /scratch/marlaas/runs/demo
+/opt/marlaas/.venv/bin/python -m marlaas_hpc.launch.step_guard --grace=60 -- srun --unbuffered --kill-on-bad-exit=1 --mpi=pmix \
+    --het-group=0 --cpus-per-task=4 : \
+    --het-group=1 --cpus-per-task=4 : \
+    --het-group=2 --cpus-per-task=16 : \
+    --het-group=3 --cpus-per-task=16 \
+    /opt/marlaas/.venv/bin/python -u -m marlaas_hpc.launch.hetjob_task /scratch/marlaas/runs/demo
