@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import cloudpickle
 import pytest
 import yaml
 
@@ -22,6 +23,7 @@ from marlaas_hpc.launch.sbatch import check_partitions, render_sbatch
 from marlaas_hpc.launch.submitit_hetjob import HetJobExecutor
 
 pytestmark = pytest.mark.slurm
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions submitted from here travel by value
 START = "bash slurm/local-cluster/start.sh"
 # On the emulated cluster, under load, ~4 % of het steps lose a rank to a segfault inside MPI_Init
 # (Open MPI 4.1.4: btl/tcp calls a NULL active-message callback while the rank waits in the modex fence;
@@ -206,6 +208,40 @@ def _json_objects(text: str) -> list[dict]:
         found.append(obj)
         at = text.find("{", end)
     return found
+
+
+def rank_leaving_a_thread() -> int:
+    """A rank that started MPI and leaves a non-daemon thread running, as a rollout rank leaves vLLM's engine and
+    NCCL's threads: Python's own exit would wait for it forever."""
+    import threading
+
+    from mpi4py import MPI
+
+    threading.Thread(target=threading.Event().wait, daemon=False).start()
+    comm = MPI.COMM_WORLD
+    return comm.allreduce(1) * 100 + comm.Get_rank()
+
+
+def test_submit_ranks_end_through_end_rank_once_their_results_are_written(cluster, tmp_path):
+    """The executor of `marlaas submit` (every rank runs marlaas_hpc.submit.rank_main): each rank's result is
+    written, then the rank ends through end_rank (MPI finalized, os._exit) and the job completes; ended by the
+    interpreter instead, the ranks hung at exit and the job held its nodes until the time limit."""
+    from marlaas_hpc.submit import het_executor
+
+    layout = _layout()
+    for attempt in range(2):
+        folder = tmp_path / f"submit{attempt}"
+        executor = het_executor(folder, layout)
+        executor.update_parameters(job_name="ends")
+        job = executor.submit(rank_leaving_a_thread)
+        _wait_done(job, 90)
+        states = _wait_sacct(job.job_id, 60)
+        if attempt == 0 and states != ["COMPLETED"] * 4 and _mpi_init_crashed(list(folder.glob("*_log.err"))):
+            _retry_note(job.job_id)
+            continue
+        break
+    assert job.results() == [600 + rank for rank in range(6)]
+    assert states == ["COMPLETED"] * 4, states
 
 
 def test_unknown_partition_is_refused_before_submission(cluster):

@@ -79,12 +79,15 @@ class HetJobExecutor(_slurm.SlurmExecutor):
     job_class = HetSlurmJob
 
     def __init__(self, folder: tp.Union[str, Path], layout: JobLayout, max_num_timeout: int = 3,
-                 python: tp.Optional[str] = None) -> None:
+                 python: tp.Optional[str] = None, task_module: str = "marlaas_hpc.launch.hetjob_task") -> None:
         if "%j" in str(folder):
             raise ValueError(f"folder {folder!r} contains %j: each het component would expand it to its own job "
                              "id (missing log dirs, MPI_Init hangs); use a fixed folder")
         super().__init__(folder, max_num_timeout=max_num_timeout, python=python)
         self.layout = layout.validate()
+        self.task_module = task_module
+        """What every rank runs, `python -u -m TASK_MODULE FOLDER`: launch/hetjob_task.py, or an entry that does
+        the same and then ends the process its own way (marlaas_hpc.submit)."""
         # submitit's timeout bookkeeping (has_timed_out, countdown) reads parameters["time"] in minutes
         self.parameters["time"] = time_minutes(layout.component_time(0))
 
@@ -104,7 +107,7 @@ class HetJobExecutor(_slurm.SlurmExecutor):
 
     @property
     def _submitit_command_str(self) -> str:
-        return " ".join([self.python, "-u -m marlaas_hpc.launch.hetjob_task", shlex.quote(str(self.folder))])
+        return " ".join([self.python, "-u -m", self.task_module, shlex.quote(str(self.folder))])
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         params = dict(self.parameters)
