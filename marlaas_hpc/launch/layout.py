@@ -75,11 +75,12 @@ class ComponentResources:
     """MPI ranks of this component. None: derived from the layout (control 1, env `env_ranks`, rollout
     `rollout_ranks`, trainer `trainer_groups * trainer_dp * trainer_tp`); when given it must equal that number."""
     cpus_per_task: int = 1
-    """CPU cores per rank (--cpus-per-task)."""
+    """CPU cores per rank (--cpus-per-task, in the component's block and in its part of the srun step)."""
     gpus_per_task: int = 0
     """GPUs per rank (--gpus-per-task); only rollout and trainer may ask for GPUs. Rollout: the GPUs of one
-    engine (= vllm.tensor_parallel_size when above 1); trainer: at most 1 (one GPU per TP rank). Also read in
-    local mode (mpirun) to size each rollout rank's share of the node's GPUs (launch/devices.py)."""
+    engine (= vllm.tensor_parallel_size when above 1); trainer: at most 1 (one GPU per TP rank; with trainer_tp
+    above 1 rendered per node, --gpus-per-node, so that the node's TP ranks keep NVLink: launch/sbatch.py). Also
+    read in local mode (mpirun) to size each rollout rank's share of the node's GPUs (launch/devices.py)."""
     mem: str | None = None
     """Memory per node as sbatch --mem takes it, e.g. '64G'; None: the partition default."""
     partition: str | None = None
