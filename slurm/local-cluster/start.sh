@@ -73,6 +73,7 @@ done
 for n in $ALL_NODES; do mkdir -p "$STATE/tmp/$n" "$STATE/spool/$n"; done
 
 # ---------------------------------------------------------------- config files
+CONF_CHANGED=0
 write_conf() {  # write_conf PATH MODE < content; never clobbers a config we did not write
     local path=$1 mode=$2 tmp
     tmp=$(mktemp)
@@ -80,6 +81,7 @@ write_conf() {  # write_conf PATH MODE < content; never clobbers a config we did
     if [ -e "$path" ] && ! grep -qF "$MARKER" "$path"; then
         rm -f "$tmp"; die "$path exists and was not written by this script; refusing to overwrite it"
     fi
+    cmp -s "$tmp" "$path" || CONF_CHANGED=1
     install -D -m "$mode" "$tmp" "$path"; rm -f "$tmp"
 }
 
@@ -161,6 +163,13 @@ StorageUser=slurm
 StoragePass=$DB_PASS
 StorageLoc=slurm_acct_db
 EOF
+
+# daemons started with another configuration (an older start.sh, other knobs) do not all reread it on
+# `scontrol reconfigure` (slurmd keeps its TaskPlugin, node CPUs): restart the cluster (state is kept)
+if [ "$CONF_CHANGED" = 1 ] && { alive "$STATE/pid/slurmctld.pid" || ls "$STATE"/pid/slurmd-*.pid >/dev/null 2>&1; }; then
+    log "configuration changed: restarting the running cluster"
+    bash "$(dirname "$0")/stop.sh" >/dev/null
+fi
 
 # ---------------------------------------------------------------- munge
 if ! pgrep -x munged >/dev/null; then
