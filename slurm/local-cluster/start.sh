@@ -166,7 +166,8 @@ EOF
 
 # daemons started with another configuration (an older start.sh, other knobs) do not all reread it on
 # `scontrol reconfigure` (slurmd keeps its TaskPlugin, node CPUs): restart the cluster (state is kept)
-if [ "$CONF_CHANGED" = 1 ] && { alive "$STATE/pid/slurmctld.pid" || ls "$STATE"/pid/slurmd-*.pid >/dev/null 2>&1; }; then
+running() { alive "$STATE/pid/slurmctld.pid" || ls "$STATE"/pid/slurmd-*.pid >/dev/null 2>&1; }
+if [ "$CONF_CHANGED" = 1 ] && running; then
     log "configuration changed: restarting the running cluster"
     bash "$(dirname "$0")/stop.sh" >/dev/null
 fi
