@@ -80,7 +80,7 @@ def rank_main(folder: str) -> None:
         code = 0
     except SystemExit as exc:  # MarlaasJob requeued the job: no result pickle, as submitit's own USR2 handler
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # process_job wrote the error pickle
+    except BaseException:  # of an Exception, process_job wrote the error pickle
         traceback.print_exc()
         code = 1
     end_rank(code)

@@ -4,6 +4,7 @@ Sends this rank's stdout/stderr to submitit's per-task log files (FOLDER/<job id
 then runs submitit's own task main (unpickle, run, pickle the result, USR2 checkpoint/requeue).
 srun cannot name these files for a het step: its `%t` there is not the world rank and `%j` is the
 component's own job id, while SLURM_JOB_ID inside the step is the leader's id for every rank.
+`marlaas submit` runs marlaas_hpc.submit instead: the same, then the rank ends through end_rank.
 """
 from __future__ import annotations
 

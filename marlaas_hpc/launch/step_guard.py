@@ -1,6 +1,6 @@
 """Runs the job's one srun step from the batch script and ends srun if it outlives its step.
 
-    python -m marlaas_hpc.launch.step_guard [--poll S] [--grace S] -- srun --het-group=0-3 ... CMD
+    python -m marlaas_hpc.launch.step_guard [--poll S] [--grace S] -- srun ... --het-group=0 ... : ... CMD
 
 On the emulated cluster (Slurm 22.05, several slurmd on one host) srun of a het step sometimes never
 returns after every rank has exited: slurmd logs "done with job" for all components and sacct records
