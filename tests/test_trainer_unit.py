@@ -321,3 +321,26 @@ def test_lm_head_logprobs_equal_the_full_softmax_and_keep_no_vocab_wide_tensor(m
     grad_tol = 1e-5 if dtype == torch.float32 else 2e-2  # the hidden states' gradient is in the base dtype
     scale = float(reference_hidden.grad.abs().max())
     assert float((hidden.grad.double() - reference_hidden.grad).abs().max()) < grad_tol * scale
+
+
+def test_lora_down_projection_keeps_bf16_activations_for_backward():
+    """A LoRA site's float32 A·x from bf16 activations keeps x itself for backward, not a float32 copy (half the
+    bytes at every site of every layer), with the gradients of F.linear(x.float(), A)."""
+    from marlaas_hpc.trainer.lora import _Float32Down
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 3, 64).to(torch.bfloat16).requires_grad_()
+    a = torch.randn(8, 64, requires_grad=True)
+    upstream = torch.randn(7, 3, 8)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = _Float32Down.apply(x, a)
+    (out * upstream).sum().backward()
+    assert out.dtype == torch.float32
+    assert sorted(str(t.dtype) for t in saved) == ["torch.bfloat16", "torch.float32"] and saved[0] is x
+    x_ref = x.detach().clone().requires_grad_()
+    a_ref = a.detach().clone().requires_grad_()
+    ref = torch.nn.functional.linear(x_ref.float(), a_ref)
+    (ref * upstream).sum().backward()
+    assert torch.equal(out, ref)
+    assert torch.allclose(a.grad, a_ref.grad, rtol=1e-5, atol=1e-6) and torch.equal(x.grad, x_ref.grad)
