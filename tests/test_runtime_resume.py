@@ -61,7 +61,9 @@ def test_usr2_checkpoints_and_resume_trains_every_version_once(tmp_path):
     assert "[job] preempted: every task checkpointed" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["preempted"] is True
-    saved = json.loads((run_dir / "checkpoint" / "scheduler.json").read_text())
+    from marlaas_hpc.runtime.checkpoint import load_job_checkpoint
+
+    saved = load_job_checkpoint(run_dir)
     versions = {t: r["saved"]["version"] for t, r in saved["tasks"].items()}
     assert all(3 <= v < STEPS for v in versions.values()), versions
     tenants = {t["task_id"]: t["tenant"] for t in config["tasks"]}
