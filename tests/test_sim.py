@@ -141,6 +141,42 @@ def test_multi_turn_episodes_take_tool_time():
     assert slow > fast + 6 * 2 * 0.2  # at least two tool calls per step on the critical path
 
 
+def _with_control(**costs):
+    base = load_workload(ROOT / "configs/workloads/tiny-cpu.yaml")
+    return dataclasses.replace(base, control=dataclasses.replace(base.control, **costs))
+
+
+def test_rank0_is_charged_for_each_event_submission_and_eval_result():
+    """Rank 0 handles one thing at a time (the workload's `control`): its busy time is exactly what it was charged,
+    and what waits for it delays the job. Before, the simulator's rank 0 cost nothing, so its figures at 1024
+    tasks were ones the runtime could not reach."""
+    free_sim, free = simulate(n_tasks=16)
+    costs = {"per_event": 0.004, "admit": 0.010, "eval_result": 0.001}
+    sim, charged = simulate(n_tasks=16, workload=_with_control(**costs))
+    evals = 2 * sum(t.dataset.eval_size for t in sim.setup.tasks)
+    busy = costs["per_event"] * (charged.scheduler_events - 16) + costs["admit"] * 16 + costs["eval_result"] * evals
+    assert charged.busy_fraction["scheduler"] * charged.end_time == pytest.approx(busy, rel=1e-9)
+    assert free.busy_fraction["scheduler"] == 0.0 and charged.end_time > free.end_time
+    assert set(charged.ended.values()) == {"done"} and not staleness_violations(sim)
+    _, saturated = simulate(n_tasks=16, workload=_with_control(per_event=0.05))
+    assert saturated.end_time >= 0.05 * saturated.scheduler_events, "a slow rank 0 sets the pace"
+    assert saturated.busy_fraction["scheduler"] > 0.9
+
+
+def test_a_free_control_plane_leaves_the_trace_as_it_was():
+    """All-zero control costs take no detour through rank 0's queue: the same events at the same times."""
+    assert simulate(seed=5, n_tasks=12)[1].trace_hash == simulate(seed=5, n_tasks=12, workload=_with_control())[1].trace_hash
+
+
+def test_rank0_admits_a_thousand_tasks_between_events():
+    """The runtime's rank 0 submits its starting tasks one per loop turn, between events: the first tasks train
+    while the last are still being admitted, so the first step does not wait for every admission."""
+    sim, outcome = simulate(n_tasks=256, workload=_with_control(admit=0.02, per_event=0.0005), rollout_ranks=4)
+    first_step = min(t.step_times[0] for t in sim.scheduler.tasks.values() if t.step_times)
+    assert first_step < 0.5 * 256 * 0.02, "the first step came long before the last admission"
+    assert set(outcome.ended.values()) == {"done"}
+
+
 def test_async_beats_sync_and_sequential_at_scale():
     ends = {mode: simulate(mode=mode, n_tasks=32, rollout_ranks=4)[1].end_time for mode in MODES}
     assert ends["async"] < ends["sync"] < ends["sequential"], ends
