@@ -51,6 +51,9 @@ class SchedulerRank:
         self.rejected: dict[str, str] = {}
         self.evals: dict[tuple[str, str], list[float]] = {}
         self.pending_evals: dict[tuple[str, str], int] = {}
+        self.base_evals_due: set[str] = set()
+        """Admitted tasks whose base-model eval goes out with their first Generate: sent at admission, a thousand
+        tasks' evals stood in the rollout queue before any task's first groups."""
         self.stats: list[RankStats] = []
         self._eval_turn = 0
         self.preempt = preempt or PreemptFlag()
@@ -307,9 +310,12 @@ class SchedulerRank:
                 for rank in self.roles["env"] + [self.leaders[command.trainer_group]]:
                     self.outbox.send(command, rank, TAG_CMD)
                 if (command.spec.task_id, "before") not in self.evals:  # a resumed task has its base eval
-                    self._eval(command.spec.task_id, None)
+                    self.base_evals_due.add(command.spec.task_id)
             elif isinstance(command, Generate):
                 self.outbox.send(self._work(command), command.rollout_rank, TAG_CMD)
+                if command.task_id in self.base_evals_due:  # after the task's first groups, not before
+                    self.base_evals_due.discard(command.task_id)
+                    self._eval(command.task_id, None)
             elif isinstance(command, Train):
                 self.outbox.send(command, self.leaders[command.trainer_group], TAG_CMD)
             elif isinstance(command, Discard):

@@ -10,7 +10,7 @@
                 fused tasks, TP, DP; then publishes each task's delta) ─► StepDone, and the new version on
                 every rollout rank
     Admit    ─► TrainerSim of the group the scheduler placed it on (adapter created, v0 published)
-                ─► StepDone(v0); evals like the runtime's
+                ─► StepDone(v0); evals like the runtime's (the base eval after the task's first Generate)
     Move     ─► the source TrainerSim sends the task's state (adapter + Adam moments) and buffered data to the
                 target ─► Moved; the target trains the task only once its state is there
 
@@ -333,15 +333,15 @@ class EnvSim:
 
 
 class TrainerSim:
-    """One trainer group (DP x TP GPUs). Like the runtime's leader: admits first, then hands over tasks that
-    move away, then one fused step over every order whose groups have all arrived (and whose task's state is
-    here); each trained task's new version is then published."""
+    """One trainer group (DP x TP GPUs). Like the runtime's leader: hands over tasks that move away first, then
+    one admission and one fused step (over every order whose groups have all arrived and whose task's state is
+    here) take turns; each trained task's new version is then published."""
 
     def __init__(self, sim: "Simulation", index: int):
         self.sim, self.index = sim, index
         self.model = sim.workload.trainer
         self.tp, self.dp = sim.setup.trainer_tp, sim.setup.trainer_dp
-        self.admits: list[Admit] = []
+        self.admits: deque[Admit] = deque()
         self.moves: list[Move] = []
         """Tasks to hand over to another group (at their step boundary)."""
         self.incoming: set[str] = set()
@@ -354,6 +354,9 @@ class TrainerSim:
         self.training = False
         """Working on a train step (not an admit): what env contention is fitted against."""
         self.broadcasts = 0
+        self.admit_turn = True
+        """Admissions and fused steps alternate while both wait (the runtime leader runs one admission per turn
+        of its loop)."""
         self.meter = BusyMeter(sim.keep_timeline)
 
     def _speed(self, seconds: float) -> float:
@@ -362,16 +365,17 @@ class TrainerSim:
     def next_job(self) -> None:
         if self.working:
             return
-        if self.admits:
-            self._admit(self.admits.pop(0))
-            return
         if self.moves:
             self._move_out(self.moves.pop(0))
             return
         ready = [o for o in self.orders if all(g in self.arrived for g in o.group_ids)]
         if self.incoming:
             ready = [o for o in ready if o.task_id not in self.incoming]
-        if ready:
+        if self.admits and (self.admit_turn or not ready):
+            self.admit_turn = False
+            self._admit(self.admits.popleft())
+        elif ready:
+            self.admit_turn = True
             self._train(ready)
 
     def _admit(self, admit: Admit) -> None:
@@ -500,6 +504,8 @@ class Simulation:
         self._groups: dict[str, SimGroup] = {}
         self._eval_turn = 0
         self.pending_evals = 0
+        self._base_evals_due: set[str] = set()
+        """Admitted tasks whose base eval goes out with their first Generate (as the runtime's rank 0 does)."""
         self._broadcasts = 0
         self.fused_steps: list[int] = []
         self.events = 0
@@ -529,6 +535,9 @@ class Simulation:
     def _execute(self, command) -> None:
         if isinstance(command, Generate):
             self.queue.after(self.latency, self._deliver_generate, command)
+            if command.task_id in self._base_evals_due:
+                self._base_evals_due.discard(command.task_id)
+                self._eval(command.task_id, None)
         elif isinstance(command, Train):
             trainer = self.trainers[command.trainer_group]
             trainer.orders.append(command)
@@ -537,7 +546,7 @@ class Simulation:
             trainer = self.trainers[command.trainer_group]
             trainer.admits.append(command)
             self.queue.after(self.latency, trainer.next_job)
-            self._eval(command.spec.task_id, None)
+            self._base_evals_due.add(command.spec.task_id)
         elif isinstance(command, Discard):
             for group_id in command.group_ids:
                 for trainer in self.trainers:  # a moving task's data may still sit in its old group
