@@ -201,6 +201,22 @@ def test_calibrated_simulation_predicts_the_measured_runs():
     assert not failures, failures
 
 
+def test_rank0_is_calibrated_from_a_measured_run_and_charged_as_measured():
+    """Fitted on a real 32-task run (tests/fixtures/control/n32: rank 0's busy seconds and count per stage in
+    summary.json, every rank's timeline), the simulated rank 0 spends the busy seconds the real one did (within
+    10%: the simulation's event count is the runtime's). Runs from before rank 0 kept these figures leave the
+    control plane free."""
+    run = ROOT / "tests" / "fixtures" / "control" / "n32"
+    workload = calibrate([run])
+    control = workload.control
+    assert control.per_event > 0 and control.admit > 0 and control.eval_result > 0
+    figures = compare(run, workload)
+    (simulated, measured, _), (sim_e2e, real_e2e, _) = figures["busy_scheduler"], figures["e2e_s"]
+    print(f"rank 0 busy: simulated {simulated * sim_e2e:.3f} s, measured {measured * real_e2e:.3f} s")
+    assert simulated * sim_e2e == pytest.approx(measured * real_e2e, rel=0.1)
+    assert calibrate(sorted((FIXTURES / "async").glob("run*"))).control.free()
+
+
 def test_one_mode_predicts_the_others():
     """Calibrated on the async runs only, the simulation still orders the modes as measured."""
     runs = {mode: sorted((FIXTURES / mode).glob("run*")) for mode in MODES}
@@ -214,6 +230,7 @@ def test_one_mode_predicts_the_others():
 
 def test_fixture_is_small():
     assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 1_000_000
+    assert sum(p.stat().st_size for p in (FIXTURES.parent / "control").rglob("*") if p.is_file()) < 200_000
 
 
 def test_simulate_command_writes_summary_and_audit(tmp_path, capsys):

@@ -8,8 +8,9 @@ max_adapters = N: every task admitted at once. Prints one row per N:
 
     job wall time (summary.json, from every rank ready to the end), the process's wall time (start-up and the
     end included), rank 0's busy fraction (its BusyClock: events, admissions, records, status), rollout and
-    trainer busy fractions, TTFS and TPTS medians over the tasks, the run dir's size on disk, and the wall time
-    per task at the largest N over that at the one before it.
+    trainer busy fractions, TTFS and TPTS medians over the tasks, the run dir's size on disk, the bytes rank 0
+    appended to its records per event handled, and the wall time per task at the largest N over that at the
+    one before it.
 
 --profile samples rank 0 with py-spy (on PATH, or --py-spy) for the whole job and prints the functions that take
 the largest share of its samples (inclusive), with the collapsed stacks in RUN_DIR/rank0.pyspy.txt.
@@ -99,7 +100,10 @@ def figures(run_dir: Path) -> dict:
         return statistics.median(values) if values else float("nan")
 
     size = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file() and p.name != "rank0.pyspy.txt")
+    rank0 = summary.get("scheduler_rank", {})
     return {"wall_s": summary["wall_time_s"], "startup_s": summary["startup_s"],
+            "rank0_events": rank0.get("events"), "record_bytes_per_event":
+                rank0["record_bytes"] / max(rank0["events"], 1) if "record_bytes" in rank0 else float("nan"),
             "busy_rank0": busy.get("scheduler", float("nan")), "busy_rollout": busy.get("rollout", float("nan")),
             "busy_trainer": busy.get("trainer", float("nan")), "ttfs_median_s": median("ttfs_s"),
             "tpts_median_s": median("tpts_s"), "run_dir_mb": size / 1e6,
@@ -122,11 +126,12 @@ def hot_functions(path: Path, top: int = 15) -> list[tuple[str, float]]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| tasks | job wall s | process s | rank 0 busy | rollout busy | trainer busy | TTFS median s | "
-             "TPTS median s | run dir MB | done |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "TPTS median s | run dir MB | record B/event | done |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tasks']} | {r['wall_s']:.1f} | {r['process_s']:.1f} | {r['busy_rank0']:.2f} | "
                      f"{r['busy_rollout']:.2f} | {r['busy_trainer']:.2f} | {r['ttfs_median_s']:.1f} | "
-                     f"{r['tpts_median_s']:.1f} | {r['run_dir_mb']:.1f} | {r['done']}/{r['tasks']} |")
+                     f"{r['tpts_median_s']:.1f} | {r['run_dir_mb']:.1f} | {r['record_bytes_per_event']:.0f} | "
+                     f"{r['done']}/{r['tasks']} |")
     if len(rows) > 1:
         a, b = rows[-2], rows[-1]
         ratio = (b["wall_s"] / b["tasks"]) / (a["wall_s"] / a["tasks"])

@@ -56,6 +56,9 @@ class BusyClock:
         self.start = time.time()
         self.busy = 0.0
         self.records: list[dict] = []
+        self.stages: dict[str, list] = {}
+        """stage -> [busy seconds, spans]: exact, where a merged timeline record also covers the short gaps
+        between the spans it merges."""
 
     def track(self, stage: str, tasks=(), **extra):
         clock = self
@@ -68,6 +71,9 @@ class BusyClock:
             def __exit__(self, *exc):
                 t1 = time.time()
                 clock.busy += t1 - self.t0
+                totals = clock.stages.setdefault(stage, [0.0, 0])
+                totals[0] += t1 - self.t0
+                totals[1] += 1
                 clock.add(stage, tuple(tasks), self.t0, t1, extra)
 
         return _Span()

@@ -185,6 +185,8 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                # per env rank: env-step latencies by stage (tool:<name>, reward) and per-task episode figures
                "env_ranks": {str(stat.rank): stat.extra for stat in stats if stat.kind == "env" and stat.extra},
                "trainer_groups": trainer_groups(stats, scheduler, wall_s),
+               # rank 0: scheduler events handled and bytes appended to its records (the journal, compactions)
+               "scheduler_rank": next((stat.extra for stat in stats if stat.kind == "scheduler"), {}),
                # rollout engines rebuilt after an engine error (rollout/restart.py), per rollout rank
                "engine_restarts": {str(stat.rank): stat.extra.get("engine_restarts", 0)
                                    for stat in stats if stat.kind == "rollout"}}

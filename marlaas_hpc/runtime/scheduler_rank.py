@@ -163,8 +163,9 @@ class SchedulerRank:
                               "ended": "preempted" if preempted else "finished"}, finished=not preempted)
             if preempted:
                 mark_preempted(self.run_dir)
-        mine = RankStats(0, "scheduler", self.busy.busy, wall, {"events": self.events,
-                                                                "record_bytes": self.books.records.journal.bytes_written})
+        mine = RankStats(0, "scheduler", self.busy.busy, wall, {
+            "events": self.events, "record_bytes": self.books.records.journal.bytes_written,
+            "stages": {stage: {"busy_s": busy, "count": count} for stage, (busy, count) in self.busy.stages.items()}})
         summary = write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats + [mine], wall,
                                 self.rejected, self.startup_s, job_start=self.start, runs=earlier,
                                 preempted=preempted)

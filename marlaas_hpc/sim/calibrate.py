@@ -17,10 +17,10 @@ What each parameter is fitted from (spans are the BusyClock records every rank w
                                          of the first (warm-up) publishes
     network.adapter_bytes_per_rank       publish bytes / LoRA rank; message_latency: group end -> score start
     profiles[kind]                       prompt and completion lengths of each kind's groups (quantiles)
-    control.per_event, admit,            rank 0's busy spans (timeline/rank0.jsonl, role 'scheduler'): 'event'
+    control.per_event, admit,            rank 0's busy time per stage (summary.json 'scheduler_rank'): 'event'
       eval_result                        and 'status' time per event handled, 'admit' time per task submitted,
                                          'eval' time per eval result (totals over counts: the busy time is kept);
-                                         runs without rank 0's timeline (before issue 30) leave them at 0
+                                         runs from before issue 30 (no such figures) leave them at 0
 Assumed, not fitted (one TP size and no tool calls in these runs): trainer.tp_exponent, delta_bandwidth,
 prefill_per_token (folded into the step time), tool latencies.
 """
@@ -267,16 +267,22 @@ def _group_to_score_gaps(run: RunData) -> list[float]:
 
 
 def fit_control(runs: list[RunData]) -> ControlModel:
-    """Rank 0's time per thing it handles, from its BusyClock spans (merged spans count their `steps`). The
+    """Rank 0's time per thing it handles, from the exact busy time and count of each of its stages (summary.json
+    'scheduler_rank', its BusyClock; its merged timeline records also cover the gaps between events). The
     time-driven status.json rewrites are charged to the events, whose rate drives them in a busy job."""
-    def total(stage: str) -> tuple[float, int]:
-        spans = [r for run in runs for r in run.stage("scheduler", stage)]
-        return sum(r["end"] - r["start"] for r in spans), sum(r.get("steps", 1) for r in spans)
+    totals: dict[str, list[float]] = {}
+    for run in runs:
+        for stage, figures in (run.summary.get("scheduler_rank") or {}).get("stages", {}).items():
+            total = totals.setdefault(stage, [0.0, 0])
+            total[0] += figures["busy_s"]
+            total[1] += figures["count"]
 
-    (event_s, events), (status_s, _) = total("event"), total("status")
-    (admit_s, admits), (eval_s, evals) = total("admit"), total("eval")
-    return ControlModel(per_event=(event_s + status_s) / events if events else 0.0,
-                        admit=admit_s / admits if admits else 0.0, eval_result=eval_s / evals if evals else 0.0)
+    def per(stage: str, extra: float = 0.0) -> float:
+        busy, count = totals.get(stage, (0.0, 0))
+        return (busy + extra) / count if count else 0.0
+
+    return ControlModel(per_event=per("event", totals.get("status", (0.0, 0))[0]), admit=per("admit"),
+                        eval_result=per("eval"))
 
 
 def _quantiles(values: list[float]) -> Distribution:
