@@ -69,6 +69,8 @@ class SchedulerRank:
         self.books.records.open_run(self.start, startup_s)  # on record before anything can crash
         self.starting: deque = deque()
         """Start specs not submitted yet (`_start_specs`)."""
+        self.taken: deque = deque()
+        """Queue entries taken and checked, not submitted yet: (entry, spec or None, why refused or None)."""
         self.checkpoint_sent = False
         self.checkpointed: dict[str, int] | None = None
         self.intake = QueueIntake(job, self.run_dir)
@@ -214,17 +216,33 @@ class SchedulerRank:
         return self.checkpointed is not None
 
     def _poll_queue(self, force: bool = False) -> None:
-        """Takes specs and cancel requests from RUN_DIR/queue (`marlaas tasks add/cancel`), every 0.5 s."""
-        if self.scheduler.draining or not (self.intake.due() or force):
+        """Takes specs and cancel requests from RUN_DIR/queue (`marlaas tasks add/cancel`), every 0.5 s; the specs
+        taken are submitted one per call (one per turn of the loop, between events), and the queue is scanned
+        again once they all are (a spec stays pending until it is settled)."""
+        if self.scheduler.draining:
             return  # preempted: what is queued stays in the queue dir for the resumed job
-        taken = self.intake.take(self.scheduler.tasks)
-        for entry, spec, reason in taken:
-            if spec is not None:
-                self._execute(self.submit(spec, check_code=False))
-                reason = None if spec.task_id in self.scheduler.tasks else self.rejected.get(spec.task_id)
-            else:
-                self._refused_from_queue(entry, reason)
-            self.intake.settle(entry, reason, self.scheduler.tasks.get(spec.task_id) if spec else None, self.start)
+        if self.taken:
+            with self.busy.track("admit"):
+                self._settle_next()
+            return
+        if not (self.intake.due() or force):
+            return
+        with self.busy.track("intake"):
+            self._take()
+
+    def _settle_next(self) -> None:
+        entry, spec, reason = self.taken.popleft()
+        if spec is not None:
+            self._execute(self.submit(spec, check_code=False))
+            reason = None if spec.task_id in self.scheduler.tasks else self.rejected.get(spec.task_id)
+        else:
+            self._refused_from_queue(entry, reason)
+        self.intake.settle(entry, reason, self.scheduler.tasks.get(spec.task_id) if spec else None, self.start)
+
+    def _take(self) -> None:
+        self.taken.extend(self.intake.take(self.scheduler.tasks))
+        if self.taken:
+            self._settle_next()
         cancels = self.intake.cancels(self.scheduler.tasks)
         for task_id, refused in cancels:
             if refused is not None:
@@ -249,10 +267,10 @@ class SchedulerRank:
     def _serving(self) -> bool:
         """Every task has ended: a serving job (serve_idle_s) waits for more until closed or idle long enough."""
         self._poll_queue()
-        if not (self.scheduler.finished() and not self.pending_evals) or self.intake.keep_serving():
+        if self.taken or not (self.scheduler.finished() and not self.pending_evals) or self.intake.keep_serving():
             return True
         self._poll_queue(force=True)  # a last look: a spec that has just arrived keeps the job up
-        return not self.scheduler.finished()
+        return bool(self.taken) or not self.scheduler.finished()
 
     def _event(self, event) -> None:
         if isinstance(event, EvalDone):
