@@ -134,10 +134,9 @@ class SchedulerRank:
             if event is not None:
                 with self.busy.track("eval" if isinstance(event, EvalDone) else "event"):
                     self._event(event)
-            else:
-                self.books.tick(self.busy)
-                if not self.starting:
-                    time.sleep(0.002)
+            self.books.tick(self.busy)
+            if event is None and not self.starting and not self.taken:
+                time.sleep(0.002)
         self._finish_run()
         return self._end()
 
