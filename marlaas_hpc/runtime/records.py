@@ -165,7 +165,8 @@ REPLAY: dict[str, Callable[[dict, str, object], None]] = {
 
 def read_records(run_dir: Path, warn: Callable[[str], None] | None = None) -> dict | None:
     """Every key's newest valid record from the journal and its `.prev`, as the state dict (finished or not;
-    `records`: (kind, id) -> value of every key, in seq order); None if neither file exists. A damaged line is skipped (its key keeps its record before) with a warning."""
+    `records`: (kind, id) -> value of every key, in seq order); None if neither file exists. A damaged line
+    is skipped (its key keeps its record before) with a warning."""
     path = checkpoint_file(run_dir)
     newest: dict[tuple[str, str], dict] = {}
     problems, found = [], False

@@ -164,9 +164,9 @@ class SchedulerRank:
                               "ended": "preempted" if preempted else "finished"}, finished=not preempted)
             if preempted:
                 mark_preempted(self.run_dir)
+        stages = {stage: {"busy_s": busy, "count": count} for stage, (busy, count) in self.busy.stages.items()}
         mine = RankStats(0, "scheduler", self.busy.busy, wall, {
-            "events": self.events, "record_bytes": self.books.records.journal.bytes_written,
-            "stages": {stage: {"busy_s": busy, "count": count} for stage, (busy, count) in self.busy.stages.items()}})
+            "events": self.events, "record_bytes": self.books.records.journal.bytes_written, "stages": stages})
         summary = write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats + [mine], wall,
                                 self.rejected, self.startup_s, job_start=self.start, runs=earlier,
                                 preempted=preempted)
@@ -189,9 +189,10 @@ class SchedulerRank:
         if self.resume:
             self.evals = {(e["task_id"], e["when"]): list(e["scores"]) for e in self.resume["evals"]}
             self.rejected.update(self.resume["rejected"])
-            specs.extend((TaskSpec.from_dict(entry["spec"]), entry["saved"]) for entry in self.resume["tasks"].values())
+            saved = self.resume["tasks"]
+            specs.extend((TaskSpec.from_dict(entry["spec"]), entry["saved"]) for entry in saved.values())
             self.log(f"[job] resuming (run {len(self.runs) + 1}): " + ", ".join(
-                f"{t} {e['saved']['status']} v{e['saved']['version'] or 0}" for t, e in self.resume["tasks"].items()))
+                f"{t} {e['saved']['status']} v{e['saved']['version'] or 0}" for t, e in saved.items()))
         known = set(self.resume["tasks"]) if self.resume else set()
         specs.extend((spec, None) for spec in self.job.tasks if spec.task_id not in known)
         return specs
