@@ -144,8 +144,8 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_status(args) -> int:
-    """Per-task progress of a run dir (live while the job runs: rank 0 rewrites status.json each step), or of
-    a submitted Slurm job by id (with its Slurm state)."""
+    """Per-task progress of a run dir (live while the job runs: rank 0 rewrites status.json about once a
+    second), or of a submitted Slurm job by id (with its Slurm state)."""
     import json
     from pathlib import Path
 

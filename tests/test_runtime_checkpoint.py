@@ -2,6 +2,7 @@
 when damaged, rank 0's records and their fallback copy, and a resume's roll-back of the append-only outputs."""
 import errno
 import json
+import os
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.runtime.checkpoint import (KEEP_SHARDS, CheckpointConfig, CheckpointPolicy, CorruptCheckpoint,
                                             JobRecords, checkpoint_file, load_job_checkpoint, load_torch,
-                                            prune_shards, save_torch, trainer_shard_path)
+                                            prune_shards, read_records, save_torch, trainer_shard_path)
 from marlaas_hpc.runtime.faults import is_job_fault, is_peer_lost
 from marlaas_hpc.runtime.recovery import choose_resume_points, crashed_run, rollback_outputs
 from marlaas_hpc.scheduler.state import TaskState
@@ -97,27 +98,124 @@ def _task(task_id="add", version=0, **state):
     return task
 
 
-def test_records_keep_the_previous_save_and_a_readable_previous_file(tmp_path):
+def _records_with(tmp_path, tasks=("add",)):
     records = JobRecords(tmp_path)
-    task = _task(version=-1)
-    task.status = "queued"
-    records.submitted(task)
-    records.write({}, {})
-    task.status, task.version, task.next_prompt = "running", 4, 12
-    records.saved(task)
-    records.write({("add", "before"): [0.5]}, {"bad": "refused"})
-    state = load_job_checkpoint(tmp_path)
-    entry = state["tasks"]["add"]
-    assert entry["saved"]["version"] == 4 and entry["previous"]["version"] is None
-    assert state["evals"] == [{"task_id": "add", "when": "before", "scores": [0.5]}]
-    checkpoint_file(tmp_path).write_text('{"format": 2, "tasks": {')  # damaged (e.g. a full disk)
+    records.open_run(1000.0, 5.0)
+    for task_id in tasks:
+        task = _task(task_id, version=-1)
+        task.status = "queued"
+        records.submitted(task)
+    return records
+
+
+def _journal_lines(tmp_path) -> list[str]:
+    return checkpoint_file(tmp_path).read_text().splitlines(keepends=True)
+
+
+def test_records_append_one_line_per_change_whatever_the_number_of_tasks(tmp_path):
+    """A save, an end, an eval, a refusal: one line each, of a size that does not depend on how many tasks the
+    job has (the whole scheduler.json used to be rewritten on each); read back as the state in memory."""
+    appended = {}
+    for count in (2, 200):
+        run_dir = tmp_path / f"n{count}"
+        records = _records_with(run_dir, [f"t{i}" for i in range(count)])
+        before, lines = checkpoint_file(run_dir).stat().st_size, len(_journal_lines(run_dir))
+        task = _task("t1", version=4, next_prompt=12)
+        records.saved(task)
+        assert len(_journal_lines(run_dir)) == lines + 1
+        appended[count] = checkpoint_file(run_dir).stat().st_size - before
+    assert abs(appended[200] - appended[2]) < 16, appended  # the digits of seq and time differ, nothing else
+    records.ended(_done("t1", 6))
+    records.eval_done("t1", "before", [0.5, 1.0])
+    records.rejected("bad", "refused: dataset.kind")
+    assert len(_journal_lines(run_dir)) == lines + 4
+    state = load_job_checkpoint(run_dir)
+    assert state["tasks"] == json.loads(json.dumps(records.tasks)) and len(state["tasks"]) == 200
+    entry = state["tasks"]["t1"]
+    assert entry["saved"]["status"] == "done" and entry["saved"]["version"] == 6
+    assert entry["previous"]["version"] is None, "ended keeps the save before"
+    assert state["evals"] == [{"task_id": "t1", "when": "before", "scores": [0.5, 1.0]}]
+    assert state["rejected"] == {"bad": "refused: dataset.kind"}
+    assert state["current_run"] == {"started": 1000.0, "startup_s": 5.0} and state["runs"] == []
+
+
+def _done(task_id, version):
+    task = _task(task_id, version=version)
+    task.status = "done"
+    return task
+
+
+@pytest.mark.parametrize("damage", ["flip", "cut"])
+def test_a_damaged_or_cut_short_record_falls_back_to_that_key_s_record_before(tmp_path, damage):
+    records = _records_with(tmp_path, ["add", "sort"])
+    records.saved(_task("add", version=4))
+    records.saved(_task("sort", version=2))
+    records.saved(_task("add", version=6))
+    path = checkpoint_file(tmp_path)
+    data = path.read_bytes()
+    last = data.rindex(b"\n", 0, len(data) - 1) + 1  # add's v6 record: the last line
+    if damage == "flip":
+        middle = last + (len(data) - last) // 2
+        path.write_bytes(data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1:])
+    else:  # a crash in the middle of the write
+        path.write_bytes(data[:last + 40])
     warnings = []
-    older = load_job_checkpoint(tmp_path, warn=warnings.append)
-    assert older["tasks"]["add"]["saved"]["version"] is None
-    assert "unreadable" in warnings[0] and "scheduler.json.prev" in warnings[0]
-    records.current_run = None
-    records.write({}, {}, finished=True)
+    state = load_job_checkpoint(tmp_path, warn=warnings.append)
+    assert state["tasks"]["add"]["saved"]["version"] == 4 and state["tasks"]["add"]["previous"]["version"] is None
+    assert state["tasks"]["sort"]["saved"]["version"] == 2, "other tasks keep their newest record"
+    reason = "crc mismatch" if damage == "flip" else "cut short"
+    assert len(warnings) == 1 and "records.jsonl line" in warnings[0] and reason in warnings[0], warnings
+
+
+def test_compaction_keeps_each_key_s_newest_record_even_if_it_stops_between_its_renames(tmp_path, monkeypatch):
+    from marlaas_hpc.runtime import records as journal_module
+
+    monkeypatch.setattr(journal_module, "COMPACT_MIN", 8)
+    records = _records_with(tmp_path, ["add", "sort"])
+    compactions = 0
+    for version in range(1, 12):
+        records.saved(_task("add", version=version))
+        compactions += records.maybe_compact()
+    assert compactions >= 1
+    path = checkpoint_file(tmp_path)
+    keys = len(records.journal.latest)
+    assert len(_journal_lines(tmp_path)) <= max(8, 2 * keys), "appends since the compaction only"
+    state = load_job_checkpoint(tmp_path)
+    assert state["tasks"]["add"]["saved"]["version"] == 11 and state["tasks"]["add"]["previous"]["version"] == 10
+    assert state["tasks"]["sort"]["saved"]["version"] is None
+    # a crash between the two renames of a compaction: the journal is in .prev, the new file not in place
+    records.journal.compact()
+    os.replace(path, path.with_name(path.name + ".prev"))
+    assert load_job_checkpoint(tmp_path)["tasks"] == state["tasks"]
+
+
+def test_a_resume_reads_the_records_back_and_goes_on_from_them(tmp_path):
+    records = _records_with(tmp_path, ["add", "sort"])
+    records.saved(_task("add", version=4))
+    records.saved(_task("add", version=6))
+    state = load_job_checkpoint(tmp_path)
+    state["tasks"]["add"]["saved"], state["tasks"]["add"]["previous"] = state["tasks"]["add"]["previous"], None
+    resumed = JobRecords(tmp_path, state)  # as choose_resume_points leaves it: add falls back to v4
+    resumed.runs.append({"started": 1000.0, "ended": "crashed"})
+    resumed.open_run(2000.0, 4.0)
+    again = load_job_checkpoint(tmp_path)
+    assert again["tasks"]["add"]["saved"]["version"] == 4, "the fallback is on record at once"
+    assert again["runs"] == [{"started": 1000.0, "ended": "crashed"}] and again["current_run"]["started"] == 2000.0
+    resumed.saved(_task("add", version=5))
+    assert load_job_checkpoint(tmp_path)["tasks"]["add"]["saved"]["version"] == 5, "seq goes on past the old lines"
+    resumed.close_run({"started": 2000.0, "ended": "finished"}, finished=True)
     assert load_job_checkpoint(tmp_path) is None, "a finished job has nothing to resume"
+    assert [r["ended"] for r in read_records(tmp_path)["runs"]] == ["crashed", "finished"]
+
+
+def test_records_of_another_format_are_refused(tmp_path):
+    from marlaas_hpc.runtime.records import encode_line
+
+    path = checkpoint_file(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(encode_line(1, 0.0, "format", "records", 99))
+    with pytest.raises(ValueError, match="checkpoint format 99, this version reads 3"):
+        load_job_checkpoint(tmp_path)
 
 
 def _write_outputs(run_dir, rows_per_version=2):

@@ -151,7 +151,9 @@ def test_preemption_and_resume_with_two_groups(tmp_path, tiny_model_path):
     run_dir = tmp_path / "run"
     code, out = _preempt_after(config_path, run_dir, steps=2)
     assert code == 75, out[-3000:]
-    saved = json.loads((run_dir / "checkpoint" / "scheduler.json").read_text())
+    from marlaas_hpc.runtime.checkpoint import load_job_checkpoint
+
+    saved = load_job_checkpoint(run_dir)
     versions = {t: r["saved"]["version"] for t, r in saved["tasks"].items()}
     assert all(2 <= v < steps for v in versions.values()), versions
     groups = {t: r["saved"]["trainer_group"] for t, r in saved["tasks"].items()}

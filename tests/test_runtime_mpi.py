@@ -46,7 +46,7 @@ def test_two_tasks_with_different_bounds_end_to_end(tmp_path, tiny_model_path):
     tasks = summary["tasks"]
     assert {t: s["status"] for t, s in tasks.items()} == {"add": "done", "sort": "done"}
     assert summary["mode"] == "async" and summary["wall_time_s"] > 0
-    assert set(summary["busy_fraction"]) == {"env", "rollout", "trainer"}
+    assert set(summary["busy_fraction"]) == {"env", "rollout", "trainer", "scheduler"}
     bounds = {"add": 0, "sort": 2}
     audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
     for task_id, info in tasks.items():

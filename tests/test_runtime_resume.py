@@ -4,9 +4,11 @@ The proof is in the outputs: every version 1..total_steps is trained exactly onc
 the resumed adapter is the checkpointed one, and the staleness bound still holds for every trained sample."""
 import collections
 import json
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,27 +26,40 @@ def _marlaas(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _min_steps(run_dir: Path) -> int:
-    try:
-        tasks = json.loads((run_dir / "status.json").read_text())["tasks"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return 0
-    return min(t["steps_done"] for t in tasks.values())
+def _min_steps(lines: list[str], tasks: list[str]) -> int:
+    """The fewest steps any task has made, from rank 0's progress lines ("[add] v3/14 reward ..."): printed as
+    each step lands, where status.json is rewritten at most once a second."""
+    steps = {task: 0 for task in tasks}
+    for line in list(lines):
+        match = re.match(r"\[([^\]]+)\] v(\d+)/", line)
+        if match and match.group(1) in steps:
+            steps[match.group(1)] = max(steps[match.group(1)], int(match.group(2)))
+    return min(steps.values())
 
 
 def _preempt_after(config_path: Path, run_dir: Path, steps: int, timeout_s: float = 400):
     """Starts the job, sends USR2 once every task has `steps` steps, returns the finished process."""
+    tasks = [task["task_id"] for task in yaml.safe_load(config_path.read_text())["tasks"]]
     proc = subprocess.Popen([sys.executable, "-m", "marlaas_hpc.cli", "run", str(config_path), "--run-dir",
                              str(run_dir)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
+    lines: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     deadline = time.monotonic() + timeout_s
-    while _min_steps(run_dir) < steps:
-        assert proc.poll() is None, f"job ended before the preemption:\n{proc.stdout.read()[-3000:]}"
+    while _min_steps(lines, tasks) < steps:
+        assert proc.poll() is None, "job ended before the preemption:\n" + "\n".join(lines[-60:])
         assert time.monotonic() < deadline, "job too slow to reach the preemption point"
-        time.sleep(0.3)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGUSR2)  # `marlaas run` supervises mpirun and passes USR2 on
-    out, _ = proc.communicate(timeout=timeout_s)
-    return proc.returncode, out
+    proc.wait(timeout=timeout_s)
+    reader.join(timeout=30)
+    return proc.returncode, "\n".join(lines)
 
 
 def test_usr2_checkpoints_and_resume_trains_every_version_once(tmp_path):
@@ -61,7 +76,9 @@ def test_usr2_checkpoints_and_resume_trains_every_version_once(tmp_path):
     assert "[job] preempted: every task checkpointed" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["preempted"] is True
-    saved = json.loads((run_dir / "checkpoint" / "scheduler.json").read_text())
+    from marlaas_hpc.runtime.checkpoint import load_job_checkpoint
+
+    saved = load_job_checkpoint(run_dir)
     versions = {t: r["saved"]["version"] for t, r in saved["tasks"].items()}
     assert all(3 <= v < STEPS for v in versions.values()), versions
     tenants = {t["task_id"]: t["tenant"] for t in config["tasks"]}

@@ -12,7 +12,7 @@ from marlaas_hpc.sim.calibrate import calibrate, compare
 from marlaas_hpc.sim.engine import Simulation
 from marlaas_hpc.sim.report import staleness_violations
 from marlaas_hpc.sim.setup import copies_to, setup_from_job
-from marlaas_hpc.sim.workload import load_workload, workload_from_dict
+from marlaas_hpc.sim.workload import ControlModel, load_workload, workload_from_dict
 from marlaas_hpc.tasks.spec import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +141,37 @@ def test_multi_turn_episodes_take_tool_time():
     assert slow > fast + 6 * 2 * 0.2  # at least two tool calls per step on the critical path
 
 
+def _with_control(**costs):
+    """The tiny-cpu workload with rank 0's costs replaced (the ones not given: 0)."""
+    return dataclasses.replace(load_workload(ROOT / "configs/workloads/tiny-cpu.yaml"), control=ControlModel(**costs))
+
+
+def test_rank0_is_charged_for_each_event_submission_and_eval_result():
+    """Rank 0 handles one thing at a time (the workload's `control`): its busy time is exactly what it was charged,
+    and what waits for it delays the job. Before, the simulator's rank 0 cost nothing, so its figures at 1024
+    tasks were ones the runtime could not reach."""
+    _, free = simulate(n_tasks=16, workload=_with_control())
+    costs = {"per_event": 0.004, "admit": 0.010, "eval_result": 0.001}
+    sim, charged = simulate(n_tasks=16, workload=_with_control(**costs))
+    evals = 2 * sum(t.dataset.eval_size for t in sim.setup.tasks)
+    busy = costs["per_event"] * (charged.scheduler_events - 16) + costs["admit"] * 16 + costs["eval_result"] * evals
+    assert charged.busy_fraction["scheduler"] * charged.end_time == pytest.approx(busy, rel=1e-9)
+    assert free.busy_fraction["scheduler"] == 0.0 and charged.end_time > free.end_time
+    assert set(charged.ended.values()) == {"done"} and not staleness_violations(sim)
+    _, saturated = simulate(n_tasks=16, workload=_with_control(per_event=0.05))
+    assert saturated.end_time >= 0.05 * saturated.scheduler_events, "a slow rank 0 sets the pace"
+    assert saturated.busy_fraction["scheduler"] > 0.9
+
+
+def test_rank0_admits_a_thousand_tasks_between_events():
+    """The runtime's rank 0 submits its starting tasks one per loop turn, between events: the first tasks train
+    while the last are still being admitted, so the first step does not wait for every admission."""
+    sim, outcome = simulate(n_tasks=256, workload=_with_control(admit=0.02, per_event=0.0005), rollout_ranks=4)
+    first_step = min(t.step_times[0] for t in sim.scheduler.tasks.values() if t.step_times)
+    assert first_step < 0.5 * 256 * 0.02, "the first step came long before the last admission"
+    assert set(outcome.ended.values()) == {"done"}
+
+
 def test_async_beats_sync_and_sequential_at_scale():
     ends = {mode: simulate(mode=mode, n_tasks=32, rollout_ranks=4)[1].end_time for mode in MODES}
     assert ends["async"] < ends["sync"] < ends["sequential"], ends
@@ -165,6 +196,22 @@ def test_calibrated_simulation_predicts_the_measured_runs():
     assert not failures, failures
 
 
+def test_rank0_is_calibrated_from_a_measured_run_and_charged_as_measured():
+    """Fitted on a real 32-task run (tests/fixtures/control/n32: rank 0's busy seconds and count per stage in
+    summary.json, every rank's timeline), the simulated rank 0 spends the busy seconds the real one did (within
+    10%: the simulation's event count is the runtime's). Runs from before rank 0 kept these figures leave the
+    control plane free."""
+    run = ROOT / "tests" / "fixtures" / "control" / "n32"
+    workload = calibrate([run])
+    control = workload.control
+    assert control.per_event > 0 and control.admit > 0 and control.eval_result > 0
+    figures = compare(run, workload)
+    (simulated, measured, _), (sim_e2e, real_e2e, _) = figures["busy_scheduler"], figures["e2e_s"]
+    print(f"rank 0 busy: simulated {simulated * sim_e2e:.3f} s, measured {measured * real_e2e:.3f} s")
+    assert simulated * sim_e2e == pytest.approx(measured * real_e2e, rel=0.1)
+    assert calibrate(sorted((FIXTURES / "async").glob("run*"))).control.free()
+
+
 def test_one_mode_predicts_the_others():
     """Calibrated on the async runs only, the simulation still orders the modes as measured."""
     runs = {mode: sorted((FIXTURES / mode).glob("run*")) for mode in MODES}
@@ -178,6 +225,7 @@ def test_one_mode_predicts_the_others():
 
 def test_fixture_is_small():
     assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 1_000_000
+    assert sum(p.stat().st_size for p in (FIXTURES.parent / "control").rglob("*") if p.is_file()) < 200_000
 
 
 def test_simulate_command_writes_summary_and_audit(tmp_path, capsys):

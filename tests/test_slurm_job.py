@@ -133,7 +133,9 @@ def test_usr2_requeues_and_resumes_without_lost_or_repeated_steps(cluster, tmp_p
             break
     assert states == ["COMPLETED"] * 4
     round_trip = time.monotonic() - t0
-    checkpoint = json.loads((run_dir / "checkpoint" / "scheduler.json").read_text())
+    from marlaas_hpc.runtime.checkpoint import read_records
+
+    checkpoint = read_records(run_dir)
     assert [run["ended"] for run in checkpoint["runs"]] == ["preempted", "finished"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["preempted"] is False and len(summary["previous_runs"]) == 1

@@ -10,8 +10,9 @@
     comm.py            poll, Outbox (non-blocking sends), BusyClock and the per-rank timeline
     delta.py           DeltaChannel: a trainer leader's broadcast group to the rollout ranks (NCCL or gloo)
     delta_fanin.py     DeltaFanIn: a rollout rank's view of every leader's broadcasts
-    checkpoint.py      periodic and preemption checkpoints, CheckpointPolicy, JobRecords, PreemptFlag
+    checkpoint.py      periodic and preemption checkpoints, CheckpointPolicy, shards, PreemptFlag
+    records.py         rank 0's records: an append-only journal of keyed records (JobRecords, read_records)
     recovery.py        resume points (shard digests checked on every trainer rank), output rollback
     faults.py          a task's fault or the job's (peer lost, storage)
-    outputs.py         audit.jsonl, status.json, summary.json
+    outputs.py         RunBooks (rank 0's writes per event: records, audit.jsonl, status.json), summary.json
 """

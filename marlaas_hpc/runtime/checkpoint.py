@@ -5,14 +5,15 @@ Periodic (`CheckpointConfig`, job config `checkpoint:`). After a task's step to 
 steps or `every_minutes` have passed since its last save, every TP rank saves that task's shard (adapter,
 optimizer state, version) to `tasks/<tenant>/<task>/checkpoint/tp<r>-v<version>.pt` with a sha256 sidecar, and
 the trainer leader tells rank 0 (`TaskSaved`, sent just before the task's StepDone of v). Handling that StepDone,
-rank 0 records the task's scheduler state at v in `checkpoint/scheduler.json` before it issues anything that
-depends on v. Other tasks never wait: only the task's own step pays the save. A rank that dies therefore costs
-each task at most one interval of steps.
+rank 0 appends the task's record (its scheduler state at v) to its journal, `checkpoint/records.jsonl`, before
+it issues anything that depends on v. Other tasks never wait: only the task's own step pays the save, and the
+record is one line whatever the number of tasks. A rank that dies therefore costs each task at most one
+interval of steps.
 
-scheduler.json (atomic rename; the file it replaces is kept as scheduler.json.prev) holds per task `saved` (the
-scheduler state at its newest checkpoint, or at submission) and `previous` (at the checkpoint before, used when
-a shard of the newest is missing or corrupt), plus the evals, refused specs and the history of runs. Trainer
-ranks keep the newest KEEP_SHARDS shards of each task, so both records' shards exist.
+The journal (runtime/records.py: format, compaction, damaged lines) holds per task `saved` (the scheduler state
+at its newest checkpoint, or at submission) and `previous` (at the checkpoint before, used when a shard of the
+newest is missing or corrupt), plus the evals, refused specs and the history of runs. Trainer ranks keep the
+newest KEEP_SHARDS shards of each task, so both records' shards exist.
 
 Preemption (SIGUSR2: Slurm's `--signal=USR2@lead`, `scancel --signal=USR2`, or mpirun forwarding it) sets a
 flag on every rank; only rank 0 acts on it:
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import re
 import signal
@@ -42,9 +42,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from marlaas_hpc.rundir import CheckpointConfig, atomic_write_text
+from marlaas_hpc.rundir import CheckpointConfig
+from marlaas_hpc.runtime.records import JobRecords, checkpoint_file, load_job_checkpoint, read_records  # noqa: F401
 
-FORMAT = 2
 KEEP_SHARDS = 3
 """Shards kept per task and TP rank: the newest two records' shards must exist while rank 0 may still be one
 save behind the trainer (it records a save when it handles the StepDone that follows it)."""
@@ -88,10 +88,6 @@ class CheckpointPolicy:
 
 
 # ---- files ----
-def checkpoint_file(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoint" / "scheduler.json"
-
-
 def requeue_marker(run_dir: Path) -> Path:
     """Left by rank 0 when the job stopped at a checkpoint (the plain sbatch script requeues on it);
     removed when a run resumes."""
@@ -178,67 +174,6 @@ def prune_shards(folder: Path, tp_rank: int, newest: int | None) -> None:
         if version not in keep:
             path.unlink(missing_ok=True)
             _digest_path(path).unlink(missing_ok=True)
-
-
-# ---- rank 0's records ----
-class JobRecords:
-    """Rank 0's book of what a resume restarts from (checkpoint/scheduler.json), updated as things happen:
-    a task submitted, saved, ended; an eval done; a spec refused."""
-
-    def __init__(self, run_dir: Path, resume: dict | None = None):
-        self.run_dir = Path(run_dir)
-        self.tasks: dict[str, dict] = dict(resume["tasks"]) if resume else {}
-        self.runs: list[dict] = list(resume["runs"]) if resume else []
-        """Earlier runs of this job (each ended by a preemption or a crash), oldest first."""
-        self.current_run: dict | None = None
-
-    def submitted(self, task) -> None:
-        if task.task_id not in self.tasks:
-            self.tasks[task.task_id] = {"spec": task.spec.to_dict(), "saved": task.checkpoint(), "previous": None}
-
-    def saved(self, task) -> None:
-        """The task's shards at its current version are on disk (every TP rank)."""
-        entry = self.tasks[task.task_id]
-        entry["previous"], entry["saved"] = entry["saved"], task.checkpoint()
-
-    def ended(self, task) -> None:
-        self.tasks[task.task_id]["saved"] = task.checkpoint()
-
-    def write(self, evals: dict, rejected: dict, finished: bool = False) -> Path:
-        state = {"format": FORMAT, "saved_at": time.time(), "finished": finished, "runs": self.runs,
-                 "current_run": self.current_run, "tasks": self.tasks,
-                 "evals": [{"task_id": t, "when": w, "scores": s} for (t, w), s in evals.items()],
-                 "rejected": rejected}
-        path = checkpoint_file(self.run_dir)
-        if path.exists():
-            os.replace(path, path.with_name(path.name + ".prev"))
-        atomic_write_text(path, json.dumps(state, indent=1) + "\n")
-        return path
-
-
-def load_job_checkpoint(run_dir: Path, warn: Callable[[str], None] | None = None) -> dict | None:
-    """The state a resume starts from: scheduler.json, or scheduler.json.prev when the newest is missing or
-    unreadable (a crash between the two renames of a write, or a damaged file). None: nothing to resume (no
-    checkpoint, or the job finished)."""
-    path = checkpoint_file(run_dir)
-    problems = []
-    for candidate in (path, path.with_name(path.name + ".prev")):
-        if not candidate.is_file():
-            continue
-        try:
-            state = json.loads(candidate.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            problems.append(f"{candidate} is unreadable ({exc})")
-            continue
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise ValueError(f"{candidate}: checkpoint format {state.get('format') if isinstance(state, dict) else '?'}"
-                             f", this version reads {FORMAT}")
-        if problems and warn:
-            warn(f"{problems[0]}: resuming from {candidate.name}")
-        return None if state.get("finished") else state
-    if problems:
-        raise ValueError("; ".join(problems))
-    return None
 
 
 def mark_preempted(run_dir: Path) -> None:

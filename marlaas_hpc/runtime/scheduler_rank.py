@@ -1,21 +1,24 @@
 """World rank 0: the Scheduler state machine behind a thin MPI loop. It owns the task data (prompts go out
-with Generate commands), routes commands, prints progress, runs evals and writes the job's outputs: the audit as
-steps land, the checkpoint records as tasks are submitted, saved and ended (runtime/checkpoint.py), status.json,
-and summary.json at the end."""
+with Generate commands), routes commands, prints progress, runs evals and writes the job's outputs through its
+RunBooks (runtime/outputs.py): the audit as steps land, the records a resume starts from as tasks are submitted,
+saved and ended (runtime/records.py), status.json about once a second, and summary.json at the end. Its work per
+event does not grow with the number of tasks; its own BusyClock (timeline/rank0.jsonl, summary.json's
+busy_fraction 'scheduler') shows where its time goes."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from pathlib import Path
 
 from marlaas_hpc.env.protocol import first_prompt, is_multi_turn
 from marlaas_hpc.env.tenant_code import check_reward_code
 from marlaas_hpc.launch.layout import trainer_group_ranks
 from marlaas_hpc.model import TextCodec
-from marlaas_hpc.runtime.checkpoint import JobRecords, PreemptFlag, mark_preempted
-from marlaas_hpc.runtime.comm import Outbox, poll
+from marlaas_hpc.runtime.checkpoint import PreemptFlag, mark_preempted
+from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, CheckpointDone, EngineRestarted, EvalDone,
                                           GenerateWork, PromptGroup, RankStats, Shutdown, TaskSaved)
-from marlaas_hpc.runtime.outputs import AuditLog, write_status, write_summary
+from marlaas_hpc.runtime.outputs import RunBooks, write_summary
 from marlaas_hpc.runtime.recovery import crashed_run, rollback_outputs
 from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, Scheduler, StepDone,
                                    Submit, TaskEnded, Train)
@@ -31,6 +34,11 @@ class SchedulerRank:
         self.run_dir, self.log = Path(run_dir), log
         self.outbox = Outbox(comm)
         self.start = time.time()
+        self.busy = BusyClock()
+        """Rank 0's own busy time: 'event' (a scheduler event handled, its commands out), 'eval' (an eval
+        result), 'admit' (a task's data loaded and submitted), 'intake', 'status', 'end'."""
+        self.events = 0
+        """Scheduler events handled (what the simulator charges rank 0 for)."""
         self.startup_s = startup_s
         self.scheduler = Scheduler(job.scheduler_config(roles["rollout"], roles["env"]), clock=time.time)
         self.leaders = [ranks[0] for ranks in trainer_group_ranks(job.layout)]
@@ -43,32 +51,34 @@ class SchedulerRank:
         self.rejected: dict[str, str] = {}
         self.evals: dict[tuple[str, str], list[float]] = {}
         self.pending_evals: dict[tuple[str, str], int] = {}
+        self.base_evals_due: set[str] = set()
+        """Admitted tasks whose base-model eval goes out with their first Generate: sent at admission, a thousand
+        tasks' evals stood in the rollout queue before any task's first groups."""
         self.stats: list[RankStats] = []
         self._eval_turn = 0
         self.preempt = preempt or PreemptFlag()
         self.resume = resume
-        self.records = JobRecords(self.run_dir, resume)
+        if resume:
+            # before the audit is opened for appending: steps after a task's checkpoint are trained again
+            self.scheduler.audit.extend(rollback_outputs(self.run_dir, resume))
+        self.books = RunBooks(self.run_dir, job, self.scheduler, resume, self.start)
         if resume:
             crashed = crashed_run(resume, self.run_dir)
             if crashed:
-                self.records.runs.append(crashed)
-            # before the audit is opened for appending: steps after a task's checkpoint are trained again
-            self.scheduler.audit.extend(rollback_outputs(self.run_dir, resume))
-        self.records.current_run = {"started": self.start, "startup_s": startup_s}
-        self.audit_log = AuditLog(self.run_dir, fresh=resume is None)
-        self.audit_log.written = len(self.scheduler.audit)
-        self.pending_saves: dict[str, int] = {}
-        """task -> version the trainer saved and whose StepDone has not arrived yet (TaskSaved precedes it)."""
+                self.books.records.runs.append(crashed)
+        self.books.records.open_run(self.start, startup_s)  # on record before anything can crash
+        self.starting: deque = deque()
+        """Start specs not submitted yet (`_start_specs`)."""
+        self.taken: deque = deque()
+        """Queue entries taken and checked, not submitted yet: (entry, spec or None, why refused or None)."""
         self.checkpoint_sent = False
         self.checkpointed: dict[str, int] | None = None
         self.intake = QueueIntake(job, self.run_dir)
-        self.starting = True
-        """Submitting the start's tasks: their records are written once, when all are in."""
 
     @property
     def runs(self) -> list[dict]:
         """Earlier runs of this job (each ended by a preemption or a crash), oldest first."""
-        return self.records.runs
+        return self.books.records.runs
 
     # ---- intake ----
     def submit(self, spec, resume: dict | None = None, check_code: bool = True) -> list:
@@ -85,10 +95,14 @@ class SchedulerRank:
                 check_reward_code(spec.dataset, self.job.sandbox)  # loads in a sandboxed worker, never here
             return self._handle(Submit(spec, resume))
         except (SpecError, ValueError) as exc:
-            self.rejected[spec.task_id] = str(exc)
+            self._refused(spec.task_id, str(exc))
             self.log(f"[intake] task {spec.task_id!r} refused: {exc}")
-            self._write_records()
             return []
+
+    def _refused(self, key: str, reason: str) -> None:
+        """A spec refused: listed in summary.json's 'rejected', and on record (a resume does not take it)."""
+        self.rejected[key] = reason
+        self.books.records.rejected(key, reason)
 
     def _codec_for(self, spec):
         """The codec of the spec's prompt format; a chat task on a tokenizer without a template is refused."""
@@ -98,42 +112,36 @@ class SchedulerRank:
             raise SpecError("prompt.format", f"{exc} ({self.job.model})") from None
 
     def _handle(self, event) -> list:
-        """The scheduler's handling of an event, and what it changes in the run dir: a submitted, saved or
-        ended task's record (written before any command that depends on it goes out), the audit."""
+        """The scheduler's handling of an event, and what it changes in the run dir (RunBooks.handled: records
+        written before any command that depends on them goes out)."""
         commands = self.scheduler.handle(event)
-        changed = isinstance(event, Submit) and event.spec.task_id in self.scheduler.tasks
-        if changed:
-            self.records.submitted(self.scheduler.tasks[event.spec.task_id])
-        if isinstance(event, StepDone):
-            if self.pending_saves.get(event.task_id) == event.version:
-                del self.pending_saves[event.task_id]
-                self.records.saved(self.scheduler.tasks[event.task_id])
-                changed = True
-            self.audit_log.extend(self.scheduler)
-        for command in commands:
-            if isinstance(command, TaskEnded):
-                self.records.ended(self.scheduler.tasks[command.task_id])
-                changed = True
-        if changed and not self.starting:
-            self._write_records()
+        self.events += 1
+        self.books.handled(event, commands)
         return commands
-
-    def _write_records(self, finished: bool = False) -> None:
-        self.records.write(self.evals, self.rejected, finished)
 
     # ---- loop ----
     def run(self) -> dict:
-        self._submit_all()
-        while not (self.scheduler.finished() and not self.pending_evals) or self._serving():
+        """The loop: one start spec submitted (while any is left), one event handled, status.json when due."""
+        self.starting = self._start_specs()
+        while self.starting or not (self.scheduler.finished() and not self.pending_evals) or self._serving():
             if self._preemption_done():
                 break
             self.outbox.progress()
             self._poll_queue()
+            if self.starting:
+                self._submit_next()
             event, _ = poll(self.comm, TAG_EVENT)
-            if event is None:
+            if event is not None:
+                with self.busy.track("eval" if isinstance(event, EvalDone) else "event"):
+                    self._event(event)
+            self.books.tick(self.busy)
+            if event is None and not self.starting and not self.taken:
                 time.sleep(0.002)
-                continue
-            self._event(event)
+        self._finish_run()
+        return self._end()
+
+    def _finish_run(self) -> None:
+        """Every worker shut down, its RankStats in."""
         for rank in range(1, self.comm.Get_size()):
             self.outbox.send(Shutdown(), rank, TAG_CMD)
         workers = self.comm.Get_size() - 1 - len(self.roles["trainer"]) + len(self.leaders)  # one per trainer group
@@ -144,19 +152,25 @@ class SchedulerRank:
             elif event is None:
                 time.sleep(0.005)
         self.outbox.flush()
+
+    def _end(self) -> dict:
+        """The run's outputs, once each: records (one compaction), audit, status.json, summary.json, rank 0's
+        timeline."""
         wall = time.time() - self.start
-        self.audit_log.extend(self.scheduler)
-        self.audit_log.close()
         preempted = self.checkpointed is not None
         earlier = list(self.runs)
-        self.records.current_run = None
-        self.runs.append({"started": self.start, "wall_time_s": wall, "startup_s": self.startup_s,
-                          "ended": "preempted" if preempted else "finished"})
-        self._write_records(finished=not preempted)
-        if preempted:
-            mark_preempted(self.run_dir)
-        summary = write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats, wall, self.rejected,
-                                self.startup_s, job_start=self.start, runs=earlier, preempted=preempted)
+        with self.busy.track("end"):
+            self.books.close({"started": self.start, "wall_time_s": wall, "startup_s": self.startup_s,
+                              "ended": "preempted" if preempted else "finished"}, finished=not preempted)
+            if preempted:
+                mark_preempted(self.run_dir)
+        stages = {stage: {"busy_s": busy, "count": count} for stage, (busy, count) in self.busy.stages.items()}
+        mine = RankStats(0, "scheduler", self.busy.busy, wall, {
+            "events": self.events, "record_bytes": self.books.records.journal.bytes_written, "stages": stages})
+        summary = write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats + [mine], wall,
+                                self.rejected, self.startup_s, job_start=self.start, runs=earlier,
+                                preempted=preempted)
+        write_timeline(self.run_dir, 0, "scheduler", self.busy)
         if preempted:
             versions = {t: max(s.version, 0) for t, s in self.scheduler.tasks.items()}
             self.log(f"[job] preempted: every task checkpointed at {versions}; resume with "
@@ -164,26 +178,29 @@ class SchedulerRank:
         return summary
 
     # ---- start and preemption ----
-    def _submit_all(self) -> None:
-        """Fresh start: the config's tasks. Resume: every checkpointed task at its saved state, the audit and
-        evals so far, then any config task the checkpoint does not know."""
-        known = set()
-        if self.resume:
-            from marlaas_hpc.tasks import TaskSpec
+    def _start_specs(self) -> deque:
+        """What the run starts with, (spec, saved record or None) in submission order. Fresh start: the config's
+        tasks. Resume: every checkpointed task at its saved state (the audit and evals so far are taken now),
+        then any config task the checkpoint does not know. The loop submits them one at a time between events,
+        so that a thousand tasks' v0 adapters, evals and first rollouts flow while the rest are being admitted."""
+        from marlaas_hpc.tasks import TaskSpec
 
+        specs: deque = deque()
+        if self.resume:
             self.evals = {(e["task_id"], e["when"]): list(e["scores"]) for e in self.resume["evals"]}
             self.rejected.update(self.resume["rejected"])
-            for task_id, entry in self.resume["tasks"].items():
-                known.add(task_id)
-                self._execute(self.submit(TaskSpec.from_dict(entry["spec"]), resume=entry["saved"]))
+            saved = self.resume["tasks"]
+            specs.extend((TaskSpec.from_dict(entry["spec"]), entry["saved"]) for entry in saved.values())
             self.log(f"[job] resuming (run {len(self.runs) + 1}): " + ", ".join(
-                f"{t} {s.status} v{s.resume_version if s.resume_version is not None else max(s.version, 0)}"
-                for t, s in self.scheduler.tasks.items()))
-        for spec in self.job.tasks:
-            if spec.task_id not in known:
-                self._execute(self.submit(spec))
-        self.starting = False
-        self._write_records()  # this run's start is on record, even if no task changes before a crash
+                f"{t} {e['saved']['status']} v{e['saved']['version'] or 0}" for t, e in saved.items()))
+        known = set(self.resume["tasks"]) if self.resume else set()
+        specs.extend((spec, None) for spec in self.job.tasks if spec.task_id not in known)
+        return specs
+
+    def _submit_next(self) -> None:
+        spec, saved = self.starting.popleft()
+        with self.busy.track("admit"):
+            self._execute(self.submit(spec, resume=saved))
 
     def _preemption_done(self) -> bool:
         """Drives the drain once USR2 arrived: True when every task is checkpointed and the job may stop."""
@@ -199,17 +216,33 @@ class SchedulerRank:
         return self.checkpointed is not None
 
     def _poll_queue(self, force: bool = False) -> None:
-        """Takes specs and cancel requests from RUN_DIR/queue (`marlaas tasks add/cancel`), every 0.5 s."""
-        if self.scheduler.draining or not (self.intake.due() or force):
+        """Takes specs and cancel requests from RUN_DIR/queue (`marlaas tasks add/cancel`), every 0.5 s; the specs
+        taken are submitted one per call (one per turn of the loop, between events), and the queue is scanned
+        again once they all are (a spec stays pending until it is settled)."""
+        if self.scheduler.draining:
             return  # preempted: what is queued stays in the queue dir for the resumed job
-        taken = self.intake.take(self.scheduler.tasks)
-        for entry, spec, reason in taken:
-            if spec is not None:
-                self._execute(self.submit(spec, check_code=False))
-                reason = None if spec.task_id in self.scheduler.tasks else self.rejected.get(spec.task_id)
-            else:
-                self._refused_from_queue(entry, reason)
-            self.intake.settle(entry, reason, self.scheduler.tasks.get(spec.task_id) if spec else None, self.start)
+        if self.taken:
+            with self.busy.track("admit"):
+                self._settle_next()
+            return
+        if not (self.intake.due() or force):
+            return
+        with self.busy.track("intake"):
+            self._take()
+
+    def _settle_next(self) -> None:
+        entry, spec, reason = self.taken.popleft()
+        if spec is not None:
+            self._execute(self.submit(spec, check_code=False))
+            reason = None if spec.task_id in self.scheduler.tasks else self.rejected.get(spec.task_id)
+        else:
+            self._refused_from_queue(entry, reason)
+        self.intake.settle(entry, reason, self.scheduler.tasks.get(spec.task_id) if spec else None, self.start)
+
+    def _take(self) -> None:
+        self.taken.extend(self.intake.take(self.scheduler.tasks))
+        if self.taken:
+            self._settle_next()
         cancels = self.intake.cancels(self.scheduler.tasks)
         for task_id, refused in cancels:
             if refused is not None:
@@ -220,8 +253,6 @@ class SchedulerRank:
                 continue
             self.log(f"[intake] cancel {task_id!r} requested")
             self._execute(self._handle(Cancel(task_id)))
-        if taken or cancels:
-            write_status(self.run_dir, self.job, self.scheduler, time.time() - self.start)
 
     def _refused_from_queue(self, entry, reason: str) -> None:
         """Listed in summary.json's 'rejected' like a refused config task (by the queue file's name if its task
@@ -230,16 +261,16 @@ class SchedulerRank:
         task_id = spec.get("task_id") if isinstance(spec, dict) else None
         key = task_id if isinstance(task_id, str) and task_id not in self.scheduler.tasks \
             and task_id not in self.rejected else entry.name
-        self.rejected[key] = reason
+        self._refused(key, reason)
         self.log(f"[intake] {entry.name} refused: {reason}")
 
     def _serving(self) -> bool:
         """Every task has ended: a serving job (serve_idle_s) waits for more until closed or idle long enough."""
         self._poll_queue()
-        if not (self.scheduler.finished() and not self.pending_evals) or self.intake.keep_serving():
+        if self.taken or not (self.scheduler.finished() and not self.pending_evals) or self.intake.keep_serving():
             return True
         self._poll_queue(force=True)  # a last look: a spec that has just arrived keeps the job up
-        return not self.scheduler.finished()
+        return bool(self.taken) or not self.scheduler.finished()
 
     def _event(self, event) -> None:
         if isinstance(event, EvalDone):
@@ -252,7 +283,7 @@ class SchedulerRank:
                 del self.pending_evals[key]
                 scores = self.evals[key]
                 self.log(f"[{event.task_id}] eval {key[1]}: greedy accuracy {sum(scores) / len(scores):.3f}")
-                self._write_records()
+                self.books.records.eval_done(event.task_id, key[1], scores)
             return
         if isinstance(event, RankStats):
             self.stats.append(event)
@@ -261,15 +292,13 @@ class SchedulerRank:
             self._checkpoint_done(event)
             return
         if isinstance(event, TaskSaved):
-            self.pending_saves[event.task_id] = event.version
+            self.books.task_saved(event.task_id, event.version)
             return
         if isinstance(event, EngineRestarted):
             self.log(f"[job] rollout rank {event.rank}: engine error ({event.cause}); engine restarted "
                      f"(restart {event.restarts}), {event.requests} requests re-issued")
             return
         commands = self._handle(event)
-        if isinstance(event, StepDone) or any(isinstance(c, TaskEnded) for c in commands):
-            write_status(self.run_dir, self.job, self.scheduler, time.time() - self.start)
         if isinstance(event, StepDone) and event.metrics:  # a trained step (not an admission)
             task = self.scheduler.tasks[event.task_id]
             self.log(f"[{event.task_id}] v{event.version}/{task.spec.total_steps} reward "
@@ -283,7 +312,7 @@ class SchedulerRank:
             ours = self.scheduler.tasks[task_id].version
             if ours != version:
                 raise RuntimeError(f"checkpoint of {task_id}: trainer saved v{version}, scheduler is at v{ours}")
-            self.records.saved(self.scheduler.tasks[task_id])
+            self.books.records.saved(self.scheduler.tasks[task_id])
         self.checkpoints.update(event.versions)
         self.checkpoint_answers += 1
         if self.checkpoint_answers == len(self.leaders):  # every trainer group has saved its tasks
@@ -300,9 +329,12 @@ class SchedulerRank:
                 for rank in self.roles["env"] + [self.leaders[command.trainer_group]]:
                     self.outbox.send(command, rank, TAG_CMD)
                 if (command.spec.task_id, "before") not in self.evals:  # a resumed task has its base eval
-                    self._eval(command.spec.task_id, None)
+                    self.base_evals_due.add(command.spec.task_id)
             elif isinstance(command, Generate):
                 self.outbox.send(self._work(command), command.rollout_rank, TAG_CMD)
+                if command.task_id in self.base_evals_due:  # after the task's first groups, not before
+                    self.base_evals_due.discard(command.task_id)
+                    self._eval(command.task_id, None)
             elif isinstance(command, Train):
                 self.outbox.send(command, self.leaders[command.trainer_group], TAG_CMD)
             elif isinstance(command, Discard):

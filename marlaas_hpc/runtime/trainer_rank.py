@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import deque
 from pathlib import Path
 
 from marlaas_hpc.rundir import adapter_dir, task_dir
@@ -79,6 +80,9 @@ class TrainerRank:
         self.buffer: dict[str, list] = {}
         self.discarded: set[str] = set()
         self.orders: list[Train] = []
+        self.admits: deque[Admit] = deque()
+        """Leader only: admissions not run yet. One runs per turn of the loop, between fused steps: a thousand
+        tasks admitted together used to hold every ready step back until the last adapter was created."""
         self.clock = BusyClock()
         self.outbox = Outbox(comm)
         self.tensorboard = TensorBoardSink()
@@ -251,8 +255,9 @@ class TrainerRank:
                     self.outbox.send(scored, owner, TAG_DATA)
                 else:
                     self.buffer[scored.group_id] = scored.trajectories
+            admitted = self._admit_next()
             ran = self._run_ready_orders()
-            if not commands and not data and not ran and not handovers:
+            if not commands and not data and not ran and not handovers and not admitted:
                 time.sleep(0.002)
         self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall(),
                                    {"trainer_group": self.group, "ranks": self.groups[self.group]}), 0, TAG_EVENT)
@@ -261,18 +266,27 @@ class TrainerRank:
         write_timeline(self.run_dir, self.rank, "trainer", self.clock)
         self.tensorboard.close()
 
+    def _admit_next(self) -> bool:
+        if not self.admits:
+            return False
+        command = self.admits.popleft()
+        with self.clock.track("admit", (command.spec.task_id,)):
+            try:
+                version = self._everyone(AdmitOp(command))
+            except Exception as exc:  # e.g. a resumed shard saved at another TP size: this task fails
+                if is_job_fault(exc):
+                    raise
+                self._fail(command.spec.task_id, exc)
+                return True
+        self.outbox.send(StepDone(command.spec.task_id, version), 0, TAG_EVENT)
+        return True
+
     def _command(self, command) -> None:
         if isinstance(command, Admit):
-            with self.clock.track("admit", (command.spec.task_id,)):
-                try:
-                    version = self._everyone(AdmitOp(command))
-                except Exception as exc:  # e.g. a resumed shard saved at another TP size: this task fails
-                    if is_job_fault(exc):
-                        raise
-                    self._fail(command.spec.task_id, exc)
-                    return
-            self.outbox.send(StepDone(command.spec.task_id, version), 0, TAG_EVENT)
+            self.admits.append(command)
         elif isinstance(command, Checkpoint):
+            while self._admit_next():  # every task rank 0 admitted is saved (its Admit came before)
+                pass
             with self.clock.track("checkpoint"):
                 versions = self._everyone(CheckpointOp())
             self.outbox.send(CheckpointDone(versions), 0, TAG_EVENT)
@@ -283,6 +297,7 @@ class TrainerRank:
                 if self.buffer.pop(gid, None) is None:
                     self.discarded.add(gid)  # its data is still on the way: drop it on arrival
         elif isinstance(command, TaskEnded):
+            self.admits = deque(a for a in self.admits if a.spec.task_id != command.task_id)  # cancelled at once
             self.ended.add(command.task_id)
             self.orders = [o for o in self.orders if o.task_id != command.task_id]
             self._everyone(RemoveOp(command.task_id))

@@ -116,14 +116,16 @@ class QueueIntake:
 
     def take(self, tasks: dict) -> list[tuple[QueueEntry, TaskSpec | None, str | None]]:
         """(entry, checked spec or None, reason it is refused or None) for every pending file, in order."""
-        out = []
+        out, records = [], None
         for entry in self.queue.pending():
             if entry.error is not None or not isinstance(entry.data, dict) or "spec" not in entry.data:
                 out.append((entry, None, entry.error or "queue file has no 'spec'"))
                 continue
+            if records is None:  # once per scan, not once per spec: a thousand specs queued at once
+                records = scheduler_records(tasks)
             try:
-                out.append((entry, check_spec(entry.data["spec"], self.rules, scheduler_records(tasks),
-                                              self.rules.run_dir, owner_uid=entry.owner_uid), None))
+                out.append((entry, check_spec(entry.data["spec"], self.rules, records, self.rules.run_dir,
+                                              owner_uid=entry.owner_uid), None))
             except SpecError as exc:
                 out.append((entry, None, str(exc)))
         if out:

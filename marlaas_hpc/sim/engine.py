@@ -10,9 +10,13 @@
                 fused tasks, TP, DP; then publishes each task's delta) ─► StepDone, and the new version on
                 every rollout rank
     Admit    ─► TrainerSim of the group the scheduler placed it on (adapter created, v0 published)
-                ─► StepDone(v0); evals like the runtime's
+                ─► StepDone(v0); evals like the runtime's (the base eval after the task's first Generate)
     Move     ─► the source TrainerSim sends the task's state (adapter + Adam moments) and buffered data to the
                 target ─► Moved; the target trains the task only once its state is there
+
+Every scheduler event, submission and eval result first waits its turn at ControlSim, world rank 0, which
+handles one at a time at the workload's `control` cost (as measured on the runtime's rank 0); with a free
+control plane (all zero) events are handled the moment they arrive.
 
 Only the scheduler's events and commands cross the boundary, so the scheduler cannot tell this from MPI.
 Everything random draws from one seeded generator in event order: the same seed gives the same trace.
@@ -23,6 +27,7 @@ import hashlib
 import heapq
 import itertools
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, Resumed, Scheduler, Scored,
@@ -328,15 +333,15 @@ class EnvSim:
 
 
 class TrainerSim:
-    """One trainer group (DP x TP GPUs). Like the runtime's leader: admits first, then hands over tasks that
-    move away, then one fused step over every order whose groups have all arrived (and whose task's state is
-    here); each trained task's new version is then published."""
+    """One trainer group (DP x TP GPUs). Like the runtime's leader: hands over tasks that move away first, then
+    one admission and one fused step (over every order whose groups have all arrived and whose task's state is
+    here) take turns; each trained task's new version is then published."""
 
     def __init__(self, sim: "Simulation", index: int):
         self.sim, self.index = sim, index
         self.model = sim.workload.trainer
         self.tp, self.dp = sim.setup.trainer_tp, sim.setup.trainer_dp
-        self.admits: list[Admit] = []
+        self.admits: deque[Admit] = deque()
         self.moves: list[Move] = []
         """Tasks to hand over to another group (at their step boundary)."""
         self.incoming: set[str] = set()
@@ -349,6 +354,9 @@ class TrainerSim:
         self.training = False
         """Working on a train step (not an admit): what env contention is fitted against."""
         self.broadcasts = 0
+        self.admit_turn = True
+        """Admissions and fused steps alternate while both wait (the runtime leader runs one admission per turn
+        of its loop)."""
         self.meter = BusyMeter(sim.keep_timeline)
 
     def _speed(self, seconds: float) -> float:
@@ -357,16 +365,17 @@ class TrainerSim:
     def next_job(self) -> None:
         if self.working:
             return
-        if self.admits:
-            self._admit(self.admits.pop(0))
-            return
         if self.moves:
             self._move_out(self.moves.pop(0))
             return
         ready = [o for o in self.orders if all(g in self.arrived for g in o.group_ids)]
         if self.incoming:
             ready = [o for o in ready if o.task_id not in self.incoming]
-        if ready:
+        if self.admits and (self.admit_turn or not ready):
+            self.admit_turn = False
+            self._admit(self.admits.popleft())
+        elif ready:
+            self.admit_turn = True
             self._train(ready)
 
     def _admit(self, admit: Admit) -> None:
@@ -432,6 +441,41 @@ class TrainerSim:
         self.next_job()
 
 
+class ControlSim:
+    """World rank 0 (workload `control`): one thing at a time. An event, a submission or an eval result waits
+    while rank 0 is busy, then takes its cost; an event's commands go out when its handling ends. As the
+    runtime's loop does, a submission of the job's starting tasks alternates with an event."""
+
+    def __init__(self, sim: "Simulation"):
+        self.sim, self.model = sim, sim.workload.control
+        self.submissions: deque = deque()
+        self.waiting: deque = deque()
+        self.busy = False
+        self.submission_turn = True
+        self.meter = BusyMeter(sim.keep_timeline)
+
+    def receive(self, cost: float, callback, *args, submission: bool = False) -> None:
+        (self.submissions if submission else self.waiting).append((cost, callback, args))
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        take_submission = bool(self.submissions) and (self.submission_turn or not self.waiting)
+        if not take_submission and not self.waiting:
+            self.busy = False
+            return
+        cost, callback, args = (self.submissions if take_submission else self.waiting).popleft()
+        self.submission_turn = not take_submission
+        self.busy = True
+        now = self.sim.queue.now
+        self.meter.add("admit" if take_submission else "event", now, now + cost)
+        self.sim.queue.after(cost, self._done, callback, args)
+
+    def _done(self, callback, args) -> None:
+        callback(*args)
+        self._next()
+
+
 @dataclass
 class SimOutcome:
     end_time: float
@@ -455,10 +499,13 @@ class Simulation:
         self.rollout = {rank: engine(self, rank) for rank in ranks["rollout"]}
         self.env = {rank: EnvSim(self, rank) for rank in ranks["env"]}
         self.trainers = [TrainerSim(self, i) for i in range(setup.trainer_groups)]
+        self.control = ControlSim(self)
         self._specs = {spec.task_id: spec for spec in setup.tasks}
         self._groups: dict[str, SimGroup] = {}
         self._eval_turn = 0
         self.pending_evals = 0
+        self._base_evals_due: set[str] = set()
+        """Admitted tasks whose base eval goes out with their first Generate (as the runtime's rank 0 does)."""
         self._broadcasts = 0
         self.fused_steps: list[int] = []
         self.events = 0
@@ -467,6 +514,16 @@ class Simulation:
 
     # ---- scheduler boundary ----
     def scheduler_event(self, event) -> None:
+        """An event reaches rank 0: handled now if the control plane is free, else in its turn at ControlSim."""
+        model = self.control.model
+        if model.free():
+            self._handle(event)
+        elif isinstance(event, Submit):
+            self.control.receive(model.admit, self._handle, event, submission=True)
+        else:
+            self.control.receive(model.per_event, self._handle, event)
+
+    def _handle(self, event) -> None:
         self.events += 1
         commands = self.scheduler.handle(event)
         if self._hash is not None:
@@ -478,6 +535,9 @@ class Simulation:
     def _execute(self, command) -> None:
         if isinstance(command, Generate):
             self.queue.after(self.latency, self._deliver_generate, command)
+            if command.task_id in self._base_evals_due:
+                self._base_evals_due.discard(command.task_id)
+                self._eval(command.task_id, None)
         elif isinstance(command, Train):
             trainer = self.trainers[command.trainer_group]
             trainer.orders.append(command)
@@ -486,7 +546,7 @@ class Simulation:
             trainer = self.trainers[command.trainer_group]
             trainer.admits.append(command)
             self.queue.after(self.latency, trainer.next_job)
-            self._eval(command.spec.task_id, None)
+            self._base_evals_due.add(command.spec.task_id)
         elif isinstance(command, Discard):
             for group_id in command.group_ids:
                 for trainer in self.trainers:  # a moving task's data may still sit in its old group
@@ -562,6 +622,12 @@ class Simulation:
         trainer.next_job()
 
     def _eval_done(self) -> None:
+        if self.control.model.free():
+            self._eval_counted()
+        else:
+            self.control.receive(self.control.model.eval_result, self._eval_counted)
+
+    def _eval_counted(self) -> None:
         self.pending_evals -= 1
         self._check_end()
 
@@ -599,7 +665,8 @@ class Simulation:
                           {t: s.status for t, s in self.scheduler.tasks.items()})
 
     def busy_fractions(self, end: float) -> dict[str, float]:
-        roles = {"rollout": self.rollout.values(), "env": self.env.values(), "trainer": self.trainers}
+        roles = {"rollout": self.rollout.values(), "env": self.env.values(), "trainer": self.trainers,
+                 "scheduler": [self.control]}
         return {role: sum(min(w.meter.busy, end) for w in workers) / max(end, 1e-12) / len(workers)
                 for role, workers in roles.items()}
 

@@ -5,6 +5,7 @@
     env:      reward time per sample (a distribution)
     trainer:  step = (step_fixed + per_token * tokens + per_task * fused_tasks) * tp ** -tp_exponent
     network:  adapter delta = delta_latency + bytes / delta_bandwidth, bytes = adapter_bytes_per_rank * LoRA rank
+    control:  world rank 0 handles one thing at a time: per scheduler event, per task admitted, per eval result
     profiles: per task kind (dataset.kind, or 'default'): prompt and response lengths, turns, tool latency
 
 Every time, size and bandwidth is written with its unit ('8 ms', '25 GB/s', '40 KB'); token counts are plain
@@ -160,6 +161,24 @@ class NetworkModel:
 
 
 @dataclass(kw_only=True, slots=True)
+class ControlModel:
+    """World rank 0 (the scheduler rank), which handles one thing at a time: what arrives while it is busy waits
+    its turn, and the commands of an event go out when its handling ends. Zero (the default): rank 0 is free."""
+
+    per_event: float = field(default=0.0, metadata=_unit(TIME))
+    """Rank 0's time per scheduler event: the scheduler's decision, the commands sent (a Generate's prompts
+    rendered and tokenised), the records written, and its share of the status.json rewrites."""
+    admit: float = field(default=0.0, metadata=_unit(TIME))
+    """Per task submitted: its data loaded, its Submit handled, its Admit and base eval sent (the runtime submits
+    a job's starting tasks one per turn of rank 0's loop, between events)."""
+    eval_result: float = field(default=0.0, metadata=_unit(TIME))
+    """Per result of one eval prompt (EvalDone)."""
+
+    def free(self) -> bool:
+        return self.per_event == self.admit == self.eval_result == 0.0
+
+
+@dataclass(kw_only=True, slots=True)
 class TaskProfile:
     """What one episode of a task kind looks like."""
 
@@ -188,6 +207,8 @@ class Workload:
     """Trainer costs."""
     network: NetworkModel = field(default_factory=NetworkModel)
     """Transfers and message latency."""
+    control: ControlModel = field(default_factory=ControlModel)
+    """World rank 0's time per event (the control plane)."""
     profiles: dict[str, TaskProfile] = field(default_factory=lambda: {"default": TaskProfile()})
     """Episode shape per task kind (a task's dataset.kind, else 'default')."""
     evals: bool = True
@@ -216,7 +237,8 @@ class Workload:
 
 
 # ---------------------------------------------------------------- loading
-_NESTED = {"rollout": RolloutModel, "env": EnvModel, "trainer": TrainerModel, "network": NetworkModel}
+_NESTED = {"rollout": RolloutModel, "env": EnvModel, "trainer": TrainerModel, "network": NetworkModel,
+           "control": ControlModel}
 
 
 def load_workload(path: str | Path) -> Workload:
