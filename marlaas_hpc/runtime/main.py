@@ -283,9 +283,10 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         trainer = _trainer(comm, job, mine, model_path, binding.device)
         if rank == mine[0]:
             from marlaas_hpc.runtime.checkpoint import CheckpointPolicy
-            from marlaas_hpc.runtime.delta import DeltaChannel
+            from marlaas_hpc.runtime.delta import DeltaChannel, DeltaOrder
 
-            delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device)
+            order = DeltaOrder(comm, leaders) if len(leaders) > 1 else None
+            delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order)
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
                                  policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
             _ready(comm, rank, role.kind, start)

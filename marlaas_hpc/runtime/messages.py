@@ -121,6 +121,9 @@ class DeltaAnnounce:
     shapes: list[tuple[int, ...]]
     lora: object
     """The task's LoraSpec (rank, alpha, targets) for the PEFT config."""
+    seq: int | None = None
+    """With several trainer groups: the broadcast's place in the job's one order of delta broadcasts
+    (runtime/delta.py DeltaOrder), which every rollout rank posts them in. None with one group."""
 
 
 @dataclass
