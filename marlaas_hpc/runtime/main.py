@@ -269,18 +269,27 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         from marlaas_hpc.runtime.delta import DeltaChannel
         from marlaas_hpc.runtime.delta_fanin import DeltaFanIn
 
+        t0 = time.time()
         engine = RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))
+        engine_up = time.time()
+        if job.layout.share_gpus:
+            _engine_is_up(comm, roles["trainer"])
         # one delta channel per trainer group leader, set up in group order (each leader waits for its own)
         delta = DeltaFanIn(comm, [DeltaChannel(comm, rank, roles["rollout"], device=binding.device)
                                   for rank in leaders])
         worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir)
+        worker.clock.note("start_engine", (), t0, engine_up)
         _ready(comm, rank, role.kind, start)
         worker.run()
     else:
         from marlaas_hpc.runtime.trainer_rank import TrainerRank
 
         mine = groups[role.group]
+        if job.layout.share_gpus:
+            _wait_for_engines(comm, roles["rollout"])
+        t0 = time.time()
         trainer = _trainer(comm, job, mine, model_path, binding.device)
+        built = time.time()
         if rank == mine[0]:
             from marlaas_hpc.runtime.checkpoint import CheckpointPolicy
             from marlaas_hpc.runtime.delta import DeltaChannel, DeltaOrder
@@ -289,14 +298,35 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
             delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order)
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
                                  policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
+            worker.clock.note("build_model", (), t0, built)
             _ready(comm, rank, role.kind, start)
             worker.run_leader()
         else:
             worker = TrainerRank(comm, trainer, run_dir, mine[0], [], groups=groups, group=role.group,
                                  retention=job.adapters)
+            worker.clock.note("build_model", (), t0, built)
             _ready(comm, rank, role.kind, start)
             worker.run_follower()
     return None
+
+
+def _engine_is_up(comm, trainers: list[int]) -> None:
+    """Rollout rank, layout.share_gpus: tells every trainer rank that its engine has started."""
+    from marlaas_hpc.runtime.messages import TAG_STARTUP
+
+    for rank in trainers:
+        comm.send(comm.Get_rank(), dest=rank, tag=TAG_STARTUP)
+
+
+def _wait_for_engines(comm, rollout_ranks: list[int]) -> None:
+    """Trainer rank, layout.share_gpus: waits (sleeping between probes) until every engine has started. vLLM sizes
+    its KV cache from the free memory it measures while it profiles at start (gpu_memory_utilization): a trainer
+    allocating on the same GPU meanwhile makes it size the cache wrong, or fail its memory check. So under
+    share_gpus the trainers build their models after the engines, and start-up takes the sum of the two."""
+    from marlaas_hpc.runtime.messages import TAG_STARTUP
+
+    for rank in rollout_ranks:
+        recv_wait(comm, TAG_STARTUP, source=rank)
 
 
 def main(argv: list[str] | None = None) -> int:

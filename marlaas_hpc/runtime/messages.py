@@ -246,6 +246,9 @@ TAG_HANDOVER = 16
 """trainer leader -> trainer leader: Handover of a task moving between trainer groups."""
 TAG_STATE = 17
 """trainer rank -> the rank at the same position of another trainer group: a moving task's state shard."""
+TAG_STARTUP = 18
+"""rollout rank -> every trainer rank, once at start under layout.share_gpus: its engine is up (runtime/main.py
+run_rank: trainers allocate only after every engine has sized its KV cache)."""
 
 
 @dataclass
