@@ -262,7 +262,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
         if job.engine == "vllm":  # vLLM finds its GPUs through CUDA_VISIBLE_DEVICES (all of them: its TP size)
             kwargs = {"work_dir": work, "cache_dir": default_cache_dir() / "vllm",
-                      **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank)}
+                      **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())}
         else:
             kwargs = {"device": binding.device}
         from marlaas_hpc.rollout.restart import RestartingEngine
