@@ -1,7 +1,9 @@
 """The LoRA delta broadcast group (runtime/delta.py) across processes: gloo on the CPU, NCCL with the buffer on
 each member's own GPU, and gloo again when some member has no GPU of its own (a CPU rank, or two members on
 one GPU under layout.share_gpus: NCCL refuses a duplicate GPU). Each case is tests/delta_scenarios.py under
-mpirun, checking every received tensor bit for bit."""
+mpirun, checking every received tensor bit for bit. With several trainer leaders every rollout rank posts the
+broadcasts in one job-wide order whatever order their announces arrive in; the leader's bound on posted
+broadcasts and its flush wait on the host even where wait() does not (NCCL)."""
 from __future__ import annotations
 
 import json

@@ -274,7 +274,8 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         engine_up = time.time()
         if job.layout.share_gpus:
             _engine_is_up(comm, roles["trainer"])
-        # one delta channel per trainer group leader, set up in group order (each leader waits for its own)
+        # one delta channel per trainer group leader, made in the leaders' order on every rollout rank (each leader
+        # waits for its own): each channel's NCCL communicator is set up as it is made, in that one order
         delta = DeltaFanIn(comm, [DeltaChannel(comm, rank, roles["rollout"], device=binding.device)
                                   for rank in leaders])
         worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir)
