@@ -152,6 +152,10 @@ class JobConfig:
             if task.lora.rank > self.max_lora_rank:
                 raise SpecError(f"tasks[{i}].lora.rank", f"{task.lora.rank} exceeds max_lora_rank {self.max_lora_rank}")
         self._validate_service()
+        max_loras = self.vllm.lora_slots(self.max_adapters, self.largest_staleness())
+        if self.vllm.max_cpu_loras is not None and self.vllm.max_cpu_loras < max_loras:
+            raise SpecError("vllm.max_cpu_loras", f"{self.vllm.max_cpu_loras} is below the {max_loras} LoRA slots "
+                                                  "(vllm.max_loras, else max_adapters x (largest max_staleness + 2))")
         if len(self.tasks) > self.max_adapters:
             raise SpecError("tasks", f"{len(self.tasks)} tasks but only {self.max_adapters} adapter slots "
                                      "(raise max_adapters)")
@@ -165,6 +169,14 @@ class JobConfig:
         if self.model.startswith(RANDOM_PREFIX) and self.model[len(RANDOM_PREFIX):] not in SHAPES:
             raise SpecError("model", f"unknown random checkpoint {self.model!r}; known: "
                                      f"{[RANDOM_PREFIX + name for name in SHAPES]}")
+
+    def largest_staleness(self) -> int:
+        """The largest max_staleness of the job's tasks (TaskSpec's default when it starts with none): what the
+        rollout engines' LoRA slots are sized for unless vllm.max_loras is set. Tasks added later through the
+        queue with a larger bound may mix more versions than there are slots: their new versions then wait in
+        vLLM for the old ones to drain."""
+        default = TaskSpec.__dataclass_fields__["max_staleness"].default
+        return max((task.max_staleness for task in self.tasks), default=default)
 
     def scheduler_config(self, rollout_ranks, env_ranks) -> SchedulerConfig:
         """Rank 0's scheduler settings for this job, given the world ranks that generate and that score."""
@@ -199,10 +211,6 @@ class JobConfig:
         if self.engine == "vllm" and gpus != tp and (tp > 1 or gpus > 1):
             raise SpecError("vllm.tensor_parallel_size", f"is {tp} but layout.rollout.gpus_per_task is {gpus}: a "
                                                          "rollout rank owns its engine's GPUs, so they must be equal")
-        max_loras = self.vllm.max_loras or self.max_adapters
-        if self.vllm.max_cpu_loras is not None and self.vllm.max_cpu_loras < max_loras:
-            raise SpecError("vllm.max_cpu_loras", f"{self.vllm.max_cpu_loras} is below the {max_loras} LoRA slots "
-                                                  "(vllm.max_loras, else max_adapters)")
 
     def _validate_service(self) -> None:
         if not isinstance(self.serve_idle_s, (int, float)) or isinstance(self.serve_idle_s, bool) \

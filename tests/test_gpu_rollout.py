@@ -38,7 +38,7 @@ def gpu_pair(tiny_model_path, tmp_path_factory):
     settings = VllmSettings(gpu_memory_utilization=0.3).validate()  # leaves the trainer room on the same GPU
     work = tmp_path_factory.mktemp("gpu_vllm")
     engine = make_engine("vllm", tiny_model_path, work_dir=work / "engine", seed=0,
-                         **settings.engine_kwargs(max_adapters=4, max_lora_rank=8))
+                         **settings.engine_kwargs(max_adapters=4, max_lora_rank=8, max_staleness=1))
     codec = TextCodec.from_pretrained(tiny_model_path)
     driver = LocalDriver(engine, trainer, codec, work, seed=1, log=lambda *_: None)
     for task_id, kind in (("gpu_sort", "sort"), ("gpu_count", "count")):

@@ -131,7 +131,8 @@ def test_device_binding_rollout_engine_with_tp2():
     job = JobConfig.from_dict({"layout": {"rollout_ranks": 1, "trainer_tp": 2, "rollout": {"gpus_per_task": 2},
                                           "trainer": {"gpus_per_task": 1}},
                                "vllm": {"tensor_parallel_size": 2, "dtype": "bfloat16"}})
-    assert job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank)["tensor_parallel_size"] == 2
+    kwargs = job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())
+    assert kwargs["tensor_parallel_size"] == 2
 
 
 def test_device_binding_cpu_only():

@@ -15,10 +15,45 @@ from marlaas_hpc.tasks.spec import SpecError
 
 
 def test_vllm_settings_defaults_keep_the_cpu_twin_exact():
-    kwargs = JobConfig.from_dict({}).vllm.engine_kwargs(max_adapters=8, max_lora_rank=16)
+    kwargs = JobConfig.from_dict({}).vllm.engine_kwargs(max_adapters=8, max_lora_rank=16, max_staleness=1)
     assert kwargs == dict(dtype="float32", gpu_memory_utilization=0.5, max_model_len=None, enforce_eager=True,
-                          tensor_parallel_size=1, max_num_seqs=None, max_loras=8, max_cpu_loras=16,
+                          tensor_parallel_size=1, max_num_seqs=None, max_loras=24, max_cpu_loras=48,
                           max_lora_rank=16, enable_prefix_caching=None, kv_cache_gib=1)
+
+
+def _live_versions_after_an_update(tasks: int, k: int) -> int:
+    """LoRA ids a rollout engine's batch holds when every task has just published v+1 while groups sampled from
+    v-k .. v (which the bound k still lets train) are generating: its book-keeping (AdapterVersions) counted."""
+    from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions
+
+    versions, v = AdapterVersions(), 10
+    for task in range(tasks):
+        for version in range(v - k, v + 2):  # each was the newest when its groups started; v+1 just arrived
+            versions.add(AdapterRef(f"t{task}", version, path=f"/adapters/t{task}/v{version}"))
+            versions.acquire(f"t{task}", version)  # a request on it (v+1: the first group sampled with it)
+    return len(versions.int_id)
+
+
+@pytest.mark.parametrize("bounds", [[1], [0, 0], [1, 1, 2], [3]])
+def test_default_lora_slots_cover_every_version_live_after_an_update(bounds):
+    """Each (task, version) is a LoRA id of its own, and vLLM's scheduler keeps a waiting request out of the batch
+    while the running ones already use max_loras ids: a batch short of slots stalls each task's new version
+    until its old ones drain. The default covers max_adapters tasks of the job's largest bound."""
+    tasks = [{"task_id": f"t{i}", "tenant": "a", "max_staleness": k} for i, k in enumerate(bounds)]
+    job = JobConfig.from_dict({"max_adapters": 4, "tasks": tasks})
+    kwargs = job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())
+    assert kwargs["max_loras"] >= _live_versions_after_an_update(job.max_adapters, max(bounds))
+    assert kwargs["max_cpu_loras"] >= kwargs["max_loras"]
+
+
+def test_the_shipped_gpu_config_has_a_slot_for_every_live_version():
+    from pathlib import Path
+
+    job = JobConfig.from_dict(yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" /
+                                              "qwen3-0.6b-gsm8k.yaml").read_text()))
+    kwargs = job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())
+    live = sum(_live_versions_after_an_update(1, task.max_staleness) for task in job.tasks)
+    assert kwargs["max_loras"] >= live and kwargs["max_cpu_loras"] >= kwargs["max_loras"], (kwargs, live)
 
 
 def test_vllm_settings_map_one_to_one_from_yaml():
@@ -26,7 +61,7 @@ def test_vllm_settings_map_one_to_one_from_yaml():
 vllm: {dtype: bfloat16, gpu_memory_utilization: 0.9, max_model_len: 2048, enforce_eager: false,
        max_num_seqs: 64, max_loras: 4, max_cpu_loras: 6, enable_prefix_caching: true, cpu_kv_cache_gib: 2}
 """))
-    kwargs = job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank)
+    kwargs = job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())
     assert kwargs["dtype"] == "bfloat16" and kwargs["gpu_memory_utilization"] == 0.9
     assert kwargs["max_model_len"] == 2048 and kwargs["enforce_eager"] is False and kwargs["max_num_seqs"] == 64
     assert (kwargs["max_loras"], kwargs["max_cpu_loras"]) == (4, 6) and kwargs["enable_prefix_caching"] is True
@@ -46,7 +81,7 @@ vllm: {dtype: bfloat16, gpu_memory_utilization: 0.9, max_model_len: 2048, enforc
     ({"vllm": {"cpu_kv_cache_gib": 0}}, "vllm.cpu_kv_cache_gib", "in (0.0, 1024.0]"),
     ({"vllm": {"cpu_kv_cache_gib": "1G"}}, "vllm.cpu_kv_cache_gib", "number"),
     ({"vllm": {"max_loras": 4, "max_cpu_loras": 2}}, "vllm.max_cpu_loras", "below max_loras"),
-    ({"vllm": {"max_cpu_loras": 4}}, "vllm.max_cpu_loras", "8 LoRA slots"),
+    ({"vllm": {"max_cpu_loras": 4}}, "vllm.max_cpu_loras", "24 LoRA slots"),
     ({"vllm": {"tensor_paralel_size": 2}}, "vllm.tensor_paralel_size", "unknown field"),
     ({"vllm": {"tensor_parallel_size": 2}}, "vllm.tensor_parallel_size", "layout.rollout.gpus_per_task is 0"),
     ({"vllm": {"tensor_parallel_size": 2}, "layout": {"rollout": {"gpus_per_task": 1}}},

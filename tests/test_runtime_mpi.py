@@ -115,3 +115,20 @@ def test_bad_layouts_refused_before_start(tmp_path, change, message):
     assert proc.returncode == 2
     assert "invalid config" in proc.stderr and message in proc.stderr
     assert not run_dir.exists(), "nothing started"
+
+
+def test_share_gpus_trainers_build_their_models_after_every_engine_started(tmp_path, tiny_model_path):
+    """layout.share_gpus: vLLM sizes its KV cache from the free memory it measures while it starts, so a trainer
+    on the same GPU must not allocate meanwhile. Each rank's timeline keeps its start-up: every trainer rank's
+    'build_model' begins after every rollout rank's 'start_engine' has ended (the same code runs on the CPU twin)."""
+    config = small_config(layout={"env_ranks": 1, "rollout_ranks": 2, "trainer_tp": 1, "share_gpus": True})
+    config["tasks"] = config["tasks"][:1]
+    config["tasks"][0]["total_steps"] = 1
+    proc, run_dir = run_marlaas(config, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    spans = [json.loads(line) for path in (run_dir / "timeline").glob("rank*.jsonl")
+             for line in path.read_text().splitlines()]
+    engines = [s for s in spans if s["stage"] == "start_engine"]
+    builds = [s for s in spans if s["stage"] == "build_model"]
+    assert sorted(s["rank"] for s in engines) == [2, 3] and [s["rank"] for s in builds] == [4]
+    assert min(s["start"] for s in builds) >= max(s["end"] for s in engines), (engines, builds)

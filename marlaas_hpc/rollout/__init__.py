@@ -14,10 +14,11 @@ def make_engine(kind: str, model_path: str | Path, *, work_dir: str | Path | Non
     max_loras, max_lora_rank, dtype go to it); kind "hf": HfEngine (kwargs: device, dtype, max_batch_size).
     The engine modules are imported lazily (vLLM import takes seconds and sets process-wide state)."""
     if kind == "vllm":
-        from marlaas_hpc.rollout.vllm_engine import VllmEngine
+        from marlaas_hpc.rollout.vllm_engine import VllmEngine, import_vllm
 
         if work_dir is None:
             raise ValueError("the vllm engine needs a work_dir for its caches")
+        import_vllm(Path(kwargs.get("cache_dir") or work_dir))  # before the engine exists: see import_vllm
         return VllmEngine(model_path, work_dir=work_dir, seed=seed, **kwargs)
     if kind == "hf":
         from marlaas_hpc.rollout.hf_engine import HfEngine

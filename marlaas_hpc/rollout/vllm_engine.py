@@ -66,6 +66,20 @@ def _set_vllm_env(cache_dir: Path) -> None:
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
 
+def import_vllm(cache_dir: Path):
+    """Sets vLLM's environment and imports it (once per process); returns `vllm.LLM`. make_engine calls it before
+    an engine object exists: vLLM keeps an exception it caught while importing (vllm.multimodal.media.audio keeps
+    torchcodec's ImportError), whose traceback holds every frame that was on the stack, for good; imported from
+    VllmEngine.__init__, that would be the first engine, still reachable after a restart dropped it."""
+    _set_vllm_env(cache_dir)
+    from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
+
+    eager_on_cpu()  # before vLLM's import
+    from vllm import LLM
+
+    return LLM
+
+
 def _zero_non_finite_kv(worker) -> int:
     """Runs inside each vLLM worker (collective_rpc): zeroes inf/NaN entries of its KV cache; returns how many."""
     import torch
@@ -171,13 +185,8 @@ class VllmEngine(RolloutEngine):
                  **llm_kwargs):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        _set_vllm_env(Path(cache_dir) if cache_dir else self.work_dir)
+        LLM = import_vllm(Path(cache_dir) if cache_dir else self.work_dir)
         import torch
-
-        from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
-
-        eager_on_cpu()  # before vLLM's import
-        from vllm import LLM
 
         kwargs = dict(enforce_eager=enforce_eager, dtype=dtype, seed=seed, enable_lora=True, max_loras=max_loras,
                       max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras or max(2 * max_loras, 8),

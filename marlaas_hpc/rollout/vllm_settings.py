@@ -38,7 +38,10 @@ class VllmSettings:
     max_num_seqs: int | None = None
     """Sequences in one continuous batch at most (vLLM's scheduler); None: vLLM's default."""
     max_loras: int | None = None
-    """Adapters one batch may mix (vLLM's LoRA slots on the device); None: the job's max_adapters."""
+    """Adapter versions one batch may mix (vLLM's LoRA slots, preallocated on the device); None: enough for every
+    version that can be live at once, max_adapters x (k + 2) with k the largest max_staleness of the job's tasks
+    (`lora_slots`). Each version has a LoRA id of its own, and vLLM keeps a waiting request of a new version out of
+    the batch while the running ones already use max_loras ids: too few slots stall every task after each update."""
     max_cpu_loras: int | None = None
     """Adapters kept loaded in host memory (vLLM's LRU cache, >= max_loras); None: max(2 * max_loras, 8)."""
     enable_prefix_caching: bool | None = None
@@ -65,9 +68,15 @@ class VllmSettings:
             raise SpecError(f"{prefix}.max_cpu_loras", f"{self.max_cpu_loras} is below max_loras {self.max_loras}")
         return self
 
-    def engine_kwargs(self, max_adapters: int, max_lora_rank: int) -> dict[str, Any]:
-        """Keyword arguments of VllmEngine for a job with these adapter slots and largest LoRA rank."""
-        max_loras = self.max_loras or max_adapters
+    def lora_slots(self, max_adapters: int, max_staleness: int) -> int:
+        """vLLM's max_loras: the configured value, else room for every version live at once, the
+        `versions_per_task` of each of the job's `max_adapters` tasks."""
+        return self.max_loras or max_adapters * versions_per_task(max_staleness)
+
+    def engine_kwargs(self, max_adapters: int, max_lora_rank: int, max_staleness: int) -> dict[str, Any]:
+        """Keyword arguments of VllmEngine for a job with these adapter slots, largest LoRA rank and largest
+        staleness bound."""
+        max_loras = self.lora_slots(max_adapters, max_staleness)
         return dict(dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
                     max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
                     tensor_parallel_size=self.tensor_parallel_size, max_num_seqs=self.max_num_seqs,
@@ -78,6 +87,15 @@ class VllmSettings:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, prefix: str = "vllm") -> "VllmSettings":
         return load_config(cls, data, prefix)
+
+
+def versions_per_task(max_staleness: int) -> int:
+    """Versions of one task that hold LoRA ids in a rollout engine's batch at once, under staleness bound k: when
+    v+1 arrives, groups sampled from v-k .. v may still be generating (the bound still lets them train), and new
+    groups start on v+1 (a training group samples the newest version its rank holds). A group of an older
+    version can no longer train; it is still generating only if its generation outlasted k+1 steps of its task.
+    Evals sample the base model (no LoRA) or a finished task's last version."""
+    return max_staleness + 2
 
 
 def _number(value: Any, name: str, above: float, at_most: float) -> None:

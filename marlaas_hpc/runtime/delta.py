@@ -4,10 +4,20 @@ The group {trainer leader} ∪ {rollout ranks} is built straight from a TCPStore
 on rollout ranks an in-process vLLM engine owns the default group (world size 1), and on trainer ranks the
 default group is megatron's (the trainer ranks). NCCL when every member has a GPU of its own, gloo otherwise
 (FACTS.md: vLLM section).
+
+Every posted broadcast is completed on the host (`complete`): under NCCL `work.wait()` only makes the current CUDA
+stream wait for the collective and returns at once, so a bound or a flush built on it bounds nothing.
+
+With several trainer groups a rollout rank is a member of several channels, and NCCL needs the operations of
+communicators that share a GPU launched in the same order on every rank (a communicator's set-up, its first
+use, is a blocking collective of its own): each channel sets its communicator up when it is made, in the
+leaders' order on every rollout rank, and every broadcast carries its place in one job-wide order
+(`DeltaOrder`), which rollout ranks post in (runtime/delta_fanin.py).
 """
 from __future__ import annotations
 
 import socket
+import time
 from collections import deque
 from datetime import timedelta
 
@@ -48,15 +58,49 @@ def join_store(address: tuple, size: int, timeout_s: float = 600.0) -> dist.TCPS
     return dist.TCPStore(address[0], address[1], size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
+def complete(work, idle_sleep: float = 0.0002) -> None:
+    """Waits on the host until a posted collective is done, then raises what it failed with. torch's NCCL
+    `work.wait()` (no blocking-wait mode, no timeout given) only makes the current CUDA stream wait for the
+    collective's stream and returns at once; `is_completed()` reads the collective's end event without blocking.
+    So poll that, sleeping between reads (a spinning rank takes a core from its neighbours), then `wait()`,
+    which no longer waits for anything. Gloo's wait() blocks on the host anyway: the same loop serves both."""
+    while not work.is_completed():
+        time.sleep(idle_sleep)
+    work.wait()
+
+
+class DeltaOrder:
+    """One order of every trainer leader's delta broadcasts, for a job of several trainer groups: each broadcast
+    takes the next number of a counter in a TCPStore that the first leader hosts (`store.add`: a round trip of
+    well under a millisecond, answered by the store's server thread whatever that leader is doing), and every
+    rollout rank posts the broadcasts in that order (DeltaFanIn). A leader never waits for another leader or for
+    a rollout rank to take its number. Made by every trainer leader, in any order."""
+
+    KEY = "delta_seq"
+
+    def __init__(self, comm, leaders: list[int], host: str | None = None, timeout_s: float = 600.0):
+        if comm.Get_rank() == leaders[0]:
+            self.store, address = host_store(len(leaders), host, timeout_s)
+            for rank in leaders[1:]:
+                comm.send(address, dest=rank, tag=TAG_DELTA)
+        else:
+            self.store = join_store(recv_wait(comm, TAG_DELTA, source=leaders[0])[0], len(leaders), timeout_s)
+
+    def next(self) -> int:
+        """The place of the broadcast about to be announced (0, 1, 2, ... over the whole job)."""
+        return self.store.add(self.KEY, 1) - 1
+
+
 class DeltaChannel:
     """Member 0 is the trainer leader (source of every broadcast); members 1.. are rollout ranks.
 
     Each member passes its own device (its binding, launch/devices.py). The group uses NCCL when every member
     is on a GPU of its own, with the broadcast buffer on that GPU; otherwise gloo with the buffer in host
-    memory (a CPU member, or two members on one GPU under layout.share_gpus: NCCL refuses a duplicate GPU)."""
+    memory (a CPU member, or two members on one GPU under layout.share_gpus: NCCL refuses a duplicate GPU).
+    `order` (the leader, several trainer groups): numbers each broadcast in the job's one order."""
 
     def __init__(self, comm, leader: int, rollout_ranks: list[int], device: torch.device | str = "cpu",
-                 host: str | None = None, timeout_s: float = 600.0):
+                 host: str | None = None, timeout_s: float = 600.0, order: DeltaOrder | None = None):
         self.comm, self.leader, self.rollout_ranks = comm, leader, list(rollout_ranks)
         members = [leader] + self.rollout_ranks
         me = comm.Get_rank()
@@ -76,6 +120,11 @@ class DeltaChannel:
             store = join_store(address, self.size, timeout_s)
         self.device = own if self.backend == "nccl" else torch.device("cpu")
         self.process_group = _process_group(self.backend, store, self.member, self.size, timedelta(seconds=timeout_s))
+        # NCCL sets a communicator up at its first collective, blocking until every member joins: done here, while
+        # every rollout rank makes its channels in the same (leaders') order, never at a first broadcast that two
+        # rollout ranks may reach in different orders
+        complete(self.process_group.broadcast(torch.zeros(1, device=self.device), 0))
+        self.order = order
         self.in_flight: deque = deque()
         """Leader: (work, buffer, announce requests) of posted broadcasts, oldest first."""
 
@@ -86,7 +135,8 @@ class DeltaChannel:
         broadcasts in order; at most MAX_IN_FLIGHT wait, and `flush` waits for all."""
         self._reap(self.MAX_IN_FLIGHT - 1)
         names = sorted(tensors)
-        announce = DeltaAnnounce(task_id, version, names, [tuple(tensors[n].shape) for n in names], lora)
+        seq = self.order.next() if self.order is not None else None
+        announce = DeltaAnnounce(task_id, version, names, [tuple(tensors[n].shape) for n in names], lora, seq)
         requests = [self.comm.isend(announce, dest=rank, tag=TAG_DELTA) for rank in self.rollout_ranks]
         flat = torch.cat([tensors[n].detach().reshape(-1).float() for n in names]).to(self.device)
         self.in_flight.append((self.process_group.broadcast(flat, 0), flat, requests))  # the buffer lives until done
@@ -95,10 +145,11 @@ class DeltaChannel:
     """Posted broadcasts the leader lets wait for the rollout ranks before it waits itself (bounds memory)."""
 
     def _reap(self, keep: int) -> None:
-        """Finishes completed broadcasts, oldest first, and waits until at most `keep` are left."""
+        """Finishes completed broadcasts, oldest first, and waits (on the host) until at most `keep` are left."""
         while self.in_flight and (len(self.in_flight) > keep or self.in_flight[0][0].is_completed()):
-            work, _, requests = self.in_flight.popleft()
-            work.wait()  # raises what the broadcast failed with
+            work, _, requests = self.in_flight[0]
+            complete(work)  # raises what the broadcast failed with
+            self.in_flight.popleft()  # its buffer may go now: the broadcast has read it
             for request in requests:
                 request.wait()
 
@@ -110,7 +161,7 @@ class DeltaChannel:
         """Rollout rank: join the broadcast that follows `announce` and unflatten it."""
         total = sum(int(torch.Size(s).numel()) for s in announce.shapes)
         flat = torch.empty(total, dtype=torch.float32, device=self.device)
-        self.process_group.broadcast(flat, 0).wait()
+        complete(self.process_group.broadcast(flat, 0))
         return unflatten(announce, flat)
 
 

@@ -3,10 +3,16 @@
 With one trainer group a rollout rank joins each announced broadcast at once, as it always did. With several,
 joining one broadcast and waiting for it could deadlock: rollout rank 1 may see leader A's announce first and
 wait in A's broadcast while rollout rank 2 waits in leader B's, each broadcast needing the other rank. So every
-announced broadcast is posted without waiting (each group's collectives run on their own gloo threads, so both
-progress), and finished ones are handed out in each leader's order:
+announced broadcast is posted without waiting, and finished ones are handed out in each leader's order.
 
-    poll():  announces from any leader  ──► post the broadcast (non-blocking), queue it under its leader
+Posting without waiting is not enough under NCCL: operations of communicators that share a GPU must be launched
+in the same order on every rank, or the GPU may run rank 1's B before its A while rank 2 waits in A. Announces
+from different leaders reach the rollout ranks in different orders, so the order is not theirs: each announce
+carries its place in one job-wide order (`seq`, taken by the leader from `DeltaOrder`), and every rollout rank
+posts broadcasts in that order, holding an announce back until those before it are posted (they were taken
+first, so their announces are already on their way):
+
+    poll():  announces from any leader  ──► held by seq ──► post the next ones in seq order (non-blocking)
              the head of each leader's queue, once complete ──► (announce, tensors)
 
 A task's versions come from whichever group owns it, and a move hands a task to another group at a step
@@ -21,7 +27,7 @@ from typing import Callable, Iterator
 import torch
 
 from marlaas_hpc.runtime.comm import poll
-from marlaas_hpc.runtime.delta import DeltaChannel, unflatten
+from marlaas_hpc.runtime.delta import DeltaChannel, complete, unflatten
 from marlaas_hpc.runtime.messages import TAG_DELTA, DeltaAnnounce
 
 
@@ -35,6 +41,10 @@ class DeltaFanIn:
         self.channels = {channel.leader: channel for channel in channels}
         self.pending: dict[int, deque] = {leader: deque() for leader in self.channels}
         """Per leader: (announce, buffer, work) of posted broadcasts, in the leader's order."""
+        self.held: dict[int, tuple[int, DeltaAnnounce]] = {}
+        """seq -> (leader, announce) of announced broadcasts not posted yet (one before them is not here yet)."""
+        self.next_seq = 0
+        """The place in the job's order of the next broadcast to post."""
 
     @property
     def leaders(self) -> list[int]:
@@ -51,23 +61,34 @@ class DeltaFanIn:
                 if announce is None:
                     return
                 yield announce, lambda announce=announce: channel.receive(announce)
-        self._post_announced()
+        self._take_announces()
+        self._post_in_order()
         for leader, queue in self.pending.items():
             while queue and queue[0][2].is_completed():
                 announce, flat, work = queue.popleft()
-                work.wait()  # raises what the broadcast failed with
+                complete(work)  # raises what the broadcast failed with
                 tensors = unflatten(announce, flat)
                 yield announce, lambda tensors=tensors: tensors
 
     def busy(self) -> bool:
-        """Broadcasts posted and not yet handed out."""
-        return any(self.pending.values())
+        """Broadcasts announced and not yet handed out."""
+        return bool(self.held) or any(self.pending.values())
 
-    def _post_announced(self) -> None:
+    def _take_announces(self) -> None:
         while True:
             announce, source = poll(self.comm, TAG_DELTA)
             if announce is None:
                 return
+            if announce.seq is None:
+                raise ValueError(f"trainer leader {source} announced {announce.task_id} v{announce.version} without "
+                                 f"its place in the delta order, but this rollout rank has {len(self.channels)} "
+                                 "trainer leaders (each leader's DeltaChannel needs the job's DeltaOrder)")
+            self.held[announce.seq] = (source, announce)
+
+    def _post_in_order(self) -> None:
+        while self.next_seq in self.held:
+            source, announce = self.held.pop(self.next_seq)
+            self.next_seq += 1
             channel = self.channels[source]
             total = sum(int(torch.Size(s).numel()) for s in announce.shapes)
             flat = torch.empty(total, dtype=torch.float32, device=channel.device)

@@ -298,40 +298,72 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
         if job.engine == "vllm":  # vLLM finds its GPUs through CUDA_VISIBLE_DEVICES (all of them: its TP size)
             kwargs = {"work_dir": work, "cache_dir": default_cache_dir() / "vllm",
-                      **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank)}
+                      **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())}
         else:
             kwargs = {"device": binding.device}
         from marlaas_hpc.rollout.restart import RestartingEngine
         from marlaas_hpc.runtime.delta import DeltaChannel
         from marlaas_hpc.runtime.delta_fanin import DeltaFanIn
 
+        t0 = time.time()
         engine = RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))
-        # one delta channel per trainer group leader, set up in group order (each leader waits for its own)
+        engine_up = time.time()
+        if job.layout.share_gpus:
+            _engine_is_up(comm, roles["trainer"])
+        # one delta channel per trainer group leader, made in the leaders' order on every rollout rank (each leader
+        # waits for its own): each channel's NCCL communicator is set up as it is made, in that one order
         delta = DeltaFanIn(comm, [DeltaChannel(comm, rank, roles["rollout"], device=binding.device)
                                   for rank in leaders])
         worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir)
+        worker.clock.note("start_engine", (), t0, engine_up)
         _ready(comm, rank, role.kind, start)
         worker.run()
     else:
         from marlaas_hpc.runtime.trainer_rank import TrainerRank
 
         mine = groups[role.group]
+        if job.layout.share_gpus:
+            _wait_for_engines(comm, roles["rollout"])
+        t0 = time.time()
         trainer = _trainer(comm, job, mine, model_path, binding.device)
+        built = time.time()
         if rank == mine[0]:
             from marlaas_hpc.runtime.checkpoint import CheckpointPolicy
-            from marlaas_hpc.runtime.delta import DeltaChannel
+            from marlaas_hpc.runtime.delta import DeltaChannel, DeltaOrder
 
-            delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device)
+            order = DeltaOrder(comm, leaders) if len(leaders) > 1 else None
+            delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order)
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
                                  policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
+            worker.clock.note("build_model", (), t0, built)
             _ready(comm, rank, role.kind, start)
             worker.run_leader()
         else:
             worker = TrainerRank(comm, trainer, run_dir, mine[0], [], groups=groups, group=role.group,
                                  retention=job.adapters)
+            worker.clock.note("build_model", (), t0, built)
             _ready(comm, rank, role.kind, start)
             worker.run_follower()
     return None
+
+
+def _engine_is_up(comm, trainers: list[int]) -> None:
+    """Rollout rank, layout.share_gpus: tells every trainer rank that its engine has started."""
+    from marlaas_hpc.runtime.messages import TAG_STARTUP
+
+    for rank in trainers:
+        comm.send(comm.Get_rank(), dest=rank, tag=TAG_STARTUP)
+
+
+def _wait_for_engines(comm, rollout_ranks: list[int]) -> None:
+    """Trainer rank, layout.share_gpus: waits (sleeping between probes) until every engine has started. vLLM sizes
+    its KV cache from the free memory it measures while it profiles at start (gpu_memory_utilization): a trainer
+    allocating on the same GPU meanwhile makes it size the cache wrong, or fail its memory check. So under
+    share_gpus the trainers build their models after the engines, and start-up takes the sum of the two."""
+    from marlaas_hpc.runtime.messages import TAG_STARTUP
+
+    for rank in rollout_ranks:
+        recv_wait(comm, TAG_STARTUP, source=rank)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,6 +121,9 @@ class DeltaAnnounce:
     shapes: list[tuple[int, ...]]
     lora: object
     """The task's LoraSpec (rank, alpha, targets) for the PEFT config."""
+    seq: int | None = None
+    """With several trainer groups: the broadcast's place in the job's one order of delta broadcasts
+    (runtime/delta.py DeltaOrder), which every rollout rank posts them in. None with one group."""
 
 
 @dataclass
@@ -243,6 +246,9 @@ TAG_HANDOVER = 16
 """trainer leader -> trainer leader: Handover of a task moving between trainer groups."""
 TAG_STATE = 17
 """trainer rank -> the rank at the same position of another trainer group: a moving task's state shard."""
+TAG_STARTUP = 18
+"""rollout rank -> every trainer rank, once at start under layout.share_gpus: its engine is up (runtime/main.py
+run_rank: trainers allocate only after every engine has sized its KV cache)."""
 
 
 @dataclass
