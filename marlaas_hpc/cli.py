@@ -31,15 +31,15 @@ def _gpus_visible(job) -> bool:
         return False  # every rank refuses it at start, naming the variable
 
 
-def mpirun_command(job, config: str | None, run_dir: str, mode: str, resume: bool = False) -> list[str]:
+def mpirun_command(job, config: str | None, run_dir: str, mode: str, resume: bool = False, mpi=None) -> list[str]:
     """Local mode: one MPI world of the layout's size on this machine, run under `marlaas run` as its supervisor
-    (launch/supervise.py), which passes SIGUSR2 on to mpirun and mpirun to every rank: `kill -USR2 <pid of
-    marlaas run>` checkpoints the job (resume with --resume RUN_DIR)."""
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        raise SystemExit("marlaas: mpirun not found (Debian: apt-get install openmpi-bin libopenmpi-dev)")
-    return [mpirun, "-np", str(job.layout.world_size), "--oversubscribe", "--bind-to", "none",
-            "--mca", "mpi_yield_when_idle", "1",
+    (launch/supervise.py), which passes SIGUSR2 on to the launcher and the launcher to every rank: `kill -USR2
+    <pid of marlaas run>` checkpoints the job (resume with --resume RUN_DIR). `mpi` (launch/mpi.py LocalMpi,
+    default: the one `fault.local_mpi` names) is the fault-tolerant Open MPI when installed, else mpirun."""
+    from marlaas_hpc.launch.mpi import find_local_mpi
+
+    mpi = mpi or find_local_mpi(job.fault.local_mpi)
+    return [*mpi.launch_args(job.layout.world_size),
             sys.executable, "-m", "marlaas_hpc.runtime.main", *([config] if config else []),
             *(["--resume", run_dir] if resume else ["--run-dir", run_dir]), "--mode", mode]
 
@@ -70,13 +70,29 @@ def cmd_run(args) -> int:
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the per-task progress lines readable
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = mpirun_command(job, args.config, job.run_dir, job.mode, resume=resume)
+    from marlaas_hpc.launch.mpi import find_local_mpi
+
+    try:
+        mpi = find_local_mpi(job.fault.local_mpi)
+    except SpecError as exc:
+        print(f"marlaas: cannot start {args.config or args.resume}: {exc}", file=sys.stderr)
+        return 2
+    command = mpirun_command(job, args.config, job.run_dir, job.mode, resume=resume, mpi=mpi)
     print(f"[marlaas] local mode: {job.layout.world_size} ranks ({job.layout.env_ranks} env, "
           f"{job.layout.rollout_ranks} rollout, {job.layout.trainer_ranks} trainer), {len(job.tasks)} tasks, "
-          f"mode {job.mode}, run dir {job.run_dir}", flush=True)
+          f"mode {job.mode}, run dir {job.run_dir}, {_describe_mpi(mpi, job)}", flush=True)
     from marlaas_hpc.launch.supervise import supervise
 
-    return supervise(command, env, job.run_dir)  # one message naming the rank if one dies or fails
+    return supervise(command, mpi.environ(env), job.run_dir)  # one message naming the rank if one dies or fails
+
+
+def _describe_mpi(mpi, job) -> str:
+    """What the start line says about the MPI: whether a rank's loss stops the job."""
+    if not mpi.fault_tolerant:
+        return f"MPI {mpi.mpiexec} (no fault tolerance: a lost rank stops the job)"
+    if job.fault.on_rank_loss == "stop":
+        return "Open MPI with ULFM (fault.on_rank_loss: stop)"
+    return "Open MPI with ULFM (a lost worker rank stops no task)"
 
 
 def job_command(config: str, run_dir: str) -> str:

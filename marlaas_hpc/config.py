@@ -11,6 +11,7 @@ from marlaas_hpc.config_loader import SpecError, fields_under, load_config
 from marlaas_hpc.env.pool import EnvPoolConfig
 from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.launch.layout import JobLayout
+from marlaas_hpc.launch.mpi import FaultConfig
 from marlaas_hpc.rollout.vllm_settings import VllmSettings
 from marlaas_hpc.rundir import CheckpointConfig, RetentionConfig
 from marlaas_hpc.scheduler import MODES, ORDERS, SchedulerConfig
@@ -95,6 +96,11 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Periodic per-task checkpoints (every_steps, every_minutes: a crash loses at most that much of a task's
     work) and how often a crashed Slurm job requeues itself (max_crash_requeues)."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """What a rank's death or hang does (launch/mpi.py): on_rank_loss 'continue' (the survivors take its work:
+    needs the fault-tolerant MPI local mode runs on) or 'stop' (the job stops and resumes from its checkpoints),
+    hang_timeout_s (a rank without a heartbeat that long is killed and handled as lost), local_mpi ('auto',
+    'ulfm', 'system')."""
     adapters: RetentionConfig = field(default_factory=RetentionConfig)
     """Which adapter versions each task's `adapters/` dir keeps: the last `keep_last`, every `keep_every`-th
     (1: all), always the final one, the versions a task pins (`keep_versions`) and any still in flight
@@ -139,6 +145,7 @@ class JobConfig:
         self.layout.validate("layout")
         self.trainer.validate("trainer")
         self.checkpoint.validate("checkpoint")
+        self.fault.validate("fault")
         self.adapters.validate("adapters")
         self.env_pool.validate("env_pool")
         self._validate_model_name()

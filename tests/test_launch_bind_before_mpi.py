@@ -90,6 +90,7 @@ def _run_ranks(config: dict, tmp_path: Path, shim: Path, wrapper: tuple[str, ...
 def _config(**layout) -> dict:
     config = yaml.safe_load((ROOT / "configs" / "test-small.yaml").read_text())  # 1 env, 1 rollout, TP=2
     config["layout"] = dict(config["layout"], **layout)
+    config["fault"] = {"local_mpi": "system"}  # the shim is built with the system's mpicc, against its libmpi
     for task in config["tasks"]:
         task["total_steps"] = 1
     return config

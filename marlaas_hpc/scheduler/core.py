@@ -76,6 +76,24 @@ class Resumed:
 
 
 @dataclass(slots=True)
+class RankLost:
+    """A worker rank is gone (it died, hung and was killed, or left): the groups it held are sampled again
+    elsewhere (runtime/membership.py notices the loss; rank 0 hands it to the scheduler)."""
+
+    rank: int
+    role: str
+    """'rollout' or 'env' (a trainer group's loss is the trainer's: runtime/scheduler_rank.py)."""
+
+
+@dataclass(slots=True)
+class RankJoined:
+    """A rollout rank joined the live job (`marlaas scale`, a replacement): it takes groups from now on."""
+
+    rank: int
+    role: str = "rollout"
+
+
+@dataclass(slots=True)
 class Scored:
     group_id: str
     reward_mean: float
@@ -285,10 +303,13 @@ class Scheduler:
         """The mode's policy: quota and train rules (scheduler/modes.py)."""
         self._env_heap = [(0, rank) for rank in sorted(config.env_ranks)]
         """(load, env rank) entries; one whose load is not the rank's load now is stale."""
+        self.rollout_ranks: list[int] = list(config.rollout_ranks)
+        """Every rollout rank the job has had, in the order they came (config order, then joins); a lost one
+        stays listed (its index is never reused) but has no load entry and is never free."""
         self._rank_index = {rank: i for i, rank in enumerate(config.rollout_ranks)}
         self._free_ranks: list[int] = list(range(len(config.rollout_ranks)))
-        """Indexes (in config.rollout_ranks) of the rollout ranks with a free slot, sorted: the generate pass
-        fills them in config order."""
+        """Indexes (in rollout_ranks) of the live rollout ranks with a free slot, sorted: the generate pass fills
+        them in config order."""
 
     # ---------------------------------------------------------------- events
     def handle(self, event) -> list:
@@ -313,7 +334,65 @@ class Scheduler:
         return []
 
     def _on_resumed(self, event: Resumed) -> list:
-        self._rank_taken(event.rollout_rank, len(event.group_ids))
+        if event.rollout_rank in self.rollout_load:
+            self._rank_taken(event.rollout_rank, len(event.group_ids))
+        return []
+
+    # ---------------------------------------------------------------- ranks lost and joined
+    def _on_rank_lost(self, event: RankLost) -> list:
+        """The lost rank leaves the pools; every group it held that is not scored yet (generating there, or
+        routed to it for scoring) is forgotten and its prompt issued again, to the survivors, at the task's
+        version then: nothing of it was trained, so nothing is trained twice. Its old data, wherever it still
+        turns up (a trainer leader's buffer), is discarded."""
+        rank = event.rank
+        if event.role == "rollout" and rank in self.rollout_load:
+            del self.rollout_load[rank]
+            index = self._rank_index[rank]
+            at = bisect.bisect_left(self._free_ranks, index)
+            if at < len(self._free_ranks) and self._free_ranks[at] == index:
+                del self._free_ranks[at]
+            held = "rollout_rank"
+        elif event.role == "env" and rank in self.env_load:
+            del self.env_load[rank]  # its heap entries go stale (_take_env_rank skips them)
+            held = "env_rank"
+        else:
+            return []
+        lost = [group for task in self.tasks.values() if task.status == RUNNING
+                for group in itertools.chain(task.generating.values(), task.scoring.values())
+                if getattr(group, held) == rank]
+        return self._reissue(lost, f"{event.role} rank {rank} lost")
+
+    def _reissue(self, groups: list[Group], reason: str) -> list:
+        """Forgets these in-flight groups and queues their prompts to be issued again (`_issue` takes them
+        first); one Discard per task names them for the trainer leader."""
+        by_task: dict[str, list[Group]] = {}
+        for group in groups:
+            task = self.tasks[group.task_id]
+            if task.generating.pop(group.group_id, None) is None:
+                del task.scoring[group.group_id]
+            self._group_of.pop(group.group_id, None)
+            if group.env_rank in self.env_load:  # its Scored, if it still comes, is ignored: free its place now
+                self._env_rank_freed(group.env_rank)
+            task.reissue.append(group.prompt_index)
+            task.reissued_groups += 1
+            by_task.setdefault(task.task_id, []).append(group)
+        out = []
+        for task_id, lost in by_task.items():
+            task = self.tasks[task_id]
+            task.reissue.sort()  # oldest prompts first
+            out.append(self._forget(lost, task, reason))
+            self._touch(task)
+        return out
+
+    def _on_rank_joined(self, event: RankJoined) -> list:
+        if event.role != "rollout":
+            raise ValueError(f"only rollout ranks join a live job, not {event.role!r} rank {event.rank}")
+        if event.rank in self._rank_index:
+            raise ValueError(f"rollout rank {event.rank} is already known")
+        self._rank_index[event.rank] = len(self.rollout_ranks)
+        self.rollout_ranks.append(event.rank)
+        self.rollout_load[event.rank] = 0
+        bisect.insort(self._free_ranks, self._rank_index[event.rank])
         return []
 
     def _submit(self, spec: TaskSpec, resume: dict | None = None) -> None:
@@ -337,7 +416,8 @@ class Scheduler:
         # Generated of a multi-turn group's later turn (after its Resumed) only frees the slot.
         out = []
         versions = event.versions or (None,) * len(event.group_ids)
-        self._rank_freed(event.rollout_rank, len(event.group_ids))
+        if event.rollout_rank in self.rollout_load:  # a lost rank's last words free nothing
+            self._rank_freed(event.rollout_rank, len(event.group_ids))
         for gid, version in zip(event.group_ids, versions):
             group = self._group_of.get(gid)
             if group is None:
@@ -494,7 +574,7 @@ class Scheduler:
         elif self.trainers.ready:
             for group in sorted(self.trainers.ready):
                 out += self._train(group)
-        if self._issuable and self._free_ranks:
+        if self._issuable and self._free_ranks and self.env_load:
             out += self._generate()
         return out
 
@@ -593,6 +673,8 @@ class Scheduler:
 
     def _env_rank_freed(self, rank: int) -> None:
         """A group left an env rank: its load falls by one (re-filed in the heap; its old entry goes stale)."""
+        if rank not in self.env_load:
+            return  # lost
         load = self.env_load[rank] = self.env_load[rank] - 1
         heapq.heappush(self._env_heap, (load, rank))
         if len(self._env_heap) > 8 * len(self.env_load) + 64:  # drop the stale entries now and then
@@ -605,9 +687,13 @@ class Scheduler:
         heap, env_load = self._env_heap, self.env_load
         while True:
             load, rank = heap[0]
-            if load == env_load[rank]:
+            current = env_load.get(rank)
+            if load == current:
                 break
-            heapq.heapreplace(heap, (env_load[rank], rank))
+            if current is None:  # a lost rank's entry
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, (current, rank))
         env_load[rank] = load + count
         heapq.heapreplace(heap, (load + count, rank))
         return rank
@@ -630,7 +716,7 @@ class Scheduler:
         """Fills the rollout ranks' free slots (config order) with the issuable tasks' groups, in rollout order."""
         out = []
         while self._issuable and self._free_ranks:
-            rank = self.config.rollout_ranks[self._free_ranks[0]]  # the first rank (config order) with room
+            rank = self.rollout_ranks[self._free_ranks[0]]  # the first rank (config order) with room
             free = self.config.rollout_slots - self.rollout_load[rank]
             # tasks with quota > 0 in order; each one popped is issued (take > 0), so none needs re-pushing
             # unless it keeps quota, which means the rank is full and this rank's pass ends
@@ -656,11 +742,10 @@ class Scheduler:
         mode's quota falls one for one with it (down to the clamp at 0)."""
         env_rank = self._take_env_rank(count)
         groups = []
-        for prompt in range(task.next_prompt, task.next_prompt + count):
-            group = Group(f"{task.task_id}/g{prompt}", task.task_id, prompt, task.version, rank, env_rank)
-            self._group_of[group.group_id] = task.generating[group.group_id] = group
-            groups.append((group.group_id, prompt))
-        task.next_prompt += count
+        for prompt, group_id in self._prompts(task, count):
+            group = Group(group_id, task.task_id, prompt, task.version, rank, env_rank)
+            self._group_of[group_id] = task.generating[group_id] = group
+            groups.append((group_id, prompt))
         self._rank_taken(rank, count)
         # served (fair order): the task moves to the back of the rollout queue only (its train order must not
         # change: it could be overtaken again and again); only the issuable index is re-filed
@@ -670,6 +755,21 @@ class Scheduler:
         else:
             del self._issuable[task.task_id]
         return Generate(rank, env_rank, task.task_id, task.version, tuple(groups))
+
+    @staticmethod
+    def _prompts(task: TaskState, count: int) -> list[tuple[int, str]]:
+        """(prompt index, group id) of the task's next `count` groups: prompts of lost groups first, each under
+        a fresh id (`<task>/g<prompt>.r<n>`, n-th issue again: data of the lost one may still turn up), then
+        the stream's next ones (`<task>/g<prompt>`)."""
+        out = []
+        while task.reissue and len(out) < count:
+            prompt = task.reissue.pop(0)
+            again = task.attempts[prompt] = task.attempts.get(prompt, 0) + 1
+            out.append((prompt, f"{task.task_id}/g{prompt}.r{again}"))
+        fresh = count - len(out)
+        out += [(prompt, f"{task.task_id}/g{prompt}") for prompt in range(task.next_prompt, task.next_prompt + fresh)]
+        task.next_prompt += fresh
+        return out
 
     # ---------------------------------------------------------------- queries
     def settled(self) -> bool:
@@ -727,4 +827,5 @@ class Scheduler:
 Scheduler._HANDLERS = {Submit: Scheduler._on_submit, Cancel: Scheduler._on_cancel,
                        Generated: Scheduler._on_generated, Resumed: Scheduler._on_resumed, Scored: Scheduler._on_scored,
                        StepDone: Scheduler._on_step_done, TaskFailed: Scheduler._on_task_failed,
-                       Moved: Scheduler._on_moved}
+                       Moved: Scheduler._on_moved, RankLost: Scheduler._on_rank_lost,
+                       RankJoined: Scheduler._on_rank_joined}

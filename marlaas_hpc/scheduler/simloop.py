@@ -11,8 +11,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from marlaas_hpc.scheduler.core import (Admit, Discard, Generate, Generated, Move, Moved, Scheduler, Scored,
-                                        StepDone, Submit, TaskEnded, TaskFailed, Train)
+from marlaas_hpc.scheduler.core import (Admit, Discard, Generate, Generated, Move, Moved, RankJoined, RankLost,
+                                        Scheduler, Scored, StepDone, Submit, TaskEnded, TaskFailed, Train)
 from marlaas_hpc.scheduler.staleness import within_bound
 from marlaas_hpc.tasks.spec import TaskSpec
 
@@ -36,6 +36,21 @@ class SimResult:
     trains: list[Train] = field(default_factory=list)
     """Every Train order, in issue order."""
     moves: list[Move] = field(default_factory=list)
+    discarded: list[str] = field(default_factory=list)
+    """Every group id the scheduler discarded (stale, its task ended, or lost with a rank)."""
+    lost_events: int = 0
+    """Worker events that never happened because their rank was lost first."""
+
+
+@dataclass(frozen=True)
+class _Worker:
+    """An event a worker produces, which happens only if the ranks it depends on are alive then: a Generated needs
+    its rollout rank at the end of generation; a Scored needs the rollout rank then and the env rank at its end."""
+
+    event: object
+    rollout_rank: int
+    generated_at: float
+    env_rank: int | None = None
 
 
 class SimLoop:
@@ -52,6 +67,8 @@ class SimLoop:
         self._queue: list = []
         self._order = itertools.count()
         self.result = SimResult(0.0, 0)
+        self.lost_at: dict[int, float] = {}
+        """Rank -> when it was lost (injected failures)."""
 
     def clock(self) -> float:
         return self.now
@@ -62,14 +79,37 @@ class SimLoop:
     def submit(self, spec: TaskSpec, delay: float = 0.0) -> None:
         self.at(delay, Submit(spec))
 
+    def lose(self, rank: int, role: str, at: float) -> None:
+        """Injects a failure: the rank is gone at time `at` (what it had not finished by then never happens) and
+        the scheduler hears of it then (RankLost), as rank 0 does from the MPI's failure notice."""
+        self.at(at, _Loss(rank, role))
+
+    def join(self, rank: int, at: float) -> None:
+        """A rollout rank joins at time `at` (RankJoined)."""
+        self.at(at, RankJoined(rank))
+
     def run(self, max_events: int = 10_000_000) -> SimResult:
         while self._queue and self.result.events < max_events:
             self.now, _, event = heapq.heappop(self._queue)
+            if isinstance(event, _Loss):
+                self.lost_at[event.rank] = self.now
+                event = RankLost(event.rank, event.role)
+            elif isinstance(event, _Worker):
+                if not self._happens(event):
+                    self.result.lost_events += 1
+                    continue
+                event = event.event
             self.result.events += 1
             for command in self.scheduler.handle(event):
                 self._execute(command)
         self.result.end_time = self.now
         return self.result
+
+    def _happens(self, worker: "_Worker") -> bool:
+        lost = self.lost_at
+        if lost.get(worker.rollout_rank, float("inf")) <= worker.generated_at:
+            return False
+        return worker.env_rank is None or lost.get(worker.env_rank, float("inf")) > self.now
 
     def _jitter(self) -> float:
         return self._rng.uniform(0.0, self.delivery_jitter) if self.delivery_jitter else 0.0
@@ -79,10 +119,13 @@ class SimLoop:
         if isinstance(command, Admit):
             self.at(d.publish(command.spec.task_id), StepDone(command.spec.task_id, 0))
         elif isinstance(command, Generate):
+            rank = command.rollout_rank
             for group_id, _ in command.groups:
                 gen_time = d.generate(command.task_id, group_id)
-                self.at(gen_time + self._jitter(), Generated(command.rollout_rank, (group_id,)))
-                self.at(gen_time + d.score(command.task_id, group_id) + self._jitter(), Scored(group_id, 0.0))
+                generated = self.now + gen_time
+                self.at(gen_time + self._jitter(), _Worker(Generated(rank, (group_id,)), rank, generated))
+                self.at(gen_time + d.score(command.task_id, group_id) + self._jitter(),
+                        _Worker(Scored(group_id, 0.0), rank, generated, command.env_rank))
         elif isinstance(command, Train):
             # the trainer's own check of the staleness rule, as the real trainer does
             if not all(within_bound(v, command.from_version, command.bound) for v in command.behaviour_versions):
@@ -98,5 +141,13 @@ class SimLoop:
         elif isinstance(command, Move):  # the handover takes about a publish
             self.result.moves.append(command)
             self.at(d.publish(command.task_id), Moved(command.task_id, command.to_group))
-        elif not isinstance(command, Discard):
+        elif isinstance(command, Discard):
+            self.result.discarded += command.group_ids
+        else:
             raise TypeError(f"unknown command {command!r}")
+
+
+@dataclass(frozen=True)
+class _Loss:
+    rank: int
+    role: str

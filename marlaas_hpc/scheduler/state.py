@@ -59,6 +59,12 @@ class TaskState:
     """The trainer group that owns the task's adapter and optimizer (set at admission; None before)."""
     moves: int = 0
     """Times the task moved to another trainer group (placement/rebalancing)."""
+    reissue: list[int] = field(default_factory=list)
+    """Prompts of lost in-flight groups (their rank was lost), issued again before the stream's next ones."""
+    attempts: dict[int, int] = field(default_factory=dict)
+    """Prompt -> times it was issued again (the suffix of its group id)."""
+    reissued_groups: int = 0
+    """Groups lost with a rank and issued again."""
 
     def checkpoint(self) -> dict:
         """What a resume restarts the task from (JSON). Groups in flight or buffered are not kept: their prompts
@@ -71,7 +77,9 @@ class TaskState:
                 "submitted_at": self.submitted_at, "step_times": list(self.step_times),
                 "reward_history": list(self.reward_history), "trainer_group": self.trainer_group,
                 "moves": self.moves,
-                "preempted_groups": self.preempted_groups + self.outstanding() if unfinished else self.preempted_groups}
+                "reissued_groups": self.reissued_groups,
+                "preempted_groups": self.preempted_groups + self.outstanding() + len(self.reissue) if unfinished
+                else self.preempted_groups}
 
     @classmethod
     def from_checkpoint(cls, spec: TaskSpec, record: dict) -> "TaskState":
@@ -85,6 +93,7 @@ class TaskState:
                    step_times=list(record["step_times"]), error=record["error"],
                    reward_history=list(record["reward_history"]),
                    preempted_groups=record.get("preempted_groups", 0), moves=record.get("moves", 0),
+                   reissued_groups=record.get("reissued_groups", 0),
                    trainer_group=record.get("trainer_group") if ended else None)
         if not ended and version is not None:
             task.resume_version = version

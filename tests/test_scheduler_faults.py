@@ -1,0 +1,116 @@
+"""Rank losses and joins as scheduler events (RankLost / RankJoined): the pure scheduler, driven by SimLoop with
+injected failures. A lost rollout or env rank's unscored groups are issued again to the survivors under fresh
+ids; every task still finishes, every step trains exactly B groups within the bound, no prompt is trained twice,
+and nothing of a lost group is ever trained."""
+import collections
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from marlaas_hpc.scheduler import (DONE, Generate, Generated, RankJoined, RankLost, Scheduler, SchedulerConfig,
+                                   Scored, StepDone, Submit)
+from marlaas_hpc.scheduler.simloop import SimLoop
+from test_scheduler import RandomDurations, spec
+
+
+def _loop(specs, rollout=(1, 2), env=(10, 11), seed=0, slots=3):
+    loop = SimLoop.__new__(SimLoop)
+    config = SchedulerConfig(rollout_ranks=tuple(rollout), env_ranks=tuple(env), rollout_slots=slots, max_adapters=8)
+    scheduler = Scheduler(config, clock=lambda: loop.now)
+    SimLoop.__init__(loop, scheduler, RandomDurations(seed), delivery_jitter=0.05, seed=seed)
+    for s in specs:
+        loop.submit(s)
+    return scheduler, loop
+
+
+def _check_exact(scheduler, result, specs):
+    assert result.ended == {s.task_id: DONE for s in specs}, "every task finishes on the survivors"
+    discarded = set(result.discarded)
+    for s in specs:
+        records = [r for r in scheduler.audit if r.task_id == s.task_id]
+        per_version = collections.Counter(r.trained_into for r in records)
+        assert per_version == {v: s.algo.batch_prompts for v in range(1, s.total_steps + 1)}
+        prompts = [r.group_id.split("/g")[1].split(".r")[0] for r in records]
+        assert len(prompts) == len(set(prompts)), "no prompt is trained twice"
+        assert not discarded & {r.group_id for r in records}, "nothing of a lost group is trained"
+        for r in records:
+            assert r.trained_into - 1 - s.max_staleness <= r.behaviour_version <= r.trained_into - 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), role=st.sampled_from(["rollout", "env"]), at=st.floats(0.0, 8.0),
+       bounds=st.lists(st.integers(0, 3), min_size=1, max_size=3))
+def test_property_a_lost_worker_rank_loses_no_step_and_trains_nothing_twice(seed, role, at, bounds):
+    specs = [spec(f"t{i}", k, steps=6, batch=2) for i, k in enumerate(bounds)]
+    scheduler, loop = _loop(specs, seed=seed)
+    loop.lose(2 if role == "rollout" else 11, role, at)
+    result = loop.run()
+    _check_exact(scheduler, result, specs)
+    survivor = 1 if role == "rollout" else 10
+    assert set(scheduler.rollout_load if role == "rollout" else scheduler.env_load) == {survivor}
+
+
+@pytest.mark.parametrize("role, rank", [("rollout", 2), ("env", 11)])
+def test_a_loss_mid_run_reissues_groups(role, rank):
+    specs = [spec("a", 1, steps=8, batch=2), spec("b", 0, steps=8, batch=2)]
+    scheduler, loop = _loop(specs, seed=3)
+    loop.lose(rank, role, at=2.0)
+    result = loop.run()
+    _check_exact(scheduler, result, specs)
+    reissued = sum(t.reissued_groups for t in scheduler.tasks.values())
+    assert reissued > 0 and result.lost_events > 0 and len(result.discarded) >= reissued
+    assert any(".r1" in r.group_id for r in scheduler.audit), "a group issued again is trained"
+
+
+def test_groups_of_a_lost_rollout_rank_go_to_the_survivor_under_fresh_ids():
+    scheduler = Scheduler(SchedulerConfig(rollout_ranks=(1, 2), env_ranks=(10,), rollout_slots=2), clock=lambda: 0.0)
+    scheduler.handle(Submit(spec("a", 1, steps=3, batch=2)))
+    out = scheduler.handle(StepDone("a", 0))
+    on_two = [g for c in out if isinstance(c, Generate) and c.rollout_rank == 2 for g in c.groups]
+    assert on_two, out
+    out = scheduler.handle(RankLost(2, "rollout"))
+    discard = [c for c in out if type(c).__name__ == "Discard"]
+    assert discard and set(discard[0].group_ids) == {gid for gid, _ in on_two}
+    again = [c for c in out if isinstance(c, Generate)]
+    # the survivor is full (2 slots): the prompts wait for its slots, then come out first, under fresh ids
+    assert not again and scheduler.tasks["a"].reissue == sorted(p for _, p in on_two)
+    freed = scheduler.handle(Generated(1, ("a/g0",)))
+    issued = [g for c in freed if isinstance(c, Generate) for g in c.groups]
+    assert issued and all(c.rollout_rank == 1 for c in freed if isinstance(c, Generate))
+    assert issued[0] == (f"a/g{on_two[0][1]}.r1", on_two[0][1])
+
+
+def test_late_events_of_a_lost_rank_change_nothing():
+    scheduler = Scheduler(SchedulerConfig(rollout_ranks=(1, 2), env_ranks=(10, 11), rollout_slots=1),
+                          clock=lambda: 0.0)
+    scheduler.handle(Submit(spec("a", 1, steps=3, batch=2)))
+    out = scheduler.handle(StepDone("a", 0))
+    lost = next(c for c in out if isinstance(c, Generate) and c.rollout_rank == 2)
+    scheduler.handle(RankLost(2, "rollout"))
+    load = dict(scheduler.rollout_load)
+    scheduler.handle(Generated(2, (lost.groups[0][0],)))  # sent just before it died
+    scheduler.handle(Scored(lost.groups[0][0], 1.0))
+    assert scheduler.rollout_load == load and 2 not in scheduler.rollout_load
+    assert not scheduler.tasks["a"].ready, "a lost group's late Scored is not trained"
+
+
+def test_a_joined_rollout_rank_takes_groups():
+    scheduler, loop = _loop([spec("a", 1, steps=8, batch=2), spec("b", 2, steps=8, batch=2)], rollout=(1,),
+                            env=(10,), slots=1)
+    loop.join(7, at=1.0)
+    result = loop.run()
+    assert result.ended == {"a": DONE, "b": DONE}
+    assert 7 in scheduler.rollout_load and scheduler.rollout_ranks == [1, 7]
+    with pytest.raises(ValueError, match="already known"):
+        scheduler.handle(RankJoined(7))
+
+
+def test_losing_every_env_rank_issues_nothing_more():
+    scheduler = Scheduler(SchedulerConfig(rollout_ranks=(1,), env_ranks=(10,), rollout_slots=2), clock=lambda: 0.0)
+    scheduler.handle(Submit(spec("a", 1, steps=3, batch=2)))
+    scheduler.handle(StepDone("a", 0))
+    out = scheduler.handle(RankLost(10, "env"))
+    assert not [c for c in out if isinstance(c, Generate)]
+    for group_id in ("a/g0", "a/g1"):  # the rollout rank goes on, but no group has an env rank to go to
+        assert not [c for c in scheduler.handle(Generated(1, (group_id,))) if isinstance(c, Generate)]
