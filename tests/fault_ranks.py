@@ -4,7 +4,8 @@ job's monitor like marlaas ranks do, then one of them fails in the way asked for
     mpirun -np 3 python tests/fault_ranks.py WHAT RUN_DIR
     WHAT: ok | kill (rank 2 SIGKILLs itself while rank 1 waits on it in a gloo broadcast) | raise (rank 1 raises
           an OSError ENOSPC) | hang (rank 2 SIGKILLs itself, no MPI: run as plain processes by a launcher that
-          never stops them)
+          never stops them) | stuck (every rank beats; rank 2's loop stops turning inside a 'generate' span, as
+          a deadlocked engine's would: its hang_timeout_s is 2 s)
 """
 import errno
 import os
@@ -39,9 +40,12 @@ def main(what: str, run_dir: str) -> None:
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    reporter = RankReporter.connect({"rank": rank, "role": ROLES[rank], "run_dir": run_dir, "max_crash_requeues": 1})
+    reporter = RankReporter.connect({"rank": rank, "role": ROLES[rank], "run_dir": run_dir, "max_crash_requeues": 1,
+                                     "hang_timeout_s": 2.0 if what == "stuck" else 0})
     group = gloo_pair(comm, rank) if what == "kill" else None
     comm.Barrier()
+    if what == "stuck":
+        stuck(reporter, rank)
     try:
         if what == "kill" and rank == 2:
             time.sleep(0.5)
@@ -59,6 +63,19 @@ def main(what: str, run_dir: str) -> None:
         comm.Abort(1)
     comm.Barrier()
     reporter.bye()
+
+
+def stuck(reporter, rank: int) -> None:
+    """Every rank's loop turns and beats; rank 2's stops turning in the middle of a span (the supervisor kills it,
+    then the launcher the others)."""
+    reporter.start_heartbeat()
+    deadline = time.monotonic() + 120
+    if rank == 2:
+        reporter.doing("generate", ["add"])
+    while time.monotonic() < deadline:
+        if rank != 2:
+            reporter.turned()
+        time.sleep(0.05)
 
 
 def hang(run_dir: str) -> None:

@@ -132,7 +132,9 @@ def _config(tmp_path: Path) -> Path:
         "def reward(sample, completion):\n    raise RuntimeError('verifier crashed on purpose')\n")
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
-    config = small_config(checkpoint={"every_steps": EVERY, "every_minutes": 0},
+    # the system's MPI (Debian's Open MPI 4: no ULFM): the stop-and-resume path Slurm runs take, whose message says
+    # why a rank's loss stops the job (tests/test_fault_tolerance.py: the job that goes on)
+    config = small_config(fault={"local_mpi": "system"}, checkpoint={"every_steps": EVERY, "every_minutes": 0},
                           env_pool={"mode": "thread", "workers": 4, "step_timeout_s": 3},
                           adapters={"keep_every": 1})  # every version stays: the final cell checks each is there
     for task in config["tasks"]:
@@ -292,6 +294,8 @@ def _check_crash_cell(cell: dict, cause: str) -> None:
     message = cell["messages"][0]
     assert f"rank {cell['rank']} ({cell['role']}" in message and cause in message, message
     assert "no task is at fault" in message and "marlaas run --resume" in message
+    why = "Rank 0 runs the scheduler" if cell["rank"] == 0 else "The job stops without it: Open MPI v4"
+    assert why in message, message
     assert cell["crash"]["rank"] == cell["rank"] and cell["crash"]["message"] == message
     assert cell["statuses"]["add"] in ("running", "done") and cell["statuses"]["sort"] in ("running", "done"), \
         "no training task is blamed"

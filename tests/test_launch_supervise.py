@@ -130,3 +130,42 @@ def test_a_crash_report_is_not_overtaken_by_the_deaths_it_causes():
         assert (first.rank, first.kind) == (4, "crash"), monitor.failures
     finally:
         monitor.close()
+
+
+def test_a_rank_whose_loop_stops_turning_is_killed_and_named_with_what_it_was_doing(tmp_path, capfd):
+    """Rank 2's loop stops turning inside a 'generate' span (its heartbeat thread goes on): after its
+    hang_timeout_s the supervisor names it, says what it was doing, and kills it; the job then stops as after
+    any rank's death."""
+    t0 = time.monotonic()
+    code, err, run_dir = _supervised("stuck", tmp_path, capfd)
+    assert code != 0 and time.monotonic() - t0 < 60, "killed long before the ranks' own 120 s"
+    lines = [line for line in err.splitlines() if line.startswith("marlaas: job stopped")]
+    assert len(lines) == 1, err[-3000:]
+    assert "rank 2 (rollout" in lines[0] and "hung: its loop has not turned for" in lines[0]
+    assert "in 'generate' of add" in lines[0] and "killed with SIGKILL" in lines[0]
+
+
+def test_a_stopped_rank_sends_no_heartbeat_and_is_found_hung():
+    """A process stopped with SIGSTOP: its heartbeat thread stops too, and the silence is what counts."""
+    from marlaas_hpc.launch.monitor import RankMonitor
+
+    monitor = RankMonitor("127.0.0.1")
+    script = ("import sys, time\nfrom marlaas_hpc.launch.monitor import RankReporter\n"
+              "r = RankReporter.connect({'rank': 3, 'role': 'rollout', 'hang_timeout_s': 2.0})\n"
+              "r.start_heartbeat()\nwhile True:\n    r.turned(); time.sleep(0.05)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], env=dict(_env(), MARLAAS_MONITOR=monitor.address))
+    try:
+        deadline = time.monotonic() + 30
+        while not any(p.beat for p in monitor._peers.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2.5)
+        assert monitor.hung() == [], "a rank that turns and beats is not hung"
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(3.5)
+        (found,) = monitor.hung()
+        assert found.rank == 3 and found.kind == "hang" and "no heartbeat for" in found.cause
+        assert monitor.hung() == [], "each hang is found once"
+    finally:
+        proc.kill()
+        proc.wait()
+        monitor.close()

@@ -314,3 +314,38 @@ def test_static_batching_engine_runs_whole_batches():
     sim, outcome = simulate(workload=static, n_tasks=8)
     assert set(outcome.ended.values()) == {"done"} and not staleness_violations(sim)
     assert outcome.end_time > simulate(workload=continuous, n_tasks=8)[1].end_time
+
+
+@pytest.mark.parametrize("role", ["rollout", "env"])
+def test_an_injected_rank_loss_drives_the_real_scheduler_and_the_job_goes_on(role):
+    """A rollout or env rank lost a third into the job: the scheduler gets RankLost (as the runtime's rank 0
+    does), issues the lost groups again, and every task still trains every version from B groups, within its
+    bound, none twice; the same seed gives the same trace."""
+    import collections
+
+    from marlaas_hpc.sim.setup import RankLoss
+
+    clean = simulate(seed=3, n_tasks=8, rollout_ranks=2, env_ranks=2)[1]
+    loss = RankLoss(role, 1, clean.end_time / 3)
+    sim, outcome = simulate(seed=3, n_tasks=8, rollout_ranks=2, env_ranks=2, losses=[loss])
+    assert set(outcome.ended.values()) == {"done"} and not staleness_violations(sim)
+    for spec in sim.setup.tasks:
+        per_version = collections.Counter(r.trained_into for r in sim.scheduler.audit if r.task_id == spec.task_id)
+        assert per_version == {v: spec.algo.batch_prompts for v in range(1, spec.total_steps + 1)}
+    (lost,) = sim.ranks_lost
+    assert lost["role"] == role and lost["groups_reissued"] and lost["at"] > loss.at_s
+    assert not {r.group_id for r in sim.scheduler.audit} & set(lost["groups_reissued"])
+    assert sim.scheduler.rollout_load.keys() == ({sim.setup.world_ranks()["rollout"][0]} if role == "rollout"
+                                                 else set(sim.setup.world_ranks()["rollout"]))
+    again = simulate(seed=3, n_tasks=8, rollout_ranks=2, env_ranks=2, losses=[loss])[1]
+    assert again.trace_hash == outcome.trace_hash != clean.trace_hash
+
+
+def test_simulate_command_injects_a_loss(tmp_path, capsys):
+    from marlaas_hpc.cli import main
+
+    assert main(["simulate", str(ROOT / "configs/calib-small.yaml"), "--tasks", "6", "--rollout-ranks", "2",
+                 "--lose", "rollout:1@2", "--out", str(tmp_path)]) == 0
+    assert "rollout rank" in capsys.readouterr().out
+    assert main(["simulate", str(ROOT / "configs/calib-small.yaml"), "--lose", "rollout:0@2"]) == 2
+    assert "every rollout rank is lost" in capsys.readouterr().err

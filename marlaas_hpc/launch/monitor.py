@@ -8,8 +8,16 @@ the kernel closes its socket at once, so the supervisor sees that rank's connect
 launcher takes the other ranks down (mpirun: about 1-2 s later). The first failure that is not a consequence of
 another (`peer_lost`: a collective whose other end died) names the rank, its role and the cause.
 
+Hangs (a rank alive but stuck: in a collective, a deadlocked engine, a hung worker pool) are the heartbeat's:
+once its loop runs, each rank's reporter beats once a second from a thread of its own, saying how long ago its
+loop last turned (`turned`, called on every probe for messages: runtime/membership.py) and what it is doing
+(`doing`: its BusyClock span). The supervisor's watchdog (`RankMonitor.watch`) counts a rank hung when its loop
+has not turned for its `hang_timeout_s` (hello), or when it has sent no beat for that long (a stopped process);
+it names the rank with what it was doing and kills it, and the rank is then handled as a dead one.
+
 Protocol: one JSON object per line, rank -> supervisor only.
-    {"kind": "hello", "rank": 3, "role": "trainer leader", "pid": 123, "host": "n1", ...}
+    {"kind": "hello", "rank": 3, "role": "trainer leader", "pid": 123, "host": "n1", "hang_timeout_s": 600, ...}
+    {"kind": "beat", "loop_s": 0.01, "doing": "train", "tasks": ["add"], "doing_s": 0.3}
     {"kind": "crash", "cause": "OSError: [Errno 28] No space left on device", "peer_lost": false,
      "traceback": "RUN_DIR/crash/rank3.txt"}
     {"kind": "bye"}
@@ -48,13 +56,25 @@ class _Peer:
     buffer: bytes = b""
     hello: dict | None = None
     ended: bool = False
-    """It said bye or crash: the end of its connection is no failure of its own."""
+    """It said bye or crash (or was found hung): the end of its connection is no failure of its own."""
+    beat: dict | None = None
+    """Its latest heartbeat (none before its loop runs)."""
+    beat_at: float = 0.0
+    """When it arrived (time.monotonic)."""
+
+
+def tolerated(failure: RankFailure) -> bool:
+    """The job goes on without this rank: a worker (not rank 0) of a job that survives a rank's loss (its hello
+    says so: runtime/membership.py)."""
+    return failure.rank != 0 and bool(failure.info.get("tolerant"))
 
 
 class RankMonitor:
     """Supervisor side: accepts one connection per rank and keeps each rank's hello and failure."""
 
-    def __init__(self, host: str | None = None):
+    def __init__(self, host: str | None = None, on_failure=None):
+        self.on_failure = on_failure
+        """Called (on the monitor's thread) with each failure as it is recorded."""
         self._server = socket.create_server(("", 0))
         self.address = f"{host or socket.gethostname()}:{self._server.getsockname()[1]}"
         self.hellos: dict[int, dict] = {}
@@ -64,6 +84,7 @@ class RankMonitor:
         self.failed = threading.Event()
         """Set at the first failure that is not a consequence of another (the supervisor then makes sure the
         launcher ends)."""
+        self._peers: dict[socket.socket, _Peer] = {}
         threading.Thread(target=self._serve, name="rank-monitor", daemon=True).start()
 
     def _serve(self) -> None:
@@ -73,7 +94,7 @@ class RankMonitor:
         connection they did, now and then, on a loaded node: a killed bystander was named instead)."""
         selector = selectors.DefaultSelector()
         selector.register(self._server, selectors.EVENT_READ)
-        peers: dict[socket.socket, _Peer] = {}
+        peers = self._peers
         while not self._closed:
             try:
                 events = selector.select(timeout=0.5)
@@ -88,7 +109,8 @@ class RankMonitor:
                         return
                     conn.setblocking(False)
                     selector.register(conn, selectors.EVENT_READ)
-                    peers[conn] = _Peer()
+                    with self._lock:
+                        peers[conn] = _Peer()
                     continue
                 try:
                     data = key.fileobj.recv(65536)
@@ -103,7 +125,8 @@ class RankMonitor:
             for conn in ended:
                 selector.unregister(conn)
                 conn.close()
-                peer = peers.pop(conn)
+                with self._lock:
+                    peer = peers.pop(conn)
                 if peer.hello is not None and not peer.ended and not self._closed:
                     self._record(RankFailure(peer.hello["rank"], peer.hello["role"], "died",
                                              "ended without an error report", time.time(), False, dict(peer.hello)))
@@ -125,39 +148,133 @@ class RankMonitor:
                 self._record(RankFailure(hello["rank"], hello["role"], "crash", message["cause"], time.time(),
                                          bool(message.get("peer_lost")), {**hello, **message}))
                 peer.ended = True
+            elif message.get("kind") == "beat":
+                peer.beat, peer.beat_at = message, time.monotonic()
             elif message.get("kind") == "bye":
                 peer.ended = True
 
     def _record(self, failure: RankFailure) -> None:
         with self._lock:
             self.failures.append(failure)
-        if not failure.peer_lost:
+        if self.on_failure is not None:
+            self.on_failure(failure)
+        if not failure.peer_lost and not tolerated(failure):
             self.failed.set()
 
     def first_failure(self) -> RankFailure | None:
-        """The failure that took the job down: the earliest one that is not a consequence of another; else the
-        earliest of all (every failure reported a lost peer: the dead peer never connected)."""
+        """The failure that took the job down: the earliest one that is not a consequence of another and that the
+        job did not go on without; else the last loss it went on without (rank 0 then gave up: no rank of that
+        kind left); else the earliest of all (every failure reported a lost peer: the dead peer never
+        connected)."""
         with self._lock:
             failures = sorted(self.failures, key=lambda f: f.time)
-        causes = [f for f in failures if not f.peer_lost]
-        return (causes or failures or [None])[0]
+        causes = [f for f in failures if not f.peer_lost and not tolerated(f)]
+        if causes:
+            return causes[0]
+        survived = [f for f in failures if tolerated(f)]
+        return survived[-1] if survived else (failures or [None])[0]
 
     def hello(self, rank: int) -> dict | None:
         with self._lock:
             return self.hellos.get(rank)
+
+    # ---- hangs ----
+    def hung(self, now: float | None = None) -> list[RankFailure]:
+        """Ranks found hung now (each once): their loop has not turned, or they have not beaten, for their
+        hang_timeout_s. They are recorded as failures (kind 'hang') whose connection's end is then no news."""
+        now = time.monotonic() if now is None else now
+        found = []
+        with self._lock:
+            peers = [peer for peer in self._peers.values()
+                     if peer.beat is not None and not peer.beat.get("done") and not peer.ended]
+        for peer in peers:
+            timeout = float(peer.hello.get("hang_timeout_s") or 0)
+            silent = now - peer.beat_at
+            stuck = float(peer.beat.get("loop_s", 0.0)) + silent
+            if not timeout or max(silent, stuck) < timeout:
+                continue
+            peer.ended = True
+            found.append(RankFailure(peer.hello["rank"], peer.hello["role"], "hang",
+                                     describe_hang(peer.beat, silent, stuck), time.time(), False,
+                                     {**peer.hello, "beat": peer.beat}))
+        return found
+
+    def record_hang(self, failure: RankFailure) -> None:
+        self._record(failure)
+
+    def watch(self, on_hang, period_s: float = 1.0) -> None:
+        """Checks for hung ranks every `period_s` on a thread of its own; `on_hang(failure)` acts on each."""
+        def loop():
+            while not self._closed:
+                for failure in self.hung():
+                    on_hang(failure)
+                time.sleep(period_s)
+
+        threading.Thread(target=loop, name="hang-watch", daemon=True).start()
 
     def close(self) -> None:
         self._closed = True
         self._server.close()
 
 
+def describe_hang(beat: dict, silent_s: float, stuck_s: float) -> str:
+    """'hung: its loop has not turned for 31 s (in 'train' of add for 30 s); killed with SIGKILL'."""
+    doing, tasks = beat.get("doing"), beat.get("tasks") or []
+    if doing:
+        where = f"in '{doing}'" + (f" of {', '.join(tasks[:4])}" if tasks else "") \
+            + f" for {beat.get('doing_s', 0.0) + silent_s:.0f} s"
+    else:
+        where = "between its steps"
+    heard = f"; no heartbeat for {silent_s:.0f} s: stopped?" if silent_s > 2.5 else ""
+    return f"hung: its loop has not turned for {stuck_s:.0f} s ({where}{heard}); killed with SIGKILL"
+
+
 class RankReporter:
     """Rank side. Inert when the job has no supervisor (MARLAAS_MONITOR unset, or unreachable)."""
 
+    BEAT_S = 1.0
+
     def __init__(self, sock: socket.socket | None):
         self.sock = sock
+        self._lock = threading.Lock()
+        self._turned_at = time.monotonic()
+        self._doing: tuple[str, list, float] | None = None
+        self._beating = False
         if sock is not None:  # a forked child must not hold the line open after this rank dies
             os.register_at_fork(after_in_child=self._drop)
+
+    # ---- heartbeat (module doc) ----
+    def start_heartbeat(self) -> None:
+        """Beats once a second from now on (the rank's loop runs: start-up is over)."""
+        if self.sock is None or self._beating:
+            return
+        self._beating = True
+        self._turned_at = time.monotonic()
+        threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True).start()
+
+    def stop_heartbeat(self) -> None:
+        """The rank's loop is over (what is left is the end of the job): a last beat says so, and none follow."""
+        if self._beating:
+            self._beating = False
+            self._send({"kind": "beat", "loop_s": 0.0, "done": True})
+
+    def turned(self) -> None:
+        """The rank's loop went round (it probed for messages)."""
+        self._turned_at = time.monotonic()
+
+    def doing(self, stage: str | None, tasks=()) -> None:
+        """The span the rank is in (None: out of it): the hang message says it."""
+        self._doing = None if stage is None else (stage, list(tasks)[:8], time.monotonic())
+
+    def _beat_loop(self) -> None:
+        while self.sock is not None and self._beating:
+            now = time.monotonic()
+            beat = {"kind": "beat", "loop_s": round(now - self._turned_at, 3)}
+            doing = self._doing
+            if doing is not None:
+                beat.update(doing=doing[0], tasks=doing[1], doing_s=round(now - doing[2], 3))
+            self._send(beat)
+            time.sleep(self.BEAT_S)
 
     @classmethod
     def connect(cls, hello: dict, environ=os.environ, timeout_s: float = 10.0) -> "RankReporter":
@@ -179,12 +296,13 @@ class RankReporter:
         return self.sock is not None
 
     def _send(self, message: dict) -> None:
-        if self.sock is None:
-            return
-        try:
-            self.sock.sendall((json.dumps(message) + "\n").encode())
-        except OSError:
-            pass
+        with self._lock:  # the heartbeat thread and the rank's own thread share the line
+            if self.sock is None:
+                return
+            try:
+                self.sock.sendall((json.dumps(message) + "\n").encode())
+            except OSError:
+                pass
 
     def crash(self, cause: str, peer_lost: bool, traceback_file: str | None = None) -> None:
         self._send({"kind": "crash", "cause": cause, "peer_lost": peer_lost, "traceback": traceback_file})
@@ -194,6 +312,7 @@ class RankReporter:
         self._drop()
 
     def _drop(self) -> None:
+        self._lock = threading.Lock()  # after a fork the child's copy may be held by a thread it does not have
         if self.sock is not None:
             try:
                 self.sock.close()

@@ -17,28 +17,32 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from marlaas_hpc.launch.monitor import MONITOR_ENV, RankFailure, RankMonitor
+from marlaas_hpc.launch.monitor import MONITOR_ENV, RankFailure, RankMonitor, tolerated
 
 STOP_AFTER_FAILURE_S = 10.0
 """How long the launcher gets to take the other ranks down after a rank failed before the supervisor stops it."""
 STOP_WAIT_S = 10.0
 """How long the launcher gets to exit after SIGTERM before SIGKILL."""
 CRASH_FILE = "crash.json"
+LOSS_DIR = "faults"
+"""RUN_DIR/faults/rank<N>.json: the cause of a rank's loss that the job went on without (rank 0 names it)."""
 FORWARDED = (signal.SIGUSR2, signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPTING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 _BANNER_RULE = re.compile(r"^-{20,}$")
 _MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
 _SRUN_TASK_ENDED = re.compile(r"^srun: error: (\S+): task (\d+): (.+)$")
-_MPI_BANNERS = ("mpirun noticed that process rank", "Primary job  terminated normally",
+_MPI_BANNERS = ("noticed that process rank", "Primary job  terminated normally",
                 "MPI_ABORT was invoked on rank", "ORTE has lost communication", "mpirun has exited due to process")
 
 
@@ -50,9 +54,18 @@ def die_with_parent() -> None:
         pass
 
 
+def loss_cause(run_dir: str | Path, rank: int) -> str | None:
+    """The cause the supervisor gave for a rank the job went on without; None until it has written it."""
+    path = Path(run_dir) / LOSS_DIR / f"rank{rank}.json"
+    try:
+        return json.loads(path.read_text())["cause"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 class Supervisor:
     def __init__(self, run_dir: str | Path | None = None, stop_after_failure_s: float = STOP_AFTER_FAILURE_S):
-        self.monitor = RankMonitor()
+        self.monitor = RankMonitor(on_failure=self._on_failure)
         self.run_dir = Path(run_dir) if run_dir else None
         self.stop_after_failure_s = stop_after_failure_s
         self.interrupted: int | None = None
@@ -77,7 +90,23 @@ class Supervisor:
         if filter_stderr:
             threading.Thread(target=self._pump_stderr, daemon=True).start()
         threading.Thread(target=self._stop_after_failure, daemon=True).start()
+        self.monitor.watch(self._hung)
         return self.proc
+
+    def _hung(self, failure: RankFailure) -> None:
+        """A hung rank (launch/monitor.py): on record first (the cause rank 0 names), then killed, so that it is
+        handled as a dead rank (the job goes on without it, or stops). Only a rank on this host can be killed from
+        here; elsewhere (a Slurm step across nodes) the job stops when the launcher is stopped."""
+        self.monitor.record_hang(failure)
+        pid, host = failure.info.get("pid"), failure.info.get("host")
+        if pid and host == socket.gethostname():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        else:
+            print(f"marlaas: rank {failure.rank} on {host} is hung and cannot be killed from here", file=sys.stderr,
+                  flush=True)
 
     def forward_signals(self, on_interrupt=None) -> None:
         """Passes USR2 / INT / TERM / HUP on to the launcher. `on_interrupt(signum)` runs after an interrupting
@@ -137,6 +166,19 @@ class Supervisor:
         self.stopped_launcher = True
         stop(self.proc)
 
+    def _on_failure(self, failure: RankFailure) -> None:
+        """A rank the job goes on without: its cause, where rank 0 reads it for its line and records."""
+        if not tolerated(failure):
+            return
+        run_dir = self.run_dir_of(failure)
+        if run_dir is None:
+            return
+        record = {"rank": failure.rank, "role": failure.role, "cause": self.explain(failure, None),
+                  "time": failure.time, "pid": failure.info.get("pid"), "host": failure.info.get("host")}
+        from marlaas_hpc.rundir import atomic_write_text
+
+        atomic_write_text(run_dir / LOSS_DIR / f"rank{failure.rank}.json", json.dumps(record) + "\n")
+
     # ---- after ----
     def wait(self) -> int:
         code = self.proc.wait()
@@ -155,13 +197,16 @@ class Supervisor:
         hello = self.monitor.hello(0) or (failure.info if failure else {})
         return Path(hello["run_dir"]) if hello and hello.get("run_dir") else None
 
-    def explain(self, failure: RankFailure, code: int) -> str:
+    def explain(self, failure: RankFailure, code: int | None) -> str:
         """The cause, with the signal a killed rank died of when the launcher said so."""
+        if failure.kind == "hang":
+            return failure.cause
         if failure.kind == "crash":
             where = f" (traceback: {failure.info['traceback']})" if failure.info.get("traceback") else ""
             return f"failed: {failure.cause}{where}"
         signum = self.rank_signals.get(failure.rank)
-        if signum is None and code > 128 and not self.rank_signals and not self.stopped_launcher:
+        if signum is None and code is not None and code > 128 and not self.rank_signals \
+                and not self.stopped_launcher:
             signum = code - 128  # mpirun / srun exit with 128 + the signal of the rank that died first
         if signum is not None:
             try:
@@ -186,6 +231,7 @@ class Supervisor:
         where = f", pid {pid} on {host}" if pid and host else ""
         cause = self.explain(failure, code)
         message = f"marlaas: job stopped: rank {failure.rank} ({failure.role}{where}) {cause}; no task is at fault."
+        message += self.why_stopped(failure)
         run_dir = self.run_dir_of(failure)
         if resume_hint:
             message += f" {resume_hint}"
@@ -198,6 +244,22 @@ class Supervisor:
                       "host": host, "pid": pid, **(extra or {})}
             (run_dir / CRASH_FILE).write_text(json.dumps(record, indent=1) + "\n")
         return message
+
+    def why_stopped(self, failure: RankFailure) -> str:
+        """Why one rank's loss stopped the job: rank 0's own reason when it could not go on without it, the MPI
+        without fault tolerance, or the job's choice."""
+        if failure.rank == 0:
+            return " Rank 0 runs the scheduler: the job does not go on without it."
+        info = failure.info
+        if tolerated(failure):
+            reasons = [f.cause.split("JobCannotGoOn: ", 1)[-1] for f in self.monitor.failures
+                       if f.rank == 0 and f.kind == "crash"]
+            return f" The job could not go on without it: {reasons[0]}." if reasons else ""
+        if info.get("why_not"):
+            return f" The job stops without it: {info['why_not']}."
+        if info.get("on_rank_loss") == "stop":
+            return " (fault.on_rank_loss: stop)"
+        return ""
 
     def close(self) -> None:
         self.monitor.close()

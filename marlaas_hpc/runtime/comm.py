@@ -5,15 +5,23 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from marlaas_hpc.runtime.faults import RankLostError
+
 
 def poll(comm, tag, source=None, idle_sleep: float = 0.002):
-    """Returns (message, source) if one is waiting, else (None, None). Never blocks."""
+    """Returns (message, source) if one is waiting, else (None, None). Never blocks. A message from anyone whose
+    sender died before it was all sent is no message (a tolerant job: runtime/membership.py)."""
     from mpi4py import MPI
 
     status = MPI.Status()
     src = MPI.ANY_SOURCE if source is None else source
     if comm.Iprobe(source=src, tag=tag, status=status):
-        return comm.recv(source=status.Get_source(), tag=tag), status.Get_source()
+        sender = status.Get_source()
+        try:
+            return comm.recv(source=sender, tag=tag), sender
+        except RankLostError:
+            if source is not None:
+                raise
     return None, None
 
 
@@ -36,14 +44,19 @@ def recv_wait(comm, tag, source=None, idle_sleep: float = 0.002):
         time.sleep(idle_sleep)
 
 
-def quiet_barrier(comm, idle_sleep: float = 0.002) -> None:
+def quiet_barrier(comm, idle_sleep: float = 0.002, timeout_s: float | None = None) -> bool:
     """A barrier whose waiting ranks sleep between tests. MPI's blocking collectives spin while they wait: at
     start-up the ranks that are ready early (env, scheduler, trainer) took up to a core from the one still
     starting its engine, on a machine whose ranks share cores. Put one before a collective that some ranks
-    reach much later than others (the collective itself then finds everyone there)."""
+    reach much later than others (the collective itself then finds everyone there). False: `timeout_s` passed
+    first."""
     request = comm.Ibarrier()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            return False
         time.sleep(idle_sleep)
+    return True
 
 
 class BusyClock:
@@ -54,6 +67,9 @@ class BusyClock:
 
     def __init__(self):
         self.start = time.time()
+        self.watch = None
+        """Told of each span as it starts (stage, tasks) and ends (None): the rank's heartbeat says what it is
+        doing (launch/monitor.py RankReporter.doing)."""
         self.busy = 0.0
         self.records: list[dict] = []
         self.stages: dict[str, list] = {}
@@ -66,10 +82,14 @@ class BusyClock:
         class _Span:
             def __enter__(self):
                 self.t0 = time.time()
+                if clock.watch is not None:
+                    clock.watch(stage, tasks)
                 return self
 
             def __exit__(self, *exc):
                 t1 = time.time()
+                if clock.watch is not None:
+                    clock.watch(None)
                 clock.busy += t1 - self.t0
                 totals = clock.stages.setdefault(stage, [0.0, 0])
                 totals[0] += t1 - self.t0
@@ -129,16 +149,26 @@ class Outbox:
         if queue is None:
             queue = self.pending[(dest, tag)] = deque()
         queue.append(self.comm.isend(message, dest=dest, tag=tag))
-        while queue and queue[0].Test():
-            queue.popleft()
+        self._settle(dest, queue)
 
     def progress(self) -> None:
-        for queue in self.pending.values():
-            while queue and queue[0].Test():
-                queue.popleft()
+        for (dest, _), queue in self.pending.items():
+            self._settle(dest, queue)
+
+    def _settle(self, dest: int, queue: deque) -> None:
+        """Frees the oldest sends to `dest` that are done (a LiveComm's `test_send` counts a send to a rank that
+        died as done: it is dropped)."""
+        test = getattr(self.comm, "test_send", None)
+        while queue and (test(queue[0], dest) if test is not None else queue[0].Test()):
+            queue.popleft()
 
     def flush(self) -> None:
         from mpi4py import MPI
 
-        MPI.Request.Waitall([request for queue in self.pending.values() for request in queue])
+        if getattr(self.comm, "test_send", None) is None:
+            MPI.Request.Waitall([request for queue in self.pending.values() for request in queue])
+        else:
+            while any(self.pending.values()):
+                self.progress()
+                time.sleep(0.0005)
         self.pending.clear()

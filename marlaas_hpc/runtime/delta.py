@@ -13,6 +13,15 @@ communicators that share a GPU launched in the same order on every rank (a commu
 use, is a blocking collective of its own): each channel sets its communicator up when it is made, in the
 leaders' order on every rollout rank, and every broadcast carries its place in one job-wide order
 (`DeltaOrder`), which rollout ranks post in (runtime/delta_fanin.py).
+
+A process group with a dead member cannot be used again, so when the rollout ranks change (one lost, one joined:
+rank 0's RanksChanged, runtime/membership.py) each leader remakes its channel among the rollout ranks of the new
+`epoch` (`remake`): a new store and group, its address sent to each member on TAG_DELTA after every announce of
+the old channel, then the leader's tasks broadcast again (the new members hold none of them, the others may have
+missed broadcasts abandoned with the old group). Broadcasts in flight on the old group are abandoned, not waited
+for (one to a dead member never ends), and the old group is kept, never destroyed: destroying a gloo group joins
+its worker threads, which an abandoned broadcast holds until its timeout. Under a tolerant job a broadcast that
+fails (its group had a member die) is dropped, not raised: the remade channel sends that version again.
 """
 from __future__ import annotations
 
@@ -25,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from marlaas_hpc.runtime.comm import recv_wait
-from marlaas_hpc.runtime.messages import TAG_DELTA, DeltaAnnounce
+from marlaas_hpc.runtime.messages import TAG_DELTA, ChannelAddress, DeltaAnnounce
 
 
 def gpu_key(device: torch.device) -> str | None:
@@ -86,9 +95,10 @@ class DeltaOrder:
         else:
             self.store = join_store(recv_wait(comm, TAG_DELTA, source=leaders[0])[0], len(leaders), timeout_s)
 
-    def next(self) -> int:
-        """The place of the broadcast about to be announced (0, 1, 2, ... over the whole job)."""
-        return self.store.add(self.KEY, 1) - 1
+    def next(self, epoch: int = 0) -> int:
+        """The place of the broadcast about to be announced (0, 1, 2, ... over the whole job; each channel epoch
+        counts from 0 again: the rollout ranks drop what was held of an epoch once they leave it)."""
+        return self.store.add(self.KEY if epoch == 0 else f"{self.KEY}/{epoch}", 1) - 1
 
 
 class DeltaChannel:
@@ -97,36 +107,76 @@ class DeltaChannel:
     Each member passes its own device (its binding, launch/devices.py). The group uses NCCL when every member
     is on a GPU of its own, with the broadcast buffer on that GPU; otherwise gloo with the buffer in host
     memory (a CPU member, or two members on one GPU under layout.share_gpus: NCCL refuses a duplicate GPU).
-    `order` (the leader, several trainer groups): numbers each broadcast in the job's one order."""
+    `order` (the leader, several trainer groups): numbers each broadcast in the job's one order. `tolerant`: a
+    broadcast that fails is dropped (a member died; the remade channel sends it again), not raised."""
 
     def __init__(self, comm, leader: int, rollout_ranks: list[int], device: torch.device | str = "cpu",
-                 host: str | None = None, timeout_s: float = 600.0, order: DeltaOrder | None = None):
+                 host: str | None = None, timeout_s: float = 600.0, order: DeltaOrder | None = None,
+                 tolerant: bool = False):
         self.comm, self.leader, self.rollout_ranks = comm, leader, list(rollout_ranks)
-        members = [leader] + self.rollout_ranks
-        me = comm.Get_rank()
-        self.member = members.index(me)
-        self.size = len(members)
-        own = torch.device(device)
-        if me == leader:
+        self.own = torch.device(device)
+        self.host, self.timeout_s, self.order, self.tolerant = host, timeout_s, order, tolerant
+        self.epoch = 0
+        self.in_flight: deque = deque()
+        """Leader: (work, buffer, announce requests) of posted broadcasts, oldest first."""
+        self.retired: list = []
+        """Process groups of earlier epochs and what was in flight on them: never destroyed (module doc)."""
+        self.keys: dict[int, str | None] = {}
+        """Leader: each member's GPU (gpu_key), which decides the backend."""
+        if comm.Get_rank() == leader:
             # the rollout ranks arrive once their engine is up, seconds after a trainer: wait without spinning
-            keys = [gpu_key(own)] + [recv_wait(comm, TAG_DELTA, source=rank)[0] for rank in self.rollout_ranks]
-            self.backend = "nccl" if all(keys) and len(set(keys)) == len(keys) else "gloo"
-            store, address = host_store(self.size, host, timeout_s)
-            for rank in self.rollout_ranks:
-                comm.send((address, self.backend), dest=rank, tag=TAG_DELTA)
+            self.keys = {rank: recv_wait(comm, TAG_DELTA, source=rank)[0] for rank in self.rollout_ranks}
+            self._host(0)
         else:
-            comm.send(gpu_key(own), dest=leader, tag=TAG_DELTA)
-            (address, self.backend), _ = recv_wait(comm, TAG_DELTA, source=leader)
-            store = join_store(address, self.size, timeout_s)
-        self.device = own if self.backend == "nccl" else torch.device("cpu")
-        self.process_group = _process_group(self.backend, store, self.member, self.size, timedelta(seconds=timeout_s))
+            comm.send(gpu_key(self.own), dest=leader, tag=TAG_DELTA)
+            self._join(recv_wait(comm, TAG_DELTA, source=leader)[0])
+
+    @classmethod
+    def joined(cls, comm, address: ChannelAddress, device: torch.device | str = "cpu", tolerant: bool = False,
+               timeout_s: float = 600.0) -> "DeltaChannel":
+        """A rollout rank's member of a channel made after it started (a joined rank, or a remade channel)."""
+        channel = cls.__new__(cls)
+        channel.comm, channel.leader, channel.rollout_ranks = comm, address.members[0], list(address.members[1:])
+        channel.own, channel.host, channel.timeout_s, channel.order = torch.device(device), None, timeout_s, None
+        channel.tolerant, channel.in_flight, channel.retired, channel.keys = tolerant, deque(), [], {}
+        channel._join(address)
+        return channel
+
+    def _host(self, epoch: int) -> None:
+        """Leader: a new store and group for `rollout_ranks`; its address to each of them, then set it up."""
+        members = [self.leader] + self.rollout_ranks
+        keys = [gpu_key(self.own)] + [self.keys[rank] for rank in self.rollout_ranks]
+        self.backend = "nccl" if all(keys) and len(set(keys)) == len(keys) else "gloo"
+        store, address = host_store(len(members), self.host, self.timeout_s)
+        for rank in self.rollout_ranks:
+            self.comm.send(ChannelAddress(epoch, address, self.backend, tuple(members)), dest=rank, tag=TAG_DELTA)
+        self._connect(store, 0, len(members), epoch)
+
+    def _join(self, address: ChannelAddress) -> None:
+        members = list(address.members)
+        self.backend, self.rollout_ranks = address.backend, members[1:]
+        store = join_store(address.address, len(members), self.timeout_s)
+        self._connect(store, members.index(self.comm.Get_rank()), len(members), address.epoch)
+
+    def _connect(self, store, member: int, size: int, epoch: int) -> None:
+        self.member, self.size, self.epoch = member, size, epoch
+        self.device = self.own if self.backend == "nccl" else torch.device("cpu")
+        self.process_group = _process_group(self.backend, store, member, size, timedelta(seconds=self.timeout_s))
         # NCCL sets a communicator up at its first collective, blocking until every member joins: done here, while
         # every rollout rank makes its channels in the same (leaders') order, never at a first broadcast that two
         # rollout ranks may reach in different orders
         complete(self.process_group.broadcast(torch.zeros(1, device=self.device), 0))
-        self.order = order
-        self.in_flight: deque = deque()
-        """Leader: (work, buffer, announce requests) of posted broadcasts, oldest first."""
+
+    def remake(self, rollout_ranks: list[int], epoch: int) -> None:
+        """Leader: the channel of `epoch` among `rollout_ranks` (module doc). A member new to this leader first
+        sends its GPU (as every rollout rank does at start). Blocks until every member has joined."""
+        for rank in rollout_ranks:
+            if rank not in self.keys:
+                self.keys[rank] = recv_wait(self.comm, TAG_DELTA, source=rank)[0]
+        self.retired.append((self.process_group, self.in_flight))
+        self.in_flight = deque()
+        self.rollout_ranks = list(rollout_ranks)
+        self._host(epoch)
 
     def send(self, task_id: str, version: int, tensors: dict[str, torch.Tensor], lora) -> None:
         """Leader: announce over MPI, then post the broadcast of one flat buffer of every tensor, without waiting
@@ -135,9 +185,10 @@ class DeltaChannel:
         broadcasts in order; at most MAX_IN_FLIGHT wait, and `flush` waits for all."""
         self._reap(self.MAX_IN_FLIGHT - 1)
         names = sorted(tensors)
-        seq = self.order.next() if self.order is not None else None
-        announce = DeltaAnnounce(task_id, version, names, [tuple(tensors[n].shape) for n in names], lora, seq)
-        requests = [self.comm.isend(announce, dest=rank, tag=TAG_DELTA) for rank in self.rollout_ranks]
+        seq = self.order.next(self.epoch) if self.order is not None else None
+        announce = DeltaAnnounce(task_id, version, names, [tuple(tensors[n].shape) for n in names], lora, seq,
+                                 self.epoch)
+        requests = [(rank, self.comm.isend(announce, dest=rank, tag=TAG_DELTA)) for rank in self.rollout_ranks]
         flat = torch.cat([tensors[n].detach().reshape(-1).float() for n in names]).to(self.device)
         self.in_flight.append((self.process_group.broadcast(flat, 0), flat, requests))  # the buffer lives until done
 
@@ -148,10 +199,18 @@ class DeltaChannel:
         """Finishes completed broadcasts, oldest first, and waits (on the host) until at most `keep` are left."""
         while self.in_flight and (len(self.in_flight) > keep or self.in_flight[0][0].is_completed()):
             work, _, requests = self.in_flight[0]
-            complete(work)  # raises what the broadcast failed with
+            try:
+                complete(work)  # raises what the broadcast failed with
+            except Exception:
+                if not self.tolerant:
+                    raise
             self.in_flight.popleft()  # its buffer may go now: the broadcast has read it
-            for request in requests:
-                request.wait()
+            for rank, request in requests:
+                if hasattr(self.comm, "test_send"):  # a LiveComm: an announce to a rank that died is dropped
+                    while not self.comm.test_send(request, rank):
+                        time.sleep(0.0002)
+                else:
+                    request.wait()
 
     def flush(self) -> None:
         """Leader: waits until every posted broadcast is complete (before the rank leaves the group)."""

@@ -45,7 +45,7 @@ from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupTurn,
-                                          GroupEnded, RankStats, ScoredGroup, Shutdown)
+                                          GroupEnded, RanksChanged, RankStats, ScoredGroup, Shutdown)
 from marlaas_hpc.scheduler import Admit, Move, Scored, TaskFailed
 from marlaas_hpc.trajectory import Trajectory, assign_advantages
 
@@ -111,19 +111,25 @@ class EnvRank:
         self.pool = EnvPool(pool_config)
         self.clock = BusyClock()
         self.outbox = Outbox(comm)
+        self.lost_rollout: set[int] = set()
+        """Rollout ranks lost: their groups were issued again elsewhere, and whatever still comes of them is
+        dropped."""
 
     def run(self) -> None:
         while True:
             self.outbox.progress()
             command, _ = poll(self.comm, TAG_CMD, source=0)
             if isinstance(command, Shutdown):
+                self.comm.members.ended_lost = command.lost
                 break
             if isinstance(command, Admit):
                 self._admit(command)
             elif isinstance(command, Move):  # groups scored from now on go to the new owner (the old one forwards)
                 self.trainer_of[command.task_id] = self.group_leaders[command.to_group]
+            elif isinstance(command, RanksChanged):
+                self._ranks_changed(command)
             data, source = poll(self.comm, TAG_DATA)
-            if isinstance(data, GroupTurn):
+            if isinstance(data, GroupTurn) and source not in self.lost_rollout:
                 if data.task_id not in self.tasks:
                     self.early.append((data, source))
                 else:
@@ -137,6 +143,18 @@ class EnvRank:
         if self.run_dir is not None:
             write_timeline(self.run_dir, self.rank, "env", self.clock)
         self.outbox.flush()
+
+    def _ranks_changed(self, change: RanksChanged) -> None:
+        """A rollout rank lost: rank 0 issued its unscored groups again, so what this rank holds of them is
+        dropped (no Scored, no ScoredGroup), and what still comes of it is ignored."""
+        for rank in change.lost:
+            self.comm.members.mark_lost(rank)
+            if self.comm.members.kind_of.get(rank) != "rollout":
+                continue
+            self.lost_rollout.add(rank)
+            for group_id in [gid for gid, group in self.groups.items() if group.rollout_rank == rank]:
+                del self.groups[group_id]  # its env steps in the pool are dropped as they come back
+            self.early = [(data, source) for data, source in self.early if source != rank]
 
     def _admit(self, command: Admit) -> None:
         spec = command.spec
@@ -268,7 +286,8 @@ class EnvRank:
         if group.multi_turn:
             self.outbox.send(GroupEnded(first.group_id), group.rollout_rank, TAG_DATA)
         if first.eval:
-            self.outbox.send(EvalDone(first.task_id, first.version, float(rewards[0] == 1.0), 1), 0, TAG_EVENT)
+            self.outbox.send(EvalDone(first.task_id, first.version, float(rewards[0] == 1.0), 1, first.group_id), 0,
+                             TAG_EVENT)
             return
         trajectories = [Trajectory(first.task_id, first.group_id, first.prompt_ids, e.completion_ids, e.logprobs,
                                    first.version if first.version is not None else 0, reward=e.final.reward,

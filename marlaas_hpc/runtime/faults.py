@@ -16,8 +16,23 @@ STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBI
 """Disk full, quota exceeded, read-only or failing filesystem, file too large, stale NFS handle."""
 
 
+class RankLostError(ConnectionError):
+    """A rank this one was waiting on is lost (runtime/membership.py): the wait can never end."""
+
+    def __init__(self, rank: int, kind: str):
+        super().__init__(f"rank {rank} ({kind}) is lost: peer gone")
+        self.rank, self.kind = rank, kind
+
+
+class JobCannotGoOn(RuntimeError):
+    """Rank 0, after a rank's loss that the job does not survive (the last rank of a kind, a trainer group with
+    no other to take its tasks): the job stops, and the supervisor names the lost rank, with this as the why."""
+
+
 def is_peer_lost(exc: BaseException) -> bool:
     """A collective or message failed because another rank died (a consequence, not a cause)."""
+    if isinstance(exc, (RankLostError, JobCannotGoOn)):
+        return True
     try:
         import torch.distributed as dist
 

@@ -280,14 +280,17 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         readiness = comm.gather(None, root=0)[1:]
         log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - start:.1f} s "
             f"({describe_readiness(readiness)})")
-        return SchedulerRank(comm, job, roles, codec, run_dir, log=log, startup_s=time.time() - start,
-                             preempt=preempt, resume=resume).run()
+        scheduler = SchedulerRank(comm, job, roles, codec, run_dir, log=log, startup_s=time.time() - start,
+                                  preempt=preempt, resume=resume)
+        comm.start_heartbeat(scheduler.busy)
+        return scheduler.run()
     if role.kind == "env":
         from marlaas_hpc.runtime.env_rank import EnvRank
 
         worker = EnvRank(comm, codec, leader, run_dir=run_dir, pool_config=job.env_pool, sandbox=job.sandbox,
                          group_leaders=leaders)
         _ready(comm, rank, role.kind, start)
+        comm.start_heartbeat(worker.clock)
         worker.run()
     elif role.kind == "rollout":
         from marlaas_hpc.model.cache import default_cache_dir
@@ -312,11 +315,14 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
             _engine_is_up(comm, roles["trainer"])
         # one delta channel per trainer group leader, made in the leaders' order on every rollout rank (each leader
         # waits for its own): each channel's NCCL communicator is set up as it is made, in that one order
-        delta = DeltaFanIn(comm, [DeltaChannel(comm, rank, roles["rollout"], device=binding.device)
-                                  for rank in leaders])
+        tolerant = comm.members.tolerant
+        delta = DeltaFanIn(comm, [DeltaChannel(comm, rank, roles["rollout"], device=binding.device,
+                                               tolerant=tolerant) for rank in leaders],
+                           device=binding.device, tolerant=tolerant)
         worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir)
         worker.clock.note("start_engine", (), t0, engine_up)
         _ready(comm, rank, role.kind, start)
+        comm.start_heartbeat(worker.clock)
         worker.run()
     else:
         from marlaas_hpc.runtime.trainer_rank import TrainerRank
@@ -332,17 +338,20 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
             from marlaas_hpc.runtime.delta import DeltaChannel, DeltaOrder
 
             order = DeltaOrder(comm, leaders) if len(leaders) > 1 else None
-            delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order)
+            delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order,
+                                 tolerant=comm.members.tolerant)
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
                                  policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
             worker.clock.note("build_model", (), t0, built)
             _ready(comm, rank, role.kind, start)
+            comm.start_heartbeat(worker.clock)
             worker.run_leader()
         else:
             worker = TrainerRank(comm, trainer, run_dir, mine[0], [], groups=groups, group=role.group,
                                  retention=job.adapters)
             worker.clock.note("build_model", (), t0, built)
             _ready(comm, rank, role.kind, start)
+            comm.start_heartbeat(worker.clock)
             worker.run_follower()
     return None
 
@@ -428,22 +437,65 @@ def main(argv: list[str] | None = None) -> int:
     rank, run_path = comm.Get_rank(), Path(job.run_dir).resolve()
     role = describe_role(assign_role(rank, job.layout), job.layout.trainer_groups)
     record_rank(run_path, rank, role)
-    reporter = RankReporter.connect({"rank": rank, "role": role, "run_dir": str(run_path),
-                                     "max_crash_requeues": job.checkpoint.max_crash_requeues})
+    live = _live_comm(comm, job)
+    reporter = live.reporter = RankReporter.connect({
+        "rank": rank, "role": role, "run_dir": str(run_path), "max_crash_requeues": job.checkpoint.max_crash_requeues,
+        "tolerant": live.members.tolerant, "why_not": live.members.why_not, "on_rank_loss": job.fault.on_rank_loss,
+        "hang_timeout_s": job.fault.hang_timeout_s})
     try:
-        summary = run_rank(comm, job, binding, log=log, preempt=preempt, resume=state)
+        summary = run_rank(live, job, binding, log=log, preempt=preempt, resume=state)
+        reporter.stop_heartbeat()
     except BaseException as exc:
-        # one dead rank would leave the others blocked in MPI or a collective: take the whole job down
         report_crash(exc, run_path, rank, reporter)
+        if live.members.tolerant and rank != 0:
+            end_lost_rank()  # the others go on without this rank (runtime/membership.py)
+        # one dead rank would leave the others blocked in MPI or a collective: take the whole job down
         comm.Abort(1)
     if summary is not None and not summary["preempted"]:
         log(f"[job] {job.mode} finished in {summary['wall_time_s']:.1f} s; summary: {Path(job.run_dir) / 'summary.json'}")
-    quiet_barrier(comm)  # ranks leave their loops at different times: the early ones wait without spinning
-    preempted = comm.bcast(bool(summary and summary["preempted"]), root=0)
+    _end_barrier(live)
     reporter.bye()
     # only rank 0 reports the preemption: under srun --kill-on-bad-exit an early non-zero exit of another
     # rank would kill rank 0 while it finalizes
-    return PREEMPTED_EXIT if preempted and comm.Get_rank() == 0 else 0
+    return PREEMPTED_EXIT if summary is not None and summary["preempted"] else 0
+
+
+def _live_comm(comm, job: JobConfig):
+    """COMM_WORLD as the roles use it (runtime/membership.py): tolerant of a worker's loss when the job asks for it
+    (fault.on_rank_loss: continue) and its MPI can (launch/mpi.py)."""
+    from mpi4py import MPI
+
+    from marlaas_hpc.launch.mpi import fault_tolerance_missing
+    from marlaas_hpc.runtime.membership import LiveComm, Membership
+
+    wanted = job.fault.on_rank_loss == "continue"
+    why_not = fault_tolerance_missing(MPI.Get_library_version()) if wanted else None
+    return LiveComm(comm, Membership(roles_of(job.layout), tolerant=wanted and why_not is None, why_not=why_not))
+
+
+END_BARRIER_S = 30.0
+"""A tolerant job's last barrier gives up after this long (a rank lost after rank 0's Shutdown may hold it)."""
+
+
+def _end_barrier(live) -> None:
+    """Ranks leave their loops at different times: the early ones wait without spinning. After a loss, among
+    the survivors only (every one of them shrinks COMM_WORLD the same way: rank 0's Shutdown listed the lost)."""
+    if not live.members.tolerant:
+        quiet_barrier(live.world)
+        return
+    try:
+        quiet_barrier(live.end_comm(bool(live.members.ended_lost)), timeout_s=END_BARRIER_S)
+    except Exception as exc:  # a rank lost at the very end: nothing is left to wait for
+        if not live.note_failure(exc):
+            raise
+
+
+def end_lost_rank() -> None:
+    """A worker that failed in a tolerant job: it ends at once, without MPI_Finalize (a collective the others
+    reach only at the end of the job); its peers' MPI reports it failed and the job goes on."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def end_rank(code: int) -> None:

@@ -100,6 +100,8 @@ class EvalDone:
     version: int | None
     accuracy: float
     n: int
+    group_id: str = ""
+    """The eval prompt's group (rank 0 counts each once: one re-sent after a rank's loss may answer twice)."""
 
 
 @dataclass
@@ -124,11 +126,38 @@ class DeltaAnnounce:
     seq: int | None = None
     """With several trainer groups: the broadcast's place in the job's one order of delta broadcasts
     (runtime/delta.py DeltaOrder), which every rollout rank posts them in. None with one group."""
+    epoch: int = 0
+    """The channel it is broadcast on (a channel is remade when the rollout ranks change: a lost or joined rank)."""
 
 
 @dataclass
 class Shutdown:
     reason: str = "all tasks ended"
+    lost: tuple[int, ...] = ()
+    """Every rank the job lost: each survivor takes the same way out (runtime/membership.py `end_comm`)."""
+
+
+@dataclass
+class RanksChanged:
+    """rank 0 -> every live worker (TAG_CMD), before any command that depends on it: ranks lost or joined
+    (runtime/membership.py), and the delta plane's rollout members from now on. Each trainer leader and rollout
+    rank remakes its delta channels when `delta_epoch` moves on (runtime/delta.py)."""
+
+    delta_epoch: int
+    rollout_ranks: tuple[int, ...]
+    lost: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+
+
+@dataclass
+class ChannelAddress:
+    """trainer leader -> each rollout rank of its new delta channel (TAG_DELTA, after every announce of the
+    channel before): where the channel of `epoch` rendezvouses, its backend and members (the leader first)."""
+
+    epoch: int
+    address: tuple
+    backend: str
+    members: tuple[int, ...]
 
 
 # ---- trainer operations: a group's leader -> every rank of the group (TAG_TRAINER), run by all in one order ----
@@ -221,9 +250,23 @@ class MoveInOp(TaskOp):
 
 
 @dataclass
+class PublishOp(TrainerOp):
+    """Broadcast these tasks' current versions again (a remade delta channel: its new members hold none of
+    them, or missed the broadcasts in flight when it was remade); nothing is written."""
+
+    task_ids: list
+    stage = "publish"
+
+    def tasks(self) -> list[str]:
+        return list(self.task_ids)
+
+
+@dataclass
 class ShutdownOp(TrainerOp):
     """The job ends: followers leave their loop."""
 
+    lost: tuple[int, ...] = ()
+    """Shutdown.lost, passed on."""
     stage = "shutdown"
 
 

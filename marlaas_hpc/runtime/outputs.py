@@ -162,11 +162,13 @@ def trainer_groups(stats: list, scheduler, wall_s: float) -> dict:
 
 def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_s: float,
                   rejected: dict[str, str], startup_s: float = 0.0, job_start: float | None = None,
-                  runs: list[dict] | None = None, preempted: bool = False) -> dict:
+                  runs: list[dict] | None = None, preempted: bool = False,
+                  ranks_lost: list[dict] | None = None) -> dict:
     """wall_time_s runs from the moment every rank is ready (job_start, unix seconds; start-up excluded:
     startup_s). Timeline records (timeline/rank<N>.jsonl) use the same unix clock. `runs`: this job's
     earlier runs (each ended by a preemption or a crash); `preempted`: this run ended in a checkpoint, not
-    completion."""
+    completion; `ranks_lost`: ranks the live job went on without (when, role, cause, what was issued again),
+    over all its runs."""
     tasks = {}
     for task_id, task in scheduler.tasks.items():
         tasks[task_id] = {**task_record(task),
@@ -181,7 +183,7 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                "busy_fraction": {kind: _mean(values) for kind, values in sorted(busy.items())},
                "preempted": preempted, "previous_runs": runs or [],
                "total_wall_time_s": wall_s + sum(r["wall_time_s"] for r in runs or []),
-               "tasks": tasks, "rejected": rejected,
+               "tasks": tasks, "rejected": rejected, "ranks_lost": ranks_lost or [],
                # per env rank: env-step latencies by stage (tool:<name>, reward) and per-task episode figures
                "env_ranks": {str(stat.rank): stat.extra for stat in stats if stat.kind == "env" and stat.extra},
                "trainer_groups": trainer_groups(stats, scheduler, wall_s),

@@ -22,6 +22,7 @@ files (`read_records`); `REPLAY` turns each kind into its part of the state:
     runs          "job"              earlier runs, oldest first               runs
     current_run   "job"              this run's start, or None                current_run (a crash's history)
     finished      "job"              true once the job has ended              finished: nothing to resume
+    rank_lost     its own seq        {"rank", "role", "at", "cause", ...}     ranks_lost (a history: every one kept)
 
 Why a journal. A change (a task submitted, saved, ended or rolled back; an eval done; a spec refused) is one
 line, so its cost does not grow with the number of tasks; the whole file used to be encoded and rewritten on
@@ -143,7 +144,7 @@ class Journal:
 # ---- reading ----
 def _empty_state() -> dict:
     return {"format": FORMAT, "saved_at": 0.0, "finished": False, "runs": [], "current_run": None, "tasks": {},
-            "evals": [], "rejected": {}, "seq": 0, "records": {}}
+            "evals": [], "rejected": {}, "ranks_lost": [], "seq": 0, "records": {}}
 
 
 def _check_format(state: dict, record_id: str, value) -> None:
@@ -159,6 +160,7 @@ REPLAY: dict[str, Callable[[dict, str, object], None]] = {
     "runs": lambda state, _, runs: state.__setitem__("runs", list(runs)),
     "current_run": lambda state, _, run: state.__setitem__("current_run", run),
     "finished": lambda state, _, finished: state.__setitem__("finished", bool(finished)),
+    "rank_lost": lambda state, _, loss: state["ranks_lost"].append(loss),
 }
 """Record kind -> how its value enters the state (records are applied in seq order, newest per key only)."""
 
@@ -253,6 +255,12 @@ class JobRecords:
 
     def rejected(self, key: str, reason: str) -> None:
         self.journal.put("rejected", key, reason)
+
+    def rank_lost(self, loss: dict) -> None:
+        """A rank lost in the live job (runtime/scheduler_rank.py): a record of its own (`loss["id"]`, given the
+        first time), written again under that id once its cause is known."""
+        loss.setdefault("id", str(self.journal.seq + 1))
+        self.journal.put("rank_lost", loss["id"], loss)
 
     def open_run(self, started: float, startup_s: float) -> None:
         """This run's start on record (a crash's history needs it), with what the resume read (choose_resume_points

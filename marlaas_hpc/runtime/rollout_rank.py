@@ -29,7 +29,7 @@ from pathlib import Path
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, GenerateWork,
-                                          GroupTurn, GroupEnded, PromptGroup, RankStats, Shutdown)
+                                          GroupTurn, GroupEnded, PromptGroup, RanksChanged, RankStats, Shutdown)
 from marlaas_hpc.scheduler import Generated, Resumed
 
 
@@ -88,9 +88,15 @@ class RolloutRank:
             # every command waiting: taking one per loop turn (one engine step, 10-30 ms) left work for freed
             # slots queued in MPI while the engine ran half-empty batches (rank 0 issues a group per freed slot)
             commands = drain(self.comm, TAG_CMD, source=0)
-            if any(isinstance(command, Shutdown) for command in commands):
+            shutdown = next((command for command in commands if isinstance(command, Shutdown)), None)
+            if shutdown is not None:
+                self.comm.members.ended_lost = shutdown.lost
                 break
-            self.waiting += [command for command in commands if isinstance(command, GenerateWork)]
+            for command in commands:  # in rank 0's order: a RanksChanged comes before what depends on it
+                if isinstance(command, GenerateWork):
+                    self.waiting.append(command)
+                elif isinstance(command, RanksChanged):
+                    self._ranks_changed(command)
             self._submit_ready()
             from_env = self._drain_env()
             if self.engine.has_unfinished():
@@ -108,6 +114,24 @@ class RolloutRank:
         self.outbox.flush()
         # the engine is not shut down: the process ends next (runtime/main.py end_rank), and vLLM's orderly
         # shutdown took ~0.9 s that frees nothing the exit does not
+
+    def _ranks_changed(self, change: RanksChanged) -> None:
+        """An env rank lost: the groups bound for it were issued again elsewhere; each is closed here (its version
+        unpinned) and its slot freed at rank 0 (Generated). A changed set of rollout ranks needs nothing here:
+        each leader sends the address of its remade delta channel (runtime/delta_fanin.py)."""
+        members = self.comm.members
+        for rank in change.lost:
+            members.mark_lost(rank)
+            if members.kind_of.get(rank) == "env":
+                self._env_lost(rank)
+
+    def _env_lost(self, rank: int) -> None:
+        for group_id in [gid for gid, entry in self.open_groups.items() if entry.work.env_rank == rank]:
+            self._end(group_id)
+        for work in [work for work in self.waiting if work.env_rank == rank]:
+            self.waiting.remove(work)
+            if not work.eval:
+                self.outbox.send(Generated(self.rank, tuple(g.group_id for g in work.groups)), 0, TAG_EVENT)
 
     def _drain_deltas(self) -> None:
         """Joins the announced broadcasts (a leader blocks until all rollout ranks join; with several trainer

@@ -3,9 +3,17 @@ with Generate commands), routes commands, prints progress, runs evals and writes
 RunBooks (runtime/outputs.py): the audit as steps land, the records a resume starts from as tasks are submitted,
 saved and ended (runtime/records.py), status.json about once a second, and summary.json at the end. Its work per
 event does not grow with the number of tasks; its own BusyClock (timeline/rank0.jsonl, summary.json's
-busy_fraction 'scheduler') shows where its time goes."""
+busy_fraction 'scheduler') shows where its time goes.
+
+A worker rank lost in a tolerant job (runtime/membership.py) is an event like any other: the scheduler gets
+RankLost and answers with commands (its unscored groups issued again, Discards), every live worker gets
+RanksChanged before any of them, eval prompts it held are sent again, the loss goes on record (a `rank_lost`
+record, summary.json's ranks_lost), and one line names the rank, its role, the cause (its supervisor's report,
+`launch/supervise.py` loss_cause) and what was issued again. The job stops (JobCannotGoOn) when no rank of that
+kind is left."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from pathlib import Path
@@ -16,11 +24,12 @@ from marlaas_hpc.launch.layout import trainer_group_ranks
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.checkpoint import PreemptFlag, mark_preempted
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
+from marlaas_hpc.runtime.faults import JobCannotGoOn
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, CheckpointDone, EngineRestarted, EvalDone,
-                                          GenerateWork, PromptGroup, RankStats, Shutdown, TaskSaved)
+                                          GenerateWork, PromptGroup, RanksChanged, RankStats, Shutdown, TaskSaved)
 from marlaas_hpc.runtime.outputs import RunBooks, write_summary
 from marlaas_hpc.runtime.recovery import crashed_run, rollback_outputs
-from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, Scheduler, StepDone,
+from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, RankLost, Scheduler, StepDone,
                                    Submit, TaskEnded, Train)
 from marlaas_hpc.service import QueueIntake
 from marlaas_hpc.env import build_task_data
@@ -74,6 +83,17 @@ class SchedulerRank:
         self.checkpoint_sent = False
         self.checkpointed: dict[str, int] | None = None
         self.intake = QueueIntake(job, self.run_dir)
+        self.members = comm.members
+        """Who is alive (runtime/membership.py): rank 0 acts on each loss its MPI reports."""
+        self.eval_out: dict[str, tuple[GenerateWork, int]] = {}
+        """Eval prompt group -> (a GenerateWork of it alone, its rollout rank), until its EvalDone: sent again
+        if its rollout or env rank is lost."""
+        self.delta_epoch = 0
+        """Changes of the rollout ranks so far: the delta channels' epoch (RanksChanged)."""
+        self.ranks_lost: list[dict] = list(resume.get("ranks_lost", [])) if resume else []
+        """Ranks the live job went on without, this run's and earlier runs' (summary.json)."""
+        self.unnamed: list[dict] = []
+        """Losses whose one line waits for the cause (the supervisor's report, a moment after MPI's)."""
 
     @property
     def runs(self) -> list[dict]:
@@ -134,6 +154,8 @@ class SchedulerRank:
             if event is not None:
                 with self.busy.track("eval" if isinstance(event, EvalDone) else "event"):
                     self._event(event)
+            if self.members.tolerant:
+                self._losses()
             self.books.tick(self.busy)
             if event is None and not self.starting and not self.taken:
                 time.sleep(0.002)
@@ -141,17 +163,27 @@ class SchedulerRank:
         return self._end()
 
     def _finish_run(self) -> None:
-        """Every worker shut down, its RankStats in."""
-        for rank in range(1, self.comm.Get_size()):
-            self.outbox.send(Shutdown(), rank, TAG_CMD)
-        workers = self.comm.Get_size() - 1 - len(self.roles["trainer"]) + len(self.leaders)  # one per trainer group
-        while len(self.stats) < workers:
+        """Every worker shut down, its RankStats in (a worker lost meanwhile sends none)."""
+        lost = self.members.ended_lost = tuple(sorted(self.members.lost))
+        for rank in self.members.alive():
+            if rank != 0:
+                self.outbox.send(Shutdown(lost=lost), rank, TAG_CMD)
+        waiting = set(self._live_workers())  # one per trainer group: its leader
+        while waiting:
             event, _ = poll(self.comm, TAG_EVENT)
             if isinstance(event, RankStats):
                 self.stats.append(event)
+                waiting.discard(event.rank)
             elif event is None:
                 time.sleep(0.005)
+            waiting -= set(self.members.lost)
+        self._name_losses(wait_s=0.0)
         self.outbox.flush()
+
+    def _live_workers(self) -> list[int]:
+        """The ranks rank 0 talks to (env, rollout, trainer leaders) that are alive."""
+        return [rank for rank in self.members.alive() if rank != 0
+                and (self.members.kind_of[rank] != "trainer" or rank in self.leaders)]
 
     def _end(self) -> dict:
         """The run's outputs, once each: records (one compaction), audit, status.json, summary.json, rank 0's
@@ -169,7 +201,7 @@ class SchedulerRank:
             "events": self.events, "record_bytes": self.books.records.journal.bytes_written, "stages": stages})
         summary = write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats + [mine], wall,
                                 self.rejected, self.startup_s, job_start=self.start, runs=earlier,
-                                preempted=preempted)
+                                preempted=preempted, ranks_lost=self.ranks_lost)
         write_timeline(self.run_dir, 0, "scheduler", self.busy)
         if preempted:
             versions = {t: max(s.version, 0) for t, s in self.scheduler.tasks.items()}
@@ -275,6 +307,8 @@ class SchedulerRank:
     def _event(self, event) -> None:
         if isinstance(event, EvalDone):
             key = (event.task_id, "before" if event.version is None else "after")
+            if event.group_id and self.eval_out.pop(event.group_id, None) is None:
+                return  # answered already (sent again after a rank's loss, and both answered)
             if key not in self.pending_evals:
                 return  # the task failed meanwhile
             self.evals.setdefault(key, []).append(event.accuracy)
@@ -326,7 +360,7 @@ class SchedulerRank:
     def _execute(self, commands: list) -> None:
         for command in commands:
             if isinstance(command, Admit):
-                for rank in self.roles["env"] + [self.leaders[command.trainer_group]]:
+                for rank in self.members.alive("env") + [self.leaders[command.trainer_group]]:
                     self.outbox.send(command, rank, TAG_CMD)
                 if (command.spec.task_id, "before") not in self.evals:  # a resumed task has its base eval
                     self.base_evals_due.add(command.spec.task_id)
@@ -342,13 +376,15 @@ class SchedulerRank:
             elif isinstance(command, Move):  # the old group hands the task over; env ranks send its data anew
                 self.log(f"[{command.task_id}] moves from trainer group {command.from_group} to "
                          f"{command.to_group} at v{command.version}")
-                for rank in [self.leaders[command.from_group]] + self.roles["env"]:
+                for rank in [self.leaders[command.from_group]] + self.members.alive("env"):
                     self.outbox.send(command, rank, TAG_CMD)
             elif isinstance(command, TaskEnded):
                 task = self.scheduler.tasks[command.task_id]
                 if command.status == "failed":  # its env rank scores nothing more of it, evals included
                     for key in [k for k in self.pending_evals if k[0] == command.task_id]:
                         del self.pending_evals[key]
+                    for group_id in [g for g, (work, _) in self.eval_out.items() if work.task_id == command.task_id]:
+                        del self.eval_out[group_id]
                 self.log(f"[{command.task_id}] {command.status} at v{max(task.version, 0)}"
                          + (f": {command.error}" if command.error else ""))
                 if task.version > 0 and command.status != "failed":
@@ -373,12 +409,82 @@ class SchedulerRank:
         """Greedy accuracy on the eval split: base model (before) or the task's final version (after)."""
         samples = self.data[task_id].eval_samples()
         spec = self.scheduler.tasks[task_id].spec
-        rollout = self.roles["rollout"][self._eval_turn % len(self.roles["rollout"])]
-        env = self.roles["env"][self._eval_turn % len(self.roles["env"])]
-        self._eval_turn += 1
+        rollout, env = self._eval_ranks()
         groups = [PromptGroup(f"{task_id}/eval{s.index}", s.index,
                               self.codecs[task_id].encode_prompt(first_prompt(self.data[task_id], s)))
                   for s in samples]
         self.pending_evals[(task_id, "before" if version is None else "after")] = len(groups)
-        self.outbox.send(GenerateWork(task_id, version, env, groups, 1, 0.0, spec.algo.max_new_tokens, eval=True,
-                                      **self._episodes(task_id)), rollout, TAG_CMD)
+        work = GenerateWork(task_id, version, env, groups, 1, 0.0, spec.algo.max_new_tokens, eval=True,
+                            **self._episodes(task_id))
+        self.outbox.send(work, rollout, TAG_CMD)
+        for group in groups:
+            self.eval_out[group.group_id] = (dataclasses.replace(work, groups=[group]), rollout)
+
+    def _eval_ranks(self) -> tuple[int, int]:
+        """The next (rollout, env) pair of live ranks for an eval, in turn."""
+        rollouts, envs = self.scheduler.rollout_load, self.scheduler.env_load
+        rollout = sorted(rollouts)[self._eval_turn % len(rollouts)]
+        env = sorted(envs)[self._eval_turn % len(envs)]
+        self._eval_turn += 1
+        return rollout, env
+
+    # ---- ranks lost (a tolerant job: runtime/membership.py) ----
+    def _losses(self) -> None:
+        for rank in self.members.take_lost():
+            self._rank_lost(rank)
+        if self.unnamed:
+            self._name_losses()
+
+    def _rank_lost(self, rank: int) -> None:
+        """The scheduler's RankLost, the workers' RanksChanged, evals sent again, the record; the line follows
+        once the cause is known (`_name_losses`)."""
+        kind = self.members.kind_of[rank]
+        if kind not in ("env", "rollout"):
+            raise JobCannotGoOn(f"the job does not go on without a {kind} rank")
+        if not self.members.alive(kind):
+            raise JobCannotGoOn(f"no {kind} rank is left")
+        commands = self._handle(RankLost(rank, kind))
+        if kind == "rollout":
+            self.delta_epoch += 1
+        notice = RanksChanged(self.delta_epoch, tuple(self.members.alive("rollout")), lost=(rank,))
+        for worker in self._live_workers():  # before any command that depends on it
+            self.outbox.send(notice, worker, TAG_CMD)
+        loss = {"rank": rank, "role": kind, "at": time.time(), "cause": None,
+                "groups_reissued": [gid for c in commands if isinstance(c, Discard) for gid in c.group_ids],
+                "evals_resent": self._resend_evals(rank, kind)}
+        self.books.records.rank_lost(loss)
+        self.ranks_lost.append(loss)
+        self.unnamed.append(loss)
+        self._execute(commands)
+
+    def _resend_evals(self, rank: int, kind: str) -> list[str]:
+        """Eval prompts that went to the lost rank and have no answer yet, sent again to live ranks."""
+        lost = [(group_id, work) for group_id, (work, rollout) in self.eval_out.items()
+                if (rollout if kind == "rollout" else work.env_rank) == rank]
+        for group_id, work in lost:
+            rollout, env = self._eval_ranks()
+            work = dataclasses.replace(work, env_rank=env)
+            self.eval_out[group_id] = (work, rollout)
+            self.outbox.send(work, rollout, TAG_CMD)
+        return [group_id for group_id, _ in lost]
+
+    LOSS_CAUSE_WAIT_S = 3.0
+    """How long a loss's line waits for its cause (the supervisor writes it as the rank's monitor line ends)."""
+
+    def _name_losses(self, wait_s: float | None = None) -> None:
+        """The one line of each loss whose cause is known now (or that waited long enough)."""
+        from marlaas_hpc.launch.supervise import loss_cause
+
+        wait_s = self.LOSS_CAUSE_WAIT_S if wait_s is None else wait_s
+        for loss in list(self.unnamed):
+            cause = loss_cause(self.run_dir, loss["rank"])
+            if cause is None and time.time() - loss["at"] < wait_s:
+                continue
+            self.unnamed.remove(loss)
+            loss["cause"] = cause or "lost without a report from the supervisor (no supervisor, or it came late)"
+            self.books.records.rank_lost(loss)
+            groups, evals = loss["groups_reissued"], loss["evals_resent"]
+            shown = ", ".join(groups[:6]) + (", ..." if len(groups) > 6 else "")
+            self.log(f"[fault] rank {loss['rank']} ({loss['role']}) lost: {loss['cause']}; {len(groups)} groups "
+                     f"issued again" + (f" ({shown})" if groups else "") + f", {len(evals)} eval prompts sent again; "
+                     f"the job goes on with {loss['role']} ranks {self.members.alive(loss['role'])}")

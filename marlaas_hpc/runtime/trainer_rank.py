@@ -33,8 +33,8 @@ from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_
 from marlaas_hpc.runtime.faults import is_job_fault, is_storage_error, storage_error
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER, AdmitOp,
                                           Checkpoint, CheckpointDone, CheckpointOp, Handover, MoveInOp, MoveOutOp,
-                                          RankStats, RemoveOp, SaveOp, ScoredGroup, Shutdown, ShutdownOp, TaskSaved,
-                                          TrainerOp, TrainOp)
+                                          PublishOp, RanksChanged, RankStats, RemoveOp, SaveOp, ScoredGroup, Shutdown,
+                                          ShutdownOp, TaskSaved, TrainerOp, TrainOp)
 from marlaas_hpc.runtime.retention import RetentionConfig, in_flight_versions, prune_adapters
 from marlaas_hpc.scheduler import Admit, Discard, Move, Moved, StepDone, TaskEnded, TaskFailed, Train
 from marlaas_hpc.scheduler.staleness import within_bound
@@ -123,6 +123,10 @@ class TrainerRank:
         if self.policy is not None:
             self.policy.forget(op.task_id)
 
+    def _run_publish(self, op: PublishOp) -> None:
+        for task_id in op.task_ids:
+            self._publish(task_id, write=False)
+
     def _run_move_out(self, op: MoveOutOp) -> None:
         self._send_state(op.task_id, op.target_ranks)
 
@@ -175,8 +179,8 @@ class TrainerRank:
                                                            self.trainer.dp_rank))
         return versions
 
-    def _publish(self, task_id: str) -> int | None:
-        """Gathers the adapter once (collective over TP); the leader checkpoints it and broadcasts it.
+    def _publish(self, task_id: str, write: bool = True) -> int | None:
+        """Gathers the adapter once (collective over TP); the leader checkpoints it (`write`) and broadcasts it.
         A diverged adapter (inf/NaN weights) is neither written nor sent, and None is returned: on a vLLM
         engine the NaN keys/values its requests write stay in freed KV-cache blocks and turn later requests
         of other tasks to NaN (tests/test_rollout_vllm.py), so it must never reach a rollout rank."""
@@ -191,7 +195,9 @@ class TrainerRank:
             t0 = time.time()
             out = adapter_dir(self.run_dir, spec, version)
             try:
-                write_peft_adapter(out, tensors, spec.lora, base_model_name_or_path=str(self.trainer.config.model_path))
+                if write:
+                    write_peft_adapter(out, tensors, spec.lora,
+                                       base_model_name_or_path=str(self.trainer.config.model_path))
             except Exception as exc:
                 if is_storage_error(exc):  # a full disk is the job's fault: name the file, not the library
                     raise storage_error(exc, f"adapter {out}") from exc
@@ -220,6 +226,7 @@ class TrainerRank:
         while True:
             op, _ = recv_wait(self.comm, TAG_TRAINER, source=self.leader)
             if isinstance(op, ShutdownOp):
+                self.comm.members.ended_lost = op.lost
                 write_timeline(self.run_dir, self.rank, "trainer", self.clock)
                 self.outbox.flush()
                 break
@@ -238,9 +245,11 @@ class TrainerRank:
             self.outbox.progress()
             # drain everything that arrived during the last step, so that orders ready together fuse
             commands = drain(self.comm, TAG_CMD, source=0)
-            if any(isinstance(c, Shutdown) for c in commands):
+            shutdown = next((c for c in commands if isinstance(c, Shutdown)), None)
+            if shutdown is not None:
+                self.comm.members.ended_lost = shutdown.lost
                 for rank in self.followers:
-                    self.comm.send(ShutdownOp(), dest=rank, tag=TAG_TRAINER)
+                    self.comm.send(ShutdownOp(shutdown.lost), dest=rank, tag=TAG_TRAINER)
                 break
             for command in commands:
                 self._command(command)
@@ -303,6 +312,21 @@ class TrainerRank:
             self._everyone(RemoveOp(command.task_id))
         elif isinstance(command, Move):
             self._move_out(command)
+        elif isinstance(command, RanksChanged):
+            self._ranks_changed(command)
+
+    def _ranks_changed(self, change: RanksChanged) -> None:
+        """The rollout ranks changed: the delta channel is remade among the new ones (blocking until they all
+        joined: runtime/delta.py), then every task of this group is broadcast again on it."""
+        for rank in change.lost:
+            self.comm.members.mark_lost(rank)
+        if change.delta_epoch == self.delta.epoch:
+            return
+        with self.clock.track("remake_channel", rollout_ranks=list(change.rollout_ranks)):
+            self.delta.remake(list(change.rollout_ranks), change.delta_epoch)
+            tasks = sorted(t for t in self.trainer.task_ids() if t in self.specs)
+            if tasks:
+                self._everyone(PublishOp(tasks))
 
     def _run_ready_orders(self) -> bool:
         """Runs every order whose groups have all arrived, fused into one step."""
@@ -458,5 +482,6 @@ class TrainerRank:
 
 # trainer op type -> the method every rank of the group runs for it
 TrainerRank._OPS = {AdmitOp: TrainerRank._run_admit, TrainOp: TrainerRank._run_train, SaveOp: TrainerRank._run_save,
+                    PublishOp: TrainerRank._run_publish,
                     CheckpointOp: TrainerRank._run_checkpoint, RemoveOp: TrainerRank._run_remove,
                     MoveOutOp: TrainerRank._run_move_out, MoveInOp: TrainerRank._run_move_in}

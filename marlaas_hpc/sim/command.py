@@ -29,15 +29,17 @@ def add_parser(sub) -> None:
     p.add_argument("--trainer-groups", "--trainer-replicas", dest="trainer_groups", type=int,
                    help="independent trainer groups (the scheduler places each task on one)")
     p.add_argument("--staleness", type=int, help="set every task's max_staleness k")
+    p.add_argument("--lose", action="append", default=[], metavar="ROLE:INDEX@SECONDS",
+                   help="inject a rank's loss, e.g. rollout:1@30 (the second rollout rank at 30 s); repeatable")
     p.set_defaults(func=run_command)
 
 
-def build(config: str, workload: str, mode=None, tasks=None, staleness=None, **layout):
+def build(config: str, workload: str, mode=None, tasks=None, staleness=None, lose=(), **layout):
     """(setup, workload) of a config; raises SpecError naming the bad field."""
     import dataclasses
 
     from marlaas_hpc.config import JobConfig
-    from marlaas_hpc.sim.setup import copies_to, setup_from_job
+    from marlaas_hpc.sim.setup import RankLoss, copies_to, setup_from_job
     from marlaas_hpc.sim.workload import load_workload
 
     job = JobConfig.load(config)
@@ -45,7 +47,8 @@ def build(config: str, workload: str, mode=None, tasks=None, staleness=None, **l
     if staleness is not None:
         specs = [dataclasses.replace(s, max_staleness=staleness) for s in specs]
     active = max(job.max_adapters, len(specs)) if tasks else job.max_adapters
-    setup = setup_from_job(job, mode=mode, tasks=specs, max_adapters=active, **layout)
+    setup = setup_from_job(job, mode=mode, tasks=specs, max_adapters=active,
+                           losses=[RankLoss.parse(text) for text in lose] or None, **layout)
     return setup, load_workload(workload)
 
 
@@ -54,7 +57,7 @@ def run_command(args) -> int:
     from marlaas_hpc.sim.report import headline, summarize, write_outputs
 
     try:
-        setup, workload = build(args.config, args.workload, args.mode, args.tasks, args.staleness,
+        setup, workload = build(args.config, args.workload, args.mode, args.tasks, args.staleness, args.lose,
                                 rollout_ranks=args.rollout_ranks, env_ranks=args.env_ranks,
                                 trainer_tp=args.trainer_tp, trainer_dp=args.trainer_dp,
                                 trainer_groups=args.trainer_groups)
@@ -72,6 +75,9 @@ def run_command(args) -> int:
               f"{t['max_staleness_trained']:>9}")
     if len(summary["tasks"]) > 32:
         print(f"... {len(summary['tasks']) - 32} more tasks")
+    for loss in summary["ranks_lost"]:
+        print(f"{loss['role']} rank {loss['rank']} lost at {loss['at']:.2f} s: {len(loss['groups_reissued'])} "
+              "groups issued again")
     print(f"trace sha256 {summary['trace_sha256'][:16]}  ({summary['scheduler_events']} scheduler events)")
     if args.out:
         print(f"outputs: {write_outputs(args.out, summary, sim)}")

@@ -18,6 +18,10 @@ Every scheduler event, submission and eval result first waits its turn at Contro
 handles one at a time at the workload's `control` cost (as measured on the runtime's rank 0); with a free
 control plane (all zero) events are handled the moment they arrive.
 
+Injected failures (SimSetup.losses): a lost rollout or env rank stops at once (what it had not finished never
+happens, its evals are sent again to a live rank) and the scheduler gets RankLost after a message latency, as
+the runtime's rank 0 does from the MPI's failure notice; the scheduler issues the lost groups again.
+
 Only the scheduler's events and commands cross the boundary, so the scheduler cannot tell this from MPI.
 Everything random draws from one seeded generator in event order: the same seed gives the same trace.
 """
@@ -30,8 +34,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, Resumed, Scheduler, Scored,
-                                   StepDone, Submit, TaskEnded, TaskFailed, Train)
+from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, RankLost, Resumed, Scheduler,
+                                   Scored, StepDone, Submit, TaskEnded, TaskFailed, Train)
 from marlaas_hpc.sim.setup import SimSetup
 from marlaas_hpc.sim.workload import TaskProfile, Workload
 
@@ -125,9 +129,13 @@ class RolloutSim:
         """When the pending wake-up (token `wakeup`) fires."""
         self.meter = BusyMeter(sim.keep_timeline)
         self._seq = itertools.count()
+        self.dead = False
+        """Lost (an injected failure): it takes and finishes nothing more."""
 
     # ---- work in ----
     def receive(self, group: SimGroup, asked: int | None) -> None:
+        if self.dead:
+            return
         if asked is not None and not group.eval and self.versions.get(group.task_id, -1) < asked:
             self.waiting.append((group, asked))
             return
@@ -159,6 +167,12 @@ class RolloutSim:
 
     def busy_now(self) -> bool:
         return bool(self.running) or self.stall_until > self.sim.queue.now
+
+    def stop(self) -> None:
+        """The rank is lost: what it held is gone, and its pending wake-up finds nothing."""
+        self._advance()
+        self.waiting, self.queue, self.running, self.wakeup = [], [], [], None
+        self.dead = True
 
     def join_wait(self) -> float:
         """How long a broadcast waits for this rank to join: the rank joins between engine steps, so a
@@ -253,6 +267,8 @@ class RolloutSim:
             self.sim.group_generated(self.rank, group)
 
     def _tool_returns(self, sequence: Sequence, tool_tokens: int) -> None:
+        if self.dead:
+            return
         if sequence.group.in_engine == 0:
             self.sim.group_resumed(self.rank, sequence.group)
         sequence.group.in_engine += 1
@@ -286,6 +302,8 @@ class StaticRolloutSim(RolloutSim):
         self.meter.add(stage, begin, self.stall_until)
 
     def _run_batch(self) -> None:
+        if self.dead:
+            return
         if self.sim.queue.now < self.stall_until:  # a delta load came in first
             self.sim.queue.at(self.stall_until, self._run_batch)
             return
@@ -302,6 +320,8 @@ class StaticRolloutSim(RolloutSim):
         self.sim.queue.after(seconds, self._batch_done, batch)
 
     def _batch_done(self, batch: list[Sequence]) -> None:
+        if self.dead:
+            return
         self.wakeup = None
         for sequence in batch:
             self._turn_done(sequence)
@@ -511,6 +531,11 @@ class Simulation:
         self.events = 0
         self.end_time: float | None = None
         self._hash = hashlib.sha256() if trace else None
+        self.lost: set[int] = set()
+        self.ranks_lost: list[dict] = []
+        """Each injected loss: rank, role, when, the groups the scheduler issued again."""
+        self._eval_out: dict[str, tuple[SimGroup, int]] = {}
+        """Eval group -> (group, rollout rank) until scored (sent again if its rank is lost)."""
 
     # ---- scheduler boundary ----
     def scheduler_event(self, event) -> None:
@@ -528,6 +553,10 @@ class Simulation:
         commands = self.scheduler.handle(event)
         if self._hash is not None:
             self._hash.update(_describe(self.queue.now, event, commands).encode())
+        if isinstance(event, RankLost):
+            self.ranks_lost.append({"rank": event.rank, "role": event.role, "at": self.queue.now,
+                                    "groups_reissued": [g for c in commands if isinstance(c, Discard)
+                                                        for g in c.group_ids]})
         for command in commands:
             self._execute(command)
         self._check_end()
@@ -579,37 +608,65 @@ class Simulation:
         """The runtime's greedy eval: eval_size one-sample groups on one rollout rank and one env rank."""
         if not self.workload.evals:
             return
-        spec, ranks = self._specs[task_id], self.setup.world_ranks()
-        rollout = ranks["rollout"][self._eval_turn % self.setup.rollout_ranks]
-        env = ranks["env"][self._eval_turn % self.setup.env_ranks]
-        self._eval_turn += 1
+        spec = self._specs[task_id]
+        rollout, env = self._eval_ranks()
         profile = self.workload.profile(spec.dataset.kind)
         for i in range(spec.dataset.eval_size):
             self.pending_evals += 1
-            group = SimGroup(task_id, f"{task_id}/eval{i}", version, env, profile, spec.algo.max_new_tokens, 1,
-                             eval=True)
-            self.queue.after(self.latency, self.rollout[rollout].receive, group, version)
+            group = SimGroup(task_id, f"{task_id}/eval{i}-{version}", version, env, profile,
+                             spec.algo.max_new_tokens, 1, eval=True)
+            self._send_eval(group, rollout)
+
+    def _eval_ranks(self) -> tuple[int, int]:
+        rollouts = sorted(r for r in self.rollout if r not in self.lost)
+        envs = sorted(r for r in self.env if r not in self.lost)
+        turn, self._eval_turn = self._eval_turn, self._eval_turn + 1
+        return rollouts[turn % len(rollouts)], envs[turn % len(envs)]
+
+    def _send_eval(self, group: SimGroup, rollout: int) -> None:
+        self._eval_out[group.group_id] = (group, rollout)
+        self.queue.after(self.latency, self.rollout[rollout].receive, group, group.version)
+
+    # ---- injected failures ----
+    def _lose(self, rank: int, role: str) -> None:
+        """The rank stops now; the scheduler hears of it a message latency later."""
+        self.lost.add(rank)
+        if role == "rollout":
+            self.rollout[rank].stop()
+        for group_id, (group, rollout) in list(self._eval_out.items()):
+            if rank in (rollout, group.env_rank):
+                rollout, env = self._eval_ranks()
+                again = SimGroup(group.task_id, group.group_id, group.version, env, group.profile, group.max_tokens,
+                                 1, eval=True)
+                self._send_eval(again, rollout)
+        self.queue.after(self.latency, self.scheduler_event, RankLost(rank, role))
 
     # ---- worker -> worker ----
     def group_left_engine(self, rollout_rank: int, group: SimGroup) -> None:
         """None of the group's sequences is in the engine: its rollout slot is free."""
-        if not group.eval:
+        if not group.eval and rollout_rank not in self.lost:
             self.queue.after(self.latency, self.scheduler_event,
                              Generated(rollout_rank, (group.group_id,), (group.version,)))
 
     def group_resumed(self, rollout_rank: int, group: SimGroup) -> None:
         """A sequence of the group is back from its tool call: the group takes a rollout slot again."""
-        if not group.eval:
+        if not group.eval and rollout_rank not in self.lost:
             self.queue.after(self.latency, self.scheduler_event, Resumed(rollout_rank, (group.group_id,)))
 
     def group_generated(self, rollout_rank: int, group: SimGroup) -> None:
         """Every turn of the group is done: its data goes to scoring."""
+        if rollout_rank in self.lost or group.env_rank in self.lost:
+            return
         samples = 1 if group.eval else self._specs[group.task_id].algo.group_size
         self.queue.after(self.latency, self.env[group.env_rank].score, group, samples, rollout_rank)
 
     def group_scored(self, group: SimGroup) -> None:
+        if group.env_rank in self.lost:
+            return  # its env rank was lost before it finished
         if group.eval:
-            self.queue.after(self.latency, self._eval_done)
+            if self._eval_out.get(group.group_id, (None,))[0] is group:  # not sent again meanwhile
+                del self._eval_out[group.group_id]
+                self.queue.after(self.latency, self._eval_done)
             return
         self.queue.after(self.latency, self.scheduler_event, Scored(group.group_id, 0.0))
         if self._groups.pop(group.group_id, None) is not None:
@@ -642,13 +699,15 @@ class Simulation:
         rollout_setup = model.broadcast_setup if self._broadcasts == 0 else 0.0
         trainer.broadcasts += 1
         self._broadcasts += 1
-        start = at + model.publish_fixed + max(rollout.join_wait() for rollout in self.rollout.values())
+        start = at + model.publish_fixed + max(rollout.join_wait() for rank, rollout in self.rollout.items()
+                                               if rank not in self.lost)
         self.queue.at(start, self._version_arrives, task_id, version, transfer + rollout_setup)
         return start - at + setup + transfer
 
     def _version_arrives(self, task_id: str, version: int, transfer: float) -> None:
-        for rollout in self.rollout.values():
-            rollout.new_version(task_id, version, transfer)
+        for rank, rollout in self.rollout.items():
+            if rank not in self.lost:
+                rollout.new_version(task_id, version, transfer)
 
     # ---- run ----
     def _check_end(self) -> None:
@@ -658,13 +717,16 @@ class Simulation:
     def run(self) -> SimOutcome:
         for spec in self.setup.tasks:
             self.queue.at(0.0, self.scheduler_event, Submit(spec))
+        ranks = self.setup.world_ranks()
+        for loss in self.setup.losses:
+            self.queue.at(loss.at_s, self._lose, ranks[loss.role][loss.index], loss.role)
         self.queue.run(until_idle=lambda: self.end_time is not None)
         end = self.end_time if self.end_time is not None else self.queue.now
         return SimOutcome(end, self.events, self._hash.hexdigest() if self._hash else "",
                           self.busy_fractions(end),
                           {t: s.status for t, s in self.scheduler.tasks.items()})
 
-    def busy_fractions(self, end: float) -> dict[str, float]:
+    def busy_fractions(self, end: float) -> dict[str, float]:  # a lost rank counts as idle from its loss
         roles = {"rollout": self.rollout.values(), "env": self.env.values(), "trainer": self.trainers,
                  "scheduler": [self.control]}
         return {role: sum(min(w.meter.busy, end) for w in workers) / max(end, 1e-12) / len(workers)

@@ -32,6 +32,7 @@ def summarize(sim: Simulation, outcome: SimOutcome, seed: int) -> dict:
         "trainer_busy_by_group": [min(t.meter.busy, outcome.end_time) / max(outcome.end_time, 1e-12)
                                   for t in sim.trainers],
         "moves": sum(t.moves for t in sim.scheduler.tasks.values()),
+        "ranks_lost": sim.ranks_lost,
         "tasks": tasks,
     }
 

@@ -14,6 +14,26 @@ from marlaas_hpc.scheduler import SchedulerConfig
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec
 
 
+@dataclass(frozen=True)
+class RankLoss:
+    """An injected failure: the `index`-th rank of a role (0-based) is lost `at_s` seconds into the simulation."""
+
+    role: str
+    """'rollout' or 'env' (the ranks whose loss the job goes on without)."""
+    index: int
+    at_s: float
+
+    @classmethod
+    def parse(cls, text: str) -> "RankLoss":
+        """'rollout:1@30' (the second rollout rank, at 30 s)."""
+        try:
+            where, at = text.split("@")
+            role, index = where.split(":")
+            return cls(role, int(index), float(at))
+        except ValueError:
+            raise SpecError("losses", f"{text!r} is not ROLE:INDEX@SECONDS, e.g. rollout:1@30") from None
+
+
 @dataclass(kw_only=True)
 class SimSetup:
     mode: str = "async"
@@ -38,6 +58,8 @@ class SimSetup:
     """Adapter slots: tasks running at once."""
     tasks: list[TaskSpec] = field(default_factory=list)
     """The tasks submitted at time 0."""
+    losses: list[RankLoss] = field(default_factory=list)
+    """Ranks lost while the simulation runs (the scheduler gets RankLost, as rank 0 does in a tolerant job)."""
 
     @property
     def gpus(self) -> int:
@@ -66,6 +88,13 @@ class SimSetup:
                 raise SpecError(name, f"must be an integer >= 1, got {value!r}")
         if not self.tasks:
             raise SpecError("tasks", "nothing to simulate: the config has no tasks")
+        for i, loss in enumerate(self.losses):
+            count = {"rollout": self.rollout_ranks, "env": self.env_ranks}.get(loss.role)
+            if count is None or not 0 <= loss.index < count or loss.at_s < 0:
+                raise SpecError(f"losses[{i}]", f"{loss} names no rollout or env rank of this layout")
+        for role in ("rollout", "env"):
+            if len({loss.index for loss in self.losses if loss.role == role}) >= getattr(self, f"{role}_ranks"):
+                raise SpecError("losses", f"every {role} rank is lost: the job would stop, not go on")
         self.scheduler_config().validate()
         return self
 

@@ -1,0 +1,134 @@
+"""A lost worker rank stops no tenant (issue 25), with real `marlaas run` jobs on the fault-tolerant MPI (ULFM)
+local mode runs on: SIGKILL of one of two rollout ranks, or of one of two env ranks, in a running job. The job
+finishes every task by itself (exit 0, no --resume), one line names the rank, its role, the cause and what was
+issued again, summary.json records the loss, and every version of every task is trained exactly once, from B
+groups, none twice (audit.jsonl)."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from marlaas_hpc.launch.mpi import ulfm_prefix
+from marlaas_hpc.launch.monitor import RankReporter
+from test_fault_matrix import SEED, Job, _rank
+from test_runtime_mpi import small_config
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow,
+              pytest.mark.skipif(ulfm_prefix() is None, reason="needs the ULFM Open MPI (tools/setup_env.sh)")]
+STEPS = 60
+"""Enough that the job still runs at the kill (steps of the tiny model take ~0.1-0.2 s here)."""
+
+
+def _config(tmp_path: Path, fault: dict | None = None, **layout) -> Path:
+    config = small_config(layout={"env_ranks": 1, "rollout_ranks": 1, "trainer_tp": 1, **layout},
+                          checkpoint={"every_steps": 5, "every_minutes": 0}, fault=fault or {})
+    for task in config["tasks"]:
+        task["total_steps"] = STEPS
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _kill_one(tmp_path: Path, role: str, **layout) -> tuple[Job, dict, Path]:
+    run_dir, rng = tmp_path / "run", random.Random(SEED)
+    job = Job([str(_config(tmp_path, **layout)), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_steps(3 + rng.randint(0, 3))
+    time.sleep(rng.uniform(0.0, 0.5))
+    victims = sorted((json.loads(p.read_text()) for p in (run_dir / "ranks").glob("rank*.json")),
+                     key=lambda r: r["rank"])
+    victim = [r for r in victims if r["role"] == role][-1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    code = job.finish()
+    assert code == 0, f"seed {SEED}: the job did not finish by itself:\n{job.output()}"
+    return job, victim, run_dir
+
+
+def _check_every_version_once(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    config = yaml.safe_load((run_dir / "job.yaml").read_text())
+    for task in config["tasks"]:
+        task_id, group = task["task_id"], task["algo"]["batch_prompts"] * task["algo"]["group_size"]
+        assert summary["tasks"][task_id]["status"] == "done", summary["tasks"][task_id]
+        rows = [r for r in audit if r["task_id"] == task_id]
+        assert collections.Counter(r["trained_into"] for r in rows) == {v: group for v in range(1, STEPS + 1)}
+        assert len({(r["group_id"], r["sample"]) for r in rows}) == len(rows), "no sample trained twice"
+        prompts = collections.Counter(r["group_id"].split("/g")[1].split(".r")[0] for r in rows)
+        assert set(prompts.values()) == {task["algo"]["group_size"]}, "no prompt trained twice"
+        for row in rows:
+            assert row["trained_into"] - 1 - row["bound"] <= row["behaviour_version"] <= row["trained_into"] - 1
+    return summary
+
+
+@pytest.mark.parametrize("role, layout", [("rollout", {"rollout_ranks": 2}), ("env", {"env_ranks": 2})])
+def test_sigkill_of_one_worker_rank_stops_no_task(tmp_path, role, layout):
+    job, victim, run_dir = _kill_one(tmp_path, role, **layout)
+    lines = [line for line in job.lines if line.startswith("[fault]")]
+    assert len(lines) == 1, job.output()
+    assert lines[0].startswith(f"[fault] rank {victim['rank']} ({role}) lost: died") and "issued again" in lines[0]
+    assert "job stopped" not in job.err and not (run_dir / "crash.json").exists()
+    summary = _check_every_version_once(run_dir)
+    (loss,) = summary["ranks_lost"]
+    assert loss["rank"] == victim["rank"] and loss["role"] == role and loss["cause"].startswith("died")
+    reissued = sum(t["reissued_groups"] for t in summary["tasks"].values())
+    assert reissued == len(loss["groups_reissued"]) > 0, "the victim held groups (workers are kept busy)"
+    audit = (run_dir / "audit.jsonl").read_text()
+    assert not any(f'"group_id": "{gid}"' in audit for gid in loss["groups_reissued"]), \
+        "a lost group is never trained (its prompt is, under a fresh id)"
+    assert set(summary["busy_fraction"]) == {"env", "rollout", "trainer", "scheduler"}
+
+
+def test_losing_the_last_rollout_rank_stops_the_job_resumably_and_says_why(tmp_path):
+    """With one rollout rank nothing can take its work: the job stops with the one message, which names the lost
+    rank and why the job could not go on, and the run dir resumes as after any crash."""
+    from marlaas_hpc.runtime.checkpoint import load_job_checkpoint
+
+    run_dir = tmp_path / "run"
+    job = Job([str(_config(tmp_path)), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_steps(3)
+    victim = _rank(run_dir, "rollout")
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert job.finish() not in (0, 75)
+    stops = [line for line in job.err.splitlines() if line.startswith("marlaas: job stopped")]
+    assert len(stops) == 1, job.output()
+    assert f"rank {victim['rank']} (rollout" in stops[0] and "no task is at fault" in stops[0]
+    assert "The job could not go on without it: no rollout rank is left" in stops[0]
+    assert f"marlaas run --resume {run_dir}" in stops[0]
+    assert load_job_checkpoint(run_dir) is not None, "the run dir is resumable"
+
+
+def test_a_rollout_rank_stopped_with_sigstop_is_found_hung_killed_and_handled_as_lost(tmp_path):
+    """SIGSTOP: the rank is alive but makes no progress (its heartbeat stops). After fault.hang_timeout_s its
+    supervisor names it, kills it, and the job goes on without it as after a SIGKILL."""
+    run_dir = tmp_path / "run"
+    job = Job([str(_config(tmp_path, fault={"hang_timeout_s": 4}, rollout_ranks=2)), "--run-dir", str(run_dir)],
+              tmp_path)
+    job.wait_steps(3)
+    victim = [r for r in (json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("rank*.json")))
+              if r["role"] == "rollout"][-1]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        assert job.finish() == 0, job.output()
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGKILL)  # never left stopped, whatever happened
+        except ProcessLookupError:
+            pass
+    lines = [line for line in job.lines if line.startswith("[fault]")]
+    assert len(lines) == 1 and lines[0].startswith(f"[fault] rank {victim['rank']} (rollout) lost: hung:"), \
+        job.output()
+    assert "no heartbeat for" in lines[0] and "killed with SIGKILL" in lines[0]
+    summary = _check_every_version_once(run_dir)
+    (loss,) = summary["ranks_lost"]
+    assert loss["rank"] == victim["rank"] and loss["cause"].startswith("hung")
+    # silence counts from its last beat, which came up to one beat period before the stop
+    assert loss["at"] - (time.time() - (time.monotonic() - stopped)) >= 4 - RankReporter.BEAT_S, "not too early"
