@@ -110,12 +110,22 @@ def _token_terms(tokens: Tokens, algo: AlgoSpec, mask: torch.Tensor, n_tokens: t
     ratio = torch.exp(tokens.logp - (tokens.behaviour if tokens.old is None else tokens.old))
     per_token = -_clipped_surrogate(ratio, tokens.advantages.to(tokens.logp.dtype), algo)
     if tokens.old is not None:
-        per_token = per_token * tis_weight(tokens.old, tokens.behaviour, algo.tis_cap)
+        weight = tis_weight(tokens.old, tokens.behaviour, algo.tis_cap)
+        per_token = per_token * weight
+        _tis_stats(tokens, mask, (weight * mask).sum() / n_tokens, stats)
     if algo.kl_beta > 0:
         kl = kl_penalty(tokens.logp, _base(tokens), algo.kl_estimator)
         per_token = per_token + algo.kl_beta * kl
         stats["kl"] = float((kl * mask).sum().detach() / n_tokens)
     return per_token, ratio
+
+
+def _tis_stats(tokens: Tokens, mask: torch.Tensor, weight_mean: torch.Tensor, stats: dict[str, float]) -> None:
+    """What TIS corrects, per trained token: |log pi_trainer - log pi_rollout| at the behaviour version; and the
+    mean weight it gave (per token, or per sequence for gspo)."""
+    with torch.no_grad():
+        stats["tis_mismatch"] = float(((tokens.old - tokens.behaviour).abs() * mask).sum() / mask.sum().clamp(min=1.0))
+        stats["tis_weight"] = float(weight_mean)
 
 
 def _base(tokens: Tokens) -> torch.Tensor:
@@ -170,8 +180,11 @@ def gspo_loss(tokens: Tokens, algo: AlgoSpec) -> tuple[torch.Tensor, dict[str, f
     per_sequence = -_clipped_surrogate(ratio, advantages, algo)
     if tokens.old is not None:
         mean_log_weight = _per_sequence(tokens, (tokens.old - tokens.behaviour) * mask) / length
-        per_sequence = per_sequence * tis_weight(mean_log_weight, torch.zeros_like(mean_log_weight), algo.tis_cap)
+        weight = tis_weight(mean_log_weight, torch.zeros_like(mean_log_weight), algo.tis_cap)
+        per_sequence = per_sequence * weight
     stats: dict[str, float] = {}
+    if tokens.old is not None:
+        _tis_stats(tokens, mask, (weight * valid).sum() / n_sequences, stats)
     if algo.kl_beta > 0:
         kl = _per_sequence(tokens, kl_penalty(tokens.logp, _base(tokens), algo.kl_estimator) * mask) / length
         per_sequence = per_sequence + algo.kl_beta * kl
