@@ -161,6 +161,8 @@ def test_the_simulator_pays_for_the_replacements_and_keeps_the_bound():
 def test_equal_reward_groups_is_a_fraction():
     from marlaas_hpc.sim.workload import workload_from_dict
 
+    assert workload_from_dict({"profiles": {"default": {"equal_reward_groups": 0.25}}}).profile(
+        "sort").equal_reward_groups == 0.25
     with pytest.raises(SpecError) as error:
         workload_from_dict({"profiles": {"default": {"equal_reward_groups": 1.5}}})
-    assert error.value.field == "profiles.default.equal_reward_groups"
+    assert error.value.field == "profiles.default.equal_reward_groups" and "fraction" in error.value.reason
