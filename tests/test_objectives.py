@@ -61,8 +61,8 @@ def _kl3(logp, i, t):
 
 # ---------------------------------------------------------------------------------------------- references
 def reference_token_mean(logp, advantages, low, high, beta=0.0, old=None, cap=None):
-    """DAPO eq. 8 (token-level: 1 / sum_i |o_i| over sum_i sum_t), with the project's k3 KL term of GRPO
-    (DeepSeekMath eq. 3-4) and, with `old`, TIS: min(pi_old / pi_behaviour, cap) x the clipped term against
+    """DAPO's objective (token-level: 1 / sum_i |o_i| over sum_i sum_t), with the project's k3 KL term of GRPO
+    (DeepSeekMath) and, with `old`, TIS: min(pi_old / pi_behaviour, cap) x the clipped term against
     pi_old (Yao et al. 2025)."""
     total, count = 0.0, 0
     for i, t, adv in _rows(advantages):
@@ -76,14 +76,14 @@ def reference_token_mean(logp, advantages, low, high, beta=0.0, old=None, cap=No
 
 
 def reference_dr_grpo(logp, advantages, low, high, max_tokens):
-    """Dr. GRPO (Liu et al. 2025, §3.2 and its code): sum_i sum_t of the clipped term over G x max tokens."""
+    """Dr. GRPO (Liu et al. 2025, and its code): sum_i sum_t of the clipped term over G x max tokens."""
     total = sum(-_clip_min(torch.exp(logp[i, t] - BEHAVIOUR[i, t]), adv, low, high)
                 for i, t, adv in _rows(advantages))
     return total / (MASK.shape[0] * max_tokens)
 
 
 def reference_gspo(logp, advantages, low, high, old=None, cap=None):
-    """GSPO eq. 5-7: s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|), J = 1/G sum_i min(s_i A_i, clip(s_i) A_i); with TIS,
+    """GSPO's objective: s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|), J = 1/G sum_i min(s_i A_i, clip(s_i) A_i); with TIS,
     each sequence weighed by min of its length-normalised pi_old / pi_behaviour, and cap."""
     total = 0.0
     for i in range(MASK.shape[0]):
@@ -303,7 +303,7 @@ def _group(lengths, rewards, prompt=3):
 
 
 def test_overlong_shaping_is_dapos_soft_punishment_and_advantages_see_it():
-    """DAPO eq. 13 with L_max = 8, L_cache = 4: lengths 4 -> 0, 6 -> -0.5, 8 -> -1 (x penalty 1); the verifier's
+    """DAPO's soft overlong punishment with L_max = 8, L_cache = 4: lengths 4 -> 0, 6 -> -0.5, 8 -> -1 (x penalty 1); the verifier's
     reward stays on the trajectory, the advantage comes from the shaped one."""
     from marlaas_hpc.env.shaping import score_group, training_rewards
 

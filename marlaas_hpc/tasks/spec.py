@@ -49,7 +49,7 @@ class LoraSpec:
 
 @dataclass(kw_only=True)
 class OverlongSpec:
-    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13): a completion within `buffer_tokens` of its
+    """DAPO's soft overlong punishment (arXiv 2503.14476 §3.4): a completion within `buffer_tokens` of its
     length limit L loses reward linearly, down to -penalty at L:
 
         R_length(y) = 0                                     |y| <= L - buffer_tokens

@@ -12,9 +12,9 @@ eps_l, eps_h the ratio's clip (`algo.clip_low`, `algo.clip_high`) and w the TIS 
     dapo     the same token-level loss (DAPO §3.3); the rest of DAPO is its defaults: clip-higher (eps_h 0.28),
              dynamic sampling (scheduler/sampling.py); overlong shaping (env/shaping.py) is opt-in   unit: token
     dr_grpo  the same per-token term, summed and divided by a constant, sequences x max_new_tokens (Dr. GRPO
-             §3.2; its other fix, advantages without the std, is its default)                       unit: sequence
+             and its code; its other fix, advantages without the std, is its default)               unit: sequence
     gspo     per sequence: s = exp(mean_t log r_t), -w_s min(s A, clip(s, 1 - eps_l, 1 + eps_h) A)
-             [+ beta mean_t KL], averaged over sequences (GSPO eq. 5-7)                             unit: sequence
+             [+ beta mean_t KL], averaged over sequences (GSPO's objective)                     unit: sequence
 
 Each returns its loss normalised over the micro-batch's own units (its trained tokens, or its sequences with
 trained tokens) and its statistics. The trainer weights each micro-batch's loss by its share of the task's units
