@@ -35,6 +35,10 @@ class TrainerSettings:
     recompute: bool = False
     """Activation recompute of every decoder layer (megatron 'full'): less activation memory on long sequences
     for ~1/3 more compute."""
+    attention: str = "auto"
+    """Attention kernel of the trainer's packed rows: 'flex' (torch FlexAttention with a block mask: no score
+    matrix; CUDA only for training), 'dense' (megatron's unfused attention: ~6 bytes per score of every row kept
+    for backward, the CPU twin's kernel), or 'auto' (flex on CUDA, dense on CPU)."""
 
     def validate(self, prefix: str = "trainer") -> "TrainerSettings":
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -45,6 +49,8 @@ class TrainerSettings:
                             f"must be an integer >= 0, got {self.micro_batch_tokens!r}")
         if not isinstance(self.recompute, bool):
             raise SpecError(f"{prefix}.recompute", f"must be true or false, got {self.recompute!r}")
+        if self.attention not in ("auto", "dense", "flex"):
+            raise SpecError(f"{prefix}.attention", f"must be 'auto', 'dense' or 'flex', got {self.attention!r}")
         return self
 
 
@@ -82,7 +88,7 @@ class JobConfig:
     enforce_eager, tensor_parallel_size, max_num_seqs, max_loras, max_cpu_loras, enable_prefix_caching,
     cpu_kv_cache_gib (rollout/vllm_settings.py documents each)."""
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
-    """Trainer precision and memory: base dtype, micro-batch token budget, activation recompute."""
+    """Trainer precision and memory: base dtype, micro-batch token budget, activation recompute, attention kernel."""
     env_pool: EnvPoolConfig = field(default_factory=EnvPoolConfig)
     """Each env rank's worker pool: mode 'thread' | 'process' | 'inline', workers (concurrent env steps),
     step_timeout_s (per env-step limit; a step past it fails its task)."""

@@ -238,3 +238,48 @@ def test_packed_sequences_get_the_logprobs_each_gets_alone(tiny_model_path):
         want = [float(alone[len(traj.prompt_ids) - 1 + j, token]) for j, token in enumerate(traj.completion_ids)]
         assert logprobs == pytest.approx(want, abs=1e-5)
     trainer.remove_task("pk")
+
+
+def test_recompute_reruns_every_layer_in_backward(tiny_model_path):
+    """`recompute: true` recomputes: in a training step each decoder layer's forward runs twice (the forward, and
+    again inside backward), once without recompute; loss and gradients are the same either way. megatron
+    recomputes only in train mode, and a frozen embedding's output must require grad for its reentrant
+    checkpoint to run the layers' backward at all."""
+    import random
+
+    from marlaas_hpc.tasks import AlgoSpec
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer
+    from marlaas_hpc.trajectory import Trajectory, assign_advantages
+
+    rng = random.Random(4)
+    trajs = []
+    for group in range(3):
+        prompt = [rng.randrange(3, 100) for _ in range(rng.randrange(3, 9))]
+        for _ in range(4):
+            completion = [rng.randrange(3, 100) for _ in range(rng.randrange(2, 9))]
+            trajs.append(Trajectory("rc", f"rc/g{group}", prompt, completion, [-4.0] * len(completion), 0,
+                                    reward=float(rng.random() < 0.5)))
+    assign_advantages(trajs)
+    runs = {}
+    for recompute in (False, True):
+        trainer = MultiLoraTrainer(TrainerConfig(model_path=str(tiny_model_path), seed=2, recompute=recompute))
+        trainer.add_task("rc", LoraSpec(rank=4, alpha=8.0), AlgoSpec(lr=1e-2))  # kl_beta 0: no base forward
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for param in trainer.lora.parameters("rc"):
+                param.add_(torch.randn_like(param) * 0.05)
+        calls = [0] * len(trainer.model.decoder.layers)
+        hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: calls.__setitem__(i, calls[i] + 1))
+                 for i, layer in enumerate(trainer.model.decoder.layers)]
+        metrics = trainer.train_step("rc", trajs)
+        for hook in hooks:
+            hook.remove()
+        runs[recompute] = calls, metrics, trainer.adapter_tensors("rc", grads=True)
+        assert not trainer.model.training  # back in eval mode after the step
+        trainer.close()
+    assert runs[False][0] == [1] * len(runs[False][0]) and runs[True][0] == [2] * len(runs[True][0]), \
+        (runs[False][0], runs[True][0])
+    assert runs[True][1]["loss"] == pytest.approx(runs[False][1]["loss"], rel=1e-6)
+    for key, grad in runs[False][2].items():
+        assert grad.abs().max() > 0 or "lora_A" in key
+        assert torch.allclose(runs[True][2][key], grad, rtol=1e-5, atol=1e-8), key

@@ -153,7 +153,8 @@ MEMORY_VARIANTS = {
 }
 """TrainerConfig variants of one fused step from the same initial adapters (micro-batches of <= 40 padded
 tokens split the 24 trajectories into several passes); 'megatron_wgrad' runs megatron's unpatched linear
-backward (trainer/frozen_base.py skips the frozen weights' gradients)."""
+backward (trainer/frozen_base.py skips the frozen weights' gradients). Each records the decoder layers' forward
+calls in the step (`layer_forwards`): 'recompute' runs every layer again in backward."""
 
 
 def memory_variants_scenario(rank: int, model_path: str, batches: dict[str, list[Trajectory]]) -> dict:
@@ -171,9 +172,14 @@ def memory_variants_scenario(rank: int, model_path: str, batches: dict[str, list
         for task_id, (lora, algo) in TASKS.items():
             trainer.add_task(task_id, lora, algo)
         logprobs = {t: trainer.logprobs(t, batches[t], TASKS[t][1].temperature) for t in TASKS}
+        calls = [0]
+        hooks = [layer.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+                 for layer in trainer.model.decoder.layers]
         metrics = trainer.train_steps(batches)
+        for hook in hooks:
+            hook.remove()
         out[name] = {"metrics": metrics, "grads": {t: trainer.adapter_tensors(t, grads=True) for t in TASKS},
-                     "logprobs": logprobs,
+                     "logprobs": logprobs, "layer_forwards": calls[0],
                      "lora_dtypes": sorted({str(p.dtype) for t in TASKS for p in trainer.lora.parameters(t)}),
                      "base_dtype": str(next(trainer.model.parameters()).dtype)}
         trainer.close()
@@ -215,3 +221,121 @@ def logprobs_scenario(rank: int, model_path: str, tp: int, adapter: str, version
     trainer.load_adapter("a", adapter, algo=TASKS["a"][1], version=version)
     return {"logprobs": trainer.logprobs("a", trajectories, temperature), "version": trainer.version("a"),
             "base": trainer.logprobs(None, trajectories, temperature)}
+
+
+HEAD_MEAN_TOL = 1e-4
+"""float32 LM head vs float64 on the same hidden states: mean |logprob difference| per token (nats). Measured on
+CPU: 2.7e-6 (logprobs) with the float32 head, 0.047 with the bf16 head it replaced."""
+HEAD_MAX_TOL = 1e-3
+"""... and the largest single-token difference: 6.9e-6 float32, 0.13 bf16."""
+NORM_SCALE = 40.0
+"""Final-norm gain of `scaled_checkpoint`: random:qwen3-0.6b-mini's logits have std ~0.3; x40 puts the top ones
+at 40-50, a trained model's magnitudes."""
+
+
+def scaled_checkpoint(out_dir: str | Path) -> Path:
+    """random:qwen3-0.6b-mini with every weight rounded to bf16 (as released checkpoints are) and its final norm
+    scaled by NORM_SCALE, written to `out_dir`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+
+    source, out = ensure_random_qwen3("qwen3-0.6b-mini"), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.name != "model.safetensors":
+            shutil.copy(path, out / path.name)
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * NORM_SCALE
+    save_file({k: v.to(torch.bfloat16).float() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+def _float64_head_logprobs(trainer, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """float64 log softmax of (hidden @ head weight) at `targets`: hidden [n, h] as the trainer computed it."""
+    weight = trainer.model.shared_embedding_or_output_weight()[: trainer.vocab_size].double()
+    logits = hidden.double() @ weight.t()
+    return torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+
+
+def head_inputs() -> tuple[list[list[int]], list[Trajectory]]:
+    """Probe rows (24 tokens each) and 8 trajectories for `head_precision_scenario`."""
+    rng = random.Random(0)
+    probe = [[rng.randrange(3, 4000) for _ in range(24)] for _ in range(3)]
+    return probe, make_trajectories("a", seed=5, n=8, vocab=151936)
+
+
+def head_precision_scenario(rank: int, model_path: str, dtype: str, probe: list[list[int]],
+                            trajectories: list[Trajectory]) -> dict:
+    """The trainer's logprobs against a float64 LM head applied to its own final hidden states (captured from
+    the same forward): |difference| per token of `logits` (probe rows, each next token) and of `logprobs`
+    (packed rows, the training path), and the probe's top logits."""
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, dtype=dtype))
+    captured = []
+    trainer.model.decoder.register_forward_hook(lambda module, args, out: captured.append(out.detach()))
+    logits = trainer.logits(None, probe).double()
+    hidden = captured[-1].transpose(0, 1)  # [rows, s, h]
+    targets = torch.tensor(probe, device=logits.device)[:, 1:]
+    got = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2).reshape(-1)
+    want = _float64_head_logprobs(trainer, hidden[:, :-1].reshape(-1, hidden.shape[-1]), targets.reshape(-1))
+    record = {"top_logits": logits.max(dim=-1).values.cpu(), "logits_diff": (got - want).abs().cpu()}
+    captured.clear()
+    got = torch.tensor([x for logprobs in trainer.logprobs(None, trajectories) for x in logprobs],
+                       dtype=torch.float64)
+    batch = trainer._pack([(None, traj) for traj in trajectories])  # the layout logprobs packed
+    want = _float64_head_logprobs(trainer, captured[0][batch.token_source, batch.token_row], batch.targets)
+    record.update(logprobs_diff=(got - want.cpu()).abs(), forwards=len(captured))
+    trainer.close()
+    return record
+
+
+ATTENTION_VARIANTS = {"dense": {"attention": "dense"}, "flex": {"attention": "flex"},
+                      "flex_recompute": {"attention": "flex", "recompute": True}}
+"""TrainerConfig variants of `attention_kernels_scenario` (float32 base weights: the kernels compared exactly)."""
+
+
+def long_trajectories(task_id: str, length: int, vocab: int) -> list[Trajectory]:
+    """Two samples of one 100-token prompt with `length`-token completions: rows of `length` + 100 tokens."""
+    rng = random.Random(length)
+    prompt = [rng.randrange(3, 4000) for _ in range(100)]
+    out = []
+    for sample in range(2):
+        completion = [rng.randrange(3, min(vocab, 4000)) for _ in range(length)]
+        out.append(Trajectory(task_id=task_id, group_id=f"{task_id}-long", prompt_ids=prompt,
+                              completion_ids=completion, behaviour_logprobs=[-11.9] * length, behaviour_version=0,
+                              reward=float(sample)))
+    return out
+
+
+def attention_kernels_scenario(rank: int, model_path: str, batches: dict[str, list[Trajectory]],
+                               long_batch: list[Trajectory]) -> dict:
+    """Per ATTENTION_VARIANTS entry (CUDA: FlexAttention trains on CUDA only): the logprobs before, metrics and
+    gradients of one fused step of TASKS, and the peak device memory of a step of task 'a' on `long_batch`
+    above what was allocated before it."""
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    out = {}
+    for name, kwargs in ATTENTION_VARIANTS.items():
+        trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, seed=7, dtype="float32", **kwargs))
+        for task_id, (lora, algo) in TASKS.items():
+            trainer.add_task(task_id, lora, algo)
+        logprobs = {t: trainer.logprobs(t, batches[t], TASKS[t][1].temperature) for t in TASKS}
+        metrics = trainer.train_steps(batches)
+        grads = {t: trainer.adapter_tensors(t, grads=True) for t in TASKS}
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        trainer.train_step("a", long_batch)
+        torch.cuda.synchronize()
+        out[name] = {"logprobs": logprobs, "metrics": metrics, "grads": grads,
+                     "long_step_peak": torch.cuda.max_memory_allocated() - before,
+                     "kernel": trainer.attention.kind}
+        trainer.close()
+        del trainer
+        torch.cuda.empty_cache()
+    return out

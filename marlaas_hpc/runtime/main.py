@@ -178,6 +178,7 @@ def _trainer(comm, job, trainers: list[int], model_path: Path, device: str):
     trainer = MultiLoraTrainer(TrainerConfig(model_path=str(model_path), tensor_parallel=job.layout.trainer_tp,
                                              data_parallel=job.layout.trainer_dp, seed=job.seed, device=device,
                                              dtype=job.trainer.dtype, recompute=job.trainer.recompute,
+                                             attention=job.trainer.attention,
                                              micro_batch_tokens=job.trainer.micro_batch_tokens), store=store)
     _restore_rng(Path(job.run_dir), trainer.tp_rank, assign_role(comm.Get_rank(), job.layout).group,
                  trainer.dp_rank)

@@ -2,7 +2,11 @@
 
     grpo.py        advantages and the clipped token-level loss (pure tensors)
     cpu_shims.py   the four CUDA-only megatron-core call sites redirected on CPU (no-op with CUDA)
-    model.py       process groups + GPTModel (local spec) loaded from an HF Qwen3 checkpoint via mbridge
+    model.py       process groups + GPTModel (local spec) loaded from an HF Qwen3 checkpoint via mbridge, its
+                   forward to the final hidden states, train mode for a step
+    lm_head.py     the LM head in float32 over the trained tokens' hidden states (vocab-parallel)
+    attention.py   packed rows' attention: the visibility rule over segment ids, dense or FlexAttention kernel
+    packing.py     a micro-batch's sequences in rows of one task, each prompt once for its samples
     lora.py        TP-aware multi-LoRA sites on Column/RowParallelLinear, per-row adapters (LoraContext)
     peft_io.py     PEFT adapter directories in and out (atomic)
     trainer.py     TrainerConfig + MultiLoraTrainer (tasks, logprobs, train_step, export/import, resume)

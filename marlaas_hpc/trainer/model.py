@@ -164,9 +164,10 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     padded as megatron pads it (zero rows past `vocab_size`); callers keep padded logits out of every softmax.
     Parameters are allocated on `device` before any weight is loaded, because mbridge scatters each weight
     from TP rank 0 over the TP group (NCCL on GPU cannot scatter CPU tensors). `dtype`: base weights
-    (bfloat16 on GPU, float32 for exact CPU tests). `recompute`: full activation recompute of every layer.
-    `load_weights=False` leaves the parameters as allocated (uninitialised): the GPU dry run (marlaas_hpc/plan)
-    builds the model from config.json alone. Needs `init_distributed` first (all TP ranks call this together).
+    (bfloat16 on GPU, float32 for exact CPU tests). `recompute`: full activation recompute of every layer (in
+    train mode only: `training_mode`). `load_weights=False` leaves the parameters as allocated (uninitialised):
+    the GPU dry run (marlaas_hpc/plan) builds the model from config.json alone.
+    Needs `init_distributed` first (all TP ranks call this together).
     """
     from megatron.core.models.gpt.gpt_model import GPTModel
     from transformers import AutoConfig
@@ -208,47 +209,41 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
             bridge.load_weights([model], str(model_path))
     for param in model.parameters():
         param.requires_grad_(False)
-    model.eval()  # dropout is 0 anyway; no train-mode-only paths
+    model.eval()  # the trainer's default; training_mode around a forward and its backward
     return LoadedModel(model=model, hf_config=hf_config, bridge=bridge, vocab_size=vocab, padded_vocab_size=padded)
 
 
-def causal_mask(batch: int, seq: int, device=None) -> torch.Tensor:
-    """Explicit megatron attention mask [b, 1, s, s], True = masked out (future positions)."""
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)
-    return mask.view(1, 1, seq, seq).expand(batch, 1, seq, seq)
+def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                        attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """GPTModel.forward without its output layer: [s, rows, hidden] after the final norm, in the base dtype.
+
+    For this model (first and last pipeline stage, RoPE, no MTP) megatron's forward is the embedding, RoPE
+    tables, the decoder block (layers and final norm) and the output layer; the LM head is the trainer's
+    (trainer/lm_head.py). `positions` [rows, s] are each token's RoPE positions: packed rows hold several
+    sequences (trainer/packing.py) and a completion sits after its prompt's other completions, yet has the
+    positions it has alone. The RoPE tables [s, rows, 1, dim] are an argument of every layer, so activation
+    recompute (which re-runs a layer inside backward) reuses them. `attention_mask`: megatron's bool mask (dense
+    attention) or None (FlexAttention layers read theirs from trainer/attention.py's RowAttention).
+    """
+    hidden = model.embedding(input_ids=input_ids, position_ids=positions)
+    if model.training and torch.is_grad_enabled() and model.config.recompute_granularity == "full":
+        # megatron's checkpoint is a reentrant autograd Function: a layer's recomputed backward runs only if its
+        # input requires grad, and the frozen embedding's output does not (a trained embedding's would)
+        hidden = hidden.detach().requires_grad_()
+    table = model.rotary_pos_emb(int(positions.max()) + 1)  # [max position + 1, 1, 1, dim]
+    return model.decoder(hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=table[positions.t(), 0])
 
 
-class PositionContext:
-    """The RoPE positions [rows, s] of the current forward's tokens (None: 0 .. s-1 in every row), held by the
-    trainer around forward and backward (activation recompute re-runs the forward inside backward)."""
+@contextmanager
+def training_mode(model: torch.nn.Module) -> Iterator[None]:
+    """The model in train mode for a forward and its backward, then back in eval mode (the trainer's default).
 
-    def __init__(self):
-        self.positions: torch.Tensor | None = None
-
-    @contextmanager
-    def use(self, positions: torch.Tensor | None) -> Iterator[None]:
-        previous, self.positions = self.positions, positions
-        try:
-            yield
-        finally:
-            self.positions = previous
-
-
-class PositionedRotaryEmbedding(torch.nn.Module):
-    """megatron's RotaryEmbedding at the positions a PositionContext holds: [s, rows, 1, dim] instead of
-    [s, 1, 1, dim], which its rotation broadcasts alike. Packed rows (trainer/packing.py) hold several sequences
-    and each completion sits after its prompt's other completions, yet has the positions it has alone."""
-
-    def __init__(self, rotary: torch.nn.Module, context: PositionContext):
-        super().__init__()
-        self.rotary, self.context = rotary, context
-
-    def get_rotary_seq_len(self, *args, **kwargs) -> int:
-        return self.rotary.get_rotary_seq_len(*args, **kwargs)
-
-    def forward(self, max_seq_len: int, *args, **kwargs) -> torch.Tensor:
-        positions = self.context.positions
-        if positions is None:
-            return self.rotary(max_seq_len, *args, **kwargs)
-        emb = self.rotary(int(positions.max()) + 1)  # [p, 1, 1, dim]
-        return emb[positions.t(), 0]  # [s, rows, 1, dim]
+    megatron-core 0.16 recomputes activations only in train mode (TransformerBlock._checkpointed_forward runs
+    when `self.training`). On this model's path train mode changes nothing else: dropout is 0 (`F.dropout` with
+    p=0 returns its input), bias-dropout-add adds out of place instead of in place (the same sum), and the
+    train-only CUDA-graph and offloading paths are off in its config."""
+    model.train()
+    try:
+        yield
+    finally:
+        model.eval()

@@ -8,12 +8,14 @@ sample repeated its prompt (on local-demo about half the tokens). Here the seque
     positions:    0 .. Pa-1  Pa .. Pa+n1-1   Pa .. Pa+n2-1   0 .. Pb-1  Pb ..
     attends to:   prompt a    prompt a, a1    prompt a, a2    prompt b    prompt b, b1
 
-Each completion sees its prompt and itself only (`attention_mask`), at the positions it has alone (`positions`,
-RoPE's), so every token's logits are those of the sequence on its own. A trained token is read off the logits
-where its predecessor sits (`token_row`, `token_source`): the first token of every completion of a prompt from
-the prompt's last position, the next ones from the completion's own tokens. Rows hold one task each (rows pick
-their LoRA adapter), prompts are matched by their token ids within a task, and a prompt is repeated in another
-row when its completions do not fit one (rows are `width` long: at least the longest sequence).
+Each completion sees its prompt and itself only, at the positions it has alone (`positions`, RoPE's), so every
+token's logits are those of the sequence on its own. The rows carry who-sees-whom as segment ids per position
+(`prompt_of`, `own`); trainer/attention.py turns them into the attention kernel's mask on the device. A trained
+token is read off the logits where its predecessor sits (`token_row`, `token_source`): the first token of every
+completion of a prompt from the prompt's last position, the next ones from the completion's own tokens. Rows
+hold one task each (rows pick their LoRA adapter), prompts are matched by their token ids within a task, and a
+prompt is repeated in another row when its completions do not fit one (rows are `width` long: at least the
+longest sequence).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from marlaas_hpc.trainer.attention import PADDING
 from marlaas_hpc.trajectory import Trajectory
 
 
@@ -31,8 +34,10 @@ class PackedBatch:
 
     ids: torch.Tensor
     positions: torch.Tensor
-    attention_mask: torch.Tensor
-    """[rows, 1, width, width], True = masked out (megatron's convention)."""
+    prompt_of: torch.Tensor
+    """Per position: the index (in its row) of the prompt occurrence it belongs to; -1 = padding."""
+    own: torch.Tensor
+    """Per position: -1 for a prompt token, the item index for a completion token, PADDING for padding."""
     tasks: list[str | None]
     """Each row's adapter."""
     token_row: torch.Tensor
@@ -130,7 +135,7 @@ def _tensors(items, rows: list[_Row], placed: dict[int, tuple[int, int]], width:
     ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
     positions = torch.zeros(n_rows, width, dtype=torch.long)
     prompt_of = torch.full((n_rows, width), -1, dtype=torch.long)
-    own = torch.full((n_rows, width), -2, dtype=torch.long)  # padding: neither a prompt nor a completion
+    own = torch.full((n_rows, width), PADDING, dtype=torch.long)
     for r, row in enumerate(rows):
         n = len(row.tokens)
         ids[r, :n] = torch.tensor(row.tokens, dtype=torch.long)
@@ -157,20 +162,10 @@ def _tensors(items, rows: list[_Row], placed: dict[int, tuple[int, int]], width:
         advantages += [float(traj.advantage)] * n
         task_spans[-1] = (task, task_spans[-1][1], len(targets))
     return PackedBatch(
-        ids=ids, positions=positions, attention_mask=attention_mask(prompt_of, own), tasks=[r.task for r in rows],
+        ids=ids, positions=positions, prompt_of=prompt_of, own=own, tasks=[r.task for r in rows],
         token_row=torch.tensor(token_row, dtype=torch.long), token_source=torch.tensor(token_source, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long), mask=torch.tensor(mask, dtype=torch.float32),
         behaviour=torch.tensor(behaviour, dtype=torch.float32),
         advantages=torch.tensor(advantages, dtype=torch.float32),
         task_spans=task_spans, item_spans=item_spans)
 
-
-def attention_mask(prompt_of: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-    """[rows, 1, s, s], True = masked out: a position sees the earlier positions of its prompt occurrence that are
-    the prompt or its own completion (padding sees padding)."""
-    seq = prompt_of.shape[1]
-    earlier = torch.tril(torch.ones(seq, seq, dtype=torch.bool, device=prompt_of.device))
-    same_prompt = prompt_of.unsqueeze(2) == prompt_of.unsqueeze(1)
-    key_own = own.unsqueeze(1)
-    visible = earlier & same_prompt & ((key_own == -1) | (key_own == own.unsqueeze(2)))
-    return (~visible).unsqueeze(1)

@@ -23,8 +23,10 @@ from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec, SpecError
 from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
 from marlaas_hpc.trainer.grpo import grpo_loss
 from marlaas_hpc.trainer.lora import MultiLora
-from marlaas_hpc.trainer.model import (PositionContext, PositionedRotaryEmbedding, build_gpt_model, causal_mask,
-                                       init_distributed)
+from marlaas_hpc.trainer.attention import (ATTENTION_KINDS, RowAttention, causal_segments, min_row_tokens,
+                                           resolve_attention)
+from marlaas_hpc.trainer.lm_head import LmHead
+from marlaas_hpc.trainer.model import build_gpt_model, final_hidden_states, init_distributed, training_mode
 from marlaas_hpc.trainer.packing import PackedBatch, pack
 from marlaas_hpc.trainer.peft_io import read_peft_adapter, write_peft_adapter
 from marlaas_hpc.trajectory import Trajectory
@@ -58,6 +60,11 @@ class TrainerConfig:
     load_weights: bool = True
     """False: the base parameters are allocated but not loaded (only config.json is read). For the GPU dry run
     (marlaas_hpc/plan/dry_run.py), which counts memory on fake tensors and has no weights to load."""
+    attention: str = "auto"
+    """Attention kernel of packed rows (trainer/attention.py): 'flex' (FlexAttention with a block mask: no score
+    matrix; trains on CUDA only, torch 2.13 has no FlexAttention backward on CPU), 'dense' (megatron's unfused
+    attention over a [rows, 1, s, s] mask: ~6 bytes per score kept for backward), or 'auto' (flex on CUDA, dense
+    on CPU)."""
 
     def validate(self) -> "TrainerConfig":
         if not isinstance(self.model_path, (str, Path)) or not Path(self.model_path, "config.json").is_file():
@@ -78,6 +85,8 @@ class TrainerConfig:
         for name in ("recompute", "load_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise SpecError("attention", f"must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
         return self
 
     def torch_device(self) -> torch.device:
@@ -130,12 +139,11 @@ class MultiLoraTrainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.vocab_size = loaded.vocab_size
-        self._padding = self._padded_columns(loaded.padded_vocab_size)
+        self.head = LmHead(self.model, self.tp_group, self.vocab_size)
+        self.attention = RowAttention(self.model, resolve_attention(config.attention, self.device))
         pad = getattr(self.hf_config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
         self.lora = MultiLora(self.model, tp_group=self.tp_group)
-        self.positions = PositionContext()
-        self.model.rotary_pos_emb = PositionedRotaryEmbedding(self.model.rotary_pos_emb, self.positions)
         self.tasks: dict[str, _Task] = {}
 
     # -- tasks --------------------------------------------------------------------------------------------
@@ -170,31 +178,29 @@ class MultiLoraTrainer:
         return torch.optim.AdamW(params, lr=algo.lr, weight_decay=algo.weight_decay)
 
     # -- forward ------------------------------------------------------------------------------------------
-    def _padded_columns(self, padded_vocab: int) -> torch.Tensor | None:
-        """This rank's vocab-parallel logit columns past the real vocabulary (megatron's padding rows), or
-        None. They are -inf before every softmax: no padding row ever gets probability mass."""
-        local = padded_vocab // self.tp_size
-        first = self.tp_rank * local
-        if first + local <= self.vocab_size:
-            return None
-        return torch.arange(first, first + local, device=self.device) >= self.vocab_size
-
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Vocab-parallel logits [b, s, V_padded/tp] with the adapters `self.lora.ctx` holds for the rows; the
-        attention mask of packed rows (`_pack`), else causal."""
+    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """float32 vocab-parallel logits [b, s, V_padded/tp] of unpacked rows (causal), with the adapters
+        `self.lora.ctx` holds for the rows."""
         batch, seq = input_ids.shape
         positions = torch.arange(seq, device=self.device).unsqueeze(0).expand(batch, seq)
-        if attention_mask is None:
-            attention_mask = causal_mask(batch, seq, self.device)
-        return self.model(input_ids, positions, attention_mask)
+        with self.attention.use(self.attention.mask(*causal_segments(batch, seq, self.device))) as mask:
+            hidden = final_hidden_states(self.model, input_ids, positions, mask)  # [s, b, h]
+            return self.head(hidden.transpose(0, 1).reshape(batch * seq, -1)).view(batch, seq, -1)
+
+    def _trained_logits(self, batch: PackedBatch, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """float32 vocab-parallel logits [trained tokens, V_padded/tp] of a packed batch: each trained token's,
+        from the hidden state where its predecessor sits (the LM head runs on those positions only). Runs
+        inside `self.lora.ctx.use` (the rows' adapters) and `self.attention.use` (whose mask argument is
+        `attention_mask`)."""
+        hidden = final_hidden_states(self.model, batch.ids, batch.positions, attention_mask)  # [s, rows, h]
+        return self.head(hidden[batch.token_source, batch.token_row])
 
     def _token_logprobs(self, vp_logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-        """log softmax(logits / T)[label] in float32 over the vocab-parallel logits (no full-vocab gather)."""
+        """log softmax(logits / T)[label] in float32 over the vocab-parallel logits (no full-vocab gather); the
+        padding columns are -inf already (trainer/lm_head.py)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        scaled = vp_logits.float() / _scale(temperature)  # a fresh tensor: masking it in place is safe
-        if self._padding is not None:
-            scaled.masked_fill_(self._padding, float("-inf"))
+        scaled = vp_logits / _scale(temperature)  # a fresh tensor: the cross entropy works on it in place
         return -vocab_parallel_cross_entropy(scaled, labels)
 
     def _rows(self, task: str | None | Sequence[str | None], batch: int) -> list[str | None]:
@@ -214,7 +220,7 @@ class MultiLoraTrainer:
         if ids.dim() != 2:
             raise ValueError("input_ids must be [batch, seq]")
         with self.lora.ctx.use(self._rows(task_id, ids.shape[0])):
-            vp = self._forward(ids).float().contiguous()
+            vp = self._forward(ids)
         if self.tp_size > 1:  # megatron's gather allocates on CUDA; a plain all_gather works on any backend
             shards = [torch.empty_like(vp) for _ in range(self.tp_size)]
             dist.all_gather(shards, vp, group=self.tp_group)
@@ -241,19 +247,10 @@ class MultiLoraTrainer:
     def _length(traj: Trajectory) -> int:
         return len(traj.prompt_ids) + len(traj.completion_ids)
 
-    PACKED_ROW_MIN_TOKENS = 32
-    """Packed rows are at least this long (else as long as the longest sequence): short sequences share a row."""
-
     def _pack(self, items: Sequence[tuple[str | None, Trajectory]]) -> PackedBatch:
-        """A micro-batch packed into rows of one task each (trainer/packing.py), on this trainer's device."""
-        return pack(items, self.PACKED_ROW_MIN_TOKENS, self.pad_id).to(self.device)
-
-    def _packed_logits(self, batch: PackedBatch, rows: Sequence[str | None]) -> torch.Tensor:
-        """Vocab-parallel logits [trained tokens, V_padded/tp] of a packed batch: each trained token's, read where
-        its predecessor sits, with the rows' adapters `rows` (None: base)."""
-        with self.lora.ctx.use(list(rows)), self.positions.use(batch.positions):
-            vp = self._forward(batch.ids, batch.attention_mask)
-        return vp[batch.token_row, batch.token_source]
+        """A micro-batch packed into rows of one task each (trainer/packing.py), on this trainer's device; rows
+        are at least as wide as the attention kernel wants (trainer/attention.py `min_row_tokens`)."""
+        return pack(items, min_row_tokens(self.attention.kind), self.pad_id).to(self.device)
 
     @torch.no_grad()
     def logprobs(self, task_id: str | None, trajectories: Sequence[Trajectory],
@@ -263,7 +260,9 @@ class MultiLoraTrainer:
         out: list[list[float]] = [[] for _ in trajectories]
         for indices in self._micro_batches(trajectories, [self._length(t) for t in trajectories]):
             batch = self._pack([(task_id, trajectories[i]) for i in indices])
-            picked = self._packed_logits(batch, self._rows(task_id, len(batch.tasks)))
+            with self.lora.ctx.use(self._rows(task_id, len(batch.tasks))), \
+                    self.attention.use(self.attention.mask(batch.prompt_of, batch.own)) as mask:
+                picked = self._trained_logits(batch, mask)
             logp = self._token_logprobs(picked, batch.targets, temperature).cpu()
             for index, (start, n) in zip(indices, batch.item_spans):
                 out[index] = logp[start: start + n].tolist()
@@ -281,6 +280,9 @@ class MultiLoraTrainer:
         token-mean loss is weighted by its share of the task's trained tokens before backward. Rows that add
         nothing to the loss are not run (`_contributes`); every task of the batch still takes its optimizer step.
         """
+        if self.attention.kind == "flex" and self.device.type != "cuda":
+            raise RuntimeError("attention 'flex' trains on CUDA only: torch has no FlexAttention backward on CPU "
+                               "(use 'dense' or 'auto')")
         for task_id, trajs in batches.items():
             self._task(task_id)
             for traj in trajs:
@@ -326,33 +328,35 @@ class MultiLoraTrainer:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
 
-    def _base_logprobs(self, batch: PackedBatch) -> dict[float, torch.Tensor]:
+    def _base_logprobs(self, batch: PackedBatch, mask) -> dict[float, torch.Tensor]:
         """Base-model (adapter off) logprobs of the trained tokens at each temperature a KL-regularised task of the
         batch uses."""
         temperatures = {self.tasks[t].algo.temperature for t in set(batch.tasks) if self.tasks[t].algo.kl_beta > 0}
         if not temperatures:
             return {}
-        with torch.no_grad():
-            picked = self._packed_logits(batch, [None] * len(batch.tasks))
+        with torch.no_grad(), self.lora.ctx.use([None] * len(batch.tasks)), self.attention.use(mask) as argument:
+            picked = self._trained_logits(batch, argument)
             return {temp: self._token_logprobs(picked, batch.targets, temp) for temp in temperatures}
 
     def _accumulate_gradients(self, chunk: list[tuple[str, Trajectory]], totals: dict[str, int],
                               computed: dict[str, int], stats: dict[str, dict[str, float]]) -> None:
-        """Forward and backward of one micro-batch. The rows' adapters stay selected through backward:
-        activation recompute re-runs the forward (and its LoRA hooks) inside backward."""
+        """Forward and backward of one micro-batch, in train mode (megatron recomputes activations only then).
+        The rows' adapters and the attention mask stay in place through backward: activation recompute re-runs
+        each layer's forward (its LoRA hooks and attention) inside backward."""
         batch = self._pack(chunk)
-        base_logp = self._base_logprobs(batch)
-        with self.lora.ctx.use(batch.tasks), self.positions.use(batch.positions):
-            total_loss = self._micro_batch_loss(batch, base_logp, totals, computed, stats)
+        mask = self.attention.mask(batch.prompt_of, batch.own)
+        base_logp = self._base_logprobs(batch, mask)
+        with training_mode(self.model), self.lora.ctx.use(batch.tasks), self.attention.use(mask) as argument:
+            total_loss = self._micro_batch_loss(batch, argument, base_logp, totals, computed, stats)
             if total_loss is not None:
                 total_loss.backward()
 
-    def _micro_batch_loss(self, batch: PackedBatch, base_logp: dict[float, torch.Tensor],
-                          totals: dict[str, int], computed: dict[str, int],
+    def _micro_batch_loss(self, batch: PackedBatch, attention_mask: torch.Tensor | None,
+                          base_logp: dict[float, torch.Tensor], totals: dict[str, int], computed: dict[str, int],
                           stats: dict[str, dict[str, float]]) -> torch.Tensor | None:
         """Sum over the micro-batch's tasks of (task loss x its share of the task's trained tokens); the statistics
         are weighted by the micro-batch's share of the tokens that run (`computed`)."""
-        picked = self._packed_logits(batch, batch.tasks)
+        picked = self._trained_logits(batch, attention_mask)
         total_loss = None
         for task_id, first, end in batch.task_spans:
             algo = self.tasks[task_id].algo
