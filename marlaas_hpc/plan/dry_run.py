@@ -26,8 +26,10 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from marlaas_hpc.plan import fake_cuda
 
@@ -56,10 +58,17 @@ class DryRunShape:
     """Base weights."""
     recompute: bool = False
     """trainer.recompute."""
+    attention: str = "auto"
+    """trainer.attention: 'auto' (= 'flex' on CUDA), 'flex' or 'dense'."""
 
     @property
     def rows(self) -> int:
         return max(1, self.micro_batch_tokens // self.row_tokens)
+
+    @property
+    def tasks_per_step(self) -> int:
+        """Tasks of one fused step: fused_tasks, or fewer when there are fewer rows."""
+        return min(self.fused_tasks, self.rows)
 
     def to_args(self) -> list[str]:
         return [f"--{name.replace('_', '-')}={value}" for name, value in asdict(self).items()]
@@ -77,8 +86,12 @@ class DryRunResult:
     """Added by the max_adapters tasks' adapters (fp32 A and B)."""
     step_peak_bytes: int
     """Peak during the fused steps (the largest of them): everything live, activations, logits, gradients."""
+    step_added_bytes: int
+    """What the last step adds at its peak to what was live before it: activations, logits and the gradients
+    back-propagated by then."""
     steady_bytes: int
-    """Live after every task has stepped: weights, adapters, gradients and AdamW moments of every task."""
+    """Live after every task has stepped: weights, adapters, gradients and AdamW moments of every task (and what
+    megatron keeps between steps)."""
     delta_peak_bytes: int
     """Peak above steady_bytes while one task's adapter is gathered and flattened for a delta broadcast."""
     host_syncs_per_step: int
@@ -90,9 +103,10 @@ class DryRunResult:
     step_peaks: list[int] = field(default_factory=list)
 
     @property
-    def activation_peak_bytes(self) -> int:
-        """What a step adds at its peak to what is live between steps."""
-        return self.step_peak_bytes - self.steady_bytes
+    def steady_peak_bytes(self) -> int:
+        """A step's peak in a long job: what every task holds between steps plus what a step adds (the last step
+        of the dry run is its tasks' first: their gradients and AdamW moments did not exist yet before it)."""
+        return self.steady_bytes + self.step_added_bytes
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "shape": asdict(self.shape)})
@@ -111,20 +125,21 @@ def run(shape: DryRunShape, cache_dir: Path) -> DryRunResult:
 
     start = time.perf_counter()
     tp_rank = shape.tensor_parallel - 1
-    with fake_cuda.cuda_runtime(), fake_cuda.fake_gpu_mode(), fake_cuda.memory_counter() as counter:
+    with fake_cuda.cuda_runtime(), _uncompiled_flex_attention(), fake_cuda.fake_gpu_mode(), \
+            fake_cuda.memory_counter() as counter:
         dist.init_process_group("fake", store=FakeStore(), rank=tp_rank, world_size=shape.tensor_parallel)
         try:
             trainer = _trainer(shape)
             base = counter.live
             task_ids = _add_tasks(trainer, shape)
             adapters = counter.live - base
-            peaks, syncs = [], 0
-            for first in range(0, len(task_ids), shape.fused_tasks):
+            peaks, syncs, added = [], 0, 0
+            for first in range(0, len(task_ids), shape.tasks_per_step):
                 counter.reset_peak()
-                before = counter.host_syncs
-                trainer.train_steps(_batches(task_ids[first:first + shape.fused_tasks], shape))
+                before, live = counter.host_syncs, counter.live
+                trainer.train_steps(_batches(task_ids[first:first + shape.tasks_per_step], shape))
                 peaks.append(counter.peak)
-                syncs = counter.host_syncs - before
+                syncs, added = counter.host_syncs - before, counter.peak - live
             steady = counter.live
             counter.reset_peak()
             _flatten_delta(trainer, task_ids[0])
@@ -132,9 +147,28 @@ def run(shape: DryRunShape, cache_dir: Path) -> DryRunResult:
         finally:
             dist.destroy_process_group()
     return DryRunResult(shape=shape, tp_rank=tp_rank, base_bytes=base, adapters_bytes=adapters,
-                        step_peak_bytes=max(peaks), steady_bytes=steady, delta_peak_bytes=delta,
+                        step_peak_bytes=max(peaks), step_added_bytes=added, steady_bytes=steady,
+                        delta_peak_bytes=delta,
                         host_syncs_per_step=syncs, trained_tokens=shape.rows * _completion_tokens(shape),
                         ops=counter.ops, seconds=time.perf_counter() - start, step_peaks=peaks)
+
+
+@contextmanager
+def _uncompiled_flex_attention() -> Iterator[None]:
+    """The one part of the GPU path the dry run replaces: on CUDA the trainer compiles FlexAttention into a Triton
+    kernel (trainer/attention.py `flex_kernel`), which needs a GPU to build. Called uncompiled on fake tensors,
+    flex_attention allocates what that kernel returns (the output and one float32 logsumexp per query and head)
+    and saves the same tensors for backward; it materialises no score matrix (only its eager CPU/GPU kernels
+    would)."""
+    from torch.nn.attention import flex_attention as flex
+
+    from marlaas_hpc.trainer import attention
+
+    # eager flex_attention still wraps its operator in torch.compile (to give it autograd), which refuses a
+    # dispatch mode like the dry run's; the operator has its own autograd rule, which this flag makes it use
+    with fake_cuda.replaced(attention, "flex_kernel", lambda device_type: flex.flex_attention), \
+            fake_cuda.replaced(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True):
+        yield
 
 
 def _trainer(shape: DryRunShape):
@@ -142,7 +176,8 @@ def _trainer(shape: DryRunShape):
 
     return MultiLoraTrainer(TrainerConfig(model_path=shape.model_dir, tensor_parallel=shape.tensor_parallel,
                                           micro_batch_tokens=shape.micro_batch_tokens, device="cuda",
-                                          dtype=shape.dtype, recompute=shape.recompute, load_weights=False))
+                                          dtype=shape.dtype, recompute=shape.recompute, attention=shape.attention,
+                                          load_weights=False))
 
 
 def _add_tasks(trainer, shape: DryRunShape) -> list[str]:
@@ -159,20 +194,20 @@ def _completion_tokens(shape: DryRunShape) -> int:
 
 
 def _batches(task_ids: list[str], shape: DryRunShape) -> dict:
-    """One micro-batch's rows shared out over the tasks, two samples per prompt (rewards 0 and 1)."""
-    from marlaas_hpc.trajectory import Trajectory, assign_advantages
+    """One micro-batch's rows shared out over the tasks, one sequence per row. Advantages are +-1 as the env ranks
+    would set them for a group with different rewards (a zero advantage would skip the row: `_contributes`)."""
+    from marlaas_hpc.trajectory import Trajectory
 
     rows, completion = shape.rows, _completion_tokens(shape)
-    tasks = task_ids[:max(1, rows // 2)]  # a task needs two rows of one prompt for a non-zero advantage
+    tasks = task_ids[:shape.tasks_per_step]
     batches: dict[str, list] = {task_id: [] for task_id in tasks}
     for row in range(rows):
         task_id = tasks[row * len(tasks) // rows]
         prompt = [1000 + (row // 2 + i) % 5000 for i in range(shape.prompt_tokens)]
         batches[task_id].append(Trajectory(task_id, f"{task_id}/g{row // 2}", prompt,
                                            [2000 + (row + i) % 5000 for i in range(completion)],
-                                           [-1.0] * completion, 0, reward=float(row % 2)))
-    for trajectories in batches.values():
-        assign_advantages(trajectories)
+                                           [-1.0] * completion, 0, reward=float(row % 2),
+                                           advantage=1.0 if row % 2 else -1.0))
     return batches
 
 
@@ -231,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{shape.fused_tasks} fused, recompute {shape.recompute}: {result.seconds:.1f} s, {result.ops} ops")
     for label, value in (("base weights", result.base_bytes), ("adapters", result.adapters_bytes),
                          ("steady (weights, adapters, grads, AdamW)", result.steady_bytes),
-                         ("step peak", result.step_peak_bytes), ("  of which activations", result.activation_peak_bytes),
+                         ("step peak (largest measured)", result.step_peak_bytes),
+                         ("a step adds (last step)", result.step_added_bytes),
+                         ("steady-state peak (steady + a step)", result.steady_peak_bytes),
                          ("delta flatten (above steady)", result.delta_peak_bytes)):
         print(f"  {label:<42} {value / gib:8.2f} GiB")
     print(f"  host syncs per step {result.host_syncs_per_step}")

@@ -149,14 +149,15 @@ def cuda_runtime() -> Iterator[None]:
                     "_lazy_call": ignore()}  # callbacks for a CUDA init that never comes
     with ExitStack() as stack:
         for name, value in replacements.items():
-            stack.enter_context(_replaced(torch.cuda, name, value))
+            stack.enter_context(replaced(torch.cuda, name, value))
         for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):
-            stack.enter_context(_replaced(torch.cuda.random, name, replacements[name]))
+            stack.enter_context(replaced(torch.cuda.random, name, replacements[name]))
         yield
 
 
 @contextmanager
-def _replaced(owner, name: str, value) -> Iterator[None]:
+def replaced(owner, name: str, value) -> Iterator[None]:
+    """`owner.name` is `value` inside the block."""
     previous = getattr(owner, name)
     setattr(owner, name, value)
     try:
@@ -172,6 +173,10 @@ def fake_gpu_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     class FakeGpuMode(FakeTensorMode):
+        # higher-order ops (FlexAttention) key their rules by the exact mode type; FakeTensorMode's own dispatch
+        # runs their registered fake implementations
+        supports_higher_order_operators = True
+
         @property
         def avoid_device_init(self) -> bool:
             return True
