@@ -67,8 +67,8 @@ class DryRunShape:
 
     @property
     def tasks_per_step(self) -> int:
-        """Tasks of one fused step: fused_tasks, or fewer when there are fewer rows."""
-        return min(self.fused_tasks, self.rows)
+        """Tasks of one fused step: fused_tasks, or fewer when there are fewer rows or tasks."""
+        return min(self.fused_tasks, self.rows, self.max_adapters)
 
     def to_args(self) -> list[str]:
         return [f"--{name.replace('_', '-')}={value}" for name, value in asdict(self).items()]

@@ -124,8 +124,8 @@ class TrainerInputs:
 
     @property
     def tasks_per_step(self) -> int:
-        """Tasks fused into the micro-batch: fused_tasks, or fewer when there are fewer rows."""
-        return min(self.fused_tasks, self.rows)
+        """Tasks fused into the micro-batch: fused_tasks, or fewer when there are fewer rows or tasks."""
+        return min(self.fused_tasks, self.rows, self.max_adapters)
 
 
 @dataclass(frozen=True, kw_only=True)

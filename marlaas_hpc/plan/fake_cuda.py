@@ -123,12 +123,20 @@ def shim_library(cache_dir: Path) -> Path:
     return library
 
 
+_INSTALLED: list[Path] = []
+
+
 def install(cache_dir: Path) -> None:
-    """Loads the shim into this process; before anything imports torch (torch caches its CUDA hooks at import)."""
+    """Loads the shim into this process (once); before anything imports torch (torch caches its CUDA hooks at
+    import)."""
+    if _INSTALLED:
+        return
     if "torch" in sys.modules:
         raise FakeCudaError("the fake CUDA shim must be loaded before torch is imported (run the dry run in a "
                             "process of its own: python -m marlaas_hpc.plan.dry_run)")
-    ctypes.CDLL(str(shim_library(cache_dir)), mode=ctypes.RTLD_GLOBAL)
+    library = shim_library(cache_dir)
+    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    _INSTALLED.append(library)
 
 
 @contextmanager
