@@ -1,6 +1,8 @@
 """`marlaas plan`: each GPU rank's device memory from config.json alone (marlaas_hpc/plan/estimate.py), its refusals
 naming the field to change, and the same check in `marlaas run` / `submit`. The estimate's activation terms are
 checked against the GPU dry run in test_dry_run.py."""
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +145,19 @@ def test_submit_refuses_a_job_whose_trainer_does_not_fit_before_slurm(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "marlaas: not submitted: trainer.micro_batch_tokens: a trainer rank needs" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [8192, 32768])
+def test_the_estimate_is_within_25_percent_of_a_cpu_trainer_step_s_peak_rss(micro_batch_tokens):
+    """The tiny model, a local-demo-like fused step (8 tasks of LoRA r16, 4 fused, rows of 48 tokens) on the CPU:
+    baseline RSS (torch, megatron-core, transformers imported) + the estimate for the CPU path (float32 weights,
+    dense attention) against the step's peak RSS (tools/plan_calibration.py; glibc's mmap threshold fixed so RSS
+    follows the live tensors)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "tools/plan_calibration.py", "--micro-batch-tokens",
+                           str(micro_batch_tokens), "--row-tokens", "48"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["plan_bytes"] > 0.4 * result["step_peak_rss_bytes"], result  # the estimate carries the sum
+    assert result["estimate_bytes"] == pytest.approx(result["step_peak_rss_bytes"], rel=0.25), result

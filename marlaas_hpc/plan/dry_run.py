@@ -131,13 +131,13 @@ def run(shape: DryRunShape, cache_dir: Path) -> DryRunResult:
         try:
             trainer = _trainer(shape)
             base = counter.live
-            task_ids = _add_tasks(trainer, shape)
+            task_ids = add_tasks(trainer, shape)
             adapters = counter.live - base
             peaks, syncs, added = [], 0, 0
             for first in range(0, len(task_ids), shape.tasks_per_step):
                 counter.reset_peak()
                 before, live = counter.host_syncs, counter.live
-                trainer.train_steps(_batches(task_ids[first:first + shape.tasks_per_step], shape))
+                trainer.train_steps(step_batches(task_ids[first:first + shape.tasks_per_step], shape))
                 peaks.append(counter.peak)
                 syncs, added = counter.host_syncs - before, counter.peak - live
             steady = counter.live
@@ -180,7 +180,7 @@ def _trainer(shape: DryRunShape):
                                           load_weights=False))
 
 
-def _add_tasks(trainer, shape: DryRunShape) -> list[str]:
+def add_tasks(trainer, shape: DryRunShape) -> list[str]:
     from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
 
     task_ids = [f"task{i}" for i in range(shape.max_adapters)]
@@ -193,7 +193,7 @@ def _completion_tokens(shape: DryRunShape) -> int:
     return min(shape.row_tokens, shape.micro_batch_tokens) - shape.prompt_tokens
 
 
-def _batches(task_ids: list[str], shape: DryRunShape) -> dict:
+def step_batches(task_ids: list[str], shape: DryRunShape) -> dict:
     """One micro-batch's rows shared out over the tasks, one sequence per row. Advantages are +-1 as the env ranks
     would set them for a group with different rewards (a zero advantage would skip the row: `_contributes`)."""
     from marlaas_hpc.trajectory import Trajectory
@@ -203,9 +203,9 @@ def _batches(task_ids: list[str], shape: DryRunShape) -> dict:
     batches: dict[str, list] = {task_id: [] for task_id in tasks}
     for row in range(rows):
         task_id = tasks[row * len(tasks) // rows]
-        prompt = [1000 + (row // 2 + i) % 5000 for i in range(shape.prompt_tokens)]
+        prompt = [3 + (row // 2 + i) % 90 for i in range(shape.prompt_tokens)]  # any ids below any vocabulary
         batches[task_id].append(Trajectory(task_id, f"{task_id}/g{row // 2}", prompt,
-                                           [2000 + (row + i) % 5000 for i in range(completion)],
+                                           [3 + (row + 7 * i) % 90 for i in range(completion)],
                                            [-1.0] * completion, 0, reward=float(row % 2),
                                            advantage=1.0 if row % 2 else -1.0))
     return batches

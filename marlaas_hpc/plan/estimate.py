@@ -206,8 +206,8 @@ def attention_bytes_per_token(inputs: TrainerInputs) -> int:
     if inputs.attention == "flex":
         # rotated q and k, the output, and two float32 statistics per query and head (logsumexp, max)
         return qkv + (2 * q_heads + kv_heads) * d * b + 2 * 4 * q_heads
-    # dense: megatron repeats k and v to every query head; the float32 softmax and its bf16 copy per score
-    return qkv + 3 * q_heads * d * b + q_heads * inputs.width * (4 + b)
+    # dense: megatron repeats k and v to every query head; per score the float32 softmax and (bf16 base) its copy
+    return qkv + 3 * q_heads * d * b + q_heads * inputs.width * (4 + (b if b < 4 else 0))
 
 
 def activation_bytes(inputs: TrainerInputs) -> int:
