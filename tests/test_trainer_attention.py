@@ -59,11 +59,11 @@ def _run(trainer, batch):
     try:
         with torch.no_grad(), trainer.lora.ctx.use(batch.tasks), \
                 trainer.attention.use(trainer.attention.mask(batch.prompt_of, batch.own)) as mask:
-            logits = trainer._trained_logits(batch, mask)
+            logprobs = trainer._token_logprobs(trainer._trained_hidden(batch, mask), batch.targets, 1.0)
     finally:
         for hook in hooks:
             hook.remove()
-    return outputs, trainer._token_logprobs(logits, batch.targets, 1.0)
+    return outputs, logprobs
 
 
 @pytest.mark.parametrize("width,longest", [(32, 9), (128, 20), (200, 40)])

@@ -283,3 +283,64 @@ def test_recompute_reruns_every_layer_in_backward(tiny_model_path):
     for key, grad in runs[False][2].items():
         assert grad.abs().max() > 0 or "lora_A" in key
         assert torch.allclose(runs[True][2][key], grad, rtol=1e-5, atol=1e-8), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_logprobs_equal_the_full_softmax_and_keep_no_vocab_wide_tensor(monkeypatch, dtype):
+    """LmHead.logprobs (chunks of tokens, logits recomputed in backward) equals log_softmax over float64 logits of
+    the same weights, values and hidden-state gradients, at T != 1 with megatron's padding columns; what it keeps
+    for backward has no vocabulary-wide dimension."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from marlaas_hpc.trainer import lm_head
+    from marlaas_hpc.trainer.model import init_distributed
+
+    init_distributed(1)
+    torch.manual_seed(0)
+    padded, vocab, width, tokens, temperature = 384, 371, 16, 37, 0.7
+    weight = (torch.randn(padded, width) * 2).to(dtype)
+    model = SimpleNamespace(share_embeddings_and_output_weights=False, output_layer=SimpleNamespace(weight=weight))
+    head = lm_head.LmHead(model, parallel_state.get_tensor_model_parallel_group(), vocab)
+    monkeypatch.setattr(lm_head, "LOGITS_CHUNK_BYTES", 4 * padded * 5)  # 5 tokens a chunk: 8 chunks
+    hidden = torch.randn(tokens, width).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,))
+    upstream = torch.randn(tokens)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        got = head.logprobs(hidden, labels, temperature)
+    (got * upstream).sum().backward()
+    activations = [tuple(t.shape) for t in saved if t is not weight]  # the (frozen) weight is no activation
+    assert got.dtype == torch.float32 and activations and not any(padded in s or vocab in s for s in activations)
+    reference_hidden = hidden.detach().double().requires_grad_()
+    logits = reference_hidden @ weight[:vocab].double().t() / temperature
+    want = torch.log_softmax(logits, dim=-1).gather(1, labels.unsqueeze(1)).squeeze(1)
+    (want * upstream).sum().backward()
+    assert float((got.double() - want).abs().max()) < 1e-4
+    grad_tol = 1e-5 if dtype == torch.float32 else 2e-2  # the hidden states' gradient is in the base dtype
+    scale = float(reference_hidden.grad.abs().max())
+    assert float((hidden.grad.double() - reference_hidden.grad).abs().max()) < grad_tol * scale
+
+
+def test_lora_down_projection_keeps_bf16_activations_for_backward():
+    """A LoRA site's float32 A·x from bf16 activations keeps x itself for backward, not a float32 copy (half the
+    bytes at every site of every layer), with the gradients of F.linear(x.float(), A)."""
+    from marlaas_hpc.trainer.lora import _Float32Down
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 3, 64).to(torch.bfloat16).requires_grad_()
+    a = torch.randn(8, 64, requires_grad=True)
+    upstream = torch.randn(7, 3, 8)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = _Float32Down.apply(x, a)
+    (out * upstream).sum().backward()
+    assert out.dtype == torch.float32
+    assert sorted(str(t.dtype) for t in saved) == ["torch.bfloat16", "torch.float32"] and saved[0] is x
+    x_ref = x.detach().clone().requires_grad_()
+    a_ref = a.detach().clone().requires_grad_()
+    ref = torch.nn.functional.linear(x_ref.float(), a_ref)
+    (ref * upstream).sum().backward()
+    assert torch.equal(out, ref)
+    assert torch.allclose(a.grad, a_ref.grad, rtol=1e-5, atol=1e-6) and torch.equal(x.grad, x_ref.grad)

@@ -187,21 +187,17 @@ class MultiLoraTrainer:
             hidden = final_hidden_states(self.model, input_ids, positions, mask)  # [s, b, h]
             return self.head(hidden.transpose(0, 1).reshape(batch * seq, -1)).view(batch, seq, -1)
 
-    def _trained_logits(self, batch: PackedBatch, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """float32 vocab-parallel logits [trained tokens, V_padded/tp] of a packed batch: each trained token's,
-        from the hidden state where its predecessor sits (the LM head runs on those positions only). Runs
-        inside `self.lora.ctx.use` (the rows' adapters) and `self.attention.use` (whose mask argument is
-        `attention_mask`)."""
+    def _trained_hidden(self, batch: PackedBatch, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Final hidden states [trained tokens, hidden] of a packed batch: each trained token's logits come from
+        where its predecessor sits (the LM head runs on those positions only). Runs inside `self.lora.ctx.use`
+        (the rows' adapters) and `self.attention.use` (whose mask argument is `attention_mask`)."""
         hidden = final_hidden_states(self.model, batch.ids, batch.positions, attention_mask)  # [s, rows, h]
-        return self.head(hidden[batch.token_source, batch.token_row])
+        return hidden[batch.token_source, batch.token_row]
 
-    def _token_logprobs(self, vp_logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-        """log softmax(logits / T)[label] in float32 over the vocab-parallel logits (no full-vocab gather); the
-        padding columns are -inf already (trainer/lm_head.py)."""
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        scaled = vp_logits / _scale(temperature)  # a fresh tensor: the cross entropy works on it in place
-        return -vocab_parallel_cross_entropy(scaled, labels)
+    def _token_logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+        """float32 log softmax(logits / T)[label] of the tokens whose final hidden states are `hidden`, through
+        the float32 vocab-parallel LM head (trainer/lm_head.py: no full-vocab gather, no [n, V] tensor kept)."""
+        return self.head.logprobs(hidden, labels, _scale(temperature))
 
     def _rows(self, task: str | None | Sequence[str | None], batch: int) -> list[str | None]:
         rows = [task] * batch if task is None or isinstance(task, str) else list(task)
@@ -262,8 +258,7 @@ class MultiLoraTrainer:
             batch = self._pack([(task_id, trajectories[i]) for i in indices])
             with self.lora.ctx.use(self._rows(task_id, len(batch.tasks))), \
                     self.attention.use(self.attention.mask(batch.prompt_of, batch.own)) as mask:
-                picked = self._trained_logits(batch, mask)
-            logp = self._token_logprobs(picked, batch.targets, temperature).cpu()
+                logp = self._token_logprobs(self._trained_hidden(batch, mask), batch.targets, temperature).cpu()
             for index, (start, n) in zip(indices, batch.item_spans):
                 out[index] = logp[start: start + n].tolist()
         return out
@@ -335,8 +330,8 @@ class MultiLoraTrainer:
         if not temperatures:
             return {}
         with torch.no_grad(), self.lora.ctx.use([None] * len(batch.tasks)), self.attention.use(mask) as argument:
-            picked = self._trained_logits(batch, argument)
-            return {temp: self._token_logprobs(picked, batch.targets, temp) for temp in temperatures}
+            hidden = self._trained_hidden(batch, argument)
+            return {temp: self._token_logprobs(hidden, batch.targets, temp) for temp in temperatures}
 
     def _accumulate_gradients(self, chunk: list[tuple[str, Trajectory]], totals: dict[str, int],
                               computed: dict[str, int], stats: dict[str, dict[str, float]]) -> None:
@@ -356,16 +351,16 @@ class MultiLoraTrainer:
                           stats: dict[str, dict[str, float]]) -> torch.Tensor | None:
         """Sum over the micro-batch's tasks of (task loss x its share of the task's trained tokens); the statistics
         are weighted by the micro-batch's share of the tokens that run (`computed`)."""
-        picked = self._trained_logits(batch, attention_mask)
+        hidden = self._trained_hidden(batch, attention_mask)
         total_loss = None
         for task_id, first, end in batch.task_spans:
             algo = self.tasks[task_id].algo
-            tokens = slice(first, end)  # this task's trained tokens (views: no copy of the vocab-wide logits)
+            tokens = slice(first, end)  # this task's trained tokens
             mask, behaviour = batch.mask[tokens], batch.behaviour[tokens]
             n_tokens = float(mask.sum())
             if n_tokens == 0:
                 continue
-            logp = self._token_logprobs(picked[tokens], batch.targets[tokens], algo.temperature)
+            logp = self._token_logprobs(hidden[tokens], batch.targets[tokens], algo.temperature)
             base = base_logp[algo.temperature][tokens] if algo.kl_beta > 0 else None
             loss, mb_stats = grpo_loss(logp, behaviour, batch.advantages[tokens], mask,
                                        clip_eps=algo.clip_eps, kl_beta=algo.kl_beta, base_logp=base)
