@@ -161,3 +161,11 @@ def test_the_estimate_is_within_25_percent_of_a_cpu_trainer_step_s_peak_rss(micr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["plan_bytes"] > 0.4 * result["step_peak_rss_bytes"], result  # the estimate carries the sum
     assert result["estimate_bytes"] == pytest.approx(result["step_peak_rss_bytes"], rel=0.25), result
+
+
+def test_the_estimate_uses_the_lm_head_s_chunk():
+    """estimate.py repeats trainer/lm_head.py's LOGITS_CHUNK_BYTES (that module imports torch)."""
+    from marlaas_hpc.plan.estimate import LOGITS_CHUNK_BYTES
+    from marlaas_hpc.trainer.lm_head import LOGITS_CHUNK_BYTES as TRAINER_S
+
+    assert LOGITS_CHUNK_BYTES == TRAINER_S

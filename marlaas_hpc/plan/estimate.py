@@ -36,6 +36,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 """trainer/model.py's: megatron pads the vocabulary to a multiple of 128 x TP (imported here without torch)."""
 ATTENTION_KERNELS = ("flex", "dense")
+LOGITS_CHUNK_BYTES = 256 << 20
+"""trainer/lm_head.py's: float32 logits the LM head computes at once (repeated here: that module imports torch)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,13 +188,14 @@ def lora_elements(dims: ModelDims, tp: int, rank: int) -> int:
 def layer_bytes_per_token(inputs: TrainerInputs) -> int:
     """What one decoder layer keeps for backward per token of the micro-batch, as the trainer's code saves it:
     the float32 copies torch's RMSNorm makes (the local spec's norm weights are float32, the activations bf16:
-    the fused kernel is skipped), the float32 input of each LoRA site and its [r] hidden, megatron's RoPE
-    cos/sin, the attention's inputs and output, and the SwiGLU's input and output."""
+    the fused kernel is skipped), the input of each LoRA site (its frozen base linear keeps none; proj's is
+    FlexAttention's output, kept anyway) and its [r] hidden, megatron's RoPE cos/sin, the attention's inputs and
+    output, and the SwiGLU's input and output."""
     dims, b, r = inputs.dims, inputs.dtype_bytes, inputs.lora_rank
     h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // inputs.tensor_parallel
     q_heads, kv_heads = dims.num_heads // inputs.tensor_parallel, dims.num_kv_heads // inputs.tensor_parallel
     norms = 2 * (4 * h + 4) + (4 * q_heads * d + 4 * q_heads) + (4 * kv_heads * d + 4 * kv_heads)
-    lora = 4 * (h + q_heads * d + h + f) + 4 * 4 * r
+    lora = b * (h + h + f) + (b * q_heads * d if inputs.attention == "dense" else 0) + 4 * 4 * r
     rope = 4 * d * b
     mlp = 4 * f * b  # fc1's output [2f] (SwiGLU's input), the SiLU output and the product
     return norms + lora + rope + attention_bytes_per_token(inputs) + mlp
@@ -221,9 +224,20 @@ def activation_bytes(inputs: TrainerInputs) -> int:
     if not inputs.recompute:
         # layer 0's input norm keeps nothing (the frozen embedding's output needs no gradient); the final norm
         # keeps as much
-        return dims.num_layers * layer + mask + max(0, backward - logits_bytes(inputs))
-    checkpoints = dims.num_layers * tokens * dims.hidden_size * inputs.dtype_bytes + tokens * (4 * dims.hidden_size + 4)
+        return dims.num_layers * (layer + scaled_b_bytes(inputs)) + mask + max(0, backward - logits_bytes(inputs))
+    # each layer's input (the first one's: the embedding's output, made to require grad for megatron's reentrant
+    # checkpoint) and the final norm's float32 input
+    checkpoints = (dims.num_layers + 1) * tokens * dims.hidden_size * inputs.dtype_bytes \
+        + tokens * (4 * dims.hidden_size + 4)
     return checkpoints + mask + max(0, layer + backward - logits_bytes(inputs))
+
+
+def scaled_b_bytes(inputs: TrainerInputs) -> int:
+    """Per layer, each fused task's B x alpha / r of the four sites (float32 [out, r], kept for backward)."""
+    dims, tp = inputs.dims, inputs.tensor_parallel
+    out = (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim // tp + 2 * dims.intermediate_size // tp \
+        + 2 * dims.hidden_size
+    return inputs.tasks_per_step * 4 * inputs.lora_rank * out
 
 
 def backward_bytes_per_token(inputs: TrainerInputs) -> int:
@@ -240,9 +254,15 @@ def backward_bytes_per_token(inputs: TrainerInputs) -> int:
 
 
 def logits_bytes(inputs: TrainerInputs) -> int:
-    shard_vocab = inputs.dims.padded_vocab(inputs.tensor_parallel) // inputs.tensor_parallel
-    copies = 4 - 2 / inputs.tasks_per_step
-    return int(copies * inputs.trained_tokens * shard_vocab * 4)
+    """The LM head at its peak (trainer/lm_head.py `LmHead.logprobs`, one call per fused task): the trained
+    tokens' final hidden states it keeps for backward and a float32 logsumexp and logprob per token, plus the
+    float32 logits of two chunks of LOGITS_CHUNK_BYTES (a chunk's and the one before it, not yet released)."""
+    dims, tokens = inputs.dims, inputs.trained_tokens
+    shard_vocab = dims.padded_vocab(inputs.tensor_parallel) // inputs.tensor_parallel
+    chunk = max(1, LOGITS_CHUNK_BYTES // (4 * shard_vocab))
+    per_task = -(-tokens // inputs.tasks_per_step)
+    chunks = 2 if per_task > chunk else 1
+    return tokens * (dims.hidden_size * inputs.dtype_bytes + 8) + chunks * min(per_task, chunk) * shard_vocab * 4
 
 
 def score_buffer_bytes(inputs: TrainerInputs) -> int:
