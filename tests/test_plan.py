@@ -76,15 +76,17 @@ def test_plan_of_the_placeholder_model_asks_for_a_config_json():
 
 
 def test_a_trainer_that_does_not_fit_exits_1_naming_the_field_and_a_value_that_fits(tmp_path):
-    proc = marlaas("plan", str(shipped(tmp_path, **{"trainer.micro_batch_tokens": 65536})))
+    changes = {"layout.trainer_tp": 1}
+    proc = marlaas("plan", str(shipped(tmp_path, **changes, **{"trainer.micro_batch_tokens": 65536})))
     assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout
     message = proc.stderr.strip().splitlines()[-1]
     assert message.startswith("marlaas: trainer.micro_batch_tokens: a trainer rank needs"), message
     assert "or set trainer.recompute: true (" in message  # every change that alone fits is offered
     fitting = int(message.split("lower trainer.micro_batch_tokens to at most ")[1].split(",")[0].split()[0])
     assert 16384 <= fitting < 65536
-    assert marlaas("plan", str(shipped(tmp_path, **{"trainer.micro_batch_tokens": fitting}))).returncode == 0
-    assert marlaas("plan", str(shipped(tmp_path, **{"trainer.micro_batch_tokens": fitting + 256}))).returncode == 1
+    assert marlaas("plan", str(shipped(tmp_path, **changes, **{"trainer.micro_batch_tokens": fitting}))).returncode == 0
+    assert marlaas("plan", str(shipped(tmp_path, **changes,
+                                       **{"trainer.micro_batch_tokens": fitting + 256}))).returncode == 1
 
 
 def test_recompute_is_named_when_it_alone_fits(tmp_path):
@@ -132,7 +134,7 @@ def test_gpu_kinds_are_the_ranks_that_run_on_gpus(tmp_path):
 
 
 def test_check_fits_names_the_field(tmp_path):
-    job = JobConfig.load(shipped(tmp_path, **{"layout.trainer.gpu_memory_gib": 40})).validate()
+    job = JobConfig.load(shipped(tmp_path, **{"layout.trainer.gpu_memory_gib": 16})).validate()
     with pytest.raises(SpecError) as caught:
         check_fits(job, gpus_visible=True)
     assert caught.value.field == "trainer.micro_batch_tokens"
@@ -140,7 +142,7 @@ def test_check_fits_names_the_field(tmp_path):
 
 
 def test_submit_refuses_a_job_whose_trainer_does_not_fit_before_slurm(tmp_path):
-    path = shipped(tmp_path, **{"layout.trainer.gpu_memory_gib": 40})
+    path = shipped(tmp_path, **{"layout.trainer.gpu_memory_gib": 16})
     proc = marlaas("submit", str(path), "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 2, proc.stderr
     assert "marlaas: not submitted: trainer.micro_batch_tokens: a trainer rank needs" in proc.stderr

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from marlaas_hpc.config_loader import SpecError
-from marlaas_hpc.plan.estimate import (DTYPE_BYTES, GIB, ModelDims, RolloutInputs, RolloutMemory, TrainerInputs,
-                                       TrainerMemory, rollout_memory, trainer_memory)
+from marlaas_hpc.plan.estimate import (DTYPE_BYTES, GIB, ModelDims, RolloutInputs, TrainerInputs, TrainerMemory,
+                                       logits_chunk_tokens, rollout_memory, trainer_memory)
 
 CUDA_CONTEXT_BYTES = GIB
 """Per GPU process, outside what PyTorch allocates: the CUDA context, cuBLAS workspaces, NCCL's buffers (an
@@ -117,8 +117,8 @@ def trainer_lines(memory: TrainerMemory) -> list[tuple[str, int]]:
               tasks * memory.optimizer_per_task),
              (f"activations: {inputs.tokens} tokens ({inputs.rows} rows x {inputs.width}), {inputs.attention} "
               f"attention, {'recompute' if inputs.recompute else 'no recompute'}", memory.activations),
-             (f"logits: float32, {inputs.trained_tokens} trained tokens x {shard_vocab} (vocabulary / TP), "
-              f"{inputs.tasks_per_step} tasks fused", memory.logits)]
+             (f"LM head: {inputs.trained_tokens} trained tokens' hidden states + 2 float32 logit chunks of "
+              f"{logits_chunk_tokens(inputs)} x {shard_vocab} (vocab/TP)", memory.logits)]
     if memory.score_buffer:
         lines.append(("megatron's kept attention score buffer (dense)", memory.score_buffer))
     return lines + [("CUDA context, cuBLAS, NCCL (estimate)", CUDA_CONTEXT_BYTES)]
@@ -313,12 +313,12 @@ def cmd_plan(args) -> int:
 def print_plan(plan: RankPlan) -> None:
     print(f"{plan.title}, {plan.limit_label}:")
     for label, size in plan.lines:
-        print(f"  {label:<92} {size / GIB:8.2f} GiB")
+        print(f"  {label:<96} {size / GIB:8.2f} GiB")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     if plan.kind == "trainer":
-        print(f"  {'total':<92} {plan.total / GIB:8.2f} GiB  {verdict} in {_gib(plan.limit)}")
+        print(f"  {'total':<96} {plan.total / GIB:8.2f} GiB  {verdict} in {_gib(plan.limit)}")
     else:
-        print(f"  {'vLLM takes':<92} {plan.limit / GIB:8.2f} GiB  {verdict}")
+        print(f"  {'vLLM takes':<96} {plan.limit / GIB:8.2f} GiB  {verdict}")
 
 
 def print_dry_run(job, model_name: str, inputs: TrainerInputs) -> None:

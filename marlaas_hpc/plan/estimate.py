@@ -11,9 +11,9 @@ Trainer rank (one TP rank of a trainer group; every rank of the group holds the 
     activations      what one micro-batch of trainer.micro_batch_tokens keeps for backward, layer by layer
                      (`layer_bytes_per_token`), as the trainer's code saves it; with trainer.recompute only each
                      layer's input, plus one layer recomputed in backward
-    logits           float32 logits of the micro-batch's trained tokens over this rank's vocabulary shard,
-                     held about 4 - 2/k times at the step's peak (k tasks fused: each task's log-softmax is kept
-                     for backward, and the shared logits' gradient is summed over the tasks' slices)
+    LM head          the trained tokens' final hidden states (kept for backward) and the float32 logits of two
+                     chunks of LOGITS_CHUNK_BYTES: the trainer's head computes log-softmax a chunk of tokens at a
+                     time, forward and backward (trainer/lm_head.py)
     score buffer     attention 'dense' only: megatron keeps its largest [rows x heads, s, s] score buffer
 
 The activation and logits terms follow the code; tests/test_plan.py checks them against the GPU dry run
@@ -259,10 +259,16 @@ def logits_bytes(inputs: TrainerInputs) -> int:
     float32 logits of two chunks of LOGITS_CHUNK_BYTES (a chunk's and the one before it, not yet released)."""
     dims, tokens = inputs.dims, inputs.trained_tokens
     shard_vocab = dims.padded_vocab(inputs.tensor_parallel) // inputs.tensor_parallel
-    chunk = max(1, LOGITS_CHUNK_BYTES // (4 * shard_vocab))
-    per_task = -(-tokens // inputs.tasks_per_step)
-    chunks = 2 if per_task > chunk else 1
-    return tokens * (dims.hidden_size * inputs.dtype_bytes + 8) + chunks * min(per_task, chunk) * shard_vocab * 4
+    chunk = logits_chunk_tokens(inputs)
+    chunks = 2 if -(-tokens // inputs.tasks_per_step) > chunk else 1
+    return tokens * (dims.hidden_size * inputs.dtype_bytes + 8) + chunks * chunk * shard_vocab * 4
+
+
+def logits_chunk_tokens(inputs: TrainerInputs) -> int:
+    """Tokens of one chunk of the LM head's logits: LOGITS_CHUNK_BYTES' worth, or a task's trained tokens."""
+    shard_vocab = inputs.dims.padded_vocab(inputs.tensor_parallel) // inputs.tensor_parallel
+    per_task = -(-inputs.trained_tokens // inputs.tasks_per_step)
+    return max(1, min(per_task, LOGITS_CHUNK_BYTES // (4 * shard_vocab)))
 
 
 def score_buffer_bytes(inputs: TrainerInputs) -> int:
