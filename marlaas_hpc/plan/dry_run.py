@@ -1,7 +1,7 @@
 """The GPU dry run: one trainer rank's GPU path, run for real on fake CUDA tensors (fake_cuda.py), counting the
 device memory it would hold.
 
-    python -m marlaas_hpc.plan.dry_run --model DIR [--tp 2] [--micro-batch-tokens 16384] [--row-tokens 2048] ...
+    python -m marlaas_hpc.plan.dry_run --model-dir DIR [--tensor-parallel 2] [--micro-batch-tokens 16384] ...
 
 It runs the trainer's own code (MultiLoraTrainer, build_gpt_model, MultiLora, packing, GRPO) with
 `load_weights=False` (DIR needs config.json only) in bfloat16 on device 'cuda': the model build, `max_adapters`
@@ -9,8 +9,7 @@ tasks' adapters, then fused multi-task steps (forward, backward, AdamW) of `fuse
 task has stepped once (so the last step runs with every other task's gradients and AdamW moments live, as in a
 long job), then the delta flatten of one task's adapter (`adapter_tensors` + runtime/delta.py `flat_buffer`).
 Each step is one micro-batch of exactly `micro_batch_tokens`: rows of `row_tokens` tokens, one sequence each (a
-prompt of `prompt_tokens` and its completion), two samples per prompt with different rewards (advantage != 0:
-every row trains). Other TP ranks are a fake process group (`init_process_group("fake")`: collectives return at
+prompt of `prompt_tokens` and its completion) with an advantage of +-1 (every row trains). Other TP ranks are a fake process group (`init_process_group("fake")`: collectives return at
 once); TP ranks are SPMD, so one rank's figures are every rank's (the simulated one is the last: it also holds
 megatron's vocabulary padding).
 
