@@ -59,6 +59,9 @@ class TrainerConfig:
     recompute: bool = False
     """Activation recompute (megatron 'full', one layer per unit): activations of a layer are recomputed in
     backward instead of stored, trading ~1/3 more compute for memory on long sequences."""
+    load_weights: bool = True
+    """False: the base parameters are allocated but not loaded (only config.json is read). For the GPU dry run
+    (marlaas_hpc/plan/dry_run.py), which counts memory on fake tensors and has no weights to load."""
     attention: str = "auto"
     """Attention kernel of packed rows (trainer/attention.py): 'flex' (FlexAttention with a block mask: no score
     matrix; trains on CUDA only, torch 2.13 has no FlexAttention backward on CPU), 'dense' (megatron's unfused
@@ -81,8 +84,9 @@ class TrainerConfig:
             raise SpecError("device", f"{self.device} requested but no CUDA device is available")
         if self.dtype not in ("auto", *DTYPES):
             raise SpecError("dtype", f"must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if not isinstance(self.recompute, bool):
-            raise SpecError("recompute", f"must be true or false, got {self.recompute!r}")
+        for name in ("recompute", "load_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.attention not in ATTENTION_KINDS:
             raise SpecError("attention", f"must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
         return self
@@ -194,7 +198,7 @@ class MultiLoraTrainer:
             torch.cuda.set_device(self.device)
         init_distributed(config.tensor_parallel, seed=config.seed, data_parallel=config.data_parallel, store=store)
         loaded = build_gpt_model(config.model_path, device=self.device, dtype=config.torch_dtype(self.device),
-                                 recompute=config.recompute)
+                                 recompute=config.recompute, load_weights=config.load_weights)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
