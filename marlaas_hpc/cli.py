@@ -45,6 +45,7 @@ def mpirun_command(job, config: str | None, run_dir: str, mode: str, resume: boo
 
 
 def cmd_run(args) -> int:
+    from marlaas_hpc.plan.command import check_fits
     from marlaas_hpc.runtime import main as runtime_main
     from marlaas_hpc.runtime.main import check_run_dir, load_job
 
@@ -61,7 +62,9 @@ def cmd_run(args) -> int:
               file=sys.stderr)
         return 2
     try:  # build the tiny model (or a random checkpoint) once here, not in every rank; then check it
-        job.check_model(job.model_path(), vllm_on_cpu=not _gpus_visible(job))
+        gpus = _gpus_visible(job)
+        job.check_model(job.model_path(), vllm_on_cpu=not gpus)
+        check_fits(job, gpus_visible=gpus)  # every GPU rank's memory estimate against its GPU (marlaas plan)
     except SpecError as exc:
         print(f"marlaas: invalid config {args.config or args.resume}: {exc}", file=sys.stderr)
         return 2
@@ -127,12 +130,14 @@ def cmd_sbatch(args) -> int:
 
 def cmd_submit(args) -> int:
     """Submits the job as one Slurm heterogeneous job (control, env, rollout, trainer components)."""
-    from marlaas_hpc.submit import submit
     from marlaas_hpc.launch.layout import LayoutError
+    from marlaas_hpc.plan.command import check_fits
     from marlaas_hpc.runtime.main import load_job
+    from marlaas_hpc.submit import submit
 
     try:
         job = load_job(args.config, args.run_dir, args.mode)
+        check_fits(job)  # the components that ask Slurm for GPUs: each rank's memory against its GPU
         handle = submit(job, args.config, job_name=args.job_name, max_requeues=args.max_requeues)
     except (SpecError, LayoutError) as exc:
         print(f"marlaas: not submitted: {exc}", file=sys.stderr)
@@ -255,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     from marlaas_hpc.sim.command import add_parser as add_simulate_parser
 
     add_simulate_parser(sub)
+    from marlaas_hpc.plan.command import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

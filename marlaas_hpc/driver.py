@@ -1,7 +1,7 @@
 """Single-process driver: rollout -> reward -> train for one or more tasks, in one Python process.
 
 Used by tests, by the benchmark of the learning core, and as the reference semantics of the distributed
-runtime (one on-policy GRPO step per task per round). Multi-turn (tool) tasks play their episodes through
+runtime (one on-policy step of each task's objective per round, dynamic sampling included). Multi-turn (tool) tasks play their episodes through
 an EpisodeRunner on the same engine (tool tokens masked out of the loss). Outputs follow the run dir layout (rundir.py):
 RUN_DIR/tasks/<tenant>/<task_id>/{adapters/v0000,..., metrics.jsonl}.
 """
@@ -15,12 +15,13 @@ from pathlib import Path
 from marlaas_hpc.env.episode import EpisodeRequest, EpisodeResult, EpisodeRunner, summarize_episodes
 from marlaas_hpc.env.kinds import build_task_data
 from marlaas_hpc.env.protocol import environment_for, episode_limits, is_multi_turn
+from marlaas_hpc.env.shaping import score_group
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.rundir import adapter_dir, task_dir
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest, RolloutEngine
+from marlaas_hpc.scheduler.sampling import drops
 from marlaas_hpc.tasks import Sample, TaskData, TaskSpec
-from marlaas_hpc.trajectory import assign_advantages, scored_group
 from marlaas_hpc.trajectory import Trajectory
 
 
@@ -31,19 +32,29 @@ class DriverTask:
     cursor: int = 0
     """Index of the next training prompt in the task's stream."""
     history: list[dict] = field(default_factory=list)
+    filtered_groups: int = 0
+    """Groups dynamic sampling dropped (scheduler/sampling.py, which the driver follows)."""
+    uninformative_run: int = 0
+
+    def __post_init__(self):
+        self.filters_groups = self.spec.algo.filters_groups
+        self.filter_patience = self.spec.algo.dynamic_sampling_patience * self.spec.algo.batch_prompts
 
 
-def to_trajectories(task: DriverTask, samples: list[Sample], gens: list[Generation], codec: TextCodec,
-                    group_size: int) -> list[Trajectory]:
-    """Scores generations (grouped G per sample, in order) and sets group-relative advantages."""
-    trajectories = []
+def scored_groups(task: DriverTask, samples: list[Sample], gens: list[Generation], codec: TextCodec,
+                  group_size: int) -> list[tuple[list[Trajectory], bool]]:
+    """Scores generations (grouped G per sample, in order): each group's trajectories with their advantages
+    (env/shaping.py), and whether it is informative."""
+    groups = []
     for i, sample in enumerate(samples):
         group = gens[i * group_size: (i + 1) * group_size]
-        rewards = [task.data.reward(sample, codec.decode_completion(g.completion_ids)) for g in group]
-        trajectories += scored_group(task.spec.task_id, f"{task.spec.task_id}/{sample.index}", group[0].prompt_ids,
-                                     [g.completion_ids for g in group], [g.logprobs for g in group],
-                                     group[0].adapter_version, rewards, task.spec.algo.normalize_adv_std)
-    return trajectories
+        version = group[0].adapter_version if group[0].adapter_version is not None else 0
+        trajectories = [Trajectory(task.spec.task_id, f"{task.spec.task_id}/{sample.index}", g.prompt_ids,
+                                   g.completion_ids, g.logprobs, version,
+                                   reward=task.data.reward(sample, codec.decode_completion(g.completion_ids)))
+                        for g in group]
+        groups.append((trajectories, score_group(trajectories, task.spec.algo)))
+    return groups
 
 
 class LocalDriver:
@@ -60,7 +71,7 @@ class LocalDriver:
     def add_task(self, spec: TaskSpec) -> None:
         """Admits a task: loads its data (errors name the field), creates its adapter, publishes v0."""
         data = build_task_data(spec.dataset, spec.prompt.format)
-        self.trainer.add_task(spec.task_id, spec.lora, spec.algo)
+        self.trainer.add_task(spec.task_id, spec.lora, spec.algo, spec.max_staleness)
         self.tasks[spec.task_id] = DriverTask(spec, data)
         task_dir(self.run_dir, spec).mkdir(parents=True, exist_ok=True)
         self._publish(spec.task_id)
@@ -90,20 +101,36 @@ class LocalDriver:
         return requests
 
     def rollout(self, task_id: str) -> list[Trajectory]:
-        """One batch of B prompts x G samples at the task's current version, scored, with advantages."""
+        """One batch of B prompt groups x G samples at the task's current version, scored, with advantages.
+        With dynamic sampling, a group whose rewards are all equal is dropped and another prompt sampled in its
+        place, by the scheduler's rule (scheduler/sampling.py)."""
+        state = self.tasks[task_id]
+        batch = state.spec.algo.batch_prompts
+        kept: list[list[Trajectory]] = []
+        while len(kept) < batch:
+            for group, informative in self._sample_groups(task_id, batch - len(kept)):
+                if drops(state, informative):
+                    state.filtered_groups += 1
+                else:
+                    kept.append(group)
+        return [traj for group in kept for traj in group]
+
+    def _sample_groups(self, task_id: str, count: int) -> list[tuple[list[Trajectory], bool]]:
+        """The next `count` prompts of the task's stream, G samples each, scored: (group, informative)."""
         state = self.tasks[task_id]
         algo = state.spec.algo
-        samples = [state.data.train_sample(state.cursor + i) for i in range(algo.batch_prompts)]
-        state.cursor += algo.batch_prompts
+        samples = [state.data.train_sample(state.cursor + i) for i in range(count)]
+        state.cursor += count
         if is_multi_turn(state.data):
             results = self.play(task_id, samples, algo.group_size, algo.temperature, self.trainer.version(task_id))
-            trajectories = [r.trajectory for r in results]
-            assign_advantages(trajectories, algo.normalize_adv_std)
-            return trajectories
+            groups: dict[str, list[Trajectory]] = {}
+            for result in results:
+                groups.setdefault(result.trajectory.group_id, []).append(result.trajectory)
+            return [(group, score_group(group, algo, multi_turn=True)) for group in groups.values()]
         requests = self._requests(task_id, [s.prompt for s in samples], algo.group_size, algo.temperature,
                                   algo.max_new_tokens, self.trainer.version(task_id))
         gens = self.engine.generate(requests)
-        return to_trajectories(state, samples, gens, self._codec(task_id), algo.group_size)
+        return scored_groups(state, samples, gens, self._codec(task_id), algo.group_size)
 
     def train(self, task_id: str, trajectories: list[Trajectory]) -> dict:
         """One optimizer step of the task; publishes the new version to the rollout engine."""
@@ -113,7 +140,8 @@ class LocalDriver:
         state = self.tasks[task_id]
         record = {"task_id": task_id, "version": self.trainer.version(task_id),
                   "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
-                  "train_s": time.perf_counter() - start, "time": time.time(), **metrics}
+                  "train_s": time.perf_counter() - start, "time": time.time(), **metrics,
+                  "filtered_groups": state.filtered_groups}
         state.history.append(record)
         with open(task_dir(self.run_dir, state.spec) / "metrics.jsonl", "a") as sink:
             sink.write(json.dumps(record) + "\n")

@@ -43,11 +43,13 @@ def task_record(task) -> dict:
     """What summary.json and status.json say of one task (a scheduler TaskState: its state only)."""
     group_size = task.spec.algo.group_size
     return {
-        "tenant": task.spec.tenant, "kind": task.spec.dataset.kind, "status": task.status, "error": task.error,
+        "tenant": task.spec.tenant, "kind": task.spec.dataset.kind, "objective": task.spec.algo.loss,
+        "status": task.status, "error": task.error,
         "steps_done": max(task.version, 0), "total_steps": task.spec.total_steps,
         "staleness_bound": task.bound, "max_staleness_trained": task.max_trained_staleness,
         "dropped_groups": task.dropped_groups, "dropped_samples": task.dropped_groups * group_size,
         "preempted_groups": task.preempted_groups, "reissued_groups": task.reissued_groups,
+        "filtered_groups": task.filtered_groups,
         "trained_samples": task.trained_groups * group_size,
         "reward_first": task.reward_history[0] if task.reward_history else None,
         "reward_last": task.reward_history[-1] if task.reward_history else None,

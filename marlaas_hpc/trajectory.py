@@ -54,15 +54,3 @@ def assign_advantages(trajectories: list[Trajectory], normalize_std: bool = Fals
         advantages = group_advantages([t.reward for t in members], normalize_std) if len(members) > 1 else [0.0]
         for traj, value in zip(members, advantages):
             traj.advantage = value
-
-
-def scored_group(task_id: str, group_id: str, prompt_ids: list[int], completions: list[list[int]],
-                 logprobs: list[list[float]], version: int | None, rewards: list[float],
-                 normalize_std: bool = False) -> list[Trajectory]:
-    """The G trajectories of one prompt with their rewards and group-relative advantages.
-    version None (base model, no adapter) is recorded as 0: the fresh adapter equals the base."""
-    trajectories = [Trajectory(task_id, group_id, prompt_ids, completion, lps,
-                               version if version is not None else 0, reward=reward)
-                    for completion, lps, reward in zip(completions, logprobs, rewards)]
-    assign_advantages(trajectories, normalize_std)
-    return trajectories

@@ -41,6 +41,9 @@ def test_payload_is_the_tasks_prompt_stream_and_hyperparameters(bench, tmp_path)
         assert payload["steps"] == spec.total_steps == 30
         assert (payload["algo"]["group_size"], payload["algo"]["batch_prompts"]) == (8, 8)
         assert payload["algo"]["lr"] == spec.algo.lr and payload["algo"]["max_new_tokens"] == spec.algo.max_new_tokens
+        # the objective's values, resolved (unset fields are None in the spec): GRPO's clip and std scaling
+        assert (payload["algo"]["clip_eps"], payload["algo"]["clip_eps_high"]) == (0.2, 0.2)
+        assert payload["algo"]["normalize_adv_std"] is True
         assert (payload["lora"]["rank"], payload["lora"]["alpha"]) == (spec.lora.rank, spec.lora.alpha)
         assert payload["lora"]["target_modules"] == list(spec.lora.target_modules)
         assert TaskSpec.from_dict(payload["spec"]) == spec  # the LocalDriver fallback trains this very spec

@@ -1,10 +1,11 @@
-"""GRPO advantages and the clipped loss, checked against hand-computed values."""
+"""GRPO advantages and the clipped token-level loss (objective 'grpo'), checked against hand-computed values."""
 import math
 
 import pytest
 import torch
 
-from marlaas_hpc.trainer.grpo import grpo_loss, token_logprobs
+from marlaas_hpc.tasks import AlgoSpec
+from marlaas_hpc.trainer.objectives import Tokens, grpo_loss as objective_grpo, token_logprobs
 from marlaas_hpc.trajectory import Trajectory, assign_advantages, group_advantages
 
 
@@ -22,6 +23,12 @@ def test_assign_advantages_by_group_even_when_interleaved():
     assign_advantages(trajs)
     # g0 = rewards (1, 0) -> (+.5, -.5); g1 = (1, 0) -> (+.5, -.5)
     assert [t.advantage for t in trajs] == [0.5, 0.5, -0.5, -0.5]
+
+
+def grpo_loss(logp, behaviour, advantages, mask, clip_eps, kl_beta=0.0, base_logp=None):
+    """The objective 'grpo' on [sequences, positions] tensors."""
+    algo = AlgoSpec(clip_eps=clip_eps, kl_beta=kl_beta)
+    return objective_grpo(Tokens.from_rows(logp, behaviour, advantages, mask, base=base_logp), algo)
 
 
 def test_loss_equals_hand_computed_clip():

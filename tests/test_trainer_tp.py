@@ -53,7 +53,7 @@ def probe(hf_base):
 def batches(hf_base):
     """Per task: trajectories with behaviour logprobs = HF base logprobs at the task's temperature + noise
     (ratios near 1: some tokens clipped, most not) and group-relative advantages."""
-    from marlaas_hpc.trainer.grpo import token_logprobs
+    from marlaas_hpc.trainer.objectives import token_logprobs
     from marlaas_hpc.trajectory import assign_advantages
 
     noise = random.Random(0)
@@ -174,7 +174,7 @@ def test_exported_adapter_reproduces_trainer_logits_in_peft(runs, model_path, hf
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logprobs_match_peft_and_mixed_rows(runs, batches, model_path, tp):
-    from marlaas_hpc.trainer.grpo import token_logprobs
+    from marlaas_hpc.trainer.objectives import token_logprobs
 
     record = runs[tp][0]
     mixed = record["mixed_logits"]

@@ -9,6 +9,14 @@ once into the cache (`model: random:qwen3-0.6b`). Each part runs in a process of
 that part's alone: first the trainer (megatron-core, fp32 on CPU; one GRPO step of one LoRA task over
 prompts x group rows, which also exports the adapter), then the rollout (vLLM in-process engine with that
 adapter, prompts x group sequences of --new-tokens, temperature 1).
+
+Each part also prints `marlaas plan`'s estimate next to its peak RSS (marlaas_hpc/plan): the process's RSS before
+the model exists (its baseline: Python, torch, megatron-core, transformers or vLLM imported) plus the estimate for
+the CPU path (float32 weights, dense attention, vLLM's fixed CPU KV cache), against the high-water mark restarted
+once the model is loaded (mbridge and vLLM read the safetensors through mmap: the file's pages count in RSS while
+the weights are copied, a transient the estimate leaves out). The children run with glibc's mmap threshold fixed at
+its default (MALLOC_MMAP_THRESHOLD_): otherwise glibc raises it as large blocks are freed and keeps freed tensors'
+memory in the heap, and RSS no longer follows the live tensors.
 """
 from __future__ import annotations
 
@@ -51,32 +59,62 @@ def trainer_part(args, model_path: str, out_dir: str) -> dict:
 
 
 def _train(rank: int, model_path: str, tp: int, trajectories, lora_rank: int, out_dir: str) -> dict:
+    import mbridge.models.qwen3  # noqa: F401  (what the trainer imports on its way to a model: in the baseline)
+    import megatron.core.models.gpt.gpt_model  # noqa: F401
+
+    from marlaas_hpc.plan import host_memory
     from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 
     start = time.perf_counter()
+    baseline = host_memory.rss_bytes()
     trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp))
     trainer.add_task("bench", LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank), AlgoSpec(lr=1e-5))
     built = time.perf_counter()
     load_rss = _peak_rss_gib()
+    host_memory.reset_peak()
     metrics = trainer.train_step("bench", trajectories)
+    step_peak = host_memory.peak_rss_bytes()
     stepped = time.perf_counter()
     export = trainer.export_adapter("bench", Path(out_dir) / "adapter")
     tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
     return {"load_s": built - start, "step_s": stepped - built, "tokens": tokens,
             "tokens_per_s": tokens / (stepped - built), "loss": metrics["loss"], "adapter": str(export),
-            "peak_rss_gib": _peak_rss_gib(), "load_peak_rss_gib": load_rss,
+            "peak_rss_gib": max(load_rss, step_peak / 2**30),  # reset_peak restarted the kernel's own
+            "load_peak_rss_gib": load_rss, "baseline_gib": baseline / 2**30,
+            "step_peak_rss_gib": step_peak / 2**30,
+            "estimate_gib": (baseline + _trainer_estimate(model_path, tp, trajectories, lora_rank)) / 2**30,
             "params": sum(p.numel() for p in trainer.model.parameters())}
 
 
+def _trainer_estimate(model_path: str, tp: int, trajectories, lora_rank: int) -> int:
+    """`marlaas plan`'s trainer estimate of this step on the CPU: one pass over rows of one sequence each."""
+    from marlaas_hpc.plan.estimate import ModelDims, TrainerInputs, trainer_memory
+
+    width = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
+    inputs = TrainerInputs(dims=ModelDims.read(model_path), tensor_parallel=tp, dtype_bytes=4,
+                           micro_batch_tokens=len(trajectories) * width, row_tokens=width,
+                           prompt_tokens=len(trajectories[0].prompt_ids), lora_rank=lora_rank, max_adapters=1,
+                           fused_tasks=1, recompute=False, attention="dense")
+    return trainer_memory(inputs).total
+
+
 def rollout_part(args, model_path: str, adapter: str, work_dir: str) -> dict:
+    import vllm  # noqa: F401  (in the baseline)
+
+    from marlaas_hpc.plan import host_memory
     from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
+    from marlaas_hpc.rollout import vllm_engine  # noqa: F401
 
     start = time.perf_counter()
+    baseline = host_memory.rss_bytes()
+    max_model_len = args.prompt_tokens + args.new_tokens + 8
     engine = make_engine("vllm", model_path, work_dir=work_dir, max_loras=1, max_lora_rank=args.lora_rank,
-                         max_model_len=args.prompt_tokens + args.new_tokens + 8, seed=0)
+                         max_model_len=max_model_len, seed=0)
     engine.add_adapter(AdapterRef("bench", 1, adapter))
     ready = time.perf_counter()
+    start_peak = host_memory.peak_rss_bytes()
+    host_memory.reset_peak()
     requests = [GenerationRequest(f"r{i}", "bench", 1, prompt, temperature=1.0, max_new_tokens=args.new_tokens,
                                   seed=i) for i, (prompt, _) in enumerate(_rows(args))]
     gens = engine.generate(requests)
@@ -84,7 +122,24 @@ def rollout_part(args, model_path: str, adapter: str, work_dir: str) -> dict:
     engine.close()
     generated = sum(len(g.completion_ids) for g in gens)
     return {"start_s": ready - start, "batch_s": done - ready, "sequences": len(gens), "generated_tokens": generated,
-            "tokens_per_s": generated / (done - ready), "peak_rss_gib": _peak_rss_gib()}
+            "tokens_per_s": generated / (done - ready),
+            "peak_rss_gib": max(start_peak, host_memory.peak_rss_bytes()) / 2**30,
+            "baseline_gib": baseline / 2**30, "start_peak_rss_gib": start_peak / 2**30,
+            "batch_peak_rss_gib": host_memory.peak_rss_bytes() / 2**30,
+            "estimate_gib": (baseline + _rollout_estimate(model_path, args, max_model_len)) / 2**30}
+
+
+def _rollout_estimate(model_path: str, args, max_model_len: int) -> int:
+    """`marlaas plan`'s rollout figures on the CPU: float32 weights, one LoRA slot, vLLM's fixed CPU KV cache
+    (the engine's default 1 GiB), the profiling forward's estimate."""
+    from marlaas_hpc.plan.command import VLLM_MAX_NUM_SEQS
+    from marlaas_hpc.plan.estimate import ModelDims, RolloutInputs, rollout_memory
+
+    memory = rollout_memory(RolloutInputs(dims=ModelDims.read(model_path), tensor_parallel=1, dtype_bytes=4,
+                                          gpu_bytes=0, gpu_memory_utilization=1.0, max_loras=1,
+                                          max_lora_rank=args.lora_rank, max_model_len=max_model_len,
+                                          max_num_seqs=VLLM_MAX_NUM_SEQS))
+    return memory.weights + memory.lora_slots + memory.activations + 2**30
 
 
 def main() -> int:
@@ -128,14 +183,21 @@ def main() -> int:
           f"tokens: step {trainer['step_s']:.1f} s = {trainer['tokens_per_s']:.0f} tokens/s "
           f"(load {trainer['load_s']:.1f} s), peak RSS {trainer['peak_rss_gib']:.2f} GiB "
           f"({trainer['load_peak_rss_gib']:.2f} GiB after loading)")
+    print(f"         step peak RSS {trainer['step_peak_rss_gib']:.2f} GiB; marlaas plan: baseline "
+          f"{trainer['baseline_gib']:.2f} + estimate = {trainer['estimate_gib']:.2f} GiB "
+          f"({trainer['estimate_gib'] / trainer['step_peak_rss_gib'] - 1:+.0%})")
     print(f"rollout  vLLM fp32, LoRA r{args.lora_rank}, {rollout['sequences']} sequences x {args.new_tokens} new tokens: "
           f"batch {rollout['batch_s']:.1f} s = {rollout['tokens_per_s']:.1f} generated tokens/s "
           f"(engine start {rollout['start_s']:.1f} s), peak RSS {rollout['peak_rss_gib']:.2f} GiB")
+    print(f"         batch peak RSS {rollout['batch_peak_rss_gib']:.2f} GiB (engine start "
+          f"{rollout['start_peak_rss_gib']:.2f}); marlaas plan: baseline {rollout['baseline_gib']:.2f} + estimate = "
+          f"{rollout['estimate_gib']:.2f} GiB ({rollout['estimate_gib'] / rollout['batch_peak_rss_gib'] - 1:+.0%})")
     return 0
 
 
 def _child(argv: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072")}
+    proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, env=env)
     if proc.returncode:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"[bench_real] {' '.join(argv)} failed with exit status {proc.returncode}")

@@ -43,11 +43,15 @@ def task_payload(spec, model_path, output_dir, seed: int = 0) -> dict:
         raise ValueError(f"task {spec.task_id}: the baseline covers raw-prompt synthetic tasks, not "
                          f"{spec.dataset.kind!r} ({spec.prompt.format} prompts)")
     algo = spec.algo
+    if algo.loss not in ("grpo", "dapo") or algo.filters_groups or algo.overlong or algo.tis_cap:
+        raise ValueError(f"task {spec.task_id}: the baseline covers the token-level loss without dynamic sampling, "
+                         f"overlong shaping or TIS (TRL's loss_type 'dapo'), not {algo.loss!r} with those")
     train = [data.train_sample(i) for i in range(spec.total_steps * algo.batch_prompts)]
     evals = data.eval_samples()
     return {"task_id": spec.task_id, "model_path": str(model_path), "output_dir": str(output_dir), "seed": seed,
             "steps": spec.total_steps, "spec": spec.to_dict(),
-            "algo": asdict(algo), "lora": {**asdict(spec.lora), "target_modules": list(spec.lora.target_modules)},
+            "algo": {**asdict(algo), "clip_eps": algo.clip_low, "clip_eps_high": algo.clip_high,  # resolved
+                     "normalize_adv_std": algo.std_normalized}, "lora": {**asdict(spec.lora), "target_modules": list(spec.lora.target_modules)},
             "train_prompts": [s.prompt for s in train], "train_answers": [s.answer for s in train],
             "eval_prompts": [s.prompt for s in evals], "eval_answers": [s.answer for s in evals]}
 

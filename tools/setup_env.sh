@@ -16,6 +16,12 @@ if [ "$(id -u)" = 0 ] && ! command -v bwrap >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         bubblewrap >/dev/null
 fi
+# g++: the GPU dry run (marlaas_hpc/plan/fake_cuda.py) compiles a small C++ shim against torch's headers once
+if [ "$(id -u)" = 0 ] && ! command -v g++ >/dev/null 2>&1; then
+    echo "[setup] installing g++ (Debian)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        g++ >/dev/null
+fi
 [ -x "$VENV/bin/python" ] || python3.11 -m venv "$VENV"
 PY="$VENV/bin/python"
 # pip with the site's find-links warnings filtered out (pip's own status still decides, via pipefail)

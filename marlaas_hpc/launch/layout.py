@@ -95,6 +95,10 @@ class ComponentResources:
     """--constraint (node features), e.g. 'h100&ib'."""
     extra_sbatch: list[str] = field(default_factory=list)
     """More sbatch options for this component, verbatim in long form, e.g. ['--exclusive', '--reservation=rl']."""
+    gpu_memory_gib: float = 80.0
+    """Memory of each of this component's GPUs, in GiB (80: an H100 or A100 80GB; an H200 has 141). Rollout and
+    trainer only: `marlaas plan` checks each rank's estimated device memory against it, and `marlaas run` /
+    `submit` refuse a job whose GPU ranks would not fit (marlaas_hpc/plan)."""
 
     def validate(self, name: str) -> None:
         _int_at_least(self.nodes, 1, f"{name}.nodes")
@@ -102,6 +106,10 @@ class ComponentResources:
             _int_at_least(self.ntasks, 0, f"{name}.ntasks")
         _int_at_least(self.cpus_per_task, 1, f"{name}.cpus_per_task")
         _int_at_least(self.gpus_per_task, 0, f"{name}.gpus_per_task")
+        if isinstance(self.gpu_memory_gib, bool) or not isinstance(self.gpu_memory_gib, (int, float)) \
+                or not 0 < self.gpu_memory_gib <= 4096:
+            raise LayoutError(f"{name}.gpu_memory_gib", f"must be a number of GiB in (0, 4096], got "
+                                                        f"{self.gpu_memory_gib!r}")
         if self.mem is not None and not (isinstance(self.mem, str) and _MEM.match(self.mem)):
             raise LayoutError(f"{name}.mem", f"{self.mem!r} is not a size like '4000', '16G' or '512M'")
         if self.time is not None:

@@ -11,7 +11,9 @@ every way that breaks code written only for it. These checkpoints keep the real 
   (`<|endoftext|>` 151643, `<|im_start|>` 151644, `<|im_end|>` 151645, ...), a chat template, and
   generation_config.json with a list of eos ids and sampling defaults (which the rollout engines must ignore).
 
-Shapes: `qwen3-0.6b` is the full Qwen3-0.6B shape (28 layers, ~0.6B parameters: benchmarks only);
+Shapes: `qwen3-0.6b` is the full Qwen3-0.6B shape (28 layers, ~0.6B parameters: benchmarks only); `qwen3-8b` the
+full Qwen3-8B shape (its published dims), for `marlaas plan` and the GPU dry run, which read config.json only
+(`write_config`; its random weights would take 33 GB);
 `qwen3-0.6b-mini` (tied) and `qwen3-8b-mini` (untied) keep vocabulary, GQA ratio, head_dim >= 32 and
 qk-norm at a width and depth that tests can afford on two CPU cores.
 
@@ -83,6 +85,8 @@ class Qwen3Shape:
 SHAPES = {
     "qwen3-0.6b": Qwen3Shape(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                              intermediate_size=3072, tied=True),
+    "qwen3-8b": Qwen3Shape(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                           intermediate_size=12288, tied=False),
     "qwen3-0.6b-mini": Qwen3Shape(hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64,
                                   intermediate_size=256, tied=True, max_position_embeddings=4096),
     "qwen3-8b-mini": Qwen3Shape(hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64,
@@ -151,6 +155,23 @@ def qwen3_config(shape: Qwen3Shape):
         max_position_embeddings=shape.max_position_embeddings, rope_theta=shape.rope_theta, rms_norm_eps=1e-6,
         tie_word_embeddings=shape.tied, hidden_act="silu", attention_bias=False, initializer_range=0.02,
         bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, pad_token_id=None, dtype="float32")
+
+
+def write_config(name: str, cache_dir: str | Path | None = None) -> Path:
+    """A directory holding only config.json of shape `name` (a key of SHAPES): what `marlaas plan` and the GPU
+    dry run read. Written once into the cache."""
+    from marlaas_hpc.model.cache import default_cache_dir
+
+    shape = SHAPES[name]
+    out = Path(cache_dir or default_cache_dir()) / f"config-{name}-{fingerprint(shape, 0)}"
+    if not (out / "config.json").is_file():
+        staging = out.with_name(f"{out.name}.writing-{os.getpid()}")
+        qwen3_config(shape).save_pretrained(str(staging))
+        try:
+            staging.rename(out)
+        except OSError:  # another process wrote it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 def build_random_qwen3(out_dir: str | Path, shape: Qwen3Shape, seed: int = 0) -> Path:

@@ -189,7 +189,7 @@ class DeltaChannel:
         announce = DeltaAnnounce(task_id, version, names, [tuple(tensors[n].shape) for n in names], lora, seq,
                                  self.epoch)
         requests = [(rank, self.comm.isend(announce, dest=rank, tag=TAG_DELTA)) for rank in self.rollout_ranks]
-        flat = torch.cat([tensors[n].detach().reshape(-1).float() for n in names]).to(self.device)
+        flat = flat_buffer(tensors, names, self.device)
         self.in_flight.append((self.process_group.broadcast(flat, 0), flat, requests))  # the buffer lives until done
 
     MAX_IN_FLIGHT = 16
@@ -222,6 +222,12 @@ class DeltaChannel:
         flat = torch.empty(total, dtype=torch.float32, device=self.device)
         complete(self.process_group.broadcast(flat, 0))
         return unflatten(announce, flat)
+
+
+def flat_buffer(tensors: dict[str, torch.Tensor], names: list[str], device: torch.device) -> torch.Tensor:
+    """One float32 buffer of `tensors` in `names` order, on the channel's device: what a delta broadcast sends
+    (`unflatten` is its inverse). The GPU dry run (marlaas_hpc/plan/dry_run.py) counts it."""
+    return torch.cat([tensors[n].detach().reshape(-1).float() for n in names]).to(device)
 
 
 def unflatten(announce: DeltaAnnounce, flat: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -11,7 +11,8 @@ One prompt group = G episodes of one sample (a single-turn task is the one-turn 
         Final, or a limit (max_turns / max_episode_tokens) → the episode ends (truncation reward: 0.0)
     when every step of the turn is back:
         some go on  → ContinueGroup(their contexts) ──► rollout ──GroupTurn(turn t+1, those)──► env rank ...
-        all ended   → ScoredGroup ──► trainer leader;  Scored ──► rank 0;
+        all ended   → training rewards and advantages (env/shaping.py) → ScoredGroup ──► trainer leader;
+                      Scored (informative: rewards not all equal) ──► rank 0;
                       GroupEnded ──► rollout (unpins the group's version)
 
 Rank 0 builds the first prompt by calling the task env's `reset` (envs reset deterministically); the env
@@ -41,13 +42,14 @@ from dataclasses import dataclass, field
 from marlaas_hpc.env.kinds import build_task_data
 from marlaas_hpc.env.pool import EnvPool, EnvPoolConfig, StepOutcome
 from marlaas_hpc.env.protocol import Environment, Final, environment_for, episode_limits, is_multi_turn
+from marlaas_hpc.env.shaping import score_group
 from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupTurn,
                                           GroupEnded, RanksChanged, RankStats, ScoredGroup, Shutdown)
 from marlaas_hpc.scheduler import Admit, Move, Scored, TaskFailed
-from marlaas_hpc.trajectory import Trajectory, assign_advantages
+from marlaas_hpc.trajectory import Trajectory
 
 
 TIMELINE_MIN_STEP_S = 0.001
@@ -294,9 +296,9 @@ class EnvRank:
                                    loss_mask=e.mask) for e in group.episodes]
         for trajectory in trajectories:
             trajectory.check()
-        assign_advantages(trajectories, self.specs[first.task_id].algo.normalize_adv_std)
+        informative = score_group(trajectories, self.specs[first.task_id].algo, group.multi_turn)
         self.outbox.send(ScoredGroup(first.group_id, trajectories), self.trainer_of[first.task_id], TAG_DATA)
-        self.outbox.send(Scored(first.group_id, sum(rewards) / len(rewards)), 0, TAG_EVENT)
+        self.outbox.send(Scored(first.group_id, sum(rewards) / len(rewards), informative), 0, TAG_EVENT)
 
     def _fail(self, task_id: str, error: str) -> None:
         """Marks a task failed (rank 0 ends it); its open groups are dropped and their versions unpinned."""

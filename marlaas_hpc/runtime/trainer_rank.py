@@ -141,7 +141,7 @@ class TrainerRank:
             # shards left by an earlier job in this run dir must not pass for this task's
             prune_shards(trainer_shard_path(self.run_dir, spec, self.trainer.tp_rank, 0).parent,
                          self.trainer.tp_rank, None)
-            self.trainer.add_task(spec.task_id, spec.lora, spec.algo)
+            self.trainer.add_task(spec.task_id, spec.lora, spec.algo, spec.max_staleness)
         else:
             path = trainer_shard_path(self.run_dir, spec, self.trainer.tp_rank, admit.resume_version)
             self.trainer.load_state_dict(spec.task_id, load_torch(path))

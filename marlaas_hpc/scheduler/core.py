@@ -11,6 +11,9 @@ use groups sampled by versions >= v - k. Admission control keeps at most (k+1)·
 in flight beyond what the trainer consumed (async mode's quota); a ready group that is too old when its task's
 step is formed is dropped (Discard) and counted, never trained. Every trained group goes to the audit log.
 
+Dynamic sampling (scheduler/sampling.py): a task may drop scored groups whose rewards are all equal; the quota
+then issues replacements inside the same window.
+
 Modes (scheduler/modes.py): one policy object per mode (async / sync / sequential) owns its quota and train
 rules; the scheduler asks it and tells it what changed. Handlers are `_on_<event>`.
 
@@ -31,6 +34,7 @@ from typing import Callable
 
 from marlaas_hpc.scheduler.modes import MODES, mode_policy
 from marlaas_hpc.scheduler.placement import Placement, estimated_tokens_per_step
+from marlaas_hpc.scheduler.sampling import drops
 from marlaas_hpc.scheduler.staleness import oldest_allowed
 from marlaas_hpc.scheduler.state import CANCELLED, DONE, FAILED, QUEUED, RUNNING, Group, TaskState
 from marlaas_hpc.tasks.spec import TaskSpec
@@ -97,6 +101,9 @@ class RankJoined:
 class Scored:
     group_id: str
     reward_mean: float
+    informative: bool = field(default=True, repr=False)
+    """Whether the group's training rewards differ (some learning signal); dynamic sampling drops the others
+    (scheduler/sampling.py). Out of the repr: traces of jobs without dynamic sampling read as before."""
 
 
 @dataclass(slots=True)
@@ -452,6 +459,10 @@ class Scheduler:
             return []  # not in flight any more
         if task.status != RUNNING:
             return [self._forget([group], task, "task ended")]
+        if drops(task, event.informative):  # dynamic sampling: outstanding falls, so a replacement is issued
+            task.filtered_groups += 1
+            self._touch(task)
+            return [self._forget([group], task, "uninformative: equal rewards (dynamic sampling)")]
         group.reward_mean = event.reward_mean
         ready = task.ready  # kept in version order (stable: equal versions in arrival order), oldest first
         if not ready or ready[-1].version <= group.version:

@@ -24,6 +24,7 @@ class Durations(Protocol):
     def score(self, task_id: str, group_id: str) -> float: ...
     def train(self, task_id: str, n_groups: int) -> float: ...
     def publish(self, task_id: str) -> float: ...
+    # optional: informative(task_id, group_id) -> bool, whether the group's rewards differ (dynamic sampling)
 
 
 @dataclass
@@ -124,8 +125,9 @@ class SimLoop:
                 gen_time = d.generate(command.task_id, group_id)
                 generated = self.now + gen_time
                 self.at(gen_time + self._jitter(), _Worker(Generated(rank, (group_id,)), rank, generated))
+                informative = d.informative(command.task_id, group_id) if hasattr(d, "informative") else True
                 self.at(gen_time + d.score(command.task_id, group_id) + self._jitter(),
-                        _Worker(Scored(group_id, 0.0), rank, generated, command.env_rank))
+                        _Worker(Scored(group_id, 0.0, informative), rank, generated, command.env_rank))
         elif isinstance(command, Train):
             # the trainer's own check of the staleness rule, as the real trainer does
             if not all(within_bound(v, command.from_version, command.bound) for v in command.behaviour_versions):

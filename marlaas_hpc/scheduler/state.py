@@ -41,6 +41,10 @@ class TaskState:
     """Groups of the step in flight, if any."""
     trained_groups: int = 0
     dropped_groups: int = 0
+    filtered_groups: int = 0
+    """Groups dropped by dynamic sampling (their rewards were all equal; scheduler/sampling.py)."""
+    uninformative_run: int = 0
+    """Uninformative groups scored in a row (dynamic sampling's patience counts them)."""
     max_trained_staleness: int = 0
     preempted_groups: int = 0
     """Groups issued but not trained when the job stopped (preempted or crashed) after the checkpoint it resumed
@@ -73,7 +77,8 @@ class TaskState:
         return {"status": self.status, "error": self.error,
                 "version": self.version if self.version >= 0 else None,
                 "next_prompt": self.next_prompt, "trained_groups": self.trained_groups,
-                "dropped_groups": self.dropped_groups, "max_trained_staleness": self.max_trained_staleness,
+                "dropped_groups": self.dropped_groups, "filtered_groups": self.filtered_groups,
+                "max_trained_staleness": self.max_trained_staleness,
                 "submitted_at": self.submitted_at, "step_times": list(self.step_times),
                 "reward_history": list(self.reward_history), "trainer_group": self.trainer_group,
                 "moves": self.moves,
@@ -94,6 +99,7 @@ class TaskState:
                    reward_history=list(record["reward_history"]),
                    preempted_groups=record.get("preempted_groups", 0), moves=record.get("moves", 0),
                    reissued_groups=record.get("reissued_groups", 0),
+                   filtered_groups=record.get("filtered_groups", 0),
                    trainer_group=record.get("trainer_group") if ended else None)
         if not ended and version is not None:
             task.resume_version = version
@@ -107,6 +113,10 @@ class TaskState:
         self.bound: int = self.spec.max_staleness
         """k: the staleness bound."""
         self.total_steps: int = self.spec.total_steps
+        self.filters_groups: bool = self.spec.algo.filters_groups
+        """Dynamic sampling: groups with equal rewards are dropped and replaced (scheduler/sampling.py)."""
+        self.filter_patience: int = self.spec.algo.dynamic_sampling_patience * self.batch
+        """Uninformative groups in a row that dynamic sampling drops before it lets them through."""
 
     def outstanding(self) -> int:
         """Groups generated or in flight beyond what the trainer has consumed (admission control)."""

@@ -6,6 +6,7 @@
                 step = decode_step * sequences ** batch_exponent; prefill and adapter loads stall it;
                 multi-turn episodes leave the batch for a tool call and come back)
              ─► Generated (scheduler)  +  group data ─► EnvSim (FIFO, reward time per sample) ─► Scored
+                (dynamic sampling: informative or not, drawn from the profile's equal_reward_groups)
     Train    ─► TrainerSim of the task's group (fuses every order whose data is there; step time from tokens,
                 fused tasks, TP, DP; then publishes each task's delta) ─► StepDone, and the new version on
                 every rollout rank
@@ -668,9 +669,16 @@ class Simulation:
                 del self._eval_out[group.group_id]
                 self.queue.after(self.latency, self._eval_done)
             return
-        self.queue.after(self.latency, self.scheduler_event, Scored(group.group_id, 0.0))
+        self.queue.after(self.latency, self.scheduler_event, Scored(group.group_id, 0.0, self._informative(group)))
         if self._groups.pop(group.group_id, None) is not None:
             self.queue.after(self.latency, self._data_arrives, group)
+
+    def _informative(self, group: SimGroup) -> bool:
+        """Whether the group's rewards differ: drawn (profile.equal_reward_groups) only for a task with dynamic
+        sampling, so that the draws, and the traces, of every other job stay as they were."""
+        if not self._specs[group.task_id].algo.filters_groups:
+            return True
+        return self.rng.random() >= group.profile.equal_reward_groups
 
     def _data_arrives(self, group: SimGroup) -> None:
         """To the group that owns the task now (the runtime's old owner forwards what reaches it late)."""

@@ -6,7 +6,8 @@
     trainer:  step = (step_fixed + per_token * tokens + per_task * fused_tasks) * tp ** -tp_exponent
     network:  adapter delta = delta_latency + bytes / delta_bandwidth, bytes = adapter_bytes_per_rank * LoRA rank
     control:  world rank 0 handles one thing at a time: per scheduler event, per task admitted, per eval result
-    profiles: per task kind (dataset.kind, or 'default'): prompt and response lengths, turns, tool latency
+    profiles: per task kind (dataset.kind, or 'default'): prompt and response lengths, turns, tool latency, and
+              the fraction of groups with equal rewards (dynamic sampling drops and replaces them)
 
 Every time, size and bandwidth is written with its unit ('8 ms', '25 GB/s', '40 KB'); token counts are plain
 numbers. `load_workload` refuses unknown fields, bare numbers, negative values and unknown distributions,
@@ -193,6 +194,11 @@ class TaskProfile:
     """Wall time of one tool call (waiting, not env-rank CPU)."""
     tool_output_tokens: Distribution = field(default_factory=Distribution, metadata=_random(TOKENS))
     """Tokens a tool call appends to the context (prefilled before the next turn)."""
+    equal_reward_groups: float = 0.0
+    """Fraction of prompt groups whose G rewards are all equal (every sample right, or every one wrong): a task
+    with dynamic sampling (algo.dynamic_sampling) drops them after scoring and draws replacements, which cost
+    rollout and env time but no trainer time. A run's own fraction is its metrics' skipped_rows / trajectories
+    (rows with advantage 0). Tasks without dynamic sampling draw nothing from it."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -227,6 +233,9 @@ class Workload:
             _check_plain_numbers(getattr(self, name), name)
         for kind, profile in self.profiles.items():
             _check_plain_numbers(profile, f"profiles.{kind}")
+            if not 0 <= profile.equal_reward_groups <= 1:
+                raise SpecError(f"profiles.{kind}.equal_reward_groups",
+                                f"must be a fraction in [0, 1], got {profile.equal_reward_groups!r}")
         return self
 
     def profile(self, kind: str) -> TaskProfile:

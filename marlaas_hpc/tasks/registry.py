@@ -1,6 +1,7 @@
-"""The names of every task kind (`dataset.kind`), defined once: specs are checked against them here, without the
-code that builds each kind's data (env/kinds.py `build_task_data`: the tasks' own data streams and the env's
-workloads, which need tools and sandboxes that this package does not import)."""
+"""The names of every task kind (`dataset.kind`) and of every objective (`algo.loss`), defined once: specs are
+checked against them here, without the code that builds each kind's data (env/kinds.py `build_task_data`: the
+tasks' own data streams and the env's workloads, which need tools and sandboxes that this package does not
+import) or computes each objective (trainer/objectives.py `OBJECTIVES`)."""
 from __future__ import annotations
 
 from marlaas_hpc.tasks.synthetic import GENERATORS
@@ -13,3 +14,16 @@ GSM8K_KINDS = ("gsm8k", "gsm8k_synth", "gsm8k_tool", "gsm8k_plain")
 """Kinds whose prompts are worded for the prompt format and whose answers follow `dataset.answer_format`."""
 TASK_KINDS = frozenset(SYNTHETIC_KINDS) | {"gsm8k", "gsm8k_synth", "custom"} | frozenset(ENV_TASK_KINDS)
 """Every kind: the above, GSM8K from a file or generated, and a tenant's own dataset (`custom`, env/custom.py)."""
+
+
+OBJECTIVE_DEFAULTS = {
+    # loss:    (clip_eps, clip_eps_high, normalize_adv_std, dynamic_sampling), each from the objective's paper
+    "grpo": (0.2, 0.2, True, False),  # Shao et al. 2024 (DeepSeekMath), arXiv 2402.03300
+    "dr_grpo": (0.2, 0.2, False, False),  # Liu et al. 2025, arXiv 2503.20783: no std normalisation
+    "dapo": (0.2, 0.28, True, True),  # Yu et al. 2025, arXiv 2503.14476 §4.1: clip-higher, dynamic sampling
+    "gspo": (3e-4, 4e-4, True, False),  # Zheng et al. 2025, arXiv 2507.18071 §5.1: sequence ratios stay near 1
+}
+"""Every objective a task may name in `algo.loss`, with the values its unset fields take."""
+OBJECTIVES = tuple(OBJECTIVE_DEFAULTS)
+KL_ESTIMATORS = ("k1", "k2", "k3")
+"""Estimators of KL(pi_theta || pi_base) per token (Schulman, "Approximating KL divergence", 2020)."""

@@ -13,7 +13,8 @@ from typing import Any
 
 from marlaas_hpc.config_loader import SpecError, check_fields, fields_under, load_config
 
-__all__ = ["AlgoSpec", "DatasetSpec", "LoraSpec", "PromptSpec", "SpecError", "TaskSpec", "check_fields"]
+__all__ = ["AlgoSpec", "DatasetSpec", "LoraSpec", "OverlongSpec", "PromptSpec", "SpecError", "TaskSpec",
+           "check_fields"]
 
 # HF module names of a Qwen3 decoder layer that a LoRA may target.
 QWEN3_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -47,7 +48,43 @@ class LoraSpec:
 
 
 @dataclass(kw_only=True)
+class OverlongSpec:
+    """DAPO's soft overlong punishment (arXiv 2503.14476 §3.4): a completion within `buffer_tokens` of its
+    length limit L loses reward linearly, down to -penalty at L:
+
+        R_length(y) = 0                                     |y| <= L - buffer_tokens
+                    = (L - buffer_tokens - |y|) / buffer_tokens * penalty     L - buffer_tokens < |y| <= L
+
+    L and |y| are `max_new_tokens` and the completion's tokens for a single-turn task; for a multi-turn (tool)
+    task, `max_episode_tokens` and the episode's prompt + model + tool tokens (what that limit truncates)."""
+
+    buffer_tokens: int
+    """L_cache: the tokens before the limit over which the penalty ramps from 0 to -penalty (>= 1)."""
+    penalty: float = 1.0
+    """The penalty at the limit, in reward units (DAPO: 1, the reward of a right answer)."""
+
+    def validate(self, prefix: str = "overlong") -> None:
+        _int_at_least(self.buffer_tokens, 1, f"{prefix}.buffer_tokens", high=2**24)
+        _real_in(self.penalty, f"{prefix}.penalty", 0.0, None)
+
+    def penalty_at(self, length: int, limit: int) -> float:
+        """R_length of a completion of `length` tokens under a limit of `limit` (<= 0)."""
+        excess = length - (limit - self.buffer_tokens)
+        if excess <= 0:
+            return 0.0
+        return -min(excess, self.buffer_tokens) / self.buffer_tokens * self.penalty
+
+
+@dataclass(kw_only=True)
 class AlgoSpec:
+    """The task's RL algorithm: its objective (`loss`, trainer/objectives.py) and the knobs around it. A field
+    left unset (None) takes the value of the chosen objective's paper (tasks/registry.py `OBJECTIVE_DEFAULTS`;
+    README: the objectives table)."""
+
+    loss: str = "grpo"
+    """The objective: 'grpo' (token-level PPO-clip, token mean over the task's batch), 'dr_grpo' (Dr. GRPO: a
+    constant length normaliser, no std normalisation), 'dapo' (DAPO: the token-level loss with clip-higher and
+    dynamic sampling), 'gspo' (GSPO: one importance ratio per sequence, clipped per sequence)."""
     group_size: int = 8
     """G: completions sampled per prompt (>= 2: the advantage is relative to the group)."""
     batch_prompts: int = 8
@@ -56,16 +93,40 @@ class AlgoSpec:
     """AdamW learning rate of this task's adapter."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    clip_eps: float = 0.2
-    """PPO clip epsilon on the ratio pi_theta / pi_behaviour."""
+    clip_eps: float | None = None
+    """PPO clip epsilon on the ratio pi_theta / pi_old: the ratio is clipped below at 1 - clip_eps (and above at
+    1 + clip_eps_high). None: the objective's (0.2; gspo 3e-4)."""
+    clip_eps_high: float | None = None
+    """Clip-higher (DAPO): the ratio's upper clip is 1 + clip_eps_high. None: clip_eps if that is set, else the
+    objective's (dapo 0.28, gspo 4e-4, else 0.2)."""
     kl_beta: float = 0.0
     """Weight of the KL penalty to the base model (adapter off); 0 disables it."""
+    kl_estimator: str = "k3"
+    """Per-token estimator of KL(pi_theta || pi_base), with d = log pi_base - log pi_theta: 'k1' (-d), 'k2'
+    (d^2 / 2) or 'k3' (e^d - d - 1, unbiased and >= 0)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight each token's loss by min(pi_trainer / pi_rollout, tis_cap), both at
+    the token's behaviour version, and clip the ratio against pi_trainer (the rollout engine and the trainer
+    compute different numbers for the same policy: bf16 kernels). >= 1; None: off, the ratio is taken against
+    the rollout engine's logprobs (docs/architecture.md §10, how pi_trainer at the behaviour version is had)."""
     temperature: float = 1.0
     """Sampling temperature of rollouts; behaviour and trainer logprobs are taken at this temperature."""
     max_new_tokens: int = 16
-    """Longest completion sampled, in tokens."""
-    normalize_adv_std: bool = True
-    """Divide group-relative advantages by the group's std (GRPO original); False only centres them."""
+    """Longest completion sampled, in tokens (also Dr. GRPO's constant length normaliser)."""
+    normalize_adv_std: bool | None = None
+    """Divide group-relative advantages by the group's std (GRPO original); False only centres them.
+    None: the objective's (False for dr_grpo, True otherwise)."""
+    dynamic_sampling: bool | None = None
+    """DAPO's dynamic sampling: a prompt group whose G rewards are all equal (no learning signal) is not
+    trained, and the scheduler issues another prompt in its place, within the staleness bound, so each step
+    still trains B informative groups. None: the objective's (True for dapo, False otherwise)."""
+    dynamic_sampling_patience: int = 8
+    """Dynamic sampling gives up after this many batches (x B) of uninformative groups in a row and trains
+    them as they come until an informative one arrives: a task whose rewards saturate (every sample right, or
+    every one wrong) would otherwise draw prompts for ever."""
+    overlong: OverlongSpec | None = None
+    """DAPO's soft overlong punishment added to the reward of a completion near its length limit (the advantage
+    is computed from it; `reward` in records stays the verifier's). None: off."""
     grad_clip: float = 1.0
     """Max global grad norm of the adapter; 0 disables clipping."""
     max_turns: int = 4
@@ -76,18 +137,69 @@ class AlgoSpec:
     observation that does not fit ends the episode with the truncation reward (0.0)."""
 
     def validate(self, prefix: str = "algo") -> None:
+        from marlaas_hpc.tasks.registry import KL_ESTIMATORS, OBJECTIVES
+
+        if self.loss not in OBJECTIVES:
+            raise SpecError(f"{prefix}.loss", f"unknown objective {self.loss!r}; known: {list(OBJECTIVES)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise SpecError(f"{prefix}.kl_estimator", f"must be one of {list(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         _int_at_least(self.group_size, 2, f"{prefix}.group_size", high=4096)
         _int_at_least(self.max_turns, 1, f"{prefix}.max_turns", high=1024)
         _int_at_least(self.max_episode_tokens, 2, f"{prefix}.max_episode_tokens", high=2**24)
         _int_at_least(self.batch_prompts, 1, f"{prefix}.batch_prompts", high=65536)
         _int_at_least(self.max_new_tokens, 1, f"{prefix}.max_new_tokens", high=2**20)
+        _int_at_least(self.dynamic_sampling_patience, 1, f"{prefix}.dynamic_sampling_patience", high=10**6)
         # NaN passes every comparison test and inf every lower bound: each number is checked finite first
         _real_in(self.lr, f"{prefix}.lr", 0.0, None, low_open=True)
         _real_in(self.temperature, f"{prefix}.temperature", 0.0, 100.0, low_open=True)
-        _real_in(self.clip_eps, f"{prefix}.clip_eps", 0.0, 1.0)  # the ratio's lower clip 1 - eps stays >= 0
         _real_in(self.weight_decay, f"{prefix}.weight_decay", 0.0, 1.0)
         for name in ("kl_beta", "grad_clip"):
             _real_in(getattr(self, name), f"{prefix}.{name}", 0.0, None)
+        self._validate_clip(prefix)
+        if self.tis_cap is not None:  # a cap below 1 would scale down even the tokens both sides agree on
+            _real_in(self.tis_cap, f"{prefix}.tis_cap", 1.0, None)
+        for name in ("normalize_adv_std", "dynamic_sampling"):
+            if getattr(self, name) not in (None, True, False):
+                raise SpecError(f"{prefix}.{name}", f"must be true, false or unset, got {getattr(self, name)!r}")
+        if self.overlong is not None:
+            if not isinstance(self.overlong, OverlongSpec):
+                raise SpecError(f"{prefix}.overlong", "must be a mapping {buffer_tokens, penalty}")
+            self.overlong.validate(f"{prefix}.overlong")
+
+    def _validate_clip(self, prefix: str) -> None:
+        for name in ("clip_eps", "clip_eps_high"):
+            if getattr(self, name) is not None:  # the ratio's lower clip 1 - eps stays >= 0
+                _real_in(getattr(self, name), f"{prefix}.{name}", 0.0, 1.0)
+        if self.clip_high < self.clip_low:
+            raise SpecError(f"{prefix}.clip_eps_high", f"must be >= clip_eps ({self.clip_low:g}): clip-higher widens "
+                                                       f"the upper clip, got {self.clip_high:g}")
+
+    def _default(self, index: int):
+        from marlaas_hpc.tasks.registry import OBJECTIVE_DEFAULTS
+
+        return OBJECTIVE_DEFAULTS[self.loss][index]
+
+    @property
+    def clip_low(self) -> float:
+        """epsilon of the ratio's lower clip 1 - epsilon."""
+        return self._default(0) if self.clip_eps is None else self.clip_eps
+
+    @property
+    def clip_high(self) -> float:
+        """epsilon of the ratio's upper clip 1 + epsilon: the objective's pair applies only as a pair."""
+        if self.clip_eps_high is not None:
+            return self.clip_eps_high
+        return self._default(1) if self.clip_eps is None else self.clip_eps
+
+    @property
+    def std_normalized(self) -> bool:
+        """Whether group-relative advantages are divided by the group's std."""
+        return self._default(2) if self.normalize_adv_std is None else self.normalize_adv_std
+
+    @property
+    def filters_groups(self) -> bool:
+        """Whether dynamic sampling drops groups with equal rewards."""
+        return self._default(3) if self.dynamic_sampling is None else self.dynamic_sampling
 
 
 @dataclass(kw_only=True)
@@ -182,7 +294,7 @@ class TaskSpec:
     lora: LoraSpec = field(default_factory=LoraSpec)
     """This task's adapter shape."""
     algo: AlgoSpec = field(default_factory=AlgoSpec)
-    """GRPO hyper-parameters."""
+    """The RL objective and its hyper-parameters."""
     total_steps: int = 20
     """Optimizer steps to run; the task is done at policy version == total_steps."""
     max_staleness: int = 1
@@ -216,6 +328,21 @@ class TaskSpec:
         self.prompt.validate()
         self.lora.validate()
         self.algo.validate()
+        self._validate_overlong()
+
+    def _validate_overlong(self) -> None:
+        """The overlong buffer must fit under the length limit it punishes near (OverlongSpec)."""
+        from marlaas_hpc.tasks.registry import ENV_TASK_KINDS
+
+        overlong = self.algo.overlong
+        if overlong is None:
+            return
+        multi_turn = self.dataset.kind in ENV_TASK_KINDS
+        limit = self.algo.max_episode_tokens if multi_turn else self.algo.max_new_tokens
+        if overlong.buffer_tokens > limit:
+            name = "max_episode_tokens" if multi_turn else "max_new_tokens"
+            raise SpecError("algo.overlong.buffer_tokens", f"{overlong.buffer_tokens} exceeds the length limit it "
+                                                           f"ramps up to (algo.{name} = {limit})")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TaskSpec":

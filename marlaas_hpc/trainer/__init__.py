@@ -1,6 +1,7 @@
-"""Trainer ranks: GRPO on many LoRA adapters over one frozen megatron-core base (docs/architecture.md §10).
+"""Trainer ranks: many LoRA adapters, each on its own RL objective, over one frozen megatron-core base
+(docs/architecture.md §10).
 
-    grpo.py        advantages and the clipped token-level loss (pure tensors)
+    objectives.py  each task's objective (grpo, dr_grpo, dapo, gspo) as a pure function, in a registry
     cpu_shims.py   the four CUDA-only megatron-core call sites redirected on CPU (no-op with CUDA)
     model.py       process groups + GPTModel (local spec) loaded from an HF Qwen3 checkpoint via mbridge, its
                    forward to the final hidden states, train mode for a step

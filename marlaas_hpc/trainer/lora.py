@@ -190,19 +190,21 @@ class LoraSite:
     # -- layout -------------------------------------------------------------------------------------------
     def part_ids(self, full: bool) -> torch.Tensor:
         """Part index (into self.parts) of each B row, for this rank's shard or the TP-gathered B."""
+        return torch.tensor(self.part_of_rows(full), dtype=torch.long)
+
+    def part_of_rows(self, full: bool) -> list[int]:
+        """`part_ids` as a host list: B's rows of one part are then selected without reading a device mask."""
         if self.site == "qkv":
             cfg = self.module.config
             head_dim = cfg.kv_channels
             groups = cfg.num_query_groups
             q_rows = head_dim * cfg.num_attention_heads // groups
-            per_group = torch.tensor([0] * q_rows + [1] * head_dim + [2] * head_dim)
             n_groups = groups if full else groups // self.tp_size
-            return per_group.repeat(n_groups)
+            return ([0] * q_rows + [1] * head_dim + [2] * head_dim) * n_groups
         if self.site == "fc1":
             half = self.out_local // 2
-            per_shard = torch.tensor([0] * half + [1] * half)
-            return per_shard.repeat(self.tp_size if full else 1)
-        return torch.zeros(self.out_full if full else self.out_local, dtype=torch.long)
+            return ([0] * half + [1] * half) * (self.tp_size if full else 1)
+        return [0] * (self.out_full if full else self.out_local)
 
     # -- adapters -----------------------------------------------------------------------------------------
     def add(self, name: str, spec: LoraSpec, seed: int) -> LoraAdapter | None:
@@ -303,12 +305,16 @@ class LoraSite:
         b = value(adapter.lora_B)
         a_full = a.detach().clone() if self.column else self._gather(a, dim=1)
         b_full = self._gather(b, dim=0) if self.column else b.detach().clone()
-        part_ids = self.part_ids(full=True).to(b_full.device)
+        part_of_rows = self.part_of_rows(full=True)
+        a_host, b_host = a_full.cpu(), b_full.cpu()
         out = {}
         for index, part in enumerate(self.parts):
             if part in spec.target_modules:
-                out[peft_key(self.layer, part, "A")] = a_full.cpu().clone()  # own storage per part
-                out[peft_key(self.layer, part, "B")] = b_full[part_ids == index].cpu().contiguous()
+                out[peft_key(self.layer, part, "A")] = a_host.clone()  # own storage per part
+                # rows picked by host indices: a boolean mask of device values has a data-dependent size (a
+                # device-to-host sync per part on GPU; no size at all on the GPU dry run's fake tensors)
+                rows = torch.tensor([row for row, of in enumerate(part_of_rows) if of == index])
+                out[peft_key(self.layer, part, "B")] = b_host.index_select(0, rows)
         return out
 
     @torch.no_grad()

@@ -67,7 +67,10 @@ def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = 
         if have != tensor_parallel:
             raise ValueError(f"megatron parallel state already initialised with TP={have}")
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        # megatron's extra gloo groups serve its distributed optimizer and checkpointing, which the trainer does
+        # not use: on GPU they were TCP meshes for nothing, and a fake process group (the GPU dry run) has no gloo
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                                 create_gloo_process_groups=False)
     tracker = mcore_tp.get_cuda_rng_tracker()
     if "model-parallel-rng" not in tracker.get_states():
         mcore_tp.model_parallel_cuda_manual_seed(seed)
@@ -152,7 +155,8 @@ def check_tensor_parallel(hf_config, tensor_parallel: int) -> None:
 
 
 def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, recompute: bool = False) -> LoadedModel:
+                    dtype: torch.dtype = torch.float32, recompute: bool = False,
+                    load_weights: bool = True) -> LoadedModel:
     """Builds the GPTModel for this rank's TP shard on `device` and loads the HF checkpoint into it (frozen).
 
     Tied input/output embeddings (Qwen3-0.6B..4B) share one megatron weight, mapped from
@@ -161,7 +165,8 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     Parameters are allocated on `device` before any weight is loaded, because mbridge scatters each weight
     from TP rank 0 over the TP group (NCCL on GPU cannot scatter CPU tensors). `dtype`: base weights
     (bfloat16 on GPU, float32 for exact CPU tests). `recompute`: full activation recompute of every layer (in
-    train mode only: `training_mode`).
+    train mode only: `training_mode`). `load_weights=False` leaves the parameters as allocated (uninitialised):
+    the GPU dry run (marlaas_hpc/plan) builds the model from config.json alone.
     Needs `init_distributed` first (all TP ranks call this together).
     """
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -193,11 +198,15 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     args = {**bridge._get_gptmodel_args(), "vocab_size": padded}
     if device.type == "cuda":  # megatron allocates non-CPU-initialised parameters on the current device
         torch.cuda.set_device(device)
-    model = GPTModel(config=bridge.config, transformer_layer_spec=local_layer_spec(),
-                     share_embeddings_and_output_weights=tied, pre_process=True, post_process=True, **args)
-    model.to(device)  # buffers (rotary inv_freq) follow the parameters
-    with torch.no_grad():
-        bridge.load_weights([model], str(model_path))
+    with torch.device(device):  # the local spec's norms take no device argument: built on `device` at once
+        model = GPTModel(config=bridge.config, transformer_layer_spec=local_layer_spec(),
+                         share_embeddings_and_output_weights=tied, pre_process=True, post_process=True, **args)
+    if any(tensor.device != device for tensor in (*model.parameters(), *model.buffers())):
+        # `to` re-wraps every fake-tensor parameter, which torch refuses: called only when something is elsewhere
+        model.to(device)
+    if load_weights:
+        with torch.no_grad():
+            bridge.load_weights([model], str(model_path))
     for param in model.parameters():
         param.requires_grad_(False)
     model.eval()  # the trainer's default; training_mode around a forward and its backward

@@ -51,6 +51,10 @@ class PackedBatch:
     """(task, first token, end) of each task's trained tokens: contiguous, in the rows' task order."""
     item_spans: list[tuple[int, int]] = field(default_factory=list)
     """(first token, count) of each item's completion in the trained tokens."""
+    sequence: torch.Tensor | None = None
+    """Per trained token: the index of its item (sequence-level objectives group tokens by it)."""
+    versions: torch.Tensor | None = None
+    """Per trained token: its behaviour version (TIS looks up the trainer's logprobs at it)."""
 
     def to(self, device) -> "PackedBatch":
         moved = {name: value.to(device) if isinstance(value, torch.Tensor) else value
@@ -143,6 +147,7 @@ def _tensors(items, rows: list[_Row], placed: dict[int, tuple[int, int]], width:
         prompt_of[r, :n] = torch.tensor(row.prompt_of, dtype=torch.long)
         own[r, :n] = torch.tensor(row.own, dtype=torch.long)
     token_row, token_source, targets, mask, behaviour, advantages = [], [], [], [], [], []
+    sequence, versions = [], []
     item_spans: list[tuple[int, int]] = [(0, 0)] * len(items)
     task_spans: list[tuple[str | None, int, int]] = []
     for i, (task, traj) in enumerate(items):
@@ -160,6 +165,8 @@ def _tensors(items, rows: list[_Row], placed: dict[int, tuple[int, int]], width:
         mask += traj.mask()
         behaviour += traj.behaviour_logprobs
         advantages += [float(traj.advantage)] * n
+        sequence += [i] * n
+        versions += [traj.behaviour_version] * n
         task_spans[-1] = (task, task_spans[-1][1], len(targets))
     return PackedBatch(
         ids=ids, positions=positions, prompt_of=prompt_of, own=own, tasks=[r.task for r in rows],
@@ -167,5 +174,6 @@ def _tensors(items, rows: list[_Row], placed: dict[int, tuple[int, int]], width:
         targets=torch.tensor(targets, dtype=torch.long), mask=torch.tensor(mask, dtype=torch.float32),
         behaviour=torch.tensor(behaviour, dtype=torch.float32),
         advantages=torch.tensor(advantages, dtype=torch.float32),
-        task_spans=task_spans, item_spans=item_spans)
+        task_spans=task_spans, item_spans=item_spans, sequence=torch.tensor(sequence, dtype=torch.long),
+        versions=torch.tensor(versions, dtype=torch.long))
 

@@ -1,27 +1,29 @@
-"""MultiLoraTrainer: many tasks' LoRA adapters trained with GRPO on one frozen megatron-core base
-(docs/architecture.md §10).
+"""MultiLoraTrainer: many tasks' LoRA adapters, each trained with its own objective (GRPO, Dr. GRPO, DAPO, GSPO:
+trainer/objectives.py) on one frozen megatron-core base (docs/architecture.md §10).
 
 Every rank of the trainer's world (TP x DP) constructs the trainer and calls the same methods with the same
 arguments (the methods are collective over the TP group; a training step also over the DP group: each DP replica
 back-propagates its share of the rows and the LoRA gradients are summed over the replicas, `_all_reduce_dp`). Each task owns its adapter (one per `MultiLora` site), its own
 `torch.optim.AdamW` over this rank's shards of it, and its version (= optimizer steps applied). A training step
-may fuse several tasks' batches: the base forward is shared, rows pick their task's adapter.
+may fuse several tasks' batches: the base forward is shared, rows pick their task's adapter, and each task's loss
+is its own objective over its own batch.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from marlaas_hpc.config_loader import load_config
 from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec, SpecError
 from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
-from marlaas_hpc.trainer.grpo import grpo_loss
+from marlaas_hpc.trainer.objectives import OBJECTIVES, Objective, Tokens
 from marlaas_hpc.trainer.lora import MultiLora
 from marlaas_hpc.trainer.attention import (ATTENTION_KINDS, RowAttention, causal_segments, min_row_tokens,
                                            resolve_attention)
@@ -57,6 +59,9 @@ class TrainerConfig:
     recompute: bool = False
     """Activation recompute (megatron 'full', one layer per unit): activations of a layer are recomputed in
     backward instead of stored, trading ~1/3 more compute for memory on long sequences."""
+    load_weights: bool = True
+    """False: the base parameters are allocated but not loaded (only config.json is read). For the GPU dry run
+    (marlaas_hpc/plan/dry_run.py), which counts memory on fake tensors and has no weights to load."""
     attention: str = "auto"
     """Attention kernel of packed rows (trainer/attention.py): 'flex' (FlexAttention with a block mask: no score
     matrix; trains on CUDA only, torch 2.13 has no FlexAttention backward on CPU), 'dense' (megatron's unfused
@@ -79,8 +84,9 @@ class TrainerConfig:
             raise SpecError("device", f"{self.device} requested but no CUDA device is available")
         if self.dtype not in ("auto", *DTYPES):
             raise SpecError("dtype", f"must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if not isinstance(self.recompute, bool):
-            raise SpecError("recompute", f"must be true or false, got {self.recompute!r}")
+        for name in ("recompute", "load_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.attention not in ATTENTION_KINDS:
             raise SpecError("attention", f"must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
         return self
@@ -105,6 +111,72 @@ class _Task:
     algo: AlgoSpec
     optimizer: torch.optim.Optimizer
     version: int = 0
+    bound: int = 0
+    """The task's staleness bound k: a step from v trains samples of versions v - k .. v."""
+    snapshots: list[int] = field(default_factory=list)
+    """TIS: the older versions whose adapters this rank keeps (`_keep_snapshot`), oldest first."""
+
+
+def _snapshot_name(task_id: str, version: int) -> str:
+    return f"{task_id}@v{version}"  # '@' is not in any task id (tasks/spec.py safe names)
+
+
+@dataclass
+class _StepCounts:
+    """Per task of a fused step: its trained tokens, and its objective's units (trained tokens, or sequences with
+    trained tokens: `Objective.unit`) over the whole batch and over the rows that run. A micro-batch's loss weighs
+    its share of its task's units, its statistics their share of the units that run."""
+
+    objectives: dict[str, Objective]
+    tokens: dict[str, int]
+    units: dict[str, int]
+    ran_units: dict[str, int]
+    ran_tokens: dict[str, int]
+    ran_rows: dict[str, int]
+
+    @classmethod
+    def of(cls, batches: dict[str, Sequence[Trajectory]], items: list[tuple[str, Trajectory]],
+           objectives: dict[str, Objective]) -> "_StepCounts":
+        counts = cls(objectives, *({t: 0 for t in batches} for _ in range(5)))
+        for task_id, trajs in batches.items():
+            for traj in trajs:
+                trained = sum(traj.mask())
+                counts.tokens[task_id] += trained
+                counts.units[task_id] += objectives[task_id].units(trained)
+        for task_id, traj in items:
+            trained = sum(traj.mask())
+            counts.ran_tokens[task_id] += trained
+            counts.ran_units[task_id] += objectives[task_id].units(trained)
+            counts.ran_rows[task_id] += 1
+        return counts
+
+    def units_of(self, chunk: list[tuple[str, Trajectory]]) -> dict[str, int]:
+        """Each task's units in a micro-batch."""
+        units: dict[str, int] = {}
+        for task_id, traj in chunk:
+            units[task_id] = units.get(task_id, 0) + self.objectives[task_id].units(sum(traj.mask()))
+        return units
+
+
+@dataclass
+class _MicroBatchInputs:
+    """What a micro-batch's losses take besides the step's forward."""
+
+    base: dict[float, torch.Tensor]
+    """KL: the base model's logprobs of the trained tokens, per temperature."""
+    lagged: dict[int, torch.Tensor]
+    """TIS: the trainer's logprobs of the trained tokens `lag` versions back (`_lagged_logprobs`)."""
+    items: dict[str, tuple[int, int]]
+    """Each task's items (first, end) in the micro-batch."""
+    units: dict[str, int]
+    """Each task's units in the micro-batch."""
+
+
+def _item_ranges(chunk: list[tuple[str, Trajectory]]) -> dict[str, tuple[int, int]]:
+    ranges: dict[str, tuple[int, int]] = {}
+    for index, (task_id, _) in enumerate(chunk):  # a task's items are contiguous (packing keeps them so)
+        ranges[task_id] = (ranges.get(task_id, (index, index))[0], index + 1)
+    return ranges
 
 
 def _scale(temperature: float) -> float:
@@ -112,7 +184,7 @@ def _scale(temperature: float) -> float:
 
 
 class MultiLoraTrainer:
-    """GRPO trainer of many LoRA tasks over one frozen megatron-core GPTModel (tensor parallel)."""
+    """RL trainer of many LoRA tasks, each on its own objective, over one frozen megatron-core GPTModel (TP x DP)."""
 
     def __init__(self, config: TrainerConfig, store=None):
         """`store`: the trainer group's rendezvous (a TCPStore; RANK / WORLD_SIZE in the environment), else
@@ -126,7 +198,7 @@ class MultiLoraTrainer:
             torch.cuda.set_device(self.device)
         init_distributed(config.tensor_parallel, seed=config.seed, data_parallel=config.data_parallel, store=store)
         loaded = build_gpt_model(config.model_path, device=self.device, dtype=config.torch_dtype(self.device),
-                                 recompute=config.recompute)
+                                 recompute=config.recompute, load_weights=config.load_weights)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -143,17 +215,19 @@ class MultiLoraTrainer:
         self.tasks: dict[str, _Task] = {}
 
     # -- tasks --------------------------------------------------------------------------------------------
-    def add_task(self, task_id: str, lora: LoraSpec, algo: AlgoSpec) -> None:
-        """Creates the task's adapter (B = 0: starts as the base model) and its AdamW (lr from algo)."""
+    def add_task(self, task_id: str, lora: LoraSpec, algo: AlgoSpec, max_staleness: int = 0) -> None:
+        """Creates the task's adapter (B = 0: starts as the base model) and its AdamW (lr from algo).
+        `max_staleness` (the spec's k) says how many older adapter versions TIS keeps (`algo.tis_cap`)."""
         if task_id in self.tasks:
             raise KeyError(f"task {task_id!r} already exists")
         lora.validate()
         algo.validate()
         params = self.lora.add_adapter(task_id, lora, seed=self.config.seed)
-        self.tasks[task_id] = _Task(lora=lora, algo=algo, optimizer=self._make_optimizer(params, algo))
+        self.tasks[task_id] = _Task(lora=lora, algo=algo, optimizer=self._make_optimizer(params, algo),
+                                    bound=max_staleness)
 
     def remove_task(self, task_id: str) -> None:
-        self._task(task_id)
+        self._drop_snapshots(self._task(task_id), task_id)
         self.lora.remove_adapter(task_id)
         del self.tasks[task_id]
 
@@ -261,15 +335,17 @@ class MultiLoraTrainer:
 
     # -- training -----------------------------------------------------------------------------------------
     def train_step(self, task_id: str, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        """One GRPO optimizer step of one task; returns its metrics (loss, clip_frac, ..., version)."""
+        """One optimizer step of one task on its objective; returns its metrics (loss, clip_frac, ..., version)."""
         return self.train_steps({task_id: trajectories})[task_id]
 
     def train_steps(self, batches: dict[str, Sequence[Trajectory]]) -> dict[str, dict[str, float]]:
         """One optimizer step for each task in `batches`, sharing the base forward of the fused batch.
 
-        Each task's loss is its token mean over its whole batch, whatever the micro-batching: a micro-batch's
-        token-mean loss is weighted by its share of the task's trained tokens before backward. Rows that add
-        nothing to the loss are not run (`_contributes`); every task of the batch still takes its optimizer step.
+        Each task's loss is its own objective (trainer/objectives.py) over its whole batch, whatever the
+        micro-batching and the other tasks of the step: a micro-batch's loss, normalised over its own units (its
+        trained tokens, or its sequences), is weighted by its share of the task's units before backward
+        (`_StepCounts`). Rows that add nothing to the loss are not run (`_contributes`); every task of the batch
+        still takes its optimizer step.
         """
         if self.attention.kind == "flex" and self.device.type != "cuda":
             raise RuntimeError("attention 'flex' trains on CUDA only: torch has no FlexAttention backward on CPU "
@@ -279,25 +355,21 @@ class MultiLoraTrainer:
             for traj in trajs:
                 if traj.task_id != task_id:
                     raise ValueError(f"trajectory of task {traj.task_id!r} in the batch of {task_id!r}")
-        totals = {t: sum(sum(traj.mask()) for traj in trajs) for t, trajs in batches.items()}
         items = [(task_id, traj) for task_id, trajs in batches.items() for traj in trajs
                  if self._contributes(task_id, traj)]
-        computed = {t: 0 for t in batches}  # trained tokens of the rows that run: the statistics average over them
-        ran = {t: 0 for t in batches}
-        for task_id, traj in items:
-            computed[task_id] += sum(traj.mask())
-            ran[task_id] += 1
+        counts = _StepCounts.of(batches, items, {t: OBJECTIVES[self.tasks[t].algo.loss] for t in batches})
         stats: dict[str, dict[str, float]] = {t: {} for t in batches}
         for task_id in batches:
             self.tasks[task_id].optimizer.zero_grad(set_to_none=True)
         mine = items[self.dp_rank::self.dp_size]  # this DP replica's rows (still grouped by task)
         for indices in self._micro_batches(mine, [self._length(traj) for _, traj in mine]):
-            self._accumulate_gradients([mine[i] for i in indices], totals, computed, stats)
+            self._accumulate_gradients([mine[i] for i in indices], counts, stats)
+        totals = counts.tokens
         self._zero_missing_grads(list(batches), totals)
         if self.dp_size > 1:
             self._all_reduce_dp(list(batches), totals, stats)
         return {task_id: self._optimizer_step(task_id, trajs, totals[task_id], stats[task_id],
-                                              skipped=len(trajs) - ran[task_id])
+                                              skipped=len(trajs) - counts.ran_rows[task_id])
                 for task_id, trajs in batches.items()}
 
     def _contributes(self, task_id: str, traj: Trajectory) -> bool:
@@ -329,49 +401,117 @@ class MultiLoraTrainer:
             hidden = self._trained_hidden(batch, argument)
             return {temp: self._token_logprobs(hidden, batch.targets, temp) for temp in temperatures}
 
-    def _accumulate_gradients(self, chunk: list[tuple[str, Trajectory]], totals: dict[str, int],
-                              computed: dict[str, int], stats: dict[str, dict[str, float]]) -> None:
+    def _accumulate_gradients(self, chunk: list[tuple[str, Trajectory]], counts: "_StepCounts",
+                              stats: dict[str, dict[str, float]]) -> None:
         """Forward and backward of one micro-batch, in train mode (megatron recomputes activations only then).
         The rows' adapters and the attention mask stay in place through backward: activation recompute re-runs
         each layer's forward (its LoRA hooks and attention) inside backward."""
         batch = self._pack(chunk)
         mask = self.attention.mask(batch.prompt_of, batch.own)
-        base_logp = self._base_logprobs(batch, mask)
+        extra = _MicroBatchInputs(base=self._base_logprobs(batch, mask), lagged=self._lagged_logprobs(batch, chunk, mask),
+                                  items=_item_ranges(chunk), units=counts.units_of(chunk))
         with training_mode(self.model), self.lora.ctx.use(batch.tasks), self.attention.use(mask) as argument:
-            total_loss = self._micro_batch_loss(batch, argument, base_logp, totals, computed, stats)
+            total_loss = self._micro_batch_loss(batch, argument, extra, counts, stats)
             if total_loss is not None:
                 total_loss.backward()
 
-    def _micro_batch_loss(self, batch: PackedBatch, attention_mask: torch.Tensor | None,
-                          base_logp: dict[float, torch.Tensor], totals: dict[str, int], computed: dict[str, int],
-                          stats: dict[str, dict[str, float]]) -> torch.Tensor | None:
-        """Sum over the micro-batch's tasks of (task loss x its share of the task's trained tokens); the statistics
-        are weighted by the micro-batch's share of the tokens that run (`computed`)."""
+    def _micro_batch_loss(self, batch: PackedBatch, attention_mask: torch.Tensor | None, extra: "_MicroBatchInputs",
+                          counts: "_StepCounts", stats: dict[str, dict[str, float]]) -> torch.Tensor | None:
+        """Sum over the micro-batch's tasks of (task loss x its share of the task's units); the statistics are
+        weighted by the micro-batch's share of the units that run (`counts.ran_units`)."""
         hidden = self._trained_hidden(batch, attention_mask)
         total_loss = None
         for task_id, first, end in batch.task_spans:
-            algo = self.tasks[task_id].algo
-            tokens = slice(first, end)  # this task's trained tokens
-            mask, behaviour = batch.mask[tokens], batch.behaviour[tokens]
-            n_tokens = float(mask.sum())
-            if n_tokens == 0:
+            units = extra.units[task_id]
+            if units == 0:  # no trained token of this task here
                 continue
-            logp = self._token_logprobs(hidden[tokens], batch.targets[tokens], algo.temperature)
-            base = base_logp[algo.temperature][tokens] if algo.kl_beta > 0 else None
-            loss, mb_stats = grpo_loss(logp, behaviour, batch.advantages[tokens], mask,
-                                       clip_eps=algo.clip_eps, kl_beta=algo.kl_beta, base_logp=base)
-            weight = n_tokens / totals[task_id]
+            algo = self.tasks[task_id].algo
+            tokens = self._task_tokens(task_id, batch, slice(first, end), hidden, extra)
+            loss, mb_stats = OBJECTIVES[algo.loss].loss(tokens, algo)
+            weight = units / counts.units[task_id]
             total_loss = loss * weight if total_loss is None else total_loss + loss * weight
-            acc, share = stats[task_id], n_tokens / computed[task_id]
+            acc, share = stats[task_id], units / counts.ran_units[task_id]
             for key, value in mb_stats.items():
-                if key == "loss":  # a mean over every trained token (skipped rows add 0)
+                if key == "loss":  # the objective over the whole batch (skipped rows add 0)
                     acc[key] = acc.get(key, 0.0) + value * weight
                 elif key != "tokens":
                     acc[key] = acc.get(key, 0.0) + value * share
             with torch.no_grad():  # distance to the behaviour policy: ~0 on-policy at equal version
-                diff = float(((logp - behaviour).abs() * mask).sum()) / computed[task_id]
+                diff = float(((tokens.logp - tokens.behaviour).abs() * tokens.mask).sum()) / counts.ran_tokens[task_id]
             acc["logp_diff_abs"] = acc.get("logp_diff_abs", 0.0) + diff
         return total_loss
+
+    def _task_tokens(self, task_id: str, batch: PackedBatch, span: slice, hidden: torch.Tensor,
+                     extra: "_MicroBatchInputs") -> Tokens:
+        """One task's trained tokens of the micro-batch, as its objective takes them."""
+        task = self.tasks[task_id]
+        algo = task.algo
+        logp = self._token_logprobs(hidden[span], batch.targets[span], algo.temperature)
+        first_item, end_item = extra.items[task_id]
+        old = None
+        if algo.tis_cap is not None:  # the trainer's logprobs at each token's behaviour version
+            old = logp.detach()
+            for lag, lagged in extra.lagged.items():
+                old = torch.where(batch.versions[span] == task.version - lag, lagged[span], old)
+        return Tokens(logp=logp, behaviour=batch.behaviour[span], advantages=batch.advantages[span],
+                      mask=batch.mask[span], sequence=batch.sequence[span] - first_item,
+                      n_sequences=end_item - first_item, old=old,
+                      base=extra.base[algo.temperature][span] if algo.kl_beta > 0 else None)
+
+    @torch.no_grad()
+    def _lagged_logprobs(self, batch: PackedBatch, chunk: list[tuple[str, Trajectory]], mask) -> dict[int, torch.Tensor]:
+        """TIS: the trainer's logprobs of the trained tokens `lag` versions before their task's train version, for
+        each lag > 0 that a TIS task's sample in the micro-batch has: one forward per lag (no gradient), each row
+        on its task's kept adapter of that version (`_keep_snapshot`). Lag 0 is the step's own forward."""
+        lags = set()
+        for task_id, traj in chunk:
+            task = self.tasks[task_id]
+            lag = task.version - traj.behaviour_version
+            if task.algo.tis_cap is not None and lag > 0:
+                if traj.behaviour_version not in task.snapshots:
+                    raise RuntimeError(f"{task_id}: TIS needs the adapter of v{traj.behaviour_version} for "
+                                       f"{traj.group_id}, kept: {task.snapshots} (staleness bound {task.bound})")
+                lags.add(lag)
+        out = {}
+        for lag in sorted(lags):
+            rows = [self._snapshot_at(task_id, lag) for task_id in batch.tasks]
+            with self.lora.ctx.use(rows), self.attention.use(mask) as argument:
+                hidden = self._trained_hidden(batch, argument)
+                logp = torch.zeros_like(batch.behaviour)
+                for task_id, first, end in batch.task_spans:
+                    if self._snapshot_at(task_id, lag) is not None:
+                        logp[first:end] = self._token_logprobs(hidden[first:end], batch.targets[first:end],
+                                                               self.tasks[task_id].algo.temperature)
+            out[lag] = logp
+        return out
+
+    def _snapshot_at(self, task_id: str, lag: int) -> str | None:
+        """The kept adapter of the task's version `lag` steps back (None: none kept)."""
+        task = self.tasks[task_id]
+        version = task.version - lag
+        return _snapshot_name(task_id, version) if version in task.snapshots else None
+
+    def _keep_snapshot(self, task_id: str, task: _Task) -> None:
+        """TIS, before the step from v: keeps this rank's shards of the adapter at v (a few MB: an adapter, no
+        optimizer state) under its own name, and drops those no later step may need (older than v + 1 - k)."""
+        if task.algo.tis_cap is None or task.bound == 0:
+            return
+        self._add_snapshot(task_id, task, task.version, self.lora.local_state_dict(task_id))
+        while task.snapshots and task.snapshots[0] < task.version + 1 - task.bound:
+            self.lora.remove_adapter(_snapshot_name(task_id, task.snapshots.pop(0)))
+
+    def _add_snapshot(self, task_id: str, task: _Task, version: int, shards: dict[str, torch.Tensor]) -> None:
+        name = _snapshot_name(task_id, version)
+        self.lora.add_adapter(name, task.lora, seed=self.config.seed)
+        self.lora.load_local_state_dict(name, shards)
+        for param in self.lora.parameters(name):
+            param.requires_grad_(False)
+        task.snapshots.append(version)
+
+    def _drop_snapshots(self, task: _Task, task_id: str) -> None:
+        for version in task.snapshots:
+            self.lora.remove_adapter(_snapshot_name(task_id, version))
+        task.snapshots.clear()
 
     def _all_reduce_dp(self, task_ids: list[str], totals: dict[str, int], stats: dict[str, dict[str, float]]) -> None:
         """Sums the DP replicas' LoRA gradients and loss statistics. Every replica weighted its rows' losses by the
@@ -400,6 +540,7 @@ class MultiLoraTrainer:
             for param in self.lora.parameters(task_id):
                 if param.grad is not None:
                     param.grad.mul_(coef)
+        self._keep_snapshot(task_id, task)
         task.optimizer.step()
         task.version += 1
         metrics = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "logp_diff_abs": 0.0, **stats}
@@ -441,17 +582,21 @@ class MultiLoraTrainer:
                              f"(r={task.lora.rank}, alpha={task.lora.alpha}, "
                              f"targets={sorted(task.lora.target_modules)})")
         self.lora.load_hf_state_dict(task_id, tensors)  # CPU tensors; copied onto the params' device
+        self._drop_snapshots(task, task_id)
         task.optimizer = self._make_optimizer(self.lora.parameters(task_id), task.algo)
         if version is not None:
             task.version = int(version)
 
     # -- resume -------------------------------------------------------------------------------------------
     def state_dict(self, task_id: str) -> dict[str, Any]:
-        """This rank's resumable state of a task: adapter shards, optimizer state, version, specs."""
+        """This rank's resumable state of a task: adapter shards, optimizer state, version, specs, and the older
+        adapter versions TIS keeps (a task that moves to another trainer group still trains samples of them)."""
         task = self._task(task_id)
         return {"lora": dataclasses.asdict(task.lora), "algo": dataclasses.asdict(task.algo),
                 "adapter": self.lora.local_state_dict(task_id), "optimizer": copy.deepcopy(task.optimizer.state_dict()),  # the live dict aliases Adam moments
-                "version": task.version, "tensor_parallel": self.tp_size, "tp_rank": self.tp_rank}
+                "version": task.version, "tensor_parallel": self.tp_size, "tp_rank": self.tp_rank,
+                "bound": task.bound,
+                "snapshots": {v: self.lora.local_state_dict(_snapshot_name(task_id, v)) for v in task.snapshots}}
 
     def load_state_dict(self, task_id: str, state: dict[str, Any]) -> None:
         """Restores a task saved by `state_dict` on the same TP rank of a trainer with the same TP size."""
@@ -460,12 +605,14 @@ class MultiLoraTrainer:
                              f"this is rank {self.tp_rank}/{self.tp_size}; use export/load_adapter to reshard")
         lora = dict(state["lora"])
         lora["target_modules"] = tuple(lora["target_modules"])
-        spec, algo = LoraSpec(**lora), AlgoSpec(**state["algo"])
+        spec, algo = LoraSpec(**lora), load_config(AlgoSpec, state["algo"], "algo")
         if task_id in self.tasks:
             self.remove_task(task_id)
-        self.add_task(task_id, spec, algo)
+        self.add_task(task_id, spec, algo, max_staleness=state.get("bound", 0))
         task = self.tasks[task_id]
         self.lora.load_local_state_dict(task_id, state["adapter"])
+        for version, shards in sorted(state.get("snapshots", {}).items()):
+            self._add_snapshot(task_id, task, version, shards)
         task.optimizer.load_state_dict(state["optimizer"])
         task.version = int(state["version"])
 

@@ -1,0 +1,349 @@
+"""`marlaas plan CONFIG`: will each GPU rank of the job fit its GPU? Per rank kind (a trainer rank of a TP group, a
+rollout rank), the device memory estimate.py gives from the model's config.json (no weights), against
+`layout.<component>.gpu_memory_gib`. Exits 1 naming the field to change when a rank would not fit; `marlaas run`
+and `marlaas submit` run the same check (`check_fits`) before any rank starts.
+
+    marlaas plan configs/qwen3-0.6b-gsm8k.yaml --model random:qwen3-0.6b [--row-tokens 2048] [--dry-run]
+
+`--model` points at any directory holding a config.json, or names a shape of model/random_qwen3.py
+(`random:qwen3-0.6b`, `random:qwen3-8b`): the shipped config's `model:` is a placeholder path. `--dry-run` also
+runs the GPU dry run (dry_run.py) of one trainer rank and prints what it measured next to the estimate.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from marlaas_hpc.config_loader import SpecError
+from marlaas_hpc.plan.estimate import (DTYPE_BYTES, GIB, ModelDims, RolloutInputs, TrainerInputs, TrainerMemory,
+                                       logits_chunk_tokens, rollout_memory, trainer_memory)
+
+CUDA_CONTEXT_BYTES = GIB
+"""Per GPU process, outside what PyTorch allocates: the CUDA context, cuBLAS workspaces, NCCL's buffers (an
+estimate: about 0.5-1 GiB on an H100)."""
+DEFAULT_PROMPT_TOKENS = 32
+"""The prompt of each planned row: short, so nearly every token of the micro-batch is trained (the most logits)."""
+VLLM_MAX_NUM_SEQS = 256
+"""vLLM's max_num_seqs when vllm.max_num_seqs is unset."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlan:
+    """One kind of GPU rank: its memory lines, and what to change when they exceed its GPU."""
+
+    kind: str
+    """'trainer' or 'rollout'."""
+    title: str
+    lines: list[tuple[str, int]]
+    total: int
+    limit: int
+    """Bytes the rank may use: its GPU (less vLLM's share under layout.share_gpus), or vLLM's share of it."""
+    limit_label: str
+    advice: tuple[str, str] | None = None
+    """(field, message) when total > limit."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+
+# ---------------------------------------------------------------------------------------------- model
+def model_dims(job, model: str | None = None) -> tuple[ModelDims, str]:
+    """The model's dims and a name for them, from `model` (a dir with config.json or 'random:<shape>') or the
+    config's `model:`, without building or reading any weights. SpecError naming `model` if there is none."""
+    from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, SHAPES
+
+    name = model or job.model
+    if name.startswith(RANDOM_PREFIX):
+        shape_name = name[len(RANDOM_PREFIX):]
+        if shape_name not in SHAPES:
+            raise SpecError("model", f"unknown shape {name!r}; known: {[RANDOM_PREFIX + s for s in SHAPES]}")
+        shape = SHAPES[shape_name]
+        return ModelDims(hidden_size=shape.hidden_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
+                         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                         intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size, tied=shape.tied,
+                         max_position_embeddings=shape.max_position_embeddings), name
+    directory = model_config_dir(name)
+    return ModelDims.read(directory), name
+
+
+def model_config_dir(name: str) -> Path:
+    """A directory holding the model's config.json: the tiny model's shipped one, a random shape's (written once
+    into the cache), or the named checkpoint dir."""
+    from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, write_config
+
+    if name == "tiny":
+        return Path(__file__).resolve().parents[1] / "tiny_weights"
+    if name.startswith(RANDOM_PREFIX):
+        return write_config(name[len(RANDOM_PREFIX):])
+    if not Path(name, "config.json").is_file():
+        raise SpecError("model", f"{name!r} holds no config.json (nor is it 'tiny' or 'random:<shape>'): download "
+                                 "the checkpoint there or fill in its path; `marlaas plan --model DIR` estimates "
+                                 "from any directory holding the model's config.json (no weights), `--model "
+                                 "random:qwen3-0.6b` / `random:qwen3-8b` from a shape")
+    return Path(name)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+def trainer_inputs(job, dims: ModelDims, row_tokens: int | None = None,
+                   prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> TrainerInputs:
+    """A trainer rank of the job on a GPU: the base in bf16 unless trainer.dtype says float32, 'auto' attention
+    is FlexAttention, micro-batches of trainer.micro_batch_tokens in rows of `row_tokens` (default: the longest
+    sequence the rollout can return, vllm.max_model_len, else the model's context)."""
+    width = row_tokens or job.vllm.max_model_len or dims.max_position_embeddings
+    budget = job.trainer.micro_batch_tokens
+    if budget == 0:  # one pass over a whole fused step: its longest batch of every fused task
+        longest = max((task.algo.batch_prompts * task.algo.group_size for task in job.tasks), default=1)
+        budget = job.trainer_slots * longest * width
+    return TrainerInputs(dims=dims, tensor_parallel=job.layout.trainer_tp,
+                         dtype_bytes=4 if job.trainer.dtype == "float32" else 2, micro_batch_tokens=budget,
+                         row_tokens=width, prompt_tokens=min(prompt_tokens, max(0, min(width, budget) - 1)),
+                         lora_rank=job.max_lora_rank, max_adapters=job.max_adapters, fused_tasks=job.trainer_slots,
+                         recompute=job.trainer.recompute,
+                         attention="dense" if job.trainer.attention == "dense" else "flex")
+
+
+def trainer_lines(memory: TrainerMemory) -> list[tuple[str, int]]:
+    inputs = memory.inputs
+    dims, tasks = inputs.dims, inputs.max_adapters
+    dtype = "bfloat16" if inputs.dtype_bytes == 2 else "float32"
+    shard_vocab = dims.padded_vocab(inputs.tensor_parallel) // inputs.tensor_parallel
+    lines = [(f"base weights ({dtype})", memory.base_weights),
+             (f"LoRA weights r{inputs.lora_rank}: {_gib(memory.lora_per_task)} per task x {tasks} (max_adapters)",
+              tasks * memory.lora_per_task),
+             (f"gradients + AdamW moments: {_gib(memory.optimizer_per_task)} per task x {tasks}",
+              tasks * memory.optimizer_per_task),
+             (f"activations: {inputs.tokens} tokens ({inputs.rows} rows x {inputs.width}), {inputs.attention} "
+              f"attention, {'recompute' if inputs.recompute else 'no recompute'}", memory.activations),
+             (f"LM head: {inputs.trained_tokens} trained tokens' hidden states + 2 float32 logit chunks of "
+              f"{logits_chunk_tokens(inputs)} x {shard_vocab} (vocab/TP)", memory.logits)]
+    if memory.score_buffer:
+        lines.append(("megatron's kept attention score buffer (dense)", memory.score_buffer))
+    return lines + [("CUDA context, cuBLAS, NCCL (estimate)", CUDA_CONTEXT_BYTES)]
+
+
+def trainer_total(inputs: TrainerInputs) -> int:
+    return trainer_memory(inputs).total + CUDA_CONTEXT_BYTES
+
+
+def trainer_plan(job, dims: ModelDims, row_tokens: int | None = None,
+                 prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> RankPlan:
+    inputs = trainer_inputs(job, dims, row_tokens, prompt_tokens)
+    memory = trainer_memory(inputs)
+    gpu = int(job.layout.trainer.gpu_memory_gib * GIB)
+    limit, label = gpu, f"{job.layout.trainer.gpu_memory_gib:g} GiB GPU (layout.trainer.gpu_memory_gib)"
+    if job.layout.share_gpus:  # a vLLM engine on the same GPU takes gpu_memory_utilization of it
+        limit = int(gpu * (1 - job.vllm.gpu_memory_utilization))
+        label += f", less vLLM's {job.vllm.gpu_memory_utilization:g} of it (layout.share_gpus)"
+    total = memory.total + CUDA_CONTEXT_BYTES
+    layout = job.layout
+    title = (f"trainer rank x{layout.trainer_ranks} (layout.trainer_tp {layout.trainer_tp}, "
+             f"{layout.trainer_groups} group(s) x {layout.trainer_dp} DP)")
+    advice = None if total <= limit else trainer_advice(job, inputs, total, limit)
+    return RankPlan(kind="trainer", title=title, lines=trainer_lines(memory), total=total, limit=limit,
+                    limit_label=label, advice=advice)
+
+
+def trainer_advice(job, inputs: TrainerInputs, total: int, limit: int) -> tuple[str, str]:
+    """The field to change first, and every change that alone would make the rank fit."""
+    options, first = [], None
+    fitting = largest_micro_batch(inputs, limit)
+    if fitting:
+        first = first or "trainer.micro_batch_tokens"
+        options.append(f"lower trainer.micro_batch_tokens to at most {fitting}")
+    if not inputs.recompute and (alt := trainer_total(replace(inputs, recompute=True))) <= limit:
+        first = first or "trainer.recompute"
+        options.append(f"set trainer.recompute: true ({_gib(alt)})")
+    if inputs.attention == "dense" and (alt := trainer_total(replace(inputs, attention="flex"))) <= limit:
+        first = first or "trainer.attention"
+        options.append(f"set trainer.attention: flex ({_gib(alt)})")
+    tp = 2 * inputs.tensor_parallel
+    if _splits(inputs.dims, tp) and (alt := trainer_total(replace(inputs, tensor_parallel=tp))) <= limit:
+        first = first or "layout.trainer_tp"
+        options.append(f"raise layout.trainer_tp to {tp} ({_gib(alt)})")
+    if not options:
+        return "layout.trainer_tp", (f"a trainer rank needs {_gib(total)} of {_gib(limit)} and no single change fits "
+                                     "it: raise layout.trainer_tp, lower trainer.micro_batch_tokens and set "
+                                     "trainer.recompute: true together, or use larger GPUs "
+                                     "(layout.trainer.gpu_memory_gib)")
+    return first, f"a trainer rank needs {_gib(total)} of {_gib(limit)}: " + ", or ".join(options)
+
+
+def largest_micro_batch(inputs: TrainerInputs, limit: int, step: int = 256) -> int:
+    """The largest trainer.micro_batch_tokens (a multiple of `step`) below the current one that fits, or 0."""
+    low, high = 0, inputs.micro_batch_tokens // step
+    while low < high:  # the estimate grows with the budget
+        middle = (low + high + 1) // 2
+        if trainer_total(replace(inputs, micro_batch_tokens=middle * step)) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return low * step if low * step < inputs.micro_batch_tokens else 0
+
+
+def _splits(dims: ModelDims, tp: int) -> bool:
+    return all(value % tp == 0 for value in (dims.num_heads, dims.num_kv_heads, dims.intermediate_size))
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+def rollout_inputs(job, dims: ModelDims, model_dtype: str = "bfloat16") -> RolloutInputs:
+    vllm = job.vllm
+    dtype = model_dtype if vllm.dtype == "auto" else vllm.dtype
+    engine = vllm.engine_kwargs(job.max_adapters, job.max_lora_rank)
+    return RolloutInputs(dims=dims, tensor_parallel=vllm.tensor_parallel_size, dtype_bytes=DTYPE_BYTES[dtype],
+                         gpu_bytes=int(job.layout.rollout.gpu_memory_gib * GIB),
+                         gpu_memory_utilization=vllm.gpu_memory_utilization, max_loras=engine["max_loras"],
+                         max_lora_rank=job.max_lora_rank,
+                         max_model_len=vllm.max_model_len or dims.max_position_embeddings,
+                         max_num_seqs=vllm.max_num_seqs or VLLM_MAX_NUM_SEQS)
+
+
+def rollout_plan(job, dims: ModelDims) -> RankPlan:
+    inputs = rollout_inputs(job, dims)
+    memory = rollout_memory(inputs)
+    kv = memory.kv_cache - CUDA_CONTEXT_BYTES
+    sequences = max(0, kv) // (memory.kv_bytes_per_token * inputs.max_model_len)
+    tokens = max(0, kv) // memory.kv_bytes_per_token
+    dims_text = f"{inputs.max_lora_rank} (max_lora_rank) x 7 projections x {dims.num_layers} layers"
+    lines = [(f"weights ({'bfloat16' if inputs.dtype_bytes == 2 else 'float32'})", memory.weights),
+             (f"LoRA slots: {inputs.max_loras} (vllm.max_loras) x r{dims_text}", memory.lora_slots),
+             ("activations of vLLM's profiling forward (estimate)", memory.activations),
+             ("CUDA context, cuBLAS, NCCL (estimate)", CUDA_CONTEXT_BYTES),
+             (f"KV cache: the rest of vLLM's share = {tokens} tokens, {sequences} sequences of max_model_len "
+              f"{inputs.max_model_len}", max(0, kv))]
+    gpu_gib = job.layout.rollout.gpu_memory_gib
+    label = (f"vllm.gpu_memory_utilization {inputs.gpu_memory_utilization:g} of a {gpu_gib:g} GiB GPU "
+             "(layout.rollout.gpu_memory_gib)")
+    title = f"rollout rank x{job.layout.rollout_ranks} (vllm.tensor_parallel_size {inputs.tensor_parallel})"
+    needed = memory.budget - kv + inputs.max_model_len * memory.kv_bytes_per_token  # one longest sequence's KV
+    advice = None
+    if sequences < 1:
+        utilization = needed / inputs.gpu_bytes
+        fix = (f"raise vllm.gpu_memory_utilization to at least {utilization:.2f}" if utilization <= 0.95 else
+               "lower vllm.max_model_len, vllm.max_loras or max_lora_rank, or raise vllm.tensor_parallel_size")
+        advice = ("vllm.gpu_memory_utilization",
+                  f"a rollout rank's KV cache holds {max(0, tokens)} tokens, less than one sequence of "
+                  f"vllm.max_model_len {inputs.max_model_len} (vLLM refuses to start): {fix}")
+    return RankPlan(kind="rollout", title=title, lines=lines, total=needed if sequences < 1 else memory.budget,
+                    limit=memory.budget, limit_label=label, advice=advice)
+
+
+# ---------------------------------------------------------------------------------------------- job
+def gpu_kinds(job, gpus_visible: bool | None = None) -> list[str]:
+    """The rank kinds that run on GPUs: under Slurm the components that ask for GPUs (`gpus_visible` None), in
+    local mode the rollout and trainer ranks when this machine's GPUs are visible. Never with
+    layout.accelerator 'cpu'; the rollout kind only with the vllm engine."""
+    if job.layout.accelerator == "cpu":
+        return []
+    kinds = []
+    for kind in ("rollout", "trainer"):
+        on_gpu = job.layout.resources(kind).requests_gpus() if gpus_visible is None else gpus_visible
+        if on_gpu and (kind == "trainer" or job.engine == "vllm"):
+            kinds.append(kind)
+    return kinds
+
+
+def job_plan(job, dims: ModelDims, kinds=("trainer", "rollout"), row_tokens: int | None = None,
+             prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> list[RankPlan]:
+    plans = []
+    if "trainer" in kinds:
+        plans.append(trainer_plan(job, dims, row_tokens, prompt_tokens))
+    if "rollout" in kinds and job.engine == "vllm":
+        plans.append(rollout_plan(job, dims))
+    return plans
+
+
+def check_fits(job, gpus_visible: bool | None = None) -> None:
+    """`marlaas run` / `submit`: SpecError naming the field to change when a GPU rank would not fit its GPU."""
+    from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX
+
+    kinds = gpu_kinds(job, gpus_visible)
+    if not kinds:
+        return
+    if not job.model.startswith(RANDOM_PREFIX):  # a missing checkpoint is refused as `marlaas run` refuses it
+        job.model_path()
+    dims, _ = model_dims(job)
+    for plan in job_plan(job, dims, kinds):
+        if not plan.fits:
+            field_name, message = plan.advice
+            raise SpecError(field_name, f"{message} (marlaas plan shows every rank's memory)")
+
+
+# ---------------------------------------------------------------------------------------------- command
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="device memory of every GPU rank from the model's config.json; exit 1 if "
+                                    "one would not fit its GPU")
+    p.add_argument("config", help="job config YAML")
+    p.add_argument("--model", help="a directory holding the model's config.json, or random:<shape> "
+                                    "(default: the config's model)")
+    p.add_argument("--row-tokens", type=int, help="width of a trainer row: the longest sequence (default: "
+                                                  "vllm.max_model_len, else the model's context)")
+    p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS,
+                   help="prompt of each row; the rest is trained (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="also run one trainer rank's GPU path on fake CUDA "
+                                                          "tensors and print its measured memory")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    from marlaas_hpc.config import JobConfig
+
+    try:
+        job = JobConfig.load(args.config).validate()
+        dims, name = model_dims(job, args.model)
+    except (SpecError, OSError) as exc:
+        print(f"marlaas: invalid config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    plans = job_plan(job, dims, row_tokens=args.row_tokens, prompt_tokens=args.prompt_tokens)
+    print(f"{args.config}: model {name}: {dims.describe()}")
+    for plan in plans:
+        print_plan(plan)
+    print("control and env ranks: CPU only")
+    if args.dry_run:
+        print_dry_run(job, name, trainer_inputs(job, dims, args.row_tokens, args.prompt_tokens))
+    failed = [plan for plan in plans if not plan.fits]
+    for plan in failed:
+        field_name, message = plan.advice
+        print(f"marlaas: {field_name}: {message}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def print_plan(plan: RankPlan) -> None:
+    print(f"{plan.title}, {plan.limit_label}:")
+    for label, size in plan.lines:
+        print(f"  {label:<96} {size / GIB:8.2f} GiB")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    if plan.kind == "trainer":
+        print(f"  {'total':<96} {plan.total / GIB:8.2f} GiB  {verdict} in {_gib(plan.limit)}")
+    else:
+        print(f"  {'vLLM takes':<96} {plan.limit / GIB:8.2f} GiB  {verdict}")
+
+
+def print_dry_run(job, model_name: str, inputs: TrainerInputs) -> None:
+    from marlaas_hpc.model.cache import default_cache_dir
+    from marlaas_hpc.plan.dry_run import DryRunShape, run_in_subprocess
+
+    shape = DryRunShape(model_dir=str(model_config_dir(model_name)), tensor_parallel=inputs.tensor_parallel,
+                        micro_batch_tokens=inputs.micro_batch_tokens, row_tokens=inputs.row_tokens,
+                        prompt_tokens=inputs.prompt_tokens, lora_rank=inputs.lora_rank,
+                        max_adapters=inputs.max_adapters, fused_tasks=inputs.fused_tasks,
+                        dtype="bfloat16" if inputs.dtype_bytes == 2 else "float32", recompute=inputs.recompute,
+                        attention=inputs.attention)
+    result = run_in_subprocess(shape, default_cache_dir())
+    memory = trainer_memory(inputs)
+    print(f"GPU dry run of trainer rank {result.tp_rank} of TP {inputs.tensor_parallel} ({result.seconds:.0f} s, "
+          f"fake CUDA tensors; estimate / measured, without the CUDA context):")
+    for label, estimate, measured in (("base weights", memory.base_weights, result.base_bytes),
+                                      ("steady (weights, adapters, optimizer)", memory.steady, result.steady_bytes),
+                                      ("a step adds (activations, logits)", memory.activations + memory.logits,
+                                       result.step_added_bytes),
+                                      ("peak", memory.total, result.steady_peak_bytes)):
+        print(f"  {label:<40} {estimate / GIB:8.2f} / {measured / GIB:8.2f} GiB ({estimate / measured - 1:+.1%})")
+    print(f"  delta flatten adds {_gib(result.delta_peak_bytes)}; {result.host_syncs_per_step} device-to-host "
+          f"syncs per step")
+
+
+def _gib(size: int) -> str:
+    return f"{size / GIB:.2f} GiB"

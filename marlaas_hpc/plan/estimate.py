@@ -1,0 +1,351 @@
+"""Device memory of each rank, from the model's config.json and the job config alone (no torch, no weights).
+
+Trainer rank (one TP rank of a trainer group; every rank of the group holds the same):
+
+    base weights     every megatron parameter of this TP shard in the base dtype: embedding (and the untied output
+                     layer) split by vocabulary rows (padded to 128 x TP), attention and MLP split by heads and
+                     columns; the local spec's RMSNorm weights stay float32 (they take no dtype)
+    LoRA, per task   float32 A and B of the four megatron sites per layer (qkv, proj, fc1, fc2: trainer/lora.py)
+    optimizer        per task: its gradients and AdamW's two moments, float32 (3 x the LoRA bytes); every task
+                     that has stepped keeps them, so max_adapters tasks hold them at once
+    activations      what one micro-batch of trainer.micro_batch_tokens keeps for backward, layer by layer
+                     (`layer_bytes_per_token`), as the trainer's code saves it; with trainer.recompute only each
+                     layer's input, plus one layer recomputed in backward
+    LM head          the trained tokens' final hidden states (kept for backward) and the float32 logits of two
+                     chunks of LOGITS_CHUNK_BYTES: the trainer's head computes log-softmax a chunk of tokens at a
+                     time, forward and backward (trainer/lm_head.py)
+    score buffer     attention 'dense' only: megatron keeps its largest [rows x heads, s, s] score buffer
+
+The activation and logits terms follow the code; tests/test_plan.py checks them against the GPU dry run
+(dry_run.py), which runs the trainer's GPU path on fake CUDA tensors. The micro-batch is `rows` rows of
+`row_tokens` (its longest sequence: vllm.max_model_len unless given), one sequence each, whose completion
+(`row_tokens - prompt_tokens`) is trained.
+
+Rollout rank (one vLLM engine): weights in vllm.dtype, LoRA slots (vllm max_loras x max_lora_rank on the seven
+projections of every layer, A and B as vLLM stacks them), an activation reserve for vLLM's profiling forward
+(`rollout_activation_bytes`: an estimate), and the KV cache that vllm.gpu_memory_utilization leaves.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2 ** 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+"""trainer/model.py's: megatron pads the vocabulary to a multiple of 128 x TP (imported here without torch)."""
+ATTENTION_KERNELS = ("flex", "dense")
+LOGITS_CHUNK_BYTES = 256 << 20
+"""trainer/lm_head.py's: float32 logits the LM head computes at once (repeated here: that module imports torch)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """What memory depends on in a Qwen3 config.json."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelDims":
+        heads = int(config["num_attention_heads"])
+        return cls(hidden_size=int(config["hidden_size"]), num_layers=int(config["num_hidden_layers"]),
+                   num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads", heads)),
+                   head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+                   intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
+                   tied=bool(config.get("tie_word_embeddings", False)),
+                   max_position_embeddings=int(config.get("max_position_embeddings", 0)))
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> "ModelDims":
+        return cls.from_config(json.loads(Path(model_dir, "config.json").read_text()))
+
+    def padded_vocab(self, tp: int) -> int:
+        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def layer_weights(self) -> int:
+        """Elements of one decoder layer's four linears (unsharded)."""
+        h, d = self.hidden_size, self.head_dim
+        return (h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+                + 3 * self.intermediate_size * h)
+
+    def parameters(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied else 2)
+        norms = self.num_layers * (2 * self.hidden_size + 2 * self.head_dim) + self.hidden_size
+        return embeddings + self.num_layers * self.layer_weights() + norms
+
+    def describe(self) -> str:
+        return (f"hidden {self.hidden_size}, {self.num_layers} layers, {self.num_heads}/{self.num_kv_heads} heads x "
+                f"{self.head_dim}, MLP {self.intermediate_size}, vocabulary {self.vocab_size} "
+                f"({'tied' if self.tied else 'untied'}): {self.parameters() / 1e9:.2f} B parameters")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerInputs:
+    """One trainer rank's share of the job."""
+
+    dims: ModelDims
+    tensor_parallel: int
+    dtype_bytes: int
+    """Base weights: 2 (bfloat16, the GPU default) or 4."""
+    micro_batch_tokens: int
+    row_tokens: int
+    prompt_tokens: int
+    lora_rank: int
+    max_adapters: int
+    fused_tasks: int
+    """trainer_slots: tasks fused into one step."""
+    recompute: bool
+    attention: str
+    """'flex' or 'dense' (trainer.attention resolved for a GPU: 'auto' is 'flex')."""
+
+    @property
+    def width(self) -> int:
+        return min(self.row_tokens, self.micro_batch_tokens) if self.micro_batch_tokens else self.row_tokens
+
+    @property
+    def rows(self) -> int:
+        return max(1, self.micro_batch_tokens // self.width) if self.micro_batch_tokens else 1
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+    @property
+    def trained_tokens(self) -> int:
+        return self.rows * (self.width - self.prompt_tokens)
+
+    @property
+    def tasks_per_step(self) -> int:
+        """Tasks fused into the micro-batch: fused_tasks, or fewer when there are fewer rows or tasks."""
+        return min(self.fused_tasks, self.rows, self.max_adapters)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerMemory:
+    """Bytes on one trainer rank's GPU."""
+
+    inputs: TrainerInputs
+    base_weights: int
+    lora_per_task: int
+    optimizer_per_task: int
+    activations: int
+    logits: int
+    score_buffer: int
+
+    @property
+    def adapters(self) -> int:
+        """LoRA weights and optimizer state of max_adapters tasks."""
+        return self.inputs.max_adapters * (self.lora_per_task + self.optimizer_per_task)
+
+    @property
+    def steady(self) -> int:
+        """Between steps, once every task has stepped."""
+        return self.base_weights + self.adapters + self.score_buffer
+
+    @property
+    def total(self) -> int:
+        return self.steady + self.activations + self.logits
+
+
+def trainer_memory(inputs: TrainerInputs) -> TrainerMemory:
+    lora = 4 * lora_elements(inputs.dims, inputs.tensor_parallel, inputs.lora_rank)
+    return TrainerMemory(inputs=inputs, base_weights=base_weight_bytes(inputs), lora_per_task=lora,
+                         optimizer_per_task=3 * lora, activations=activation_bytes(inputs),
+                         logits=logits_bytes(inputs), score_buffer=score_buffer_bytes(inputs))
+
+
+def base_weight_bytes(inputs: TrainerInputs) -> int:
+    """The TP shard's parameters and buffers (RoPE frequencies; the LM head's padding mask on the rank with
+    megatron's padding rows)."""
+    dims, tp, b = inputs.dims, inputs.tensor_parallel, inputs.dtype_bytes
+    shard_vocab = dims.padded_vocab(tp) // tp
+    embeddings = shard_vocab * dims.hidden_size * (1 if dims.tied else 2)
+    norms = dims.num_layers * (2 * dims.hidden_size + 2 * dims.head_dim) + dims.hidden_size
+    padding_mask = shard_vocab if dims.padded_vocab(tp) > dims.vocab_size else 0
+    return (b * (embeddings + dims.num_layers * dims.layer_weights() // tp) + 4 * norms + padding_mask
+            + 4 * dims.head_dim // 2)
+
+
+def lora_elements(dims: ModelDims, tp: int, rank: int) -> int:
+    """One task's A and B on this TP rank, every layer, all seven projections (trainer/lora.py's layout: column
+    sites qkv and fc1 keep A whole and split B; row sites proj and fc2 split A and keep B whole)."""
+    h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // tp
+    qkv_out = (dims.num_heads + 2 * dims.num_kv_heads) * d // tp
+    per_layer = rank * (h + qkv_out) + rank * (dims.num_heads * d // tp + h) + rank * (h + 2 * f) + rank * (f + h)
+    return dims.num_layers * per_layer
+
+
+def layer_bytes_per_token(inputs: TrainerInputs) -> int:
+    """What one decoder layer keeps for backward per token of the micro-batch, as the trainer's code saves it:
+    the float32 copies torch's RMSNorm makes (the local spec's norm weights are float32, the activations bf16:
+    the fused kernel is skipped), the input of each LoRA site (its frozen base linear keeps none; proj's is
+    FlexAttention's output, kept anyway) and its [r] hidden, megatron's RoPE cos/sin, the attention's inputs and
+    output, and the SwiGLU's input and output."""
+    dims, b, r = inputs.dims, inputs.dtype_bytes, inputs.lora_rank
+    h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // inputs.tensor_parallel
+    q_heads, kv_heads = dims.num_heads // inputs.tensor_parallel, dims.num_kv_heads // inputs.tensor_parallel
+    norms = 2 * (4 * h + 4) + (4 * q_heads * d + 4 * q_heads) + (4 * kv_heads * d + 4 * kv_heads)
+    lora = b * (h + h + f) + (b * q_heads * d if inputs.attention == "dense" else 0) + 4 * 4 * r
+    rope = 4 * d * b
+    mlp = 4 * f * b  # fc1's output [2f] (SwiGLU's input), the SiLU output and the product
+    return norms + lora + rope + attention_bytes_per_token(inputs) + mlp
+
+
+def attention_bytes_per_token(inputs: TrainerInputs) -> int:
+    dims, b = inputs.dims, inputs.dtype_bytes
+    d = dims.head_dim
+    q_heads, kv_heads = dims.num_heads // inputs.tensor_parallel, dims.num_kv_heads // inputs.tensor_parallel
+    qkv = (q_heads + 2 * kv_heads) * d * b  # the fused projection's output (v is a view of it)
+    if inputs.attention == "flex":
+        # rotated q and k, the output, and two float32 statistics per query and head (logsumexp, max)
+        return qkv + (2 * q_heads + kv_heads) * d * b + 2 * 4 * q_heads
+    # dense: megatron repeats k and v to every query head; per score the float32 softmax and (bf16 base) its copy
+    return qkv + 3 * q_heads * d * b + q_heads * inputs.width * (4 + (b if b < 4 else 0))
+
+
+def activation_bytes(inputs: TrainerInputs) -> int:
+    """Activations at the step's peak, logits aside. The peak is the LM head's backward (every layer's activations
+    and the logits' copies live) or, when the logits are small, the last layer's backward (its gradients on top:
+    `backward_bytes_per_token`). With recompute each layer keeps only its input, and one layer at a time is
+    rebuilt inside backward, after the LM head's backward has freed the logits."""
+    dims, tokens = inputs.dims, inputs.tokens
+    mask = inputs.rows * inputs.width * inputs.width if inputs.attention == "dense" else 0  # bool, shared
+    layer, backward = tokens * layer_bytes_per_token(inputs), tokens * backward_bytes_per_token(inputs)
+    if not inputs.recompute:
+        # layer 0's input norm keeps nothing (the frozen embedding's output needs no gradient); the final norm
+        # keeps as much
+        return dims.num_layers * (layer + scaled_b_bytes(inputs)) + mask + max(0, backward - logits_bytes(inputs))
+    # each layer's input (the first one's: the embedding's output, made to require grad for megatron's reentrant
+    # checkpoint) and the final norm's float32 input
+    checkpoints = (dims.num_layers + 1) * tokens * dims.hidden_size * inputs.dtype_bytes \
+        + tokens * (4 * dims.hidden_size + 4)
+    return checkpoints + mask + max(0, layer + backward - logits_bytes(inputs))
+
+
+def scaled_b_bytes(inputs: TrainerInputs) -> int:
+    """Per layer, each fused task's B x alpha / r of the four sites (float32 [out, r], kept for backward)."""
+    dims, tp = inputs.dims, inputs.tensor_parallel
+    out = (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim // tp + 2 * dims.intermediate_size // tp \
+        + 2 * dims.hidden_size
+    return inputs.tasks_per_step * 4 * inputs.lora_rank * out
+
+
+def backward_bytes_per_token(inputs: TrainerInputs) -> int:
+    """A layer's backward at its peak, on top of the activations (measured by the dry run): the float32 gradient
+    of fc1's output and a hidden-size gradient; without recompute the last layer's backward also meets the final
+    norm's float32 gradients; dense attention adds the bf16 gradients of the scores."""
+    dims = inputs.dims
+    extra = 8 * (dims.intermediate_size // inputs.tensor_parallel) + dims.hidden_size
+    if not inputs.recompute:
+        extra += 8 * dims.hidden_size
+    if inputs.attention == "dense":
+        extra += 2 * inputs.dtype_bytes * (dims.num_heads // inputs.tensor_parallel) * inputs.width
+    return extra
+
+
+def logits_bytes(inputs: TrainerInputs) -> int:
+    """The LM head at its peak (trainer/lm_head.py `LmHead.logprobs`, one call per fused task): the trained
+    tokens' final hidden states it keeps for backward and a float32 logsumexp and logprob per token, plus the
+    float32 logits of two chunks of LOGITS_CHUNK_BYTES (a chunk's and the one before it, not yet released)."""
+    dims, tokens = inputs.dims, inputs.trained_tokens
+    shard_vocab = dims.padded_vocab(inputs.tensor_parallel) // inputs.tensor_parallel
+    chunk = logits_chunk_tokens(inputs)
+    chunks = 2 if -(-tokens // inputs.tasks_per_step) > chunk else 1
+    return tokens * (dims.hidden_size * inputs.dtype_bytes + 8) + chunks * chunk * shard_vocab * 4
+
+
+def logits_chunk_tokens(inputs: TrainerInputs) -> int:
+    """Tokens of one chunk of the LM head's logits: LOGITS_CHUNK_BYTES' worth, or a task's trained tokens."""
+    shard_vocab = inputs.dims.padded_vocab(inputs.tensor_parallel) // inputs.tensor_parallel
+    per_task = -(-inputs.trained_tokens // inputs.tasks_per_step)
+    return max(1, min(per_task, LOGITS_CHUNK_BYTES // (4 * shard_vocab)))
+
+
+def score_buffer_bytes(inputs: TrainerInputs) -> int:
+    if inputs.attention != "dense":
+        return 0
+    heads = inputs.dims.num_heads // inputs.tensor_parallel
+    return inputs.rows * heads * inputs.width * inputs.width * inputs.dtype_bytes
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+@dataclass(frozen=True, kw_only=True)
+class RolloutInputs:
+    dims: ModelDims
+    tensor_parallel: int
+    dtype_bytes: int
+    gpu_bytes: int
+    gpu_memory_utilization: float
+    max_loras: int
+    max_lora_rank: int
+    max_model_len: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutMemory:
+    inputs: RolloutInputs
+    weights: int
+    lora_slots: int
+    activations: int
+
+    @property
+    def budget(self) -> int:
+        """What vLLM may take: gpu_memory_utilization of the GPU."""
+        return int(self.inputs.gpu_memory_utilization * self.inputs.gpu_bytes)
+
+    @property
+    def kv_cache(self) -> int:
+        return self.budget - self.weights - self.lora_slots - self.activations
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        dims = self.inputs.dims
+        return 2 * dims.num_layers * max(1, dims.num_kv_heads // self.inputs.tensor_parallel) * dims.head_dim \
+            * self.inputs.dtype_bytes
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, self.kv_cache) // self.kv_bytes_per_token
+
+
+def rollout_memory(inputs: RolloutInputs) -> RolloutMemory:
+    dims, tp, b = inputs.dims, inputs.tensor_parallel, inputs.dtype_bytes
+    return RolloutMemory(inputs=inputs, weights=b * (dims.parameters() // tp),
+                         lora_slots=b * inputs.max_loras * vllm_lora_elements(dims, tp, inputs.max_lora_rank),
+                         activations=rollout_activation_bytes(inputs))
+
+
+def vllm_lora_elements(dims: ModelDims, tp: int, rank: int) -> int:
+    """One vLLM LoRA slot on a TP rank: A and B of each of the seven projections (q, k, v, o, gate, up, down)."""
+    h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // tp
+    q, kv = dims.num_heads * d // tp, dims.num_kv_heads * d // tp
+    column = 3 * rank * h + rank * (q + 2 * kv) + 2 * rank * h + 2 * rank * f  # q, k, v, gate, up
+    row = rank * (dims.num_heads * d // tp) + rank * h + rank * f + rank * h  # o, down
+    return dims.num_layers * (column + row)
+
+
+ROLLOUT_BATCHED_TOKENS = 8192
+"""Tokens of vLLM's profiling forward when the job does not bound them (its default max_num_batched_tokens)."""
+
+
+def rollout_activation_bytes(inputs: RolloutInputs) -> int:
+    """An estimate of what vLLM's start-up profiling forward peaks at: a layer's widest intermediates for the
+    batched tokens, and float32 logits plus sampling copies for max_num_seqs sequences. vLLM measures its own at
+    start; the KV cache gets the rest."""
+    dims, tp, b = inputs.dims, inputs.tensor_parallel, inputs.dtype_bytes
+    tokens = max(ROLLOUT_BATCHED_TOKENS, inputs.max_model_len)
+    per_token = b * (4 * dims.hidden_size + 3 * dims.intermediate_size // tp
+                     + (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim // tp)
+    sampler = 3 * 4 * inputs.max_num_seqs * dims.vocab_size
+    return tokens * per_token + sampler

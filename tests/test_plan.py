@@ -1,0 +1,173 @@
+"""`marlaas plan`: each GPU rank's device memory from config.json alone (marlaas_hpc/plan/estimate.py), its refusals
+naming the field to change, and the same check in `marlaas run` / `submit`. The estimate's activation terms are
+checked against the GPU dry run in test_dry_run.py."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from marlaas_hpc.config import JobConfig
+from marlaas_hpc.config_loader import SpecError
+from marlaas_hpc.launch.layout import JobLayout, LayoutError
+from marlaas_hpc.model.random_qwen3 import SHAPES, qwen3_config
+from marlaas_hpc.plan.command import check_fits, gpu_kinds, model_dims, trainer_inputs, trainer_total
+from marlaas_hpc.plan.estimate import GIB, ModelDims, lora_elements
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "configs" / "qwen3-0.6b-gsm8k.yaml"
+GOLDEN = ROOT / "tests" / "golden" / "plan_qwen3_0.6b.txt"
+
+
+def marlaas(*args):
+    return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def shipped(tmp_path, **changes) -> Path:
+    """The shipped GPU config with `changes` (dotted keys) and a random shape as its model."""
+    data = yaml.safe_load(SHIPPED.read_text())
+    data["model"] = "random:qwen3-0.6b"
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = data
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "qwen3-8b-mini"])
+def test_model_dims_count_the_parameters_transformers_builds(name):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    config = qwen3_config(SHAPES[name])
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    assert ModelDims.from_config(config.to_dict()).parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_lora_elements_are_peft_s_for_the_seven_projections_at_tp1():
+    """At TP=1 the trainer's fused sites hold what PEFT's seven adapters hold, less the shared A of fused parts."""
+    dims = model_dims(JobConfig(), "random:qwen3-0.6b")[0]
+    h, d, f, r = dims.hidden_size, dims.head_dim, dims.intermediate_size, 32
+    q, kv = dims.num_heads * d, dims.num_kv_heads * d
+    peft = r * (h + q) + 2 * r * (h + kv) + r * (q + h) + 2 * r * (h + f) + r * (f + h)
+    shared_a = 2 * r * h + r * h  # k and v share q's A (qkv site), up shares gate's (fc1 site)
+    assert lora_elements(dims, 1, r) == dims.num_layers * (peft - shared_a)
+
+
+def test_plan_of_the_shipped_config(tmp_path):
+    proc = marlaas("plan", str(SHIPPED.relative_to(ROOT)), "--model", "random:qwen3-0.6b")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == GOLDEN.read_text(), "plan output changed: update tests/golden/plan_qwen3_0.6b.txt if meant"
+
+
+def test_plan_of_the_placeholder_model_asks_for_a_config_json():
+    proc = marlaas("plan", str(SHIPPED.relative_to(ROOT)))
+    assert proc.returncode == 2 and "model: '/path/to/Qwen3-0.6B' holds no config.json" in proc.stderr
+    assert "--model" in proc.stderr
+
+
+def test_a_trainer_that_does_not_fit_exits_1_naming_the_field_and_a_value_that_fits(tmp_path):
+    changes = {"layout.trainer_tp": 1}
+    proc = marlaas("plan", str(shipped(tmp_path, **changes, **{"trainer.micro_batch_tokens": 65536})))
+    assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout
+    message = proc.stderr.strip().splitlines()[-1]
+    assert message.startswith("marlaas: trainer.micro_batch_tokens: a trainer rank needs"), message
+    assert "or set trainer.recompute: true (" in message  # every change that alone fits is offered
+    fitting = int(message.split("lower trainer.micro_batch_tokens to at most ")[1].split(",")[0].split()[0])
+    assert 16384 <= fitting < 65536
+    assert marlaas("plan", str(shipped(tmp_path, **changes, **{"trainer.micro_batch_tokens": fitting}))).returncode == 0
+    assert marlaas("plan", str(shipped(tmp_path, **changes,
+                                       **{"trainer.micro_batch_tokens": fitting + 256}))).returncode == 1
+
+
+def test_recompute_is_named_when_it_alone_fits(tmp_path):
+    """Qwen3-8B at TP=2 and the shipped 16k tokens: its activations do not fit an 80 GiB GPU, its checkpoints do."""
+    path = shipped(tmp_path)
+    job = JobConfig.load(path).validate()
+    dims, _ = model_dims(job, "random:qwen3-8b")
+    inputs = trainer_inputs(job, dims)
+    assert trainer_total(inputs) > 80 * GIB
+    proc = marlaas("plan", str(path), "--model", "random:qwen3-8b")
+    assert proc.returncode == 1 and "set trainer.recompute: true" in proc.stderr, proc.stderr
+
+
+def test_a_kv_cache_without_room_for_one_sequence_names_gpu_memory_utilization(tmp_path):
+    proc = marlaas("plan", str(shipped(tmp_path, **{"vllm.gpu_memory_utilization": 0.03})))
+    assert proc.returncode == 1
+    assert "marlaas: vllm.gpu_memory_utilization: a rollout rank's KV cache holds" in proc.stderr
+    assert "raise vllm.gpu_memory_utilization to at least 0.0" in proc.stderr
+
+
+def test_share_gpus_leaves_the_trainer_what_vllm_does_not_take(tmp_path):
+    alone = marlaas("plan", str(shipped(tmp_path, **{"trainer.micro_batch_tokens": 8192})))
+    assert alone.returncode == 0, alone.stderr
+    shared = marlaas("plan", str(shipped(tmp_path, **{"trainer.micro_batch_tokens": 8192, "layout.share_gpus": True,
+                                                     "layout.rollout_ranks": 1})))
+    assert shared.returncode == 1 and "of 12.00 GiB" in shared.stderr, shared.stderr  # 80 GiB x (1 - 0.85)
+
+
+def test_gpu_memory_gib_is_validated():
+    assert JobLayout.from_dict({"trainer": {"gpu_memory_gib": 141}}).trainer.gpu_memory_gib == 141
+    for bad in (0, -1, True, 5000):
+        with pytest.raises(LayoutError) as caught:
+            JobLayout.from_dict({"trainer": {"gpu_memory_gib": bad}})
+        assert caught.value.field == "trainer.gpu_memory_gib"
+
+
+def test_gpu_kinds_are_the_ranks_that_run_on_gpus(tmp_path):
+    job = JobConfig.load(shipped(tmp_path)).validate()
+    assert gpu_kinds(job) == ["rollout", "trainer"]  # under Slurm: both components ask for GPUs
+    assert gpu_kinds(job, gpus_visible=False) == []  # local mode on a machine without GPUs
+    job.engine = "hf"
+    assert gpu_kinds(job, gpus_visible=True) == ["trainer"]
+    job.layout.accelerator = "cpu"
+    assert gpu_kinds(job, gpus_visible=True) == []
+
+
+def test_check_fits_names_the_field(tmp_path):
+    job = JobConfig.load(shipped(tmp_path, **{"layout.trainer.gpu_memory_gib": 16})).validate()
+    with pytest.raises(SpecError) as caught:
+        check_fits(job, gpus_visible=True)
+    assert caught.value.field == "trainer.micro_batch_tokens"
+    check_fits(job, gpus_visible=False)  # CPU ranks: nothing to check
+
+
+def test_submit_refuses_a_job_whose_trainer_does_not_fit_before_slurm(tmp_path):
+    path = shipped(tmp_path, **{"layout.trainer.gpu_memory_gib": 16})
+    proc = marlaas("submit", str(path), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stderr
+    assert "marlaas: not submitted: trainer.micro_batch_tokens: a trainer rank needs" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [8192, 32768])
+def test_the_estimate_is_within_25_percent_of_a_cpu_trainer_step_s_peak_rss(micro_batch_tokens):
+    """The tiny model, a local-demo-like fused step (8 tasks of LoRA r16, 4 fused, rows of 48 tokens) on the CPU:
+    baseline RSS (torch, megatron-core, transformers imported) + the estimate for the CPU path (float32 weights,
+    dense attention) against the step's peak RSS (tools/plan_calibration.py; glibc's mmap threshold fixed so RSS
+    follows the live tensors)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "tools/plan_calibration.py", "--micro-batch-tokens",
+                           str(micro_batch_tokens), "--row-tokens", "48"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["plan_bytes"] > 0.4 * result["step_peak_rss_bytes"], result  # the estimate carries the sum
+    assert result["estimate_bytes"] == pytest.approx(result["step_peak_rss_bytes"], rel=0.25), result
+
+
+def test_the_estimate_uses_the_lm_head_s_chunk():
+    """estimate.py repeats trainer/lm_head.py's LOGITS_CHUNK_BYTES (that module imports torch)."""
+    from marlaas_hpc.plan.estimate import LOGITS_CHUNK_BYTES
+    from marlaas_hpc.trainer.lm_head import LOGITS_CHUNK_BYTES as TRAINER_S
+
+    assert LOGITS_CHUNK_BYTES == TRAINER_S
