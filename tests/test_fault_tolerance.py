@@ -132,3 +132,39 @@ def test_a_rollout_rank_stopped_with_sigstop_is_found_hung_killed_and_handled_as
     assert loss["rank"] == victim["rank"] and loss["cause"].startswith("hung")
     # silence counts from its last beat, which came up to one beat period before the stop
     assert loss["at"] - (time.time() - (time.monotonic() - stopped)) >= 4 - RankReporter.BEAT_S, "not too early"
+
+
+def test_sigkill_of_one_rank_of_one_of_two_trainer_groups_rolls_back_that_groups_tasks_only(tmp_path):
+    """Two trainer groups of TP=2; SIGKILL of group 1's TP rank 1. Group 1 is dissolved (its leader ends too),
+    its tasks go back to their newest checkpoint and finish on group 0; the other tasks never go back; every
+    version is still trained exactly once (the audit and metrics.jsonl lose the rolled-back steps)."""
+    run_dir = tmp_path / "run"
+    config = small_config(layout={"env_ranks": 1, "rollout_ranks": 1, "trainer_tp": 2, "trainer_groups": 2},
+                          checkpoint={"every_steps": 5, "every_minutes": 0})
+    config["tasks"].append({**config["tasks"][0], "task_id": "add2", "tenant": "carol"})
+    for task in config["tasks"]:
+        task["total_steps"] = STEPS
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_steps(6)
+    victim = _rank(run_dir, "trainer follower of trainer group 1, TP rank 1")
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert job.finish() == 0, f"seed {SEED}: the job did not finish by itself:\n{job.output()}"
+    lines = [line for line in job.lines if line.startswith("[fault]")]
+    assert len(lines) == 1 and "(trainer (group 1)) lost" in lines[0] and "back to their checkpoint" in lines[0], \
+        job.output()
+    summary = _check_every_version_once(run_dir)
+    (loss,) = summary["ranks_lost"]
+    rolled = loss["tasks_rolled_back"]
+    assert rolled, "group 1 owned a task"
+    for task_id, (reached, back) in rolled.items():
+        assert back <= reached and back % 5 == 0, "back to a checkpoint (every 5 steps)"
+    for task_id, info in summary["tasks"].items():
+        assert info["trainer_group"] == 0 or task_id not in rolled
+        metrics = [json.loads(line)["version"] for line in
+                   (run_dir / "tasks" / info["tenant"] / task_id / "metrics.jsonl").read_text().splitlines()]
+        assert metrics == list(range(1, STEPS + 1)), f"{task_id}: each version once in metrics.jsonl"
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    others = [r for r in audit if r["task_id"] not in rolled]
+    assert others and all(".r" not in r["group_id"] for r in others), "no other task went back"

@@ -114,3 +114,62 @@ def test_losing_every_env_rank_issues_nothing_more():
     assert not [c for c in out if isinstance(c, Generate)]
     for group_id in ("a/g0", "a/g1"):  # the rollout rank goes on, but no group has an env rank to go to
         assert not [c for c in scheduler.handle(Generated(1, (group_id,))) if isinstance(c, Generate)]
+
+
+def _groups_loop(specs, seed):
+    loop = SimLoop.__new__(SimLoop)
+    config = SchedulerConfig(rollout_ranks=(1, 2), env_ranks=(10,), rollout_slots=3, max_adapters=8,
+                             trainer_groups=2)
+    scheduler = Scheduler(config, clock=lambda: loop.now)
+    SimLoop.__init__(loop, scheduler, RandomDurations(seed), delivery_jitter=0.05, seed=seed)
+    for s in specs:
+        loop.submit(s)
+    return scheduler, loop
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), at=st.floats(0.5, 10.0))
+def test_property_a_lost_trainer_group_rolls_back_its_own_tasks_only(seed, at):
+    """Trainer group 1 lost at a random time: its tasks (or one moving out of it) go back to their checkpoint and
+    finish on group 0; the audit keeps every version once; a task group 1 never owned is never rolled back."""
+    specs = [spec(f"t{i}", i % 3, steps=6, batch=2) for i in range(4)]
+    scheduler, loop = _groups_loop(specs, seed)
+    loop.lose_trainer_group(1, at)
+    owners: dict[str, set] = collections.defaultdict(set)
+    handle = scheduler.handle
+
+    def watching(event):  # which groups owned each task before the loss
+        out = handle(event)
+        if loop.now < at:
+            for task in scheduler.tasks.values():
+                owners[task.task_id].add(task.trainer_group)
+                owners[task.task_id].add(scheduler.trainers.moving.get(task.task_id))
+        return out
+
+    scheduler.handle = watching
+    result = loop.run()
+    _check_exact(scheduler, result, specs)
+    for task in scheduler.tasks.values():
+        if 1 not in owners[task.task_id]:
+            assert task.rollbacks == 0, f"{task.task_id} never on group 1 went back to a checkpoint"
+        assert task.trainer_group == 0 or task.rollbacks == 0
+    assert 1 in scheduler.trainers.lost
+
+
+def test_a_rolled_back_task_is_admitted_again_at_its_checkpoint_under_a_new_adapter_line():
+    scheduler = Scheduler(SchedulerConfig(rollout_ranks=(1,), env_ranks=(10,), rollout_slots=4, trainer_groups=2),
+                          clock=lambda: 0.0)
+    out = scheduler.handle(Submit(spec("a", 1, steps=5, batch=2)))
+    admit = next(c for c in out if type(c).__name__ == "Admit")
+    group = admit.trainer_group
+    saved = scheduler.tasks["a"].checkpoint()  # its record at submission: never saved since
+    scheduler.handle(StepDone("a", 0))
+    issued = scheduler.tasks["a"].next_prompt
+    assert issued > 0
+    out = scheduler.handle(RankLost(99, "trainer", group, {"a": saved}))
+    task = scheduler.tasks["a"]
+    again = next(c for c in out if type(c).__name__ == "Admit")
+    assert again.trainer_group != group and again.resume_version is None and again.adapter_key == "a@1"
+    assert task.reissue == list(range(issued)) and task.version == -1 and task.adapter_key == "a@1"
+    assert any(type(c).__name__ == "Discard" for c in out)
+    assert scheduler.handle(RankLost(98, "trainer", group, {})) == [], "one loss per group"

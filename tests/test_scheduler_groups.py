@@ -209,7 +209,7 @@ def test_a_task_moves_at_its_step_boundary_unless_draining(draining):
         return
     assert moves == [Move("b", 1, 0, 1)] and scheduler.trainer_group("b") == 0
     assert scheduler.trainers.placement.load == [30.0, 40.0]  # b's measured cost moved with it
-    assert scheduler.trainers.moving == {"b"} and not scheduler.settled()
+    assert set(scheduler.trainers.moving) == {"b"} and not scheduler.settled()
     scheduler.handle(Moved("b", 0))
     assert not scheduler.trainers.moving
     following = _train_order(scheduler, commands, "b")

@@ -127,6 +127,11 @@ class Supervisor:
         into the one message instead; they are printed at the end if no rank failure explains them)."""
         block: list[str] | None = None
         for line in self.proc.stderr:
+            line = line.replace("\0", "")  # prterun (ULFM) ends its stderr with a NUL and no newline
+            if not line.strip():
+                continue
+            if not line.endswith("\n"):
+                line += "\n"  # the supervisor's own message starts a line of its own
             if block is not None:
                 block.append(line)
                 if _BANNER_RULE.match(line.strip()):

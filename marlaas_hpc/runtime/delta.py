@@ -87,13 +87,17 @@ class DeltaOrder:
 
     KEY = "delta_seq"
 
-    def __init__(self, comm, leaders: list[int], host: str | None = None, timeout_s: float = 600.0):
-        if comm.Get_rank() == leaders[0]:
-            self.store, address = host_store(len(leaders), host, timeout_s)
-            for rank in leaders[1:]:
-                comm.send(address, dest=rank, tag=TAG_DELTA)
+    def __init__(self, comm, leaders: list[int], host: str | None = None, timeout_s: float = 600.0,
+                 host_rank: int = 0):
+        """Made by every leader and by `host_rank` (world rank 0), which hosts the counter: the job's one rank
+        whose loss stops it anyway, so the counter outlives any trainer group."""
+        if comm.Get_rank() == host_rank:
+            self.store, address = host_store(len(leaders) + 1, host, timeout_s)
+            for rank in leaders:
+                if rank != host_rank:
+                    comm.send(address, dest=rank, tag=TAG_DELTA)
         else:
-            self.store = join_store(recv_wait(comm, TAG_DELTA, source=leaders[0])[0], len(leaders), timeout_s)
+            self.store = join_store(recv_wait(comm, TAG_DELTA, source=host_rank)[0], len(leaders) + 1, timeout_s)
 
     def next(self, epoch: int = 0) -> int:
         """The place of the broadcast about to be announced (0, 1, 2, ... over the whole job; each channel epoch

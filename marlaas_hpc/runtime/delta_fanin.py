@@ -110,7 +110,7 @@ class DeltaFanIn:
             if message is None:
                 return
             if source in self.inbox:
-                self.inbox[source].append(message)
+                self.inbox[source].append(message)  # (a lost leader's last words are not)
 
     def _advance(self) -> None:
         """Handles each leader's messages in its order, in the leaders' order (a new channel of leader i only once
@@ -147,6 +147,17 @@ class DeltaFanIn:
         for key in [key for key, (source, _) in self.held.items() if source == leader]:
             del self.held[key]
         self.channels[leader] = DeltaChannel.joined(self.comm, address, self.device, self.tolerant)
+
+    def drop_leader(self, leader: int) -> None:
+        """A trainer leader is lost: its channel and what was posted on it are left behind (its group's tasks are
+        published by their new group, under a new name: TaskState.adapter_key)."""
+        channel = self.channels.pop(leader, None)
+        if channel is not None:
+            self.retired.append((channel, list(self.pending.get(leader, ()))))
+        self.pending.pop(leader, None)
+        self.inbox.pop(leader, None)
+        for key in [key for key, (source, _) in self.held.items() if source == leader]:
+            del self.held[key]
 
     def _post_in_order(self) -> None:
         for epoch in sorted({epoch for epoch, _ in self.held}):

@@ -160,8 +160,10 @@ class EnvRank:
 
     def _admit(self, command: Admit) -> None:
         spec = command.spec
-        self.specs[spec.task_id] = spec
         self.trainer_of[spec.task_id] = self.group_leaders[command.trainer_group]
+        if spec.task_id in self.tasks:  # admitted again after its trainer group was lost: only its owner changed
+            return
+        self.specs[spec.task_id] = spec
         # rank 0 already checked it loads; a tenant reward file is only read here, it runs in sandboxed workers
         self.tasks[spec.task_id] = task = build_task_data(spec.dataset, spec.prompt.format, sandbox=self.sandbox)
         self.codecs[spec.task_id] = self.codec.for_prompt(spec.prompt)

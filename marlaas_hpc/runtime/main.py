@@ -277,12 +277,18 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         from marlaas_hpc.runtime.scheduler_rank import SchedulerRank
 
         run_dir.mkdir(parents=True, exist_ok=True)
+        order = None
+        if len(leaders) > 1:  # the job's order of delta broadcasts lives here: it outlives any trainer group
+            from marlaas_hpc.runtime.delta import DeltaOrder
+
+            order = DeltaOrder(comm, leaders)
         quiet_barrier(comm)
         readiness = comm.gather(None, root=0)[1:]
         log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - start:.1f} s "
             f"({describe_readiness(readiness)})")
         scheduler = SchedulerRank(comm, job, roles, codec, run_dir, log=log, startup_s=time.time() - start,
                                   preempt=preempt, resume=resume)
+        scheduler.delta_order = order
         comm.start_heartbeat(scheduler.busy)
         return scheduler.run()
     if role.kind == "env":
@@ -479,24 +485,32 @@ END_BARRIER_S = 30.0
 
 
 def _end_barrier(live) -> None:
-    """Ranks leave their loops at different times: the early ones wait without spinning. After a loss, among
-    the survivors only (every one of them shrinks COMM_WORLD the same way: rank 0's Shutdown listed the lost)."""
+    """Ranks leave their loops at different times: the early ones wait without spinning. After a loss there is
+    none: a collective among the survivors needs COMM_WORLD shrunk to them, and MPIX_Comm_shrink at the end of a
+    job that lost a trainer group hung on every survivor here (its agreement never completed); every rank has
+    written its outputs by now, and MPI_Finalize has its deadline (end_rank)."""
     if not live.members.tolerant:
         quiet_barrier(live.world)
         return
+    if live.members.ended_lost:  # every survivor takes this branch: rank 0's Shutdown listed the same ranks
+        return
     try:
-        quiet_barrier(live.end_comm(bool(live.members.ended_lost)), timeout_s=END_BARRIER_S)
+        quiet_barrier(live.world, timeout_s=END_BARRIER_S)
     except Exception as exc:  # a rank lost at the very end: nothing is left to wait for
         if not live.note_failure(exc):
             raise
 
 
 def end_lost_rank() -> None:
-    """A worker that failed in a tolerant job: it ends at once, without MPI_Finalize (a collective the others
-    reach only at the end of the job); its peers' MPI reports it failed and the job goes on."""
+    """A worker that failed in a tolerant job ends at once, without MPI_Finalize (a collective the others reach only
+    at the end of the job), and by SIGKILL, not exit(): the runtime reports a killed process failed to its peers
+    (0.4 s here), but a process that exits without MPI_Finalize it never reported, and every survivor then waited
+    for it in MPI_Finalize for ever (measured with the ULFM Open MPI 5.0.11)."""
+    import signal
+
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def end_rank(code: int) -> None:
@@ -512,26 +526,25 @@ def end_rank(code: int) -> None:
 
         if MPI.Is_initialized() and not MPI.Is_finalized():
             if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true"):
-                _finalize_deadline(code)
+                _finalize_deadline()
             MPI.Finalize()
     os._exit(code)
 
 
-FINALIZE_DEADLINE_S = 20.0
+FINALIZE_DEADLINE_S = 30
 """Under ULFM, how long MPI_Finalize may take before the rank ends without it."""
 
 
-def _finalize_deadline(code: int) -> None:
-    """Under ULFM, MPI_Finalize after a rank's loss sometimes never returned (every survivor waiting in it, ~1 run
-    in 4 here) although everything was written; a rank that exits without it is no failure there (mpiexec still
-    exits 0: measured), so after FINALIZE_DEADLINE_S the rank ends anyway."""
-    import threading
+def _finalize_deadline() -> None:
+    """Under ULFM, MPI_Finalize runs an agreement among the survivors, which never ends if a peer left without
+    being reported failed (end_lost_rank says how that happened; seen once more, cause unknown, in ~1 run of 4
+    after a rollout rank's SIGKILL). Everything is written and said by now, so after FINALIZE_DEADLINE_S the
+    kernel ends the rank (SIGALRM's default action: no Python thread can run while MPI_Finalize holds the GIL);
+    its peers see it fail, and mpiexec still exits 0 (a lost rank does not change its status under ULFM)."""
+    import signal
 
-    def end():
-        time.sleep(FINALIZE_DEADLINE_S)
-        os._exit(code)
-
-    threading.Thread(target=end, name="finalize-deadline", daemon=True).start()
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(FINALIZE_DEADLINE_S)
 
 
 if __name__ == "__main__":

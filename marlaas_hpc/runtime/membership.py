@@ -13,8 +13,8 @@ launch/mpi.py), `LiveComm` turns a peer's death into membership instead of an er
 - waiting on one rank that is lost (a trainer leader on its follower's acknowledgement, a follower on its
   leader) raises `RankLostError`: the caller's own group is gone, and it is the caller's to decide what then.
 Nothing is revoked or shrunk while the job runs (shrinking renumbers ranks, and every role addresses peers by
-world rank): point-to-point traffic between survivors keeps working on COMM_WORLD. The end of the job
-(`end_comm`) shrinks it once, among the survivors, for the last barrier.
+world rank): point-to-point traffic between survivors keeps working on COMM_WORLD (and the end of a job that lost a rank has
+no last barrier: runtime/main.py `_end_barrier`).
 
 Without ULFM nothing changes: every MPI error propagates, the rank dies, and the job stops and resumes.
 
@@ -184,12 +184,3 @@ class LiveComm:
 
     def _lost_error(self, rank: int) -> RankLostError:
         return RankLostError(rank, self.members.kind_of.get(rank, "?"))
-
-    # ---- the end ----
-    def end_comm(self, anyone_lost: bool):
-        """The communicator of the job's last barrier: COMM_WORLD, or, when a rank was lost (rank 0 says so in
-        Shutdown: every survivor must take the same branch), COMM_WORLD shrunk to its survivors (collective over
-        them; rank 0 keeps rank 0)."""
-        if not (self.members.tolerant and anyone_lost):
-            return self.world
-        return self.world.Shrink()

@@ -44,6 +44,12 @@ class GenerateWork:
     sends GroupEnded, and samples every later turn (ContinueGroup) with it."""
     episode_tokens: int | None = None
     """Multi-turn: prompt + model + tool token budget of an episode; every turn's cap is cut to fit it."""
+    adapter: str | None = None
+    """The name of the task's adapter versions after a rollback (TaskState.adapter_key); None: the task id."""
+
+    @property
+    def adapter_key(self) -> str:
+        return self.adapter or self.task_id
 
 
 @dataclass
@@ -134,7 +140,7 @@ class DeltaAnnounce:
 class Shutdown:
     reason: str = "all tasks ended"
     lost: tuple[int, ...] = ()
-    """Every rank the job lost: each survivor takes the same way out (runtime/membership.py `end_comm`)."""
+    """Every rank the job lost: each survivor takes the same way out (runtime/main.py `_end_barrier`)."""
 
 
 @dataclass
@@ -147,6 +153,9 @@ class RanksChanged:
     rollout_ranks: tuple[int, ...]
     lost: tuple[int, ...] = ()
     joined: tuple[int, ...] = ()
+    rolled_back: tuple[str, ...] = ()
+    """Tasks of a lost trainer group, going back to their checkpoint: a trainer group holding any of them (one
+    handed over from the lost group) drops it; their Admit follows."""
 
 
 @dataclass
@@ -242,11 +251,23 @@ class MoveOutOp(TaskOp):
 
 @dataclass
 class MoveInOp(TaskOp):
-    """Receive a moving task's shard from the same position of its old group (`source_ranks`)."""
+    """Receive a moving task's shard from the same position of its old group (`source_ranks`). Acknowledged by
+    every rank with whether its shard came (it does not when a rank of the old group was lost)."""
 
     spec: object
     source_ranks: list
-    stage = "move_in"
+    stage, durable = "move_in", True
+
+
+@dataclass
+class ForgetOp(TrainerOp):
+    """Drop what this group holds of these tasks (rolled back after another group's loss), nothing written."""
+
+    task_ids: list
+    stage = "forget"
+
+    def tasks(self) -> list[str]:
+        return list(self.task_ids)
 
 
 @dataclass
@@ -309,6 +330,8 @@ class Handover:
     """Scored groups of the task that had reached the old leader and not been trained yet."""
     last_saved: tuple[int, float] | None = None
     """(version, unix time) of the task's last periodic save (CheckpointPolicy), for the new group's policy."""
+    adapter_key: str | None = None
+    """The name its versions are published under (Admit.adapter_key)."""
 
 
 @dataclass

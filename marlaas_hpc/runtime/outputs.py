@@ -40,6 +40,15 @@ class AuditLog:
         self.sink.flush()
         self.written += len(new)
 
+    def rewrite(self, scheduler) -> None:
+        """The whole file again from the scheduler's audit (a task rolled back in the live job: its steps after
+        the checkpoint left the audit)."""
+        self.sink.close()
+        atomic_write_text(self.path, "".join(audit_lines(r, scheduler.tasks[r.task_id].spec.algo.group_size)
+                                             for r in scheduler.audit))
+        self.sink = open(self.path, "a")
+        self.written = len(scheduler.audit)
+
     def close(self) -> None:
         self.sink.close()
 
@@ -131,6 +140,17 @@ class RunBooks:
             if not isinstance(command, Generate):  # the one command that changes nothing status.json shows
                 self.status.changed(command.spec.task_id if isinstance(command, Admit) else command.task_id)
         self.records.maybe_compact()
+
+    def roll_back(self, task, version: int) -> None:
+        """A task went back to its checkpoint at `version` in the live job (its trainer group was lost): the audit
+        and its metrics.jsonl lose the steps after it, as a resume's rollback cuts them (runtime/recovery.py)."""
+        from marlaas_hpc.rundir import task_dir
+        from marlaas_hpc.runtime.recovery import cut_jsonl
+
+        self.audit.rewrite(self.scheduler)
+        cut_jsonl(task_dir(self.records.run_dir, task.spec) / "metrics.jsonl",
+                  lambda row: row.get("version", 0) <= version)
+        self.status.changed(task.task_id)
 
     def tick(self, busy=None) -> None:
         """status.json when due (busy: rank 0's BusyClock, which counts the time as 'status')."""

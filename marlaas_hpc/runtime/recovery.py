@@ -100,7 +100,7 @@ def rollback_outputs(run_dir: Path, state: dict) -> list:
     versions = resumed_versions(state)
     records = _rollback_audit(Path(run_dir) / "audit.jsonl", versions)
     for task_id, entry in state["tasks"].items():
-        _cut_jsonl(task_dir(run_dir, TaskSpec.from_dict(entry["spec"])) / "metrics.jsonl",
+        cut_jsonl(task_dir(run_dir, TaskSpec.from_dict(entry["spec"])) / "metrics.jsonl",
                    lambda row, v=versions[task_id]: row.get("version", 0) <= v)
     return records
 
@@ -108,7 +108,7 @@ def rollback_outputs(run_dir: Path, state: dict) -> list:
 def _rollback_audit(path: Path, versions: dict[str, int]) -> list:
     from marlaas_hpc.scheduler import AuditRecord
 
-    kept = _cut_jsonl(path, lambda row: row.get("trained_into", 0) <= versions.get(row.get("task_id"), -1))
+    kept = cut_jsonl(path, lambda row: row.get("trained_into", 0) <= versions.get(row.get("task_id"), -1))
     records: dict[tuple[str, str], AuditRecord] = {}
     for row in kept:
         key = (row["task_id"], row["group_id"])
@@ -118,7 +118,7 @@ def _rollback_audit(path: Path, versions: dict[str, int]) -> list:
     return list(records.values())
 
 
-def _cut_jsonl(path: Path, keep) -> list[dict]:
+def cut_jsonl(path: Path, keep) -> list[dict]:
     """Keeps the rows of a JSONL file for which keep(row) holds (a torn last line, cut by a crash mid-write, is
     dropped); rewrites the file atomically if anything went. Returns the rows kept."""
     if not path.is_file():

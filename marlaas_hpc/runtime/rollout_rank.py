@@ -117,13 +117,16 @@ class RolloutRank:
 
     def _ranks_changed(self, change: RanksChanged) -> None:
         """An env rank lost: the groups bound for it were issued again elsewhere; each is closed here (its version
-        unpinned) and its slot freed at rank 0 (Generated). A changed set of rollout ranks needs nothing here:
-        each leader sends the address of its remade delta channel (runtime/delta_fanin.py)."""
+        unpinned) and its slot freed at rank 0 (Generated). A trainer leader lost: its delta channel is left
+        behind (its tasks come back under new adapter names: GenerateWork.adapter). A changed set of rollout ranks
+        needs nothing here: each leader sends the address of its remade delta channel (runtime/delta_fanin.py)."""
         members = self.comm.members
         for rank in change.lost:
             members.mark_lost(rank)
             if members.kind_of.get(rank) == "env":
                 self._env_lost(rank)
+            elif rank in self.delta.leaders:  # a lost trainer group's leader
+                self.delta.drop_leader(rank)
 
     def _env_lost(self, rank: int) -> None:
         for group_id in [gid for gid, entry in self.open_groups.items() if entry.work.env_rank == rank]:
@@ -159,7 +162,7 @@ class RolloutRank:
         versions are retired once unused, and a newer policy is never staler); eval work keeps its version."""
         still_waiting = []
         for work in self.waiting:
-            have = self.versions.get(work.task_id, -1)
+            have = self.versions.get(work.adapter_key, -1)
             if work.version is not None and have < work.version:
                 still_waiting.append(work)
                 continue
@@ -174,7 +177,7 @@ class RolloutRank:
             entry = _SamplingGroup(work, group, work.version, time.time())
             self.open_groups[group.group_id] = entry
             if work.multi_turn and work.version is not None:
-                self.engine.pin(work.task_id, work.version)
+                self.engine.pin(work.adapter_key, work.version)
             contexts = [group.prompt_ids] * work.group_size
             requests += self._turn_requests(entry, list(range(work.group_size)), contexts)
         self.engine.submit(requests)
@@ -182,14 +185,14 @@ class RolloutRank:
     def _turn_requests(self, entry: _SamplingGroup, episodes: list[int], contexts: list[list[int]]):
         work = entry.work
         entry.waiting, entry.done = set(episodes), {}
-        entry.newest = self.versions.get(work.task_id)
+        entry.newest = self.versions.get(work.adapter_key)
         requests = []
         for j, context in zip(episodes, contexts):
             self.counter += 1
             request_id = f"{entry.group.group_id}#{j}@{entry.turn}"  # unique and readable; never parsed back
             self.requests[request_id] = _RequestOf(entry.group.group_id, j, entry.turn)
             requests.append(GenerationRequest(
-                request_id=request_id, task_id=work.task_id,
+                request_id=request_id, task_id=work.adapter_key,
                 adapter_version=entry.version, prompt_ids=context, temperature=work.temperature,
                 max_new_tokens=self._turn_cap(work, len(context)),
                 seed=(self.seed * 1_000_003 + self.rank * 7919 + self.counter) % (2**31)))
@@ -231,7 +234,7 @@ class RolloutRank:
         if entry.waiting and not entry.work.eval:
             self.outbox.send(Generated(self.rank, (group_id,), (entry.version,)), 0, TAG_EVENT)
         if entry.version is not None:
-            self.engine.unpin(entry.work.task_id, entry.version)
+            self.engine.unpin(entry.work.adapter_key, entry.version)
         self._note_group(entry)
 
     # ---- finished turns ----

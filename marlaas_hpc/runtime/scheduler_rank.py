@@ -94,6 +94,12 @@ class SchedulerRank:
         """Ranks the live job went on without, this run's and earlier runs' (summary.json)."""
         self.unnamed: list[dict] = []
         """Losses whose one line waits for the cause (the supervisor's report, a moment after MPI's)."""
+        self.groups = trainer_group_ranks(job.layout)
+        self.lost_groups: set[int] = set()
+        self.parting: list = []
+        """Sends to the ranks of a lost trainer group that still live (they end themselves on it)."""
+        self.delta_order = None
+        """With several trainer groups: the job's order of delta broadcasts, hosted here (runtime/delta.py)."""
 
     @property
     def runs(self) -> list[dict]:
@@ -150,7 +156,9 @@ class SchedulerRank:
             self._poll_queue()
             if self.starting:
                 self._submit_next()
-            event, _ = poll(self.comm, TAG_EVENT)
+            event, source = poll(self.comm, TAG_EVENT)
+            if source in self.members.lost:
+                event = None  # a lost rank's last words: what it said is forgotten, or done again elsewhere
             if event is not None:
                 with self.busy.track("eval" if isinstance(event, EvalDone) else "event"):
                     self._event(event)
@@ -179,6 +187,9 @@ class SchedulerRank:
             waiting -= set(self.members.lost)
         self._name_losses(wait_s=0.0)
         self.outbox.flush()
+
+    def _live_leaders(self) -> list[int]:
+        return [leader for group, leader in enumerate(self.leaders) if group not in self.lost_groups]
 
     def _live_workers(self) -> list[int]:
         """The ranks rank 0 talks to (env, rollout, trainer leaders) that are alive."""
@@ -242,7 +253,7 @@ class SchedulerRank:
             self.scheduler.draining = True
             self.log("[job] USR2: draining in-flight work, then checkpointing every task at a step boundary")
         if not self.checkpoint_sent and self.scheduler.settled() and not self.pending_evals:
-            for leader in self.leaders:  # every trainer group saves the tasks it owns
+            for leader in self._live_leaders():  # every trainer group saves the tasks it owns
                 self.outbox.send(Checkpoint(), leader, TAG_CMD)
             self.checkpoint_sent = True
         return self.checkpointed is not None
@@ -349,7 +360,7 @@ class SchedulerRank:
             self.books.records.saved(self.scheduler.tasks[task_id])
         self.checkpoints.update(event.versions)
         self.checkpoint_answers += 1
-        if self.checkpoint_answers == len(self.leaders):  # every trainer group has saved its tasks
+        if self.checkpoint_answers == len(self._live_leaders()):  # every trainer group has saved its tasks
             self.checkpointed = dict(self.checkpoints)
 
     # ---- commands ----
@@ -396,8 +407,10 @@ class SchedulerRank:
         codec = self.codecs[command.task_id]
         groups = [PromptGroup(gid, index, codec.encode_prompt(first_prompt(data, data.train_sample(index))))
                   for gid, index in command.groups]
+        task = self.scheduler.tasks[command.task_id]
         return GenerateWork(command.task_id, command.version, command.env_rank, groups, algo.group_size,
-                            algo.temperature, algo.max_new_tokens, **self._episodes(command.task_id))
+                            algo.temperature, algo.max_new_tokens, **self._episodes(command.task_id),
+                            adapter=task.adapter_key if task.rollbacks else None)
 
     def _episodes(self, task_id: str) -> dict:
         """GenerateWork fields of a multi-turn (tool) task: its rollout rank keeps its groups open."""
@@ -414,8 +427,10 @@ class SchedulerRank:
                               self.codecs[task_id].encode_prompt(first_prompt(self.data[task_id], s)))
                   for s in samples]
         self.pending_evals[(task_id, "before" if version is None else "after")] = len(groups)
+        task = self.scheduler.tasks[task_id]
         work = GenerateWork(task_id, version, env, groups, 1, 0.0, spec.algo.max_new_tokens, eval=True,
-                            **self._episodes(task_id))
+                            **self._episodes(task_id),
+                            adapter=task.adapter_key if task.rollbacks and version is not None else None)
         self.outbox.send(work, rollout, TAG_CMD)
         for group in groups:
             self.eval_out[group.group_id] = (dataclasses.replace(work, groups=[group]), rollout)
@@ -439,6 +454,9 @@ class SchedulerRank:
         """The scheduler's RankLost, the workers' RanksChanged, evals sent again, the record; the line follows
         once the cause is known (`_name_losses`)."""
         kind = self.members.kind_of[rank]
+        if kind == "trainer":
+            self._trainer_group_lost(rank)
+            return
         if kind not in ("env", "rollout"):
             raise JobCannotGoOn(f"the job does not go on without a {kind} rank")
         if not self.members.alive(kind):
@@ -452,6 +470,39 @@ class SchedulerRank:
         loss = {"rank": rank, "role": kind, "at": time.time(), "cause": None,
                 "groups_reissued": [gid for c in commands if isinstance(c, Discard) for gid in c.group_ids],
                 "evals_resent": self._resend_evals(rank, kind)}
+        self.books.records.rank_lost(loss)
+        self.ranks_lost.append(loss)
+        self.unnamed.append(loss)
+        self._execute(commands)
+
+    def _trainer_group_lost(self, rank: int) -> None:
+        """The rank's whole trainer group is gone (a TP or DP group cannot go on short of a rank): its ranks still
+        alive are told to end, and every task it owned goes back to its newest checkpoint and is admitted again
+        on a surviving group; the other groups' tasks go on."""
+        group = next(g for g, ranks in enumerate(self.groups) if rank in ranks)
+        if group in self.lost_groups:
+            return
+        self.lost_groups.add(group)
+        for member in self.groups[group]:
+            self.members.mark_lost(member)
+        if len(self.lost_groups) == len(self.groups):
+            raise JobCannotGoOn("no other trainer group is left to take its tasks")
+        records = self.books.records.tasks
+        owned = {t: task.version for t, task in self.scheduler.tasks.items() if task.status == "running"
+                 and group in (task.trainer_group, self.scheduler.trainers.moving.get(t))}
+        commands = self._handle(RankLost(rank, "trainer", group, {t: records[t]["saved"] for t in owned}))
+        back = {t: [max(version, 0), records[t]["saved"]["version"] or 0] for t, version in owned.items()}
+        for task_id, (_, version) in back.items():
+            self.books.roll_back(self.scheduler.tasks[task_id], version)
+        self.delta_epoch += 1
+        notice = RanksChanged(self.delta_epoch, tuple(self.members.alive("rollout")), lost=tuple(self.groups[group]),
+                              rolled_back=tuple(back))
+        for worker in self._live_workers():
+            self.outbox.send(notice, worker, TAG_CMD)
+        self.parting.append(self.comm.world.isend(notice, dest=self.leaders[group], tag=TAG_CMD))
+        loss = {"rank": rank, "role": f"trainer (group {group})", "trainer_group": group, "at": time.time(),
+                "cause": None, "groups_reissued": [g for c in commands if isinstance(c, Discard) for g in c.group_ids],
+                "evals_resent": [], "tasks_rolled_back": back}
         self.books.records.rank_lost(loss)
         self.ranks_lost.append(loss)
         self.unnamed.append(loss)
@@ -485,6 +536,10 @@ class SchedulerRank:
             self.books.records.rank_lost(loss)
             groups, evals = loss["groups_reissued"], loss["evals_resent"]
             shown = ", ".join(groups[:6]) + (", ..." if len(groups) > 6 else "")
-            self.log(f"[fault] rank {loss['rank']} ({loss['role']}) lost: {loss['cause']}; {len(groups)} groups "
-                     f"issued again" + (f" ({shown})" if groups else "") + f", {len(evals)} eval prompts sent again; "
-                     f"the job goes on with {loss['role']} ranks {self.members.alive(loss['role'])}")
+            back = loss.get("tasks_rolled_back")
+            kind = "trainer" if back is not None else loss["role"]
+            went_back = "; tasks back to their checkpoint: " + (", ".join(
+                f"{t} v{a} -> v{b}" for t, (a, b) in back.items()) or "none") if back is not None else ""
+            self.log(f"[fault] rank {loss['rank']} ({loss['role']}) lost: {loss['cause']}{went_back}; {len(groups)} "
+                     f"groups issued again" + (f" ({shown})" if groups else "") + f", {len(evals)} eval prompts sent "
+                     f"again; the job goes on with {kind} ranks {self.members.alive(kind)}")

@@ -30,11 +30,11 @@ from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, recv_wait, write_timeline
 from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_shards, save_torch, trainer_rng_path,
                                             trainer_shard_path)
-from marlaas_hpc.runtime.faults import is_job_fault, is_storage_error, storage_error
+from marlaas_hpc.runtime.faults import RankLostError, is_job_fault, is_storage_error, storage_error
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER, AdmitOp,
                                           Checkpoint, CheckpointDone, CheckpointOp, Handover, MoveInOp, MoveOutOp,
-                                          PublishOp, RanksChanged, RankStats, RemoveOp, SaveOp, ScoredGroup, Shutdown,
-                                          ShutdownOp, TaskSaved, TrainerOp, TrainOp)
+                                          ForgetOp, PublishOp, RanksChanged, RankStats, RemoveOp, SaveOp, ScoredGroup,
+                                          Shutdown, ShutdownOp, TaskSaved, TrainerOp, TrainOp)
 from marlaas_hpc.runtime.retention import RetentionConfig, in_flight_versions, prune_adapters
 from marlaas_hpc.scheduler import Admit, Discard, Move, Moved, StepDone, TaskEnded, TaskFailed, Train
 from marlaas_hpc.scheduler.staleness import within_bound
@@ -86,6 +86,10 @@ class TrainerRank:
         self.clock = BusyClock()
         self.outbox = Outbox(comm)
         self.tensorboard = TensorBoardSink()
+        self.adapter_keys: dict[str, str] = {}
+        """Task -> the name its versions are published under (Admit.adapter_key: a new one after a rollback)."""
+        self.acked = True
+        """Whether every follower's acknowledgement of the last durable op said it went through."""
 
     # ---- every TP rank executes the same ops in the same order ----
     def execute(self, op: TrainerOp):
@@ -123,6 +127,12 @@ class TrainerRank:
         if self.policy is not None:
             self.policy.forget(op.task_id)
 
+    def _run_forget(self, op: ForgetOp) -> None:
+        for task_id in op.task_ids:
+            if task_id in self.trainer.tasks:
+                self.trainer.remove_task(task_id)
+            self.specs.pop(task_id, None)
+
     def _run_publish(self, op: PublishOp) -> None:
         for task_id in op.task_ids:
             self._publish(task_id, write=False)
@@ -130,13 +140,20 @@ class TrainerRank:
     def _run_move_out(self, op: MoveOutOp) -> None:
         self._send_state(op.task_id, op.target_ranks)
 
-    def _run_move_in(self, op: MoveInOp) -> None:
-        self._receive_state(op.task_id, op.spec, op.source_ranks)
+    def _run_move_in(self, op: MoveInOp) -> bool:
+        """False: the shard never came (a rank of the old group was lost)."""
+        try:
+            self._receive_state(op.task_id, op.spec, op.source_ranks)
+        except RankLostError:
+            return False
+        return True
 
     def _admit(self, admit: Admit) -> int:
-        """A new task gets a fresh adapter (v0); a resumed one its saved shard and optimizer state."""
+        """A new task gets a fresh adapter (v0); a resumed one (or one rolled back after its group's loss) its
+        saved shard and optimizer state."""
         spec = admit.spec
         self.specs[spec.task_id] = spec
+        self.adapter_keys[spec.task_id] = admit.adapter_key or spec.task_id
         if admit.resume_version is None:
             # shards left by an earlier job in this run dir must not pass for this task's
             prune_shards(trainer_shard_path(self.run_dir, spec, self.trainer.tp_rank, 0).parent,
@@ -202,7 +219,7 @@ class TrainerRank:
                 if is_storage_error(exc):  # a full disk is the job's fault: name the file, not the library
                     raise storage_error(exc, f"adapter {out}") from exc
                 raise
-            self.delta.send(task_id, version, tensors, spec.lora)
+            self.delta.send(self.adapter_keys.get(task_id, task_id), version, tensors, spec.lora)
             self.clock.note("publish", (task_id,), t0, time.time(), version=version,
                             bytes=sum(t.numel() * 4 for t in tensors.values()))
         return version
@@ -214,12 +231,13 @@ class TrainerRank:
         fell back to the checkpoint before)."""
         for rank in self.followers:
             self.comm.send(op, dest=rank, tag=TAG_TRAINER)
+        self.acked = True
         try:
             return self.execute(op)
         finally:
             if op.durable:  # acknowledged whatever happened here: no ack is left for a later op
-                for rank in self.followers:
-                    recv_wait(self.comm, TAG_TRAINER, source=rank)
+                for rank in self.followers:  # (stage, whether it went through there)
+                    self.acked &= recv_wait(self.comm, TAG_TRAINER, source=rank)[0][1] is not False
 
     # ---- loops ----
     def run_follower(self) -> None:
@@ -230,15 +248,16 @@ class TrainerRank:
                 write_timeline(self.run_dir, self.rank, "trainer", self.clock)
                 self.outbox.flush()
                 break
+            result = None
             with self.clock.track(op.stage, op.tasks()):
                 try:
-                    self.execute(op)
+                    result = self.execute(op)
                 except Exception as exc:
                     if is_job_fault(exc):
                         raise
                     # a task's fault: the leader hits the same error in the same op and reports it
                 if op.durable:  # this rank's shard is written (a job fault above never acks)
-                    self.comm.send(op.stage, dest=self.leader, tag=TAG_TRAINER)
+                    self.comm.send((op.stage, result), dest=self.leader, tag=TAG_TRAINER)
 
     def run_leader(self) -> None:
         while True:
@@ -316,10 +335,19 @@ class TrainerRank:
             self._ranks_changed(command)
 
     def _ranks_changed(self, change: RanksChanged) -> None:
-        """The rollout ranks changed: the delta channel is remade among the new ones (blocking until they all
-        joined: runtime/delta.py), then every task of this group is broadcast again on it."""
+        """Ranks lost. This group itself: it ends (rank 0 gave its tasks to another). Another trainer group: the
+        tasks it owned are rolled back, and any of them here (handed over from it) is dropped. The delta channel is
+        remade among the rollout ranks (blocking until they all joined: runtime/delta.py), then every task of this
+        group is broadcast again on it."""
+        if self.rank in change.lost:
+            raise RankLostError(self.rank, "trainer: its trainer group was lost")
         for rank in change.lost:
             self.comm.members.mark_lost(rank)
+        held = [t for t in change.rolled_back if t in self.specs]
+        if held:
+            self._everyone(ForgetOp(held))
+        if change.rolled_back:
+            self._drop_tasks(set(change.rolled_back))
         if change.delta_epoch == self.delta.epoch:
             return
         with self.clock.track("remake_channel", rollout_ranks=list(change.rollout_ranks)):
@@ -327,6 +355,15 @@ class TrainerRank:
             tasks = sorted(t for t in self.trainer.task_ids() if t in self.specs)
             if tasks:
                 self._everyone(PublishOp(tasks))
+
+    def _drop_tasks(self, tasks: set[str]) -> None:
+        """What this leader holds of these tasks besides their state: data, orders, admissions, forwarding."""
+        for group_id in [g for g, trajs in self.buffer.items() if trajs and trajs[0].task_id in tasks]:
+            del self.buffer[group_id]
+        self.orders = [o for o in self.orders if o.task_id not in tasks]
+        self.admits = deque(a for a in self.admits if a.spec.task_id not in tasks)
+        for task_id in tasks:
+            self.moved_to.pop(task_id, None)
 
     def _run_ready_orders(self) -> bool:
         """Runs every order whose groups have all arrived, fused into one step."""
@@ -432,8 +469,8 @@ class TrainerRank:
         for gid in buffered:
             del self.buffer[gid]
         last_saved = self.policy.hand_over(move.task_id) if self.policy is not None else None
-        self.outbox.send(Handover(move.task_id, move.version, spec, self.groups[self.group], buffered, last_saved),
-                         target[0], TAG_HANDOVER)
+        self.outbox.send(Handover(move.task_id, move.version, spec, self.groups[self.group], buffered, last_saved,
+                                  self.adapter_keys.pop(move.task_id, move.task_id)), target[0], TAG_HANDOVER)
         self.moved_to[move.task_id] = target[0]
 
     def _move_in(self, handover: Handover) -> None:
@@ -442,9 +479,15 @@ class TrainerRank:
         the shards sent to this group are received."""
         task_id = handover.task_id
         self.moved_to.pop(task_id, None)  # it may come back to a group it left
+        if any(rank in self.comm.members.lost for rank in handover.source_ranks):
+            return  # its old group was lost: rank 0 rolled the task back (RanksChanged.rolled_back)
+        self.adapter_keys[task_id] = handover.adapter_key or task_id
         with self.clock.track("move_in", (task_id,)):
             try:
-                self._everyone(MoveInOp(task_id, handover.spec, handover.source_ranks))
+                arrived = self._everyone(MoveInOp(task_id, handover.spec, handover.source_ranks))
+                if not (arrived and self.acked):  # the old group was lost midway: the task was rolled back
+                    self._everyone(ForgetOp([task_id]))
+                    return
                 if self.trainer.version(task_id) != handover.version:
                     raise RuntimeError(f"{task_id}: handed over at v{self.trainer.version(task_id)}, the scheduler "
                                        f"moved it at v{handover.version}")
@@ -482,6 +525,6 @@ class TrainerRank:
 
 # trainer op type -> the method every rank of the group runs for it
 TrainerRank._OPS = {AdmitOp: TrainerRank._run_admit, TrainOp: TrainerRank._run_train, SaveOp: TrainerRank._run_save,
-                    PublishOp: TrainerRank._run_publish,
+                    PublishOp: TrainerRank._run_publish, ForgetOp: TrainerRank._run_forget,
                     CheckpointOp: TrainerRank._run_checkpoint, RemoveOp: TrainerRank._run_remove,
                     MoveOutOp: TrainerRank._run_move_out, MoveInOp: TrainerRank._run_move_in}

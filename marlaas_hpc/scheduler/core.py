@@ -81,12 +81,19 @@ class Resumed:
 
 @dataclass(slots=True)
 class RankLost:
-    """A worker rank is gone (it died, hung and was killed, or left): the groups it held are sampled again
-    elsewhere (runtime/membership.py notices the loss; rank 0 hands it to the scheduler)."""
+    """A worker rank is gone (it died, hung and was killed, or left); runtime/membership.py notices the loss and
+    rank 0 hands it to the scheduler. A rollout or env rank: the unscored groups it held are sampled again
+    elsewhere. A trainer rank: its whole trainer group is gone, and each task it owned goes back to its newest
+    checkpoint (`restore`) and is admitted again on a surviving group."""
 
     rank: int
     role: str
-    """'rollout' or 'env' (a trainer group's loss is the trainer's: runtime/scheduler_rank.py)."""
+    """'rollout', 'env' or 'trainer'."""
+    trainer_group: int | None = None
+    """A trainer rank's group."""
+    restore: dict = field(default_factory=dict, repr=False)
+    """A trainer group's loss: task -> the checkpoint record it goes back to (TaskState.checkpoint() at its
+    newest save, or at submission: rank 0's records, runtime/records.py)."""
 
 
 @dataclass(slots=True)
@@ -137,6 +144,8 @@ class Admit:
     """Restore the adapter and optimizer saved at this version instead of creating a fresh adapter."""
     trainer_group: int = 0
     """The trainer group that creates (or restores) the adapter and owns the task."""
+    adapter_key: str | None = field(default=None, repr=False)
+    """The name its versions are published under, after a rollback (TaskState.adapter_key); None: the task id."""
 
 
 @dataclass(slots=True)
@@ -244,7 +253,7 @@ class TrainerGroups:
     """The scheduler's book of the trainer groups: which owns each task (placement), each group's heap of
     trainable tasks and its orders in flight, the groups a train pass may act on, and tasks moving."""
 
-    __slots__ = ("placement", "heaps", "busy", "ready", "moving")
+    __slots__ = ("placement", "heaps", "busy", "ready", "moving", "lost")
 
     def __init__(self, groups: int):
         self.placement = Placement(groups)
@@ -254,8 +263,10 @@ class TrainerGroups:
         """Train orders in flight per group."""
         self.ready: set[int] = set()
         """Groups with a free slot and a non-empty heap (several groups only)."""
-        self.moving: set[str] = set()
-        """Tasks whose Move has not been answered (Moved) yet."""
+        self.moving: dict[str, int] = {}
+        """Tasks whose Move has not been answered (Moved) yet -> the group they are leaving."""
+        self.lost: set[int] = set()
+        """Trainer groups lost (RankLost of one of their ranks): never placed on again."""
 
     def changed(self, group: int, slots: int) -> None:
         """Keeps `ready` true for one group after its slots or its heap changed."""
@@ -337,7 +348,7 @@ class Scheduler:
         return self._end(event.task_id, FAILED, event.error)
 
     def _on_moved(self, event: Moved) -> list:
-        self.trainers.moving.discard(event.task_id)
+        self.trainers.moving.pop(event.task_id, None)
         return []
 
     def _on_resumed(self, event: Resumed) -> list:
@@ -352,6 +363,8 @@ class Scheduler:
         version then: nothing of it was trained, so nothing is trained twice. Its old data, wherever it still
         turns up (a trainer leader's buffer), is discarded."""
         rank = event.rank
+        if event.role == "trainer":
+            return self._trainer_group_lost(event.trainer_group, event.restore)
         if event.role == "rollout" and rank in self.rollout_load:
             del self.rollout_load[rank]
             index = self._rank_index[rank]
@@ -389,6 +402,52 @@ class Scheduler:
             task.reissue.sort()  # oldest prompts first
             out.append(self._forget(lost, task, reason))
             self._touch(task)
+        return out
+
+    def _trainer_group_lost(self, group: int, restore: dict) -> list:
+        """Every task the group owned (or was handing over to another) goes back to its checkpoint, queued to be
+        admitted again, on a surviving group; the group is never placed on again."""
+        if group in self.trainers.lost:
+            return []
+        self.trainers.lost.add(group)
+        self.trainers.placement.drop_group(group)
+        self.trainers.heaps[group].clear()
+        self.trainers.ready.discard(group)
+        owned = [task for task in self.tasks.values() if task.status == RUNNING
+                 and group in (task.trainer_group, self.trainers.moving.get(task.task_id))]
+        out = []
+        for task in owned:
+            out += self._roll_back(task, restore[task.task_id])
+        return out
+
+    def _roll_back(self, task: TaskState, saved: dict) -> list:
+        """The task as it was at `saved` (its checkpoint), queued for admission (Admit with its resume version).
+        Every group issued since is forgotten (Discard), the steps after it leave the audit, and the prompts issued
+        since are issued again under fresh ids (their old groups' data may still turn up somewhere)."""
+        groups = list(itertools.chain(task.generating.values(), task.scoring.values(), task.ready,
+                                      task.training or []))
+        for group in itertools.chain(task.generating.values(), task.scoring.values()):
+            if group.env_rank in self.env_load:
+                self._env_rank_freed(group.env_rank)  # their Scored, if it comes, is ignored
+        out = [self._forget(groups, task, f"trainer group {task.trainer_group} lost")] if groups else []
+        version = saved["version"] or 0
+        self.audit = [r for r in self.audit if r.task_id != task.task_id or r.trained_into <= version]
+        if task.training is not None:
+            self.training.discard(task.task_id)
+        self.trainers.moving.pop(task.task_id, None)
+        self._trainable.pop(task.task_id, None)
+        self.trainers.placement.release(task.task_id)
+        back = TaskState.from_checkpoint(task.spec, saved)
+        task.reissue = sorted(set(task.reissue) | set(range(back.next_prompt, task.next_prompt)))
+        for name in ("version", "trained_groups", "dropped_groups", "filtered_groups", "max_trained_staleness",
+                     "step_times", "reward_history", "resume_version"):
+            setattr(task, name, getattr(back, name))
+        task.generating, task.scoring, task.ready, task.training = {}, {}, [], None
+        task.status, task.trainer_group, task.rollbacks = QUEUED, None, task.rollbacks + 1
+        self._n_running -= 1
+        key = (-task.spec.priority, task.submitted_at) if self.config.order == "priority" else (task.submitted_at,)
+        heapq.heappush(self._queued, (key, self._served[task.task_id], task.task_id))
+        self._touch(task)
         return out
 
     def _on_rank_joined(self, event: RankJoined) -> list:
@@ -524,7 +583,7 @@ class Scheduler:
         source = placement.move(task.task_id, target)
         task.trainer_group = target
         task.moves += 1
-        self.trainers.moving.add(task.task_id)
+        self.trainers.moving[task.task_id] = source
         self._trainable.pop(task.task_id, None)  # its entry in the old group's heap goes stale
         self._touch(task, quota_changed=False)  # ... and it is filed in the new group's
         return [Move(task.task_id, source, target, task.version)]
@@ -601,7 +660,8 @@ class Scheduler:
                                   self.trainers.placement.place(task.task_id, estimated_tokens_per_step(task.spec)))
             self.mode.admitted(task)
             self._touch(task)
-            out.append(Admit(task.spec, task.resume_version, task.trainer_group))
+            out.append(Admit(task.spec, task.resume_version, task.trainer_group,
+                             task.adapter_key if task.rollbacks else None))
         return out
 
     def _order_key(self, task: TaskState, served: dict[str, int] | None = None):

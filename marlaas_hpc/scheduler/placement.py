@@ -91,14 +91,18 @@ class Placement:
         self.owner[task_id] = target
         return source
 
+    def drop_group(self, group: int) -> None:
+        """The group is lost: it is never the least loaded again (its tasks are released one by one)."""
+        self.load[group] = float("inf")
+
     def release(self, task_id: str) -> None:
         group = self.owner.pop(task_id, None)
         if group is not None:
             self.load[group] -= self.cost.pop(task_id)
             self._measured.pop(task_id, None)
             self.tasks[group] -= 1
-            if not self.tasks[group]:
-                self.load[group] = 0.0  # no float residue on an empty group
+            if not self.tasks[group] and self.load[group] != float("inf"):
+                self.load[group] = 0.0  # no float residue on an empty group (a lost one stays infinite)
 
     def _set_cost(self, task_id: str, cost: float) -> None:
         group = self.owner[task_id]

@@ -49,9 +49,11 @@ class _Worker:
     its rollout rank at the end of generation; a Scored needs the rollout rank then and the env rank at its end."""
 
     event: object
-    rollout_rank: int
-    generated_at: float
+    rollout_rank: int = -1
+    generated_at: float = 0.0
     env_rank: int | None = None
+    trainer_group: int | None = None
+    """A trainer group's event: it happens only if the group is not lost by then."""
 
 
 class SimLoop:
@@ -70,6 +72,10 @@ class SimLoop:
         self.result = SimResult(0.0, 0)
         self.lost_at: dict[int, float] = {}
         """Rank -> when it was lost (injected failures)."""
+        self.saved: dict[str, dict] = {}
+        """Task -> its checkpoint record after its latest step (or at submission)."""
+        self.lost_groups: dict[int, float] = {}
+        """Trainer group -> when it was lost."""
 
     def clock(self) -> float:
         return self.now
@@ -85,6 +91,11 @@ class SimLoop:
         the scheduler hears of it then (RankLost), as rank 0 does from the MPI's failure notice."""
         self.at(at, _Loss(rank, role))
 
+    def lose_trainer_group(self, group: int, at: float) -> None:
+        """Injects a trainer group's loss at time `at`: its steps not done by then never happen, and each task it
+        owned goes back to its newest checkpoint (this loop checkpoints every task at every step)."""
+        self.at(at, _Loss(-1 - group, "trainer", group))
+
     def join(self, rank: int, at: float) -> None:
         """A rollout rank joins at time `at` (RankJoined)."""
         self.at(at, RankJoined(rank))
@@ -93,8 +104,7 @@ class SimLoop:
         while self._queue and self.result.events < max_events:
             self.now, _, event = heapq.heappop(self._queue)
             if isinstance(event, _Loss):
-                self.lost_at[event.rank] = self.now
-                event = RankLost(event.rank, event.role)
+                event = self._lost(event)
             elif isinstance(event, _Worker):
                 if not self._happens(event):
                     self.result.lost_events += 1
@@ -103,10 +113,24 @@ class SimLoop:
             self.result.events += 1
             for command in self.scheduler.handle(event):
                 self._execute(command)
+            if isinstance(event, (StepDone, Submit)):
+                task = self.scheduler.tasks[event.task_id if isinstance(event, StepDone) else event.spec.task_id]
+                self.saved[task.task_id] = task.checkpoint()
         self.result.end_time = self.now
         return self.result
 
+    def _lost(self, loss: "_Loss") -> RankLost:
+        if loss.role != "trainer":
+            self.lost_at[loss.rank] = self.now
+            return RankLost(loss.rank, loss.role)
+        self.lost_groups[loss.group] = self.now
+        owned = [t.task_id for t in self.scheduler.tasks.values() if t.status == "running"
+                 and loss.group in (t.trainer_group, self.scheduler.trainers.moving.get(t.task_id))]
+        return RankLost(loss.rank, "trainer", loss.group, {t: self.saved[t] for t in owned})
+
     def _happens(self, worker: "_Worker") -> bool:
+        if worker.trainer_group is not None:
+            return self.lost_groups.get(worker.trainer_group, float("inf")) > self.now
         lost = self.lost_at
         if lost.get(worker.rollout_rank, float("inf")) <= worker.generated_at:
             return False
@@ -118,7 +142,8 @@ class SimLoop:
     def _execute(self, command) -> None:
         d = self.durations
         if isinstance(command, Admit):
-            self.at(d.publish(command.spec.task_id), StepDone(command.spec.task_id, 0))
+            done = StepDone(command.spec.task_id, command.resume_version or 0)
+            self.at(d.publish(command.spec.task_id), _Worker(done, trainer_group=command.trainer_group))
         elif isinstance(command, Generate):
             rank = command.rollout_rank
             for group_id, _ in command.groups:
@@ -137,12 +162,14 @@ class SimLoop:
                 (command.behaviour_versions, command.from_version))
             self.result.trains.append(command)
             cost = d.train(command.task_id, len(command.group_ids)) + d.publish(command.task_id)
-            self.at(cost, StepDone(command.task_id, command.from_version + 1))
+            done = StepDone(command.task_id, command.from_version + 1)
+            self.at(cost, _Worker(done, trainer_group=command.trainer_group))
         elif isinstance(command, TaskEnded):
             self.result.ended[command.task_id] = command.status
         elif isinstance(command, Move):  # the handover takes about a publish
             self.result.moves.append(command)
-            self.at(d.publish(command.task_id), Moved(command.task_id, command.to_group))
+            self.at(d.publish(command.task_id), _Worker(Moved(command.task_id, command.to_group),
+                                                        trainer_group=command.from_group))
         elif isinstance(command, Discard):
             self.result.discarded += command.group_ids
         else:
@@ -153,3 +180,4 @@ class SimLoop:
 class _Loss:
     rank: int
     role: str
+    group: int | None = None

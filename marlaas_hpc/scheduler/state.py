@@ -69,6 +69,15 @@ class TaskState:
     """Prompt -> times it was issued again (the suffix of its group id)."""
     reissued_groups: int = 0
     """Groups lost with a rank and issued again."""
+    rollbacks: int = 0
+    """Times the task went back to its checkpoint because its trainer group was lost. Each rollback starts a new
+    line of adapter versions (`adapter_key`): the rollout ranks still hold the lost line's newer versions."""
+
+    @property
+    def adapter_key(self) -> str:
+        """The name its adapter versions are published and sampled under: the task id, then `<task>@<n>` after
+        its n-th rollback (version v of the lost line and of the new one are different adapters)."""
+        return self.task_id if not self.rollbacks else f"{self.task_id}@{self.rollbacks}"
 
     def checkpoint(self) -> dict:
         """What a resume restarts the task from (JSON). Groups in flight or buffered are not kept: their prompts
