@@ -1,4 +1,4 @@
-"""`marlaas` command line: run a job locally (or under MPI/Slurm), and the per-component tools."""
+"""`marlaas` command line: run a job locally (or under MPI/Slurm), scale a live one, and the per-component tools."""
 from __future__ import annotations
 
 import argparse
@@ -198,6 +198,9 @@ def cmd_status(args) -> int:
     print(f"{run_dir}: mode {state['mode']}, {phase}, {elapsed:.0f} s")
     if phase.startswith("stopped"):
         print(json.loads(crash.read_text()).get("message", ""))
+    ranks = state.get("ranks")
+    if ranks:  # a rank was lost, joined or left the live job
+        print(f"ranks: rollout {ranks['rollout']} (joined {ranks['joined']}), env {ranks['env']}, lost {ranks['lost']}")
     print(f"{'task':<16} {'tenant':<10} {'state':<10} {'step':>9} {'k':>2} {'reward':>7} {'TTFS_s':>7} {'TPTS_s':>7}")
     for task_id, t in state["tasks"].items():
         reward = "-" if t["reward_last"] is None else f"{t['reward_last']:.3f}"
@@ -206,6 +209,34 @@ def cmd_status(args) -> int:
         print(f"{task_id:<16} {t['tenant']:<10} {t['status']:<10} {t['steps_done']:>4}/{t['total_steps']:<4} "
               f"{t['staleness_bound']:>2} {reward:>7} {ttfs:>7} {tpts:>7}" + (f"  {t['error']}" if t["error"] else ""))
     return 0
+
+
+def cmd_scale(args) -> int:
+    """Sets the number of rollout ranks of a live local job (runtime/scaling.py): rank 0 starts ranks that join, or
+    drains the newest ones, and says so in its log."""
+    from pathlib import Path
+
+    from marlaas_hpc.runtime.scaling import request_scale
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "job.json").is_file():
+        print(f"marlaas: {run_dir} is not the run dir of a job (no job.json)", file=sys.stderr)
+        return 2
+    if (run_dir / "summary.json").is_file() and not json_loads(run_dir / "summary.json").get("preempted"):
+        print(f"marlaas: the job of {run_dir} has ended", file=sys.stderr)
+        return 2
+    if args.rollout < 1:
+        print("marlaas: --rollout must be at least 1 (a job needs a rollout rank)", file=sys.stderr)
+        return 2
+    path = request_scale(run_dir, args.rollout)
+    print(f"asked the job of {run_dir} for {args.rollout} rollout ranks ({path}); its log says what rank 0 does")
+    return 0
+
+
+def json_loads(path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
 
 
 def cmd_report(args) -> int:
@@ -253,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     from marlaas_hpc.service.commands import add_tasks_parser
 
     add_tasks_parser(sub)
+    scale = sub.add_parser("scale", help="set the number of rollout ranks of a live local job (ranks join or drain)")
+    scale.add_argument("run_dir", metavar="RUN_DIR")
+    scale.add_argument("--rollout", type=int, required=True, help="rollout ranks wanted")
+    scale.set_defaults(func=cmd_scale)
     report = sub.add_parser("report", help="PNG figures + Markdown summary of run dirs (several: compared)")
     report.add_argument("run_dirs", nargs="+")
     report.add_argument("-o", "--out", default="report", help="output folder (default: ./report)")

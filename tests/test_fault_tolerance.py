@@ -168,3 +168,58 @@ def test_sigkill_of_one_rank_of_one_of_two_trainer_groups_rolls_back_that_groups
     audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
     others = [r for r in audit if r["task_id"] not in rolled]
     assert others and all(".r" not in r["group_id"] for r in others), "no other task went back"
+
+
+def _scale(run_dir: Path, rollout: int) -> None:
+    import subprocess
+    import sys
+
+    from test_runtime_mpi import ROOT, _env
+
+    proc = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "scale", str(run_dir), "--rollout", str(rollout)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_marlaas_scale_adds_a_rollout_rank_to_a_live_job_then_drains_it(tmp_path):
+    """1 -> 2 rollout ranks: a new process joins (MPI_Comm_spawn; links by connect/accept; the delta channels
+    remade with it), generates groups, and writes its ranks/ and timeline/ files like any rank. 2 -> 1: it
+    drains and leaves. The job finishes by itself with every version trained exactly once."""
+    run_dir = tmp_path / "run"
+    job = Job([str(_config(tmp_path)), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_steps(3)
+    _scale(run_dir, 2)
+    job.wait_lines("[scale] rollout rank 4 joined")
+    job.wait_steps(job.steps() + 6)
+    _scale(run_dir, 1)
+    job.wait_lines("[scale] rollout rank 4 drained and left")
+    assert job.finish() == 0, job.output()
+    joined = json.loads((run_dir / "ranks" / "rank4.json").read_text())
+    assert joined["role"] == "rollout (joined)"
+    groups = [json.loads(line) for line in (run_dir / "timeline" / "rank4.jsonl").read_text().splitlines()
+              if '"stage": "group"' in line]
+    assert groups, "the joined rank generated groups"
+    summary = _check_every_version_once(run_dir)
+    assert [r["rank"] for r in summary["ranks_joined"]] == [4] and [r["rank"] for r in summary["ranks_left"]] == [4]
+    assert "4" in summary["engine_restarts"], "its RankStats reached rank 0 before it left"
+    trained = {r["group_id"] for r in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
+    assert {g["group_id"] for g in groups if not g["eval"]} & trained, "groups it generated were trained"
+
+
+def test_rollout_replace_starts_a_new_rank_for_a_killed_one(tmp_path):
+    run_dir = tmp_path / "run"
+    config = small_config(layout={"env_ranks": 1, "rollout_ranks": 1, "trainer_tp": 1, "rollout_replace": True},
+                          checkpoint={"every_steps": 5, "every_minutes": 0})
+    for task in config["tasks"]:
+        task["total_steps"] = STEPS
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_steps(3)
+    victim = _rank(run_dir, "rollout")
+    os.kill(victim["pid"], signal.SIGKILL)
+    job.wait_lines("[scale] rollout rank 4 joined")
+    assert job.finish() == 0, job.output()
+    assert any(line.startswith("[scale] starting rollout rank 4 to replace rank 2") for line in job.lines)
+    summary = _check_every_version_once(run_dir)
+    assert summary["ranks_lost"][0]["rank"] == victim["rank"] and summary["ranks_joined"][0]["rank"] == 4

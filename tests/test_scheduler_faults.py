@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marlaas_hpc.scheduler import (DONE, Generate, Generated, RankJoined, RankLost, Scheduler, SchedulerConfig,
-                                   Scored, StepDone, Submit)
+from marlaas_hpc.scheduler import (DONE, Generate, Generated, RankJoined, RankLeaving, RankLost, Scheduler,
+                                   SchedulerConfig, Scored, StepDone, Submit)
 from marlaas_hpc.scheduler.simloop import SimLoop
 from test_scheduler import RandomDurations, spec
 
@@ -104,6 +104,25 @@ def test_a_joined_rollout_rank_takes_groups():
     assert 7 in scheduler.rollout_load and scheduler.rollout_ranks == [1, 7]
     with pytest.raises(ValueError, match="already known"):
         scheduler.handle(RankJoined(7))
+
+
+def test_a_draining_rollout_rank_gets_no_new_group_and_is_idle_once_its_groups_are_done():
+    """`marlaas scale` down: RankLeaving keeps new groups off the rank; what it holds finishes there (no group is
+    issued again), and `rank_idle` says when it may leave."""
+    scheduler = Scheduler(SchedulerConfig(rollout_ranks=(1, 2), env_ranks=(10,), rollout_slots=2), clock=lambda: 0.0)
+    scheduler.handle(Submit(spec("a", 1, steps=4, batch=4)))
+    out = scheduler.handle(StepDone("a", 0))
+    on_two = [g for c in out if isinstance(c, Generate) and c.rollout_rank == 2 for g, _ in c.groups]
+    assert on_two and not scheduler.rank_idle(2)
+    assert scheduler.handle(RankLeaving(2)) == [], "nothing is issued again: its groups finish where they are"
+    for group_id in on_two:
+        out = scheduler.handle(Generated(2, (group_id,)))
+        assert all(c.rollout_rank != 2 for c in out if isinstance(c, Generate)), "no new group on a draining rank"
+        assert not scheduler.rank_idle(2), "a generated group is still being scored"
+        scheduler.handle(Scored(group_id, 1.0))
+    assert scheduler.rank_idle(2) and not scheduler.rank_idle(1)
+    scheduler.handle(RankLost(2, "rollout"))  # it leaves: nothing of it is left to issue again
+    assert scheduler.tasks["a"].reissued_groups == 0 and not scheduler.tasks["a"].reissue
 
 
 def test_losing_every_env_rank_issues_nothing_more():

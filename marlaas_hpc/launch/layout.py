@@ -162,6 +162,9 @@ class JobLayout:
     """Devices of rollout and trainer ranks (launch/devices.py): 'auto' runs them on GPUs where the driver lists
     GPUs and the rank is given some, else on the CPU; 'cuda' refuses to start a rollout or trainer rank without
     its GPU(s); 'cpu' never uses GPUs. Scheduler and env ranks always run on the CPU."""
+    rollout_replace: bool = False
+    """A lost rollout rank is replaced by a new one that joins the live job (local mode on the fault-tolerant MPI:
+    runtime/scaling.py); its groups go to the survivors meanwhile. Under Slurm it is not replaced."""
     share_gpus: bool = False
     """Let rollout and trainer ranks on one node share GPUs when the node has fewer GPUs than they need (e.g. one
     vLLM engine and a TP=1 trainer on a one-GPU machine). Without it such a node is refused. Trainer ranks among
@@ -251,6 +254,8 @@ class JobLayout:
             raise LayoutError("accelerator", f"must be 'auto', 'cpu' or 'cuda', got {self.accelerator!r}")
         if not isinstance(self.share_gpus, bool):
             raise LayoutError("share_gpus", f"must be true or false, got {self.share_gpus!r}")
+        if not isinstance(self.rollout_replace, bool):
+            raise LayoutError("rollout_replace", f"must be true or false, got {self.rollout_replace!r}")
         _int_at_least(self.signal_lead_s, 0, "signal_lead_s")
         _int_at_least(self.srun_grace_s, 1, "srun_grace_s")
         if self.emulated_nodes and self.network_interface not in (None, "lo"):

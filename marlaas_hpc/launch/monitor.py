@@ -78,6 +78,8 @@ class RankMonitor:
         self._server = socket.create_server(("", 0))
         self.address = f"{host or socket.gethostname()}:{self._server.getsockname()[1]}"
         self.hellos: dict[int, dict] = {}
+        self.statuses: dict[int, int] = {}
+        """Rank -> the status it said the job ends with (rank 0's bye)."""
         self.failures: list[RankFailure] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -152,6 +154,9 @@ class RankMonitor:
                 peer.beat, peer.beat_at = message, time.monotonic()
             elif message.get("kind") == "bye":
                 peer.ended = True
+                if peer.hello is not None and "status" in message:
+                    with self._lock:
+                        self.statuses[peer.hello["rank"]] = message["status"]
 
     def _record(self, failure: RankFailure) -> None:
         with self._lock:
@@ -173,6 +178,14 @@ class RankMonitor:
             return causes[0]
         survived = [f for f in failures if tolerated(f)]
         return survived[-1] if survived else (failures or [None])[0]
+
+    def job_status(self) -> int | None:
+        """The status rank 0 said the job ends with, if every failure was one the job went on without; None
+        otherwise (the launcher's status stands)."""
+        with self._lock:
+            if 0 not in self.statuses or not all(tolerated(f) or f.peer_lost for f in self.failures):
+                return None
+            return self.statuses[0]
 
     def hello(self, rank: int) -> dict | None:
         with self._lock:
@@ -307,8 +320,9 @@ class RankReporter:
     def crash(self, cause: str, peer_lost: bool, traceback_file: str | None = None) -> None:
         self._send({"kind": "crash", "cause": cause, "peer_lost": peer_lost, "traceback": traceback_file})
 
-    def bye(self) -> None:
-        self._send({"kind": "bye"})
+    def bye(self, status: int | None = None) -> None:
+        """The rank ends normally; rank 0 says with which status the job ends."""
+        self._send({"kind": "bye", **({"status": status} if status is not None else {})})
         self._drop()
 
     def _drop(self) -> None:

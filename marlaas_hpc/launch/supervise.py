@@ -187,7 +187,11 @@ class Supervisor:
     # ---- after ----
     def wait(self) -> int:
         code = self.proc.wait()
-        return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+        code = code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+        ended = self.monitor.job_status()
+        # a job that went on without a lost rank ends with rank 0's status: the ULFM launcher still reports a rank
+        # that joined the live job (another MPI job to it) and was then lost, as exit 137
+        return ended if ended is not None and self.interrupted is None else code
 
     def failure(self, code: int) -> RankFailure | None:
         """The rank failure that ended the job, if it ended by one (None for a normal end, a preemption (75),

@@ -149,8 +149,8 @@ class EnvRank:
     def _ranks_changed(self, change: RanksChanged) -> None:
         """A rollout rank lost: rank 0 issued its unscored groups again, so what this rank holds of them is
         dropped (no Scored, no ScoredGroup), and what still comes of it is ignored."""
+        self.comm.apply(change)
         for rank in change.lost:
-            self.comm.members.mark_lost(rank)
             if self.comm.members.kind_of.get(rank) != "rollout":
                 continue
             self.lost_rollout.add(rank)

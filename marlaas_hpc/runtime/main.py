@@ -300,23 +300,12 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         comm.start_heartbeat(worker.clock)
         worker.run()
     elif role.kind == "rollout":
-        from marlaas_hpc.model.cache import default_cache_dir
-        from marlaas_hpc.rollout import make_engine
-        from marlaas_hpc.runtime.rollout_rank import RolloutRank
-
-        work = run_dir / "rollout" / f"rank{rank}"
-        # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
-        if job.engine == "vllm":  # vLLM finds its GPUs through CUDA_VISIBLE_DEVICES (all of them: its TP size)
-            kwargs = {"work_dir": work, "cache_dir": default_cache_dir() / "vllm",
-                      **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())}
-        else:
-            kwargs = {"device": binding.device}
-        from marlaas_hpc.rollout.restart import RestartingEngine
         from marlaas_hpc.runtime.delta import DeltaChannel
         from marlaas_hpc.runtime.delta_fanin import DeltaFanIn
+        from marlaas_hpc.runtime.rollout_rank import RolloutRank
 
         t0 = time.time()
-        engine = RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))
+        engine = rollout_engine(job, model_path, rank, seed, binding.device, run_dir)
         engine_up = time.time()
         if job.layout.share_gpus:
             _engine_is_up(comm, roles["trainer"])
@@ -363,6 +352,81 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     return None
 
 
+def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, device: str, run_dir: Path):
+    """A rollout rank's engine, rebuilt in place if it fails (rollout/restart.py)."""
+    from marlaas_hpc.model.cache import default_cache_dir
+    from marlaas_hpc.rollout import make_engine
+    from marlaas_hpc.rollout.restart import RestartingEngine
+
+    # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
+    if job.engine == "vllm":  # vLLM finds its GPUs through CUDA_VISIBLE_DEVICES (all of them: its TP size)
+        kwargs = {"work_dir": run_dir / "rollout" / f"rank{rank}", "cache_dir": default_cache_dir() / "vllm",
+                  **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())}
+    else:
+        kwargs = {"device": device}
+    return RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))
+
+
+def join_main(run_dir: str, rank: int) -> None:
+    """A rollout rank that joins the live job of `run_dir` as world rank `rank` (started by rank 0:
+    runtime/scaling.py): its engine first, then Joining to rank 0, the links its env ranks and trainer leaders
+    make to its port, its GPU to each leader (their delta channels are remade with it), and the rollout loop. It
+    ends once its links are disconnected (drained, or at the end of the job: a process still linked cannot finalize
+    MPI). Devices: the CPU, or the first GPU it sees (placing joined ranks on free GPUs is not done)."""
+    from mpi4py import MPI  # first: rank 0's MPI_Comm_spawn waits until this process is in MPI_Init
+
+    from marlaas_hpc.launch.monitor import RankReporter
+    from marlaas_hpc.model import TextCodec
+    from marlaas_hpc.runtime.comm import recv_wait
+    from marlaas_hpc.runtime.delta import gpu_key
+    from marlaas_hpc.runtime.delta_fanin import DeltaFanIn
+    from marlaas_hpc.runtime.membership import LiveComm, Membership, accept_links, open_ports
+    from marlaas_hpc.runtime.messages import TAG_CMD, TAG_DELTA, TAG_EVENT, Joining
+    from marlaas_hpc.runtime.rollout_rank import RolloutRank
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    job = load_job(None, run_dir, None, resume=True)
+    run_path = Path(job.run_dir).resolve()
+    live = LiveComm(MPI.COMM_WORLD, Membership(roles_of(job.layout), tolerant=True))
+    live.rank = rank
+    live.add_link(0, MPI.Comm.Get_parent())
+    live.members.join(rank, "rollout")
+    role = "rollout (joined)"
+    record_rank(run_path, rank, role)
+    reporter = live.reporter = RankReporter.connect({
+        "rank": rank, "role": role, "run_dir": str(run_path), "tolerant": True, "on_rank_loss": "continue",
+        "hang_timeout_s": job.fault.hang_timeout_s})
+    try:
+        import torch
+
+        device = "cuda:0" if job.layout.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
+        t0 = time.time()
+        engine = rollout_engine(job, job.model_path(), rank, job.seed + 7919 * rank, device, run_path)
+        engine_up = time.time()
+        live.send(Joining(rank), 0, TAG_EVENT)
+        peers = recv_wait(live, TAG_CMD, source=0)[0].peers  # LinkTo: who links to it
+        ports = open_ports(peers)
+        live.send(Joining(rank, ports), 0, TAG_EVENT)
+        recv_wait(live, TAG_CMD, source=0)  # its RanksChanged: every peer has been told
+        for peer, link in accept_links(ports).items():
+            live.add_link(peer, link)
+        leaders = [peer for peer in peers if live.members.kind_of.get(peer) == "trainer"]
+        for leader in leaders:  # as every rollout rank does at start: the leader picks the backend
+            live.send(gpu_key(torch.device(device)), leader, TAG_DELTA)
+        worker = RolloutRank(live, engine, DeltaFanIn(live, [], leaders=leaders, device=device, tolerant=True),
+                             seed=job.seed + 7919 * rank, run_dir=run_path)
+        worker.clock.note("start_engine", (), t0, engine_up)
+        live.start_heartbeat(worker.clock)
+        worker.run()
+        reporter.stop_heartbeat()
+        live.disconnect_all()
+    except BaseException as exc:
+        report_crash(exc, run_path, rank, reporter)
+        end_lost_rank()
+    reporter.bye()
+    end_rank(0)
+
+
 def _engine_is_up(comm, trainers: list[int]) -> None:
     """Rollout rank, layout.share_gpus: tells every trainer rank that its engine has started."""
     from marlaas_hpc.runtime.messages import TAG_STARTUP
@@ -390,7 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the preempted job of RUN_DIR")
     parser.add_argument("--auto-resume", action="store_true",
                         help="resume if the run dir holds a checkpoint, else start fresh (Slurm requeue)")
+    parser.add_argument("--join", metavar="RUN_DIR", help=argparse.SUPPRESS)  # a rank rank 0 started
+    parser.add_argument("--as-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.join:
+        join_main(args.join, args.as_rank)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from marlaas_hpc.runtime.checkpoint import PreemptFlag, load_job_checkpoint, requeue_marker
 
@@ -452,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = run_rank(live, job, binding, log=log, preempt=preempt, resume=state)
         reporter.stop_heartbeat()
+        if live.members.drained:  # this rank alone left the live job (runtime/scaling.py)
+            reporter.bye()
+            end_lost_rank()
     except BaseException as exc:
         report_crash(exc, run_path, rank, reporter)
         if live.members.tolerant and rank != 0:
@@ -460,11 +531,13 @@ def main(argv: list[str] | None = None) -> int:
         comm.Abort(1)
     if summary is not None and not summary["preempted"]:
         log(f"[job] {job.mode} finished in {summary['wall_time_s']:.1f} s; summary: {Path(job.run_dir) / 'summary.json'}")
+    live.disconnect_all()  # the links to ranks that joined the live job (runtime/scaling.py)
     _end_barrier(live)
-    reporter.bye()
     # only rank 0 reports the preemption: under srun --kill-on-bad-exit an early non-zero exit of another
     # rank would kill rank 0 while it finalizes
-    return PREEMPTED_EXIT if summary is not None and summary["preempted"] else 0
+    status = PREEMPTED_EXIT if summary is not None and summary["preempted"] else 0
+    reporter.bye(status)
+    return status
 
 
 def _live_comm(comm, job: JobConfig):

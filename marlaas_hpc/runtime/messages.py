@@ -139,6 +139,7 @@ class DeltaAnnounce:
 @dataclass
 class Shutdown:
     reason: str = "all tasks ended"
+    """'drained': this rank alone leaves (runtime/scaling.py); the job goes on."""
     lost: tuple[int, ...] = ()
     """Every rank the job lost: each survivor takes the same way out (runtime/main.py `_end_barrier`)."""
 
@@ -152,10 +153,31 @@ class RanksChanged:
     delta_epoch: int
     rollout_ranks: tuple[int, ...]
     lost: tuple[int, ...] = ()
+    left: tuple[int, ...] = ()
+    """Those of `lost` that left alive (drained): their links are disconnected, not dropped."""
     joined: tuple[int, ...] = ()
     rolled_back: tuple[str, ...] = ()
     """Tasks of a lost trainer group, going back to their checkpoint: a trainer group holding any of them (one
     handed over from the lost group) drops it; their Admit follows."""
+    ports: dict = field(default_factory=dict)
+    """Joined rank -> {peer: the MPI port it accepts that peer's link on}: each env rank and trainer leader connects
+    to its own (runtime/membership.py connect_link; two connects to one port at once were seen to hang)."""
+
+
+@dataclass
+class Joining:
+    """A rank rank 0 started (runtime/scaling.py) -> rank 0: its engine is up (`ports` None), then, once rank 0 said
+    which ranks link to it (LinkTo), the port it accepts each one's link on."""
+
+    rank: int
+    ports: dict | None = None
+
+
+@dataclass
+class LinkTo:
+    """rank 0 -> a rank that joins: the ranks that will link to it (env ranks and trainer leaders)."""
+
+    peers: tuple[int, ...]
 
 
 @dataclass

@@ -74,6 +74,8 @@ class StatusBoard:
         self.written_at: float | None = None
         self.encoded = 0
         """Task entries encoded so far (each write encodes only the changed ones)."""
+        self.ranks: dict | None = None
+        """The live ranks once they changed (a rank lost, joined or left: runtime/scheduler_rank.py)."""
 
     def changed(self, task_id: str) -> None:
         if task_id not in self.entries:
@@ -95,7 +97,7 @@ class StatusBoard:
         self.encoded += len(self.dirty)
         self.dirty.clear()
         head = json.dumps({"mode": self.job.mode, "elapsed_s": now - self.start,
-                           "finished": self.scheduler.finished()})
+                           "finished": self.scheduler.finished(), **({"ranks": self.ranks} if self.ranks else {})})
         body = ",\n".join(f"  {json.dumps(task_id)}: {entry}" for task_id, entry in self.entries.items())
         atomic_write_text(self.path, head[:-1] + ', "tasks": {\n' + body + "\n}}\n")
         self.written_at = now
@@ -183,7 +185,8 @@ def trainer_groups(stats: list, scheduler, wall_s: float) -> dict:
 def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_s: float,
                   rejected: dict[str, str], startup_s: float = 0.0, job_start: float | None = None,
                   runs: list[dict] | None = None, preempted: bool = False,
-                  ranks_lost: list[dict] | None = None) -> dict:
+                  ranks_lost: list[dict] | None = None, ranks_joined: list[dict] | None = None,
+                  ranks_left: list[dict] | None = None) -> dict:
     """wall_time_s runs from the moment every rank is ready (job_start, unix seconds; start-up excluded:
     startup_s). Timeline records (timeline/rank<N>.jsonl) use the same unix clock. `runs`: this job's
     earlier runs (each ended by a preemption or a crash); `preempted`: this run ended in a checkpoint, not
@@ -204,6 +207,7 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                "preempted": preempted, "previous_runs": runs or [],
                "total_wall_time_s": wall_s + sum(r["wall_time_s"] for r in runs or []),
                "tasks": tasks, "rejected": rejected, "ranks_lost": ranks_lost or [],
+               "ranks_joined": ranks_joined or [], "ranks_left": ranks_left or [],
                # per env rank: env-step latencies by stage (tool:<name>, reward) and per-task episode figures
                "env_ranks": {str(stat.rank): stat.extra for stat in stats if stat.kind == "env" and stat.extra},
                "trainer_groups": trainer_groups(stats, scheduler, wall_s),

@@ -23,6 +23,8 @@ files (`read_records`); `REPLAY` turns each kind into its part of the state:
     current_run   "job"              this run's start, or None                current_run (a crash's history)
     finished      "job"              true once the job has ended              finished: nothing to resume
     rank_lost     its own seq        {"rank", "role", "at", "cause", ...}     ranks_lost (a history: every one kept)
+    rank_joined   its own seq        {"rank", "role", "at", "start_s"}        ranks_joined (history)
+    rank_left     its own seq        {"rank", "role", "at", "why"}            ranks_left (history: drained ranks)
 
 Why a journal. A change (a task submitted, saved, ended or rolled back; an eval done; a spec refused) is one
 line, so its cost does not grow with the number of tasks; the whole file used to be encoded and rewritten on
@@ -144,7 +146,8 @@ class Journal:
 # ---- reading ----
 def _empty_state() -> dict:
     return {"format": FORMAT, "saved_at": 0.0, "finished": False, "runs": [], "current_run": None, "tasks": {},
-            "evals": [], "rejected": {}, "ranks_lost": [], "seq": 0, "records": {}}
+            "evals": [], "rejected": {}, "ranks_lost": [], "ranks_joined": [], "ranks_left": [], "seq": 0,
+            "records": {}}
 
 
 def _check_format(state: dict, record_id: str, value) -> None:
@@ -161,6 +164,8 @@ REPLAY: dict[str, Callable[[dict, str, object], None]] = {
     "current_run": lambda state, _, run: state.__setitem__("current_run", run),
     "finished": lambda state, _, finished: state.__setitem__("finished", bool(finished)),
     "rank_lost": lambda state, _, loss: state["ranks_lost"].append(loss),
+    "rank_joined": lambda state, _, join: state["ranks_joined"].append(join),
+    "rank_left": lambda state, _, left: state["ranks_left"].append(left),
 }
 """Record kind -> how its value enters the state (records are applied in seq order, newest per key only)."""
 
@@ -259,8 +264,12 @@ class JobRecords:
     def rank_lost(self, loss: dict) -> None:
         """A rank lost in the live job (runtime/scheduler_rank.py): a record of its own (`loss["id"]`, given the
         first time), written again under that id once its cause is known."""
-        loss.setdefault("id", str(self.journal.seq + 1))
-        self.journal.put("rank_lost", loss["id"], loss)
+        self.history("rank_lost", loss)
+
+    def history(self, kind: str, record: dict) -> None:
+        """A record of a history kind (rank_lost, rank_joined, rank_left): its own id, its seq the first time."""
+        record.setdefault("id", str(self.journal.seq + 1))
+        self.journal.put(kind, record["id"], record)
 
     def open_run(self, started: float, startup_s: float) -> None:
         """This run's start on record (a crash's history needs it), with what the resume read (choose_resume_points

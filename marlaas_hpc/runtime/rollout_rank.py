@@ -91,6 +91,7 @@ class RolloutRank:
             shutdown = next((command for command in commands if isinstance(command, Shutdown)), None)
             if shutdown is not None:
                 self.comm.members.ended_lost = shutdown.lost
+                self.comm.members.drained = shutdown.reason == "drained"
                 break
             for command in commands:  # in rank 0's order: a RanksChanged comes before what depends on it
                 if isinstance(command, GenerateWork):
@@ -121,8 +122,8 @@ class RolloutRank:
         behind (its tasks come back under new adapter names: GenerateWork.adapter). A changed set of rollout ranks
         needs nothing here: each leader sends the address of its remade delta channel (runtime/delta_fanin.py)."""
         members = self.comm.members
+        self.comm.apply(change)
         for rank in change.lost:
-            members.mark_lost(rank)
             if members.kind_of.get(rank) == "env":
                 self._env_lost(rank)
             elif rank in self.delta.leaders:  # a lost trainer group's leader

@@ -23,14 +23,16 @@ from marlaas_hpc.env.tenant_code import check_reward_code
 from marlaas_hpc.launch.layout import trainer_group_ranks
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.checkpoint import PreemptFlag, mark_preempted
-from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
-from marlaas_hpc.runtime.faults import JobCannotGoOn
+from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
+from marlaas_hpc.runtime.faults import JobCannotGoOn, RankLostError
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, CheckpointDone, EngineRestarted, EvalDone,
-                                          GenerateWork, PromptGroup, RanksChanged, RankStats, Shutdown, TaskSaved)
+                                          GenerateWork, Joining, LinkTo, PromptGroup, RanksChanged, RankStats,
+                                          Shutdown, TaskSaved)
+from marlaas_hpc.runtime.scaling import Scaler
 from marlaas_hpc.runtime.outputs import RunBooks, write_summary
 from marlaas_hpc.runtime.recovery import crashed_run, rollback_outputs
-from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, RankLost, Scheduler, StepDone,
-                                   Submit, TaskEnded, Train)
+from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, RankJoined, RankLeaving, RankLost,
+                                   Scheduler, StepDone, Submit, TaskEnded, Train)
 from marlaas_hpc.service import QueueIntake
 from marlaas_hpc.env import build_task_data
 from marlaas_hpc.tasks import SpecError
@@ -100,6 +102,10 @@ class SchedulerRank:
         """Sends to the ranks of a lost trainer group that still live (they end themselves on it)."""
         self.delta_order = None
         """With several trainer groups: the job's order of delta broadcasts, hosted here (runtime/delta.py)."""
+        self.scaler = Scaler(comm, job, self.run_dir, log)
+        """Rollout ranks joining, draining and wanted (runtime/scaling.py)."""
+        self.ranks_joined: list[dict] = list(resume.get("ranks_joined", [])) if resume else []
+        self.ranks_left: list[dict] = list(resume.get("ranks_left", [])) if resume else []
 
     @property
     def runs(self) -> list[dict]:
@@ -157,13 +163,14 @@ class SchedulerRank:
             if self.starting:
                 self._submit_next()
             event, source = poll(self.comm, TAG_EVENT)
-            if source in self.members.lost:
+            if source in self.members.lost and not isinstance(event, RankStats):
                 event = None  # a lost rank's last words: what it said is forgotten, or done again elsewhere
             if event is not None:
                 with self.busy.track("eval" if isinstance(event, EvalDone) else "event"):
                     self._event(event)
             if self.members.tolerant:
                 self._losses()
+            self._scale()
             self.books.tick(self.busy)
             if event is None and not self.starting and not self.taken:
                 time.sleep(0.002)
@@ -212,7 +219,8 @@ class SchedulerRank:
             "events": self.events, "record_bytes": self.books.records.journal.bytes_written, "stages": stages})
         summary = write_summary(self.run_dir, self.job, self.scheduler, self.evals, self.stats + [mine], wall,
                                 self.rejected, self.startup_s, job_start=self.start, runs=earlier,
-                                preempted=preempted, ranks_lost=self.ranks_lost)
+                                preempted=preempted, ranks_lost=self.ranks_lost,
+                                ranks_joined=self.ranks_joined, ranks_left=self.ranks_left)
         write_timeline(self.run_dir, 0, "scheduler", self.busy)
         if preempted:
             versions = {t: max(s.version, 0) for t, s in self.scheduler.tasks.items()}
@@ -332,6 +340,9 @@ class SchedulerRank:
             return
         if isinstance(event, RankStats):
             self.stats.append(event)
+            return
+        if isinstance(event, Joining):
+            self._joined(event)
             return
         if isinstance(event, CheckpointDone):
             self._checkpoint_done(event)
@@ -453,14 +464,22 @@ class SchedulerRank:
     def _rank_lost(self, rank: int) -> None:
         """The scheduler's RankLost, the workers' RanksChanged, evals sent again, the record; the line follows
         once the cause is known (`_name_losses`)."""
+        if self.scaler.joining.pop(rank, None) is not None:
+            self.log(f"[scale] rank {rank} failed before it joined")
+            return
         kind = self.members.kind_of[rank]
         if kind == "trainer":
             self._trainer_group_lost(rank)
             return
         if kind not in ("env", "rollout"):
             raise JobCannotGoOn(f"the job does not go on without a {kind} rank")
-        if not self.members.alive(kind):
+        self.scaler.draining.discard(rank)
+        replace = kind == "rollout" and self.job.layout.rollout_replace and self.scaler.able
+        if not self.members.alive(kind) and not replace:
             raise JobCannotGoOn(f"no {kind} rank is left")
+        if replace:
+            self.log(f"[scale] starting rollout rank {self.scaler.spawn()} to replace rank {rank} "
+                     "(layout.rollout_replace)")
         commands = self._handle(RankLost(rank, kind))
         if kind == "rollout":
             self.delta_epoch += 1
@@ -506,7 +525,88 @@ class SchedulerRank:
         self.books.records.rank_lost(loss)
         self.ranks_lost.append(loss)
         self.unnamed.append(loss)
+        self.books.status.ranks = self._ranks_view()
         self._execute(commands)
+
+    # ---- rollout ranks joining and leaving (runtime/scaling.py) ----
+    def _scale(self) -> None:
+        wanted = self.scaler.requested()
+        if wanted is not None:
+            self._rescale(wanted)
+        for rank in [r for r in self.scaler.draining if self._drained(r)]:
+            self._leave(rank)
+
+    def _rescale(self, wanted: int) -> None:
+        """`marlaas scale --rollout N`: ranks are started (they join once up) or drained (newest first)."""
+        if not self.scaler.able:
+            self.log(f"[scale] rollout ranks {wanted} asked for, not done: ranks join and leave a live job only on "
+                     f"the fault-tolerant MPI of local mode ({self.members.why_not or 'fault.on_rank_loss: stop'})")
+            return
+        live = [r for r in self.members.alive("rollout") if r not in self.scaler.draining] + list(self.scaler.joining)
+        self.log(f"[scale] rollout ranks: {len(live)} -> {max(wanted, 1)}")
+        for _ in range(max(wanted, 1) - len(live)):
+            self.log(f"[scale] starting rollout rank {self.scaler.spawn()}")
+        for rank in sorted((r for r in live if r not in self.scaler.joining), reverse=True)[:len(live) - wanted]:
+            self.scaler.draining.add(rank)
+            self._execute(self._handle(RankLeaving(rank)))
+            self.log(f"[scale] rollout rank {rank} drains: no new group; it leaves once its groups are done")
+
+    def _drained(self, rank: int) -> bool:
+        return self.scheduler.rank_idle(rank) and not any(r == rank for _, r in self.eval_out.values())
+
+    def _leave(self, rank: int) -> None:
+        """A drained rollout rank leaves: Shutdown('drained') to it, then it is gone from every communicator."""
+        self.scaler.draining.discard(rank)
+        self.outbox.send(Shutdown("drained"), rank, TAG_CMD)
+        try:
+            while True:  # what it says until its RankStats (on a link, what is not received is lost at disconnect)
+                event, _ = recv_wait(self.comm, TAG_EVENT, source=rank)
+                self._event(event)
+                if isinstance(event, RankStats):
+                    break
+            self.comm.disconnect(rank)  # a joined rank: its link (it disconnects once it has the Shutdown)
+        except RankLostError:  # it died meanwhile: idle, it held nothing
+            self.comm.links.pop(rank, None)
+        self.members.mark_lost(rank)
+        commands = self._handle(RankLost(rank, "rollout"))
+        self.delta_epoch += 1
+        notice = RanksChanged(self.delta_epoch, tuple(self.members.alive("rollout")), lost=(rank,), left=(rank,))
+        for worker in self._live_workers():
+            self.outbox.send(notice, worker, TAG_CMD)
+        record = {"rank": rank, "role": "rollout", "at": time.time(), "why": "drained (marlaas scale)"}
+        self.books.records.history("rank_left", record)
+        self.ranks_left.append(record)
+        self.books.status.ranks = self._ranks_view()
+        self.log(f"[scale] rollout rank {rank} drained and left; rollout ranks {self.members.alive('rollout')}")
+        self._execute(commands)
+
+    def _joined(self, event: Joining) -> None:
+        """A started rank's engine is up: it is told who links to it (LinkTo), and opens a port for each. Then
+        every worker is told (env ranks and leaders link to it, leaders remake their delta channels with it), and
+        the scheduler gives it groups."""
+        rank = event.rank
+        if event.ports is None:
+            self.outbox.send(LinkTo(tuple(self.members.alive("env") + self._live_leaders())), rank, TAG_CMD)
+            return
+        spawned = self.scaler.joining.pop(rank, time.time())
+        self.members.join(rank, "rollout")
+        self.delta_epoch += 1
+        notice = RanksChanged(self.delta_epoch, tuple(self.members.alive("rollout")), joined=(rank,),
+                              ports={rank: event.ports})
+        for worker in self._live_workers():
+            self.outbox.send(notice, worker, TAG_CMD)
+        record = {"rank": rank, "role": "rollout", "at": time.time(), "start_s": time.time() - spawned}
+        self.books.records.history("rank_joined", record)
+        self.ranks_joined.append(record)
+        self.books.status.ranks = self._ranks_view()
+        self.log(f"[scale] rollout rank {rank} joined {record['start_s']:.1f} s after it was started; rollout ranks "
+                 f"{self.members.alive('rollout')}")
+        self._execute(self._handle(RankJoined(rank)))
+
+    def _ranks_view(self) -> dict:
+        """status.json's ranks: the live ones per role, and those that joined."""
+        return {"rollout": self.members.alive("rollout"), "env": self.members.alive("env"),
+                "joined": [r["rank"] for r in self.ranks_joined], "lost": sorted(self.members.lost)}
 
     def _resend_evals(self, rank: int, kind: str) -> list[str]:
         """Eval prompts that went to the lost rank and have no answer yet, sent again to live ranks."""

@@ -341,8 +341,7 @@ class TrainerRank:
         group is broadcast again on it."""
         if self.rank in change.lost:
             raise RankLostError(self.rank, "trainer: its trainer group was lost")
-        for rank in change.lost:
-            self.comm.members.mark_lost(rank)
+        self.comm.apply(change)
         held = [t for t in change.rolled_back if t in self.specs]
         if held:
             self._everyone(ForgetOp(held))

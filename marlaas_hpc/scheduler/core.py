@@ -97,6 +97,14 @@ class RankLost:
 
 
 @dataclass(slots=True)
+class RankLeaving:
+    """A rollout rank is to leave the live job (`marlaas scale` down): it gets no new group; once none of its groups
+    is left (`rank_idle`) it leaves, and its RankLost finds nothing to issue again."""
+
+    rank: int
+
+
+@dataclass(slots=True)
 class RankJoined:
     """A rollout rank joined the live job (`marlaas scale`, a replacement): it takes groups from now on."""
 
@@ -324,6 +332,8 @@ class Scheduler:
         self.rollout_ranks: list[int] = list(config.rollout_ranks)
         """Every rollout rank the job has had, in the order they came (config order, then joins); a lost one
         stays listed (its index is never reused) but has no load entry and is never free."""
+        self.leaving: set[int] = set()
+        """Rollout ranks draining before they leave (RankLeaving): never free again."""
         self._rank_index = {rank: i for i, rank in enumerate(config.rollout_ranks)}
         self._free_ranks: list[int] = list(range(len(config.rollout_ranks)))
         """Indexes (in rollout_ranks) of the live rollout ranks with a free slot, sorted: the generate pass fills
@@ -449,6 +459,21 @@ class Scheduler:
         heapq.heappush(self._queued, (key, self._served[task.task_id], task.task_id))
         self._touch(task)
         return out
+
+    def _on_rank_leaving(self, event: RankLeaving) -> list:
+        rank = event.rank
+        self.leaving.add(rank)
+        if rank in self._rank_index:
+            at = bisect.bisect_left(self._free_ranks, self._rank_index[rank])
+            if at < len(self._free_ranks) and self._free_ranks[at] == self._rank_index[rank]:
+                del self._free_ranks[at]
+        return []
+
+    def rank_idle(self, rank: int) -> bool:
+        """No group of the rollout rank is generating or being scored (a multi-turn group may need it again)."""
+        return self.rollout_load.get(rank, 0) == 0 and not any(
+            group.rollout_rank == rank for task in self.tasks.values() if task.status == RUNNING
+            for group in itertools.chain(task.generating.values(), task.scoring.values()))
 
     def _on_rank_joined(self, event: RankJoined) -> list:
         if event.role != "rollout":
@@ -773,7 +798,7 @@ class Scheduler:
         """A rollout rank finished `count` groups; it is listed in _free_ranks iff its load is below its slots."""
         slots = self.config.rollout_slots
         load = self.rollout_load[rank] = self.rollout_load[rank] - count
-        if load < slots <= load + count:
+        if load < slots <= load + count and rank not in self.leaving:
             bisect.insort(self._free_ranks, self._rank_index[rank])
 
     def _rank_taken(self, rank: int, count: int) -> None:
@@ -899,4 +924,4 @@ Scheduler._HANDLERS = {Submit: Scheduler._on_submit, Cancel: Scheduler._on_cance
                        Generated: Scheduler._on_generated, Resumed: Scheduler._on_resumed, Scored: Scheduler._on_scored,
                        StepDone: Scheduler._on_step_done, TaskFailed: Scheduler._on_task_failed,
                        Moved: Scheduler._on_moved, RankLost: Scheduler._on_rank_lost,
-                       RankJoined: Scheduler._on_rank_joined}
+                       RankJoined: Scheduler._on_rank_joined, RankLeaving: Scheduler._on_rank_leaving}

@@ -1,0 +1,86 @@
+"""How many rollout ranks a live job has: `marlaas scale RUN_DIR --rollout N` and `layout.rollout_replace`, rank 0's
+side (runtime/scheduler_rank.py runs a `Scaler`; runtime/membership.py makes the links).
+
+    marlaas scale RUN_DIR --rollout N  ──►  RUN_DIR/control/rollout.json  ──(rank 0 reads it, every 0.5 s)──►
+
+    more ranks than live:  spawn one  ─► new rank N (python -m marlaas_hpc.runtime.main --join RUN_DIR --as-rank N):
+                                         starts its engine, opens a port ─► Joining(N, port) to rank 0
+                           rank 0: RanksChanged(joined, ports) to every worker ─► env ranks and trainer leaders
+                                   connect to the port; leaders remake their delta channels with N and publish
+                                   every task again; the scheduler's RankJoined: N takes groups
+    fewer:                 the newest rollout rank drains (scheduler RankLeaving: no new group); once none of its
+                           groups is left (Scheduler.rank_idle) it gets Shutdown('drained'), sends its RankStats,
+                           leaves (its process ends), and the others remake their channels without it
+    a rollout rank lost, with layout.rollout_replace: one is spawned in its place
+
+A joined rank takes the next world rank after every rank the job had (its ranks/rank<N>.json, timeline/rank<N>.jsonl
+and its line in summary.json like any other). This needs the ULFM MPI of local mode (MPI_Comm_spawn, connect /
+accept, and peers that survive a rank leaving); under Slurm nothing joins (a step of its own in the allocation,
+or a job that joins, is not done) and `marlaas scale` is refused by rank 0 with a line that says so.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from marlaas_hpc.rundir import atomic_write_text
+
+SCALE_FILE = Path("control") / "rollout.json"
+POLL_S = 0.5
+
+
+def request_scale(run_dir: str | Path, rollout: int) -> Path:
+    """`marlaas scale`: the number of rollout ranks the live job of `run_dir` should have."""
+    path = Path(run_dir) / SCALE_FILE
+    atomic_write_text(path, json.dumps({"rollout": int(rollout), "at": time.time()}) + "\n")
+    return path
+
+
+def read_request(run_dir: Path) -> tuple[float, int] | None:
+    """(when, rollout ranks wanted) of the newest request, or None."""
+    try:
+        data = json.loads((Path(run_dir) / SCALE_FILE).read_text())
+        return float(data["at"]), int(data["rollout"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class Scaler:
+    """Rank 0's book of the rollout ranks that are joining, draining, and wanted (module doc)."""
+
+    def __init__(self, comm, job, run_dir: Path, log=print):
+        self.comm, self.job, self.run_dir, self.log = comm, job, Path(run_dir), log
+        self.next_rank = job.layout.world_size
+        """The world rank the next joined rank takes."""
+        self.joining: dict[int, float] = {}
+        """Spawned ranks not joined yet -> when they were spawned."""
+        self.draining: set[int] = set()
+        self.wanted: int | None = None
+        """Rollout ranks asked for (`marlaas scale`); None: as many as there are."""
+        self._seen: float | None = None
+        self._polled = 0.0
+        self.able = comm.members.tolerant
+        """Ranks can join and leave (the ULFM MPI of local mode)."""
+
+    def requested(self) -> int | None:
+        """The newest `marlaas scale` request not seen yet (checked every POLL_S)."""
+        now = time.monotonic()
+        if now - self._polled < POLL_S:
+            return None
+        self._polled = now
+        request = read_request(self.run_dir)
+        if request is None or request[0] == self._seen:
+            return None
+        self._seen = request[0]
+        return request[1]
+
+    def spawn(self) -> int:
+        """Starts a new rollout rank; it says Joining once its engine is up."""
+        from marlaas_hpc.runtime.membership import spawn_rank
+
+        rank, self.next_rank = self.next_rank, self.next_rank + 1
+        link = spawn_rank(["-m", "marlaas_hpc.runtime.main", "--join", str(self.run_dir), "--as-rank", str(rank)])
+        self.comm.add_link(rank, link)
+        self.joining[rank] = time.time()
+        return rank
