@@ -191,7 +191,7 @@ def _splits(dims: ModelDims, tp: int) -> bool:
 def rollout_inputs(job, dims: ModelDims, model_dtype: str = "bfloat16") -> RolloutInputs:
     vllm = job.vllm
     dtype = model_dtype if vllm.dtype == "auto" else vllm.dtype
-    engine = vllm.engine_kwargs(job.max_adapters, job.max_lora_rank)
+    engine = vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())
     return RolloutInputs(dims=dims, tensor_parallel=vllm.tensor_parallel_size, dtype_bytes=DTYPE_BYTES[dtype],
                          gpu_bytes=int(job.layout.rollout.gpu_memory_gib * GIB),
                          gpu_memory_utilization=vllm.gpu_memory_utilization, max_loras=engine["max_loras"],
