@@ -36,9 +36,19 @@ def qwen_path():
 
 
 def _twin_on(model: str, path: Path) -> Path:
-    """The twin's job with another base model (its tasks' chat prompts, vLLM, TP=2) and random-weight rewards."""
+    """The twin's job with another base model (chat prompts, vLLM, TP=2); its second task reads a verl-style
+    parquet file (chat-message prompts, the answer in reward_model.ground_truth) through `datasets`."""
+    import datasets
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}? Answer in \\boxed{{}}."}],
+             "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}}
+            for i in range(12)]
+    datasets.Dataset.from_list(rows).to_parquet(str(path.parent / "train.parquet"))
     config = yaml.safe_load(TWIN.read_text())
     config["model"] = model
+    config["tasks"][1].update(task_id="math-parquet", dataset={
+        "kind": "math", "path": str(path.parent / "train.parquet"), "eval_size": 4, "answer_format": "boxed",
+        "fields": {"prompt": "prompt", "answer": "reward_model.ground_truth"}})
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -58,7 +68,7 @@ def test_chat_jobs_on_every_family_run_end_to_end(tmp_path, model):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["model"] == model and summary["engine"] == "vllm"
     assert {t: (s["status"], s["steps_done"]) for t, s in summary["tasks"].items()} == \
-        {"gsm8k-hash": ("done", 2), "gsm8k-boxed": ("done", 2)}
+        {"gsm8k-hash": ("done", 2), "math-parquet": ("done", 2)}
     audit = [json.loads(line) for line in (tmp_path / "run" / "audit.jsonl").read_text().splitlines()]
     assert len(audit) == 2 * 2 * 2 * 4  # tasks x steps x B x G
     assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] < r["trained_into"] for r in audit)
@@ -67,7 +77,7 @@ def test_chat_jobs_on_every_family_run_end_to_end(tmp_path, model):
     ids = torch.tensor([TextCodec.from_pretrained(model_path).for_prompt(PromptSpec(format="chat")).encode_prompt("hi")])
     with torch.no_grad():
         reference = base(input_ids=ids).logits
-    for tenant, task in (("alice", "gsm8k-hash"), ("bob", "gsm8k-boxed")):
+    for tenant, task in (("alice", "gsm8k-hash"), ("bob", "math-parquet")):
         adapters = sorted((tmp_path / "run" / "tasks" / tenant / task / "adapters").iterdir())
         assert [a.name for a in adapters] == ["v0000", "v0001", "v0002"]
         config = json.loads((adapters[-1] / "adapter_config.json").read_text())
