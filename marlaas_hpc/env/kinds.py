@@ -26,6 +26,6 @@ def build_task_data(spec: DatasetSpec, prompt_format: str = "raw", sandbox=None)
         return Gsm8kFileTask(spec, prompt_format)
     if spec.kind == "math":
         return MathFileTask(spec, prompt_format)
-    if spec.kind == "gsm8k_synth":
+    if spec.kind in ("gsm8k_synth", "gsm8k_easy"):
         return Gsm8kSyntheticTask(spec, prompt_format)
     return CustomTask(spec, prompt_format, sandbox)

@@ -145,7 +145,7 @@ _WORDS = ("the a an of to and in is was for on with as by at from that this it h
           "Natalia James Maria John Sarah Tom Anna Leo Mia Ben store school garden farm car train bus miles "
           "eggs cookies pencils marbles tickets boxes bags cups pages students teachers workers children "
           "solve reason explain final put within boxed think tool search result calculator please assistant "
-          "user system you are helpful").split()
+          "user system you are helpful two three four five six seven eight nine ten holds found puts had").split()
 BPE_SIZE = 4096
 """Tokens the BPE learns (bytes and merges) below the fillers."""
 

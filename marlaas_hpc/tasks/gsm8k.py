@@ -5,8 +5,8 @@ Data comes from GSM8K-format data on disk (kind 'gsm8k': {"question", "answer": 
 train split, as JSONL, JSON, parquet or a save_to_disk folder: tasks/records.py), from any math dataset on disk
 whose answer column is the final answer or a solution ending in one (kind 'math': MATH, verl's and TRL's
 parquet files, with `dataset.fields` naming the columns), or from a seeded generator of GSM8K-style word
-problems (kind 'gsm8k_synth': two- and three-step arithmetic stories with worked solutions; nothing to download,
-every seed a different stream).
+problems (kind 'gsm8k_synth': two- and three-step arithmetic stories with worked solutions; kind 'gsm8k_easy':
+one-step stories a small model learns on a CPU; nothing to download, every seed a different stream).
 
 Prompt wording depends on the task's prompt format (TaskSpec.prompt.format):
 - raw: 'Q: <question>\\nA:' (a base model continues the text);
@@ -145,6 +145,25 @@ def synthetic_gsm8k(rng: random.Random) -> tuple[str, str, dict]:
     """A GSM8K-format (question, final answer, meta) from the generator; meta holds the worked solution."""
     question, solution, result = _story(rng)
     return question, str(result), {"solution": f"{solution}\n#### {result}"}
+
+
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def one_step_gsm8k(rng: random.Random) -> tuple[str, str, dict]:
+    """A one-step GSM8K-style problem (a count in digits plus one in words: 'has 7 apples and buys five more'),
+    its answer, and meta: the terms, the worked solution and the systematic mistake of forgetting the carry
+    ('7 + 5 = 2'), which agrees with the answer when the sum stays below ten (a third of the problems). A model
+    of a few million parameters learns these on a CPU (model/chat_mini.py)."""
+    name, items = rng.choice(_NAMES), rng.choice(_ITEMS)
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    more = _NUMBER_WORDS[b]
+    question = (f"{name} has {a} {items} and buys {more} more. How many {items} does {name} have now?",
+                f"{name} had {a} {items} and found {more} more. How many {items} does {name} have?",
+                f"A box holds {a} {items}. {name} puts {more} more in it. How many {items} are in the box now?",
+                )[rng.randrange(3)]
+    return question, str(a + b), {"solution": f"{a} + {b} = {a + b}.\n#### {a + b}", "mistake": str((a + b) % 10),
+                                  "terms": [a, b]}
 
 
 def gsm8k_sample(index: int, question: str, gold: str, meta: dict, prompt_format: str,

@@ -95,8 +95,8 @@ class DatasetSpec:
     kind: str = "addition"
     """Task type: a synthetic task (addition, reverse, count, sort), 'gsm8k' (GSM8K-format data on disk),
     'math' (a math dataset on disk: the answer column is the final answer or a solution ending in '#### N' or
-    \\boxed{}), 'gsm8k_synth' (generated GSM8K-style word problems), 'custom', or an env workload (gsm8k_tool,
-    gsm8k_plain, hotpotqa, lookup)."""
+    \\boxed{}), 'gsm8k_synth' (generated GSM8K-style word problems), 'gsm8k_easy' (generated one-step ones a
+    small model learns on a CPU), 'custom', or an env workload (gsm8k_tool, gsm8k_plain, hotpotqa, lookup)."""
     path: str | None = None
     """Data of file-backed kinds (gsm8k, math, custom; gsm8k_tool, gsm8k_plain): a JSONL (one sample per line),
     JSON or parquet file, or a folder written by `datasets`' save_to_disk (tasks/records.py); hotpotqa: JSONL."""
