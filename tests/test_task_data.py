@@ -168,6 +168,14 @@ def test_a_saved_folder_reaching_outside_itself_is_refused(tmp_path):
     assert err.field == "dataset.path" and "outside its folder" in err.reason
 
 
+def test_a_saved_dataset_dict_naming_a_split_outside_itself_is_refused(tmp_path):
+    saved = _write(GSM8K_ROWS, tmp_path / "saved", "dict")
+    (saved / "train").rename(tmp_path / "train")
+    (saved / "dataset_dict.json").write_text(json.dumps({"splits": ["../train", "test"]}))
+    err = _refusal(DatasetSpec(kind="gsm8k", path=str(saved), split="../train"))
+    assert err.field == "dataset.path" and "names splits outside its folder: ['../train']" in err.reason
+
+
 def test_splits_of_a_saved_dataset_dict(tmp_path):
     saved = _write(GSM8K_ROWS, tmp_path / "saved", "dict")
     test = build_task_data(DatasetSpec(kind="gsm8k", path=str(saved), split="test", eval_size=1))

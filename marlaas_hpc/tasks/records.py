@@ -152,6 +152,11 @@ def _saved_dataset(path: Path):
     """`datasets.load_from_disk` of a folder whose data files all lie inside it."""
     import datasets
 
+    splits_file = path / "dataset_dict.json"
+    splits = json.loads(splits_file.read_text()).get("splits", []) if splits_file.is_file() else []
+    outside = [name for name in splits if not (path / name).resolve().is_relative_to(path.resolve())]
+    if outside:
+        raise SpecError("dataset.path", f"{splits_file} names splits outside its folder: {outside}")
     for state in [path / "state.json", *path.glob("*/state.json")]:
         if state.is_file():
             names = [entry.get("filename", "") for entry in json.loads(state.read_text()).get("_data_files", [])]
