@@ -4,19 +4,13 @@ by tasks/records.py (JSONL, JSON, parquet, save_to_disk folders; the field map).
 from __future__ import annotations
 
 import random
-from typing import Any
 
 from marlaas_hpc.tasks.base import Sample, TaskData
 from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_file_samples, math_file_samples
 from marlaas_hpc.tasks.records import read_jsonl_rows
 from marlaas_hpc.tasks.spec import DatasetSpec
 
-__all__ = ["FileTask", "Gsm8kFileTask", "MathFileTask", "read_jsonl", "read_jsonl_rows"]
-
-
-def read_jsonl(path: str | None, required: tuple[str, ...], field_name: str = "dataset.path") -> list[dict[str, Any]]:
-    """The objects of a JSONL data file (see read_jsonl_rows)."""
-    return [row for _, row in read_jsonl_rows(path, required, field_name)]
+__all__ = ["FileTask", "Gsm8kFileTask", "MathFileTask", "read_jsonl_rows"]
 
 
 class FileTask(TaskData):
