@@ -38,13 +38,15 @@ class CheckpointInfo:
     has_chat_template: bool
 
 
-def read_checkpoint(model_path: str | Path, field_name: str = "model") -> CheckpointInfo:
+def read_checkpoint(model_path: str | Path, field_name: str = "model", tokenizer: bool = True) -> CheckpointInfo:
+    """config.json of a checkpoint dir, which must also hold a tokenizer unless `tokenizer` is False (the
+    trainer's base model needs none: the GPU dry run builds it from a config.json alone)."""
     path = Path(model_path)
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise SpecError(field_name, f"{path}/config.json cannot be read: {exc}") from None
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if tokenizer and not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise SpecError(field_name, f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
     heads = int(config.get("num_attention_heads", 0) or 0)
     return CheckpointInfo(

@@ -185,7 +185,8 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     apply_cpu_shims()
     skip_frozen_weight_grads()
     device = torch.device(device)
-    family = checkpoint_family(read_checkpoint(model_path))  # the intake check, again where the weights load
+    # the intake check, again where the weights load (the trainer reads no tokenizer)
+    family = checkpoint_family(read_checkpoint(model_path, tokenizer=False))
     hf_config = AutoConfig.from_pretrained(str(model_path))
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     bridge = local_spec_bridge(family, hf_config, dtype)
