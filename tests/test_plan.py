@@ -13,7 +13,7 @@ import yaml
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.launch.layout import JobLayout, LayoutError
-from marlaas_hpc.model.random_qwen3 import SHAPES, qwen3_config
+from marlaas_hpc.model.random_checkpoints import SHAPES, hf_config
 from marlaas_hpc.plan.command import check_fits, gpu_kinds, model_dims, trainer_inputs, trainer_total
 from marlaas_hpc.plan.estimate import GIB, ModelDims, lora_elements
 
@@ -47,7 +47,7 @@ def test_model_dims_count_the_parameters_transformers_builds(name):
     import torch
     from transformers import Qwen3ForCausalLM
 
-    config = qwen3_config(SHAPES[name])
+    config = hf_config(SHAPES[name])
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     assert ModelDims.from_config(config.to_dict()).parameters() == sum(p.numel() for p in model.parameters())

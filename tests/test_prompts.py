@@ -7,7 +7,7 @@ import json
 import pytest
 
 from marlaas_hpc.model.codec import TextCodec
-from marlaas_hpc.model.random_qwen3 import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
+from marlaas_hpc.model.random_checkpoints import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
 from marlaas_hpc.env import build_task_data
 from marlaas_hpc.tasks import DatasetSpec, SpecError, TaskSpec
 from marlaas_hpc.tasks.gsm8k import final_answer, math_verify_reward
@@ -16,9 +16,9 @@ from marlaas_hpc.tasks.spec import PromptSpec
 
 @pytest.fixture(scope="module")
 def qwen_path():
-    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
 
-    return ensure_random_qwen3("qwen3-0.6b-mini")
+    return ensure_random_checkpoint("qwen3-0.6b-mini")
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +27,13 @@ def codec(qwen_path):
 
 
 def test_random_checkpoint_has_the_real_qwen3_traits(qwen_path, codec):
-    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
 
     config = json.loads((qwen_path / "config.json").read_text())
     assert config["vocab_size"] == 151936 and config["tie_word_embeddings"] is True
     assert config["num_key_value_heads"] < config["num_attention_heads"]  # GQA
     assert config["head_dim"] >= 32 and config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]
-    untied = json.loads((ensure_random_qwen3("qwen3-8b-mini") / "config.json").read_text())
+    untied = json.loads((ensure_random_checkpoint("qwen3-8b-mini") / "config.json").read_text())
     assert untied["tie_word_embeddings"] is False and untied["vocab_size"] == 151936
     from safetensors import safe_open
 
@@ -146,15 +146,17 @@ def test_gsm8k_tasks_pickle_for_process_pools():
     assert copy.train_sample(7) == task.train_sample(7) and copy.answer_format == "hash"
 
 
-@pytest.mark.parametrize("checkpoint", ["tiny", "qwen3-0.6b-mini"])
-def test_tokenizer_file_equals_transformers(checkpoint, qwen_path, tiny_model_path):
+@pytest.mark.parametrize("checkpoint", ["tiny", "qwen3-0.6b-mini", "qwen2.5-0.5b-mini", "llama3.2-1b-mini"])
+def test_tokenizer_file_equals_transformers(checkpoint, tiny_model_path):
     """TextCodec reads plain tokenizer.json tokenizers without transformers (model/tokenizer_file.py): the same
-    ids, text and chat renderings as AutoTokenizer, special tokens and tool turns included."""
+    ids, text and chat renderings as AutoTokenizer (which builds Qwen2Tokenizer for a qwen2 checkpoint), special
+    tokens, bos and tool turns included."""
     from transformers import AutoTokenizer
 
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
     from marlaas_hpc.model.tokenizer_file import TokenizerFile, load_tokenizer
 
-    path = qwen_path if checkpoint != "tiny" else tiny_model_path
+    path = ensure_random_checkpoint(checkpoint) if checkpoint != "tiny" else tiny_model_path
     mine, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
     assert isinstance(mine, TokenizerFile)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
@@ -162,10 +164,12 @@ def test_tokenizer_file_equals_transformers(checkpoint, qwen_path, tiny_model_pa
     assert mine.special_tokens_map == theirs.special_tokens_map
     texts = ["What is 2+3?", "  Natalia sold clips to 48 of her friends,\n\tthen 12 more! ", "1+2=3", "", "ü → ∑"]
     if checkpoint != "tiny":
-        texts += ["<|im_start|>user\nhi<|im_end|>\n<think>\n</think>", "don't stop ."]
+        texts += ["<|im_start|>user\nhi<|im_end|>\n<think>\n</think>", "don't stop .", "12345 + 6789 = 19134",
+                  "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"]
     for text in texts:
         ids = mine.encode(text, add_special_tokens=False)
         assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert mine.encode(text) == theirs.encode(text), text  # with special tokens: Llama's bos
         for skip in (False, True):
             assert mine.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
     if checkpoint == "tiny":
@@ -195,3 +199,43 @@ def test_tokenizers_transformers_builds_its_own_way_stay_with_autotokenizer(qwen
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
     assert not isinstance(load_tokenizer(tmp_path), TokenizerFile)
     assert isinstance(load_tokenizer(qwen_path), TokenizerFile)
+
+
+def test_llama3_prompts_stops_and_tool_turns():
+    """Llama 3.x: a bos first in raw and chat prompts, the header-framed chat template, <|eot_id|> and the
+    generation config's <|end_of_text|> and <|eom_id|> as stops, tool output as an ipython turn."""
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
+    from marlaas_hpc.model.vocabularies import BEGIN_OF_TEXT_ID, END_OF_TEXT_ID, EOM_ID, EOT_ID
+
+    codec = TextCodec.from_pretrained(ensure_random_checkpoint("llama3.2-1b-mini"))
+    assert codec.bos_id == BEGIN_OF_TEXT_ID and codec.stop_ids == [EOT_ID, END_OF_TEXT_ID, EOM_ID]
+    raw = codec.encode_prompt("What is 2+3?")
+    assert raw[0] == BEGIN_OF_TEXT_ID and raw[1:] == codec.tokenizer.encode("What is 2+3?", add_special_tokens=False)
+    chat = codec.for_prompt(PromptSpec(format="chat", system="Be brief."))
+    ids = chat.encode_prompt("What is 2+3?")
+    assert ids.count(BEGIN_OF_TEXT_ID) == 1 and ids[0] == BEGIN_OF_TEXT_ID
+    assert chat.tokenizer.decode(ids) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+        "Today Date: 26 Jul 2024\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2+3?"
+        "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    hello = codec.tokenizer.encode("hello", add_special_tokens=False)
+    assert all(codec.decode_completion(hello + [stop] + hello) == "hello" for stop in codec.stop_ids)
+    turn = codec.tokenizer.encode("<tool>", add_special_tokens=False) + [EOT_ID]
+    assert chat.tokenizer.decode(chat.encode_observation("42", turn)) == (
+        "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_qwen25_chat_prompts_get_its_default_system_message():
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
+
+    codec = TextCodec.from_pretrained(ensure_random_checkpoint("qwen2.5-0.5b-mini"))
+    assert codec.bos_id is None and codec.stop_ids == [IM_END_ID, ENDOFTEXT_ID]
+    plain = codec.for_prompt(PromptSpec(format="chat"))
+    assert plain.tokenizer.decode(plain.encode_prompt("hi")) == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    own = codec.for_prompt(PromptSpec(format="chat", system="Be brief."))
+    assert own.tokenizer.decode(own.encode_prompt("hi")).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    turn = codec.tokenizer.encode("x", add_special_tokens=False) + [IM_END_ID]
+    assert plain.tokenizer.decode(plain.encode_observation("42", turn)) == (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n")

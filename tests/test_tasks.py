@@ -102,15 +102,15 @@ def test_gsm8k_loader_and_math_verify_reward(tmp_path):
     assert task.reward(seven, "I don't know") == 0.0
 
 
-@pytest.mark.parametrize("content, needle", [
-    (None, "not found"),
-    ('{"question": "q", "answer": "#### 1"}\nnot json\n', ":2: malformed JSON"),
-    ('{"question": "q"}\n', ":1: missing"),
-    ('{"question": "q", "answer": "no final"}\n', "no '#### N'"),
-    ("", "no samples"),
-    (b"\xff\xfe\x00bad", "not UTF-8"),
+@pytest.mark.parametrize("content, field, needle", [
+    (None, "dataset.path", "not found"),
+    ('{"question": "q", "answer": "#### 1"}\nnot json\n', "dataset.path", ":2: malformed JSON"),
+    ('{"question": "q"}\n', "dataset.fields", ":1: no column 'answer'"),
+    ('{"question": "q", "answer": "no final"}\n', "dataset.path", "no '#### N'"),
+    ("", "dataset.path", "no samples"),
+    (b"\xff\xfe\x00bad", "dataset.path", "not UTF-8"),
 ])
-def test_gsm8k_bad_files_name_file_and_line(tmp_path, content, needle):
+def test_gsm8k_bad_files_name_file_and_line(tmp_path, content, field, needle):
     path = tmp_path / "bad.jsonl"
     if isinstance(content, bytes):
         path.write_bytes(content)
@@ -118,7 +118,7 @@ def test_gsm8k_bad_files_name_file_and_line(tmp_path, content, needle):
         path.write_text(content)
     with pytest.raises(SpecError) as err:
         build_task_data(DatasetSpec(kind="gsm8k", path=str(path)))
-    assert err.value.field == "dataset.path" and needle in str(err.value) and "bad.jsonl" in str(err.value)
+    assert err.value.field == field and needle in str(err.value) and "bad.jsonl" in str(err.value)
 
 
 def test_custom_dataset_and_reward_file(tmp_path):

@@ -18,9 +18,9 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model_path():
-    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
 
-    return ensure_random_qwen3("qwen3-0.6b-mini")
+    return ensure_random_checkpoint("qwen3-0.6b-mini")
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """The megatron-core multi-LoRA trainer on CPU: TP=2 equals TP=1, equals transformers(+PEFT), tasks are isolated.
 
-Every check runs on three checkpoints: the tiny char model, and two random-weight checkpoints with real Qwen3
-traits (model/random_qwen3.py): Qwen3-0.6B-like (151,936-row vocabulary, tied input/output embeddings, GQA,
-qk-norm, head_dim 64) and Qwen3-8B-like (the same, untied). At TP=2 megatron pads that vocabulary to 152,064 rows,
-so the padded logits must stay out of every softmax. One scenario per TP size (tests/trainer_scenarios.py) runs
-in spawned gloo processes -- TP=1 and TP=2 concurrently -- and every test checks part of their records against
-each other or against HF/PEFT. TP=2 also runs with a micro-batch token budget (TP=1: the whole batch at once),
+Every check runs on the tiny char model and on random-weight checkpoints with the real traits of each served
+family (model/random_checkpoints.py), tied and untied: Qwen3 (151,936-row vocabulary, GQA, qk-norm, head_dim
+64), Qwen2.5 (the same vocabulary, q/k/v biases, no qk-norm) and Llama 3.x (128,256 rows, llama3 RoPE scaling,
+rope_theta 500,000). Megatron pads Qwen's vocabulary to 152,064 rows at TP=2 (Llama's 128,256 rows to 128,512
+at TP=4), so the padded logits must stay out of every softmax. One scenario per TP size
+(tests/trainer_scenarios.py) runs in spawned gloo processes -- TP=1 and TP=2 concurrently -- and every test
+checks part of their records against each other or against HF/PEFT. TP=2 also runs with a micro-batch token budget (TP=1: the whole batch at once),
 so it checks gradient accumulation too.
 """
 from __future__ import annotations
@@ -25,16 +26,17 @@ LOGIT_TOL = 1e-4
 MICRO_BATCH_TOKENS = 40
 """TP=2's micro-batch budget: the 24 trajectories (5-16 tokens each) split into several passes."""
 pytestmark = pytest.mark.slow  # ~25 s of megatron imports per process before anything runs
-CHECKPOINTS = ["tiny", "random:qwen3-0.6b-mini", "random:qwen3-8b-mini"]
+CHECKPOINTS = ["tiny", "random:qwen3-0.6b-mini", "random:qwen3-8b-mini", "random:qwen2.5-0.5b-mini",
+               "random:qwen2.5-7b-mini", "random:llama3.2-1b-mini", "random:llama3.1-8b-mini"]
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
 def model_path(request, tiny_model_path):
     if request.param == "tiny":
         return tiny_model_path
-    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
 
-    return ensure_random_qwen3(request.param.split(":", 1)[1])
+    return ensure_random_checkpoint(request.param.split(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +128,13 @@ def test_megatron_forward_equals_transformers(runs, hf_base, probe, tp):
     assert record["base_logits"].shape == reference.shape  # [b, s, vocab]: the padding rows are cut off
     assert float((record["base_logits"] - reference).abs().max()) <= LOGIT_TOL
     assert record["shims_idempotent"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_rope_equals_transformers(runs, hf_base, tp):
+    """The RoPE frequencies themselves, Llama 3's scaled ones included (a plain RoPE differs by up to x32)."""
+    reference = hf_base.model.rotary_emb.inv_freq.float()
+    assert torch.allclose(runs[tp][0]["rope_inv_freq"], reference, rtol=1e-6, atol=0)
 
 
 def test_megatron_forward_equals_transformers_at_tp4(model_path, hf_base, probe):

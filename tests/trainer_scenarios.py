@@ -28,13 +28,23 @@ BF16_LOGPROB_MAX_TOL = 0.05
 TINY_PROBE_IDS = [[5, 9, 17, 33, 65, 100, 101, 7, 8, 44], [12, 13, 14, 15, 16, 90, 91, 92, 93, 94]]
 
 
+SPECIAL_PROBE_IDS = {151936: (151644, 151645, 151643), 128256: (128000, 128009, 128006)}
+"""Per real vocabulary (Qwen, Llama 3): special ids the probe rows hold."""
+PROBE_LENGTH = 64
+"""Tokens per probe row on a real vocabulary: far enough from position 0 that a RoPE without Llama 3's frequency
+scaling shows in the logits (4e-4 at 64 positions on random:llama3.2-1b-mini, above LOGIT_TOL)."""
+
+
 def probe_ids(vocab: int) -> list[list[int]]:
-    """Two probe rows; on a real vocabulary they include Qwen's special ids and the last rows, which sit in the
-    last TP shard next to megatron's padding."""
+    """Two probe rows; on a real vocabulary they include the family's special ids and the last rows, which sit
+    in the last TP shard next to megatron's padding."""
     if vocab <= 128:
         return TINY_PROBE_IDS
-    return [[5, 900, 151644, 151645, 151643, vocab - 1, 3, 77, 4000, 12],
-            [151644, 20, 30, 40, 50, 60, vocab - 2, 2000, 151645, 9]]
+    first, second, third = SPECIAL_PROBE_IDS[vocab]
+    rows = [[5, 900, first, second, third, vocab - 1, 3, 77, 4000, 12],
+            [first, 20, 30, 40, 50, 60, vocab - 2, 2000, second, 9]]
+    rng = random.Random(vocab)
+    return [row + [rng.randrange(3, 4000) for _ in range(PROBE_LENGTH - len(row))] for row in rows]
 
 
 def _token(rng: random.Random, vocab: int) -> int:
@@ -88,7 +98,8 @@ def run_scenario(rank: int, model_path: str, tp: int, batches: dict[str, list[Tr
     imported = time.perf_counter()
     trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, seed=7,
                                              micro_batch_tokens=micro_batch_tokens))
-    record: dict = {"shims_idempotent": apply_cpu_shims() and apply_cpu_shims()}
+    record: dict = {"shims_idempotent": apply_cpu_shims() and apply_cpu_shims(),
+                    "rope_inv_freq": trainer.model.rotary_pos_emb.inv_freq.cpu()}
     built = time.perf_counter()
     base_before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
     record["base_logits"] = trainer.logits(None, probe)
@@ -240,9 +251,9 @@ def scaled_checkpoint(out_dir: str | Path) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from marlaas_hpc.model.random_qwen3 import ensure_random_qwen3
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
 
-    source, out = ensure_random_qwen3("qwen3-0.6b-mini"), Path(out_dir)
+    source, out = ensure_random_checkpoint("qwen3-0.6b-mini"), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for path in source.iterdir():
         if path.name != "model.safetensors":

@@ -164,10 +164,10 @@ def main() -> int:
         print(json.dumps(rollout_part(args, args.model_path, args.adapter, args.work_dir)))
         return 0
 
-    from marlaas_hpc.model.random_qwen3 import SHAPES, ensure_random_qwen3
+    from marlaas_hpc.model.random_checkpoints import SHAPES, ensure_random_checkpoint
 
     start = time.perf_counter()
-    model_path = str(ensure_random_qwen3(args.shape))
+    model_path = str(ensure_random_checkpoint(args.shape))
     print(f"[bench_real] checkpoint {args.shape} ({SHAPES[args.shape]}) at {model_path} "
           f"({time.perf_counter() - start:.0f} s)", flush=True)
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in

@@ -6,7 +6,7 @@ from __future__ import annotations
 from marlaas_hpc.env.custom import CustomTask
 from marlaas_hpc.env.workloads import build_env_task
 from marlaas_hpc.tasks.base import TaskData
-from marlaas_hpc.tasks.files import Gsm8kFileTask
+from marlaas_hpc.tasks.files import Gsm8kFileTask, MathFileTask
 from marlaas_hpc.tasks.registry import ENV_TASK_KINDS
 from marlaas_hpc.tasks.spec import DatasetSpec
 from marlaas_hpc.tasks.synthetic import GENERATORS, Gsm8kSyntheticTask, SyntheticTask
@@ -24,6 +24,8 @@ def build_task_data(spec: DatasetSpec, prompt_format: str = "raw", sandbox=None)
         return build_env_task(spec, prompt_format, sandbox)
     if spec.kind == "gsm8k":
         return Gsm8kFileTask(spec, prompt_format)
-    if spec.kind == "gsm8k_synth":
+    if spec.kind == "math":
+        return MathFileTask(spec, prompt_format)
+    if spec.kind in ("gsm8k_synth", "gsm8k_easy"):
         return Gsm8kSyntheticTask(spec, prompt_format)
-    return CustomTask(spec, sandbox)
+    return CustomTask(spec, prompt_format, sandbox)

@@ -1,6 +1,7 @@
-"""Base models: the char tokenizer of the project's tiny model (built by marlaas_hpc/tiny_model.py), random-weight
-checkpoints with real Qwen3 traits (`random:<shape>`), checkpoint checks, the local cache, and TextCodec (prompt
-text <-> token ids). Real runs point at a local HF path.
+"""Base models: the served families (Qwen3 dense, Qwen2 / Qwen2.5, Llama 3.x) and the checks a checkpoint must
+pass, the char tokenizer of the project's tiny model (built by marlaas_hpc/tiny_model.py), the project's BPE in
+each family's vocabulary and random-weight checkpoints with a family's real traits (`random:<shape>`), the local
+cache, and TextCodec (prompt text <-> token ids). Real runs point at a local HF path.
 
 The char tokenizer's builder imports transformers; it loads on first use, so a rank that only encodes and decodes
 text (scheduler, env) never imports it."""

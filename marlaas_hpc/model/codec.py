@@ -3,7 +3,9 @@
 Two prompt formats (TaskSpec.prompt, tasks/spec.py PromptSpec):
 - raw: [bos] (if the tokenizer has one) + the text's tokens. Base models and the tiny char model.
 - chat: the text is the user message (after an optional system message), rendered by the tokenizer's chat
-  template with add_generation_prompt (and the task's template variables, e.g. enable_thinking=False).
+  template with add_generation_prompt (and the task's template variables, e.g. enable_thinking=False). A prompt
+  given as chat messages (a dataset's conversational column) is rendered as it is, after the task's system
+  message unless it starts with its own.
 
 A completion ends at the first stop id: the tokenizer's eos and every eos id of the checkpoint's
 generation_config.json (a list for Qwen3: <|im_end|> and <|endoftext|>). The rollout engines stop at the same
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,19 @@ class TextCodec:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return ([self.bos_id] if self.bos_id is not None else []) + ids
 
-    def _messages(self, user_text: str) -> list[dict[str, str]]:
-        system = [{"role": "system", "content": self.prompt.system}] if self.prompt.system else []
-        return system + [{"role": "user", "content": user_text}]
+    def _messages(self, prompt: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+        """The conversation of a chat prompt: the text as the user message, or the prompt's own messages (a
+        dataset's conversational column; intake refuses those for raw prompts, tasks/gsm8k.py)."""
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        return self._conversation(prompt)
+
+    def _conversation(self, messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+        """The messages after the task's system message, unless they bring their own."""
+        messages = [dict(m) for m in messages]
+        if self.prompt.system and not (messages and messages[0]["role"] == "system"):
+            return [{"role": "system", "content": self.prompt.system}] + messages
+        return messages
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,

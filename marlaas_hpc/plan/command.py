@@ -5,7 +5,7 @@ and `marlaas submit` run the same check (`check_fits`) before any rank starts.
 
     marlaas plan configs/qwen3-0.6b-gsm8k.yaml --model random:qwen3-0.6b [--row-tokens 2048] [--dry-run]
 
-`--model` points at any directory holding a config.json, or names a shape of model/random_qwen3.py
+`--model` points at any directory holding a config.json, or names a shape of model/random_checkpoints.py
 (`random:qwen3-0.6b`, `random:qwen3-8b`): the shipped config's `model:` is a placeholder path. `--dry-run` also
 runs the GPU dry run (dry_run.py) of one trainer rank and prints what it measured next to the estimate.
 """
@@ -52,34 +52,33 @@ class RankPlan:
 # ---------------------------------------------------------------------------------------------- model
 def model_dims(job, model: str | None = None) -> tuple[ModelDims, str]:
     """The model's dims and a name for them, from `model` (a dir with config.json or 'random:<shape>') or the
-    config's `model:`, without building or reading any weights. SpecError naming `model` if there is none."""
-    from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, SHAPES
+    config's `model:`, without building or reading any weights. SpecError naming `model` if there is none, or if
+    its config.json is not a family the job serves."""
+    from marlaas_hpc.model.families import UnservedCheckpoint
 
     name = model or job.model
-    if name.startswith(RANDOM_PREFIX):
-        shape_name = name[len(RANDOM_PREFIX):]
-        if shape_name not in SHAPES:
-            raise SpecError("model", f"unknown shape {name!r}; known: {[RANDOM_PREFIX + s for s in SHAPES]}")
-        shape = SHAPES[shape_name]
-        return ModelDims(hidden_size=shape.hidden_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
-                         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                         intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size, tied=shape.tied,
-                         max_position_embeddings=shape.max_position_embeddings), name
-    directory = model_config_dir(name)
-    return ModelDims.read(directory), name
+    try:
+        return ModelDims.read(model_config_dir(name)), name
+    except UnservedCheckpoint as exc:
+        raise SpecError("model", str(exc)) from None
 
 
 def model_config_dir(name: str) -> Path:
-    """A directory holding the model's config.json: the tiny model's shipped one, a random shape's (written once
-    into the cache), or the named checkpoint dir."""
-    from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX, write_config
+    """A directory holding the model's config.json: the tiny model's shipped one, chat-mini's, a random shape's
+    (written once into the cache), or the named checkpoint dir."""
+    from marlaas_hpc.model.chat_mini import CHAT_MINI, ensure_chat_mini
+    from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, SHAPES, write_config
 
     if name == "tiny":
         return Path(__file__).resolve().parents[1] / "tiny_weights"
+    if name == CHAT_MINI:  # shipped compact, expanded once into the cache (seconds)
+        return ensure_chat_mini()
     if name.startswith(RANDOM_PREFIX):
+        if name[len(RANDOM_PREFIX):] not in SHAPES:
+            raise SpecError("model", f"unknown shape {name!r}; known: {[RANDOM_PREFIX + s for s in SHAPES]}")
         return write_config(name[len(RANDOM_PREFIX):])
     if not Path(name, "config.json").is_file():
-        raise SpecError("model", f"{name!r} holds no config.json (nor is it 'tiny' or 'random:<shape>'): download "
+        raise SpecError("model", f"{name!r} holds no config.json (nor is it 'tiny', 'chat-mini' or 'random:<shape>'): download "
                                  "the checkpoint there or fill in its path; `marlaas plan --model DIR` estimates "
                                  "from any directory holding the model's config.json (no weights), `--model "
                                  "random:qwen3-0.6b` / `random:qwen3-8b` from a shape")
@@ -191,7 +190,7 @@ def _splits(dims: ModelDims, tp: int) -> bool:
 def rollout_inputs(job, dims: ModelDims, model_dtype: str = "bfloat16") -> RolloutInputs:
     vllm = job.vllm
     dtype = model_dtype if vllm.dtype == "auto" else vllm.dtype
-    engine = vllm.engine_kwargs(job.max_adapters, job.max_lora_rank)
+    engine = vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())
     return RolloutInputs(dims=dims, tensor_parallel=vllm.tensor_parallel_size, dtype_bytes=DTYPE_BYTES[dtype],
                          gpu_bytes=int(job.layout.rollout.gpu_memory_gib * GIB),
                          gpu_memory_utilization=vllm.gpu_memory_utilization, max_loras=engine["max_loras"],
@@ -257,7 +256,7 @@ def job_plan(job, dims: ModelDims, kinds=("trainer", "rollout"), row_tokens: int
 
 def check_fits(job, gpus_visible: bool | None = None) -> None:
     """`marlaas run` / `submit`: SpecError naming the field to change when a GPU rank would not fit its GPU."""
-    from marlaas_hpc.model.random_qwen3 import RANDOM_PREFIX
+    from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX
 
     kinds = gpu_kinds(job, gpus_visible)
     if not kinds:

@@ -53,16 +53,25 @@ class ModelDims:
     vocab_size: int
     tied: bool
     max_position_embeddings: int
+    qk_norm: bool = True
+    """RMSNorm on each head's queries and keys (Qwen3; not Qwen2 or Llama)."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2)."""
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelDims":
+        """The dims of a served family's config.json (model/families.py: anything else raises UnservedCheckpoint,
+        naming the key)."""
+        from marlaas_hpc.model.families import family_of, head_dim_of
+
+        family = family_of(config)
         heads = int(config["num_attention_heads"])
         return cls(hidden_size=int(config["hidden_size"]), num_layers=int(config["num_hidden_layers"]),
                    num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads", heads)),
-                   head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-                   intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-                   tied=bool(config.get("tie_word_embeddings", False)),
-                   max_position_embeddings=int(config.get("max_position_embeddings", 0)))
+                   head_dim=head_dim_of(config), intermediate_size=int(config["intermediate_size"]),
+                   vocab_size=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
+                   max_position_embeddings=int(config.get("max_position_embeddings", 0)),
+                   qk_norm=family.qk_norm, qkv_bias=family.qkv_bias)
 
     @classmethod
     def read(cls, model_dir: str | Path) -> "ModelDims":
@@ -78,10 +87,18 @@ class ModelDims:
         return (h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
                 + 3 * self.intermediate_size * h)
 
+    def norm_weights(self) -> int:
+        """Elements of every RMSNorm: two per layer, the q/k norms where the family has them, the final one."""
+        per_layer = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        return self.num_layers * per_layer + self.hidden_size
+
+    def qkv_biases(self) -> int:
+        """Elements of one layer's q/k/v biases (unsharded; 0 unless the family has them)."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
+
     def parameters(self) -> int:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tied else 2)
-        norms = self.num_layers * (2 * self.hidden_size + 2 * self.head_dim) + self.hidden_size
-        return embeddings + self.num_layers * self.layer_weights() + norms
+        return embeddings + self.num_layers * (self.layer_weights() + self.qkv_biases()) + self.norm_weights()
 
     def describe(self) -> str:
         return (f"hidden {self.hidden_size}, {self.num_layers} layers, {self.num_heads}/{self.num_kv_heads} heads x "
@@ -170,10 +187,9 @@ def base_weight_bytes(inputs: TrainerInputs) -> int:
     dims, tp, b = inputs.dims, inputs.tensor_parallel, inputs.dtype_bytes
     shard_vocab = dims.padded_vocab(tp) // tp
     embeddings = shard_vocab * dims.hidden_size * (1 if dims.tied else 2)
-    norms = dims.num_layers * (2 * dims.hidden_size + 2 * dims.head_dim) + dims.hidden_size
     padding_mask = shard_vocab if dims.padded_vocab(tp) > dims.vocab_size else 0
-    return (b * (embeddings + dims.num_layers * dims.layer_weights() // tp) + 4 * norms + padding_mask
-            + 4 * dims.head_dim // 2)
+    layers = dims.num_layers * (dims.layer_weights() + dims.qkv_biases()) // tp
+    return b * (embeddings + layers) + 4 * dims.norm_weights() + padding_mask + 4 * dims.head_dim // 2
 
 
 def lora_elements(dims: ModelDims, tp: int, rank: int) -> int:
@@ -194,7 +210,8 @@ def layer_bytes_per_token(inputs: TrainerInputs) -> int:
     dims, b, r = inputs.dims, inputs.dtype_bytes, inputs.lora_rank
     h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // inputs.tensor_parallel
     q_heads, kv_heads = dims.num_heads // inputs.tensor_parallel, dims.num_kv_heads // inputs.tensor_parallel
-    norms = 2 * (4 * h + 4) + (4 * q_heads * d + 4 * q_heads) + (4 * kv_heads * d + 4 * kv_heads)
+    norms = 2 * (4 * h + 4) + ((4 * q_heads * d + 4 * q_heads) + (4 * kv_heads * d + 4 * kv_heads)
+                               if dims.qk_norm else 0)
     lora = b * (h + h + f) + (b * q_heads * d if inputs.attention == "dense" else 0) + 4 * 4 * r
     rope = 4 * d * b
     mlp = 4 * f * b  # fc1's output [2f] (SwiGLU's input), the SiLU output and the product

@@ -200,6 +200,10 @@ class VllmEngine(RolloutEngine):
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            # a prompt split over engine steps (chunked prefill) discards the token sampled at its first chunk by
+            # moving its seeded generator's offset back, which CPU generators cannot do (vLLM 0.32: "CPU Generator
+            # does not use offset"): more prompt tokens than one step takes would fail every seeded request
+            kwargs["enable_chunked_prefill"] = False
         if tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
         # unset: vLLM's own defaults (which differ by platform and version)

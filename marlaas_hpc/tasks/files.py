@@ -1,52 +1,16 @@
-"""File-backed tasks: reading JSONL data files, the seeded split of a fixed sample list (`FileTask`, which the
-env's file workloads and tenant datasets build on), GSM8K-format JSONL (math-verify reward)."""
+"""File-backed tasks: the seeded split of a fixed sample list (`FileTask`, which the env's file workloads and
+tenant datasets build on), GSM8K-format data and math datasets on disk (math-verify reward). The files are read
+by tasks/dataset_files.py (JSONL, JSON, parquet, save_to_disk folders; the field map)."""
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
-from typing import Any
 
 from marlaas_hpc.tasks.base import Sample, TaskData
-from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_file_samples
-from marlaas_hpc.tasks.spec import DatasetSpec, SpecError
+from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_file_samples, math_file_samples
+from marlaas_hpc.tasks.dataset_files import read_jsonl_rows
+from marlaas_hpc.tasks.spec import DatasetSpec
 
-
-def read_jsonl_rows(path: str | None, required: tuple[str, ...] = (), field_name: str = "dataset.path",
-                    what: str = "no samples") -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) of every non-blank line; any problem is a SpecError naming file and line."""
-    if not path:
-        raise SpecError(field_name, "no data file given")
-    file = Path(path)
-    if not file.is_file():
-        raise SpecError(field_name, f"data file not found: {file}")
-    rows = []
-    for lineno, raw in enumerate(file.read_bytes().split(b"\n"), start=1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise SpecError(field_name, f"{file}:{lineno}: not UTF-8 text ({exc.reason} at column {exc.start + 1})"
-                            ) from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SpecError(field_name, f"{file}:{lineno}: malformed JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise SpecError(field_name, f"{file}:{lineno}: expected a JSON object")
-        missing = [key for key in required if not isinstance(row.get(key), str) or not row[key].strip()]
-        if missing:
-            raise SpecError(field_name, f"{file}:{lineno}: missing, empty or non-string field(s) {missing}")
-        rows.append((lineno, row))
-    if not rows:
-        raise SpecError(field_name, f"{file}: {what} (no non-blank line)")
-    return rows
-
-
-def read_jsonl(path: str | None, required: tuple[str, ...], field_name: str = "dataset.path") -> list[dict[str, Any]]:
-    """The objects of a JSONL data file (see read_jsonl_rows)."""
-    return [row for _, row in read_jsonl_rows(path, required, field_name)]
+__all__ = ["FileTask", "Gsm8kFileTask", "MathFileTask", "read_jsonl_rows"]
 
 
 class FileTask(TaskData):
@@ -78,3 +42,14 @@ class Gsm8kFileTask(Gsm8kTask, FileTask):
     def __init__(self, spec: DatasetSpec, prompt_format: str = "raw"):
         self.answer_format = spec.answer_format
         super().__init__(spec, gsm8k_file_samples(spec, prompt_format))
+
+
+class MathFileTask(Gsm8kTask, FileTask):
+    """A math dataset on disk (GSM8K, MATH, verl's or TRL's parquet): the answer column holds the final answer,
+    or a solution whose final answer follows '####' or sits in the last \\boxed{}; reward by math-verify."""
+
+    kind = "math"
+
+    def __init__(self, spec: DatasetSpec, prompt_format: str = "raw"):
+        self.answer_format = spec.answer_format
+        super().__init__(spec, math_file_samples(spec, prompt_format))

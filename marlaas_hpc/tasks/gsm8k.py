@@ -1,13 +1,18 @@
-"""GSM8K: prompts in raw or chat form, the final answer after '####' or in \\boxed{}, reward by math-verify.
+"""GSM8K and math data: prompts in raw or chat form, the final answer after '####' or in \\boxed{}, reward by
+math-verify.
 
-Data comes from a GSM8K-format JSONL file (kind 'gsm8k': {"question", "answer": "... #### N"}, e.g. the
-official train split) or from a seeded generator of GSM8K-style word problems (kind 'gsm8k_synth': two- and
-three-step arithmetic stories with worked solutions; nothing to download, every seed a different stream).
+Data comes from GSM8K-format data on disk (kind 'gsm8k': {"question", "answer": "... #### N"}, e.g. the official
+train split, as JSONL, JSON, parquet or a save_to_disk folder: tasks/dataset_files.py), from any math dataset on disk
+whose answer column is the final answer or a solution ending in one (kind 'math': MATH, verl's and TRL's
+parquet files, with `dataset.fields` naming the columns), or from a seeded generator of GSM8K-style word
+problems (kind 'gsm8k_synth': two- and three-step arithmetic stories with worked solutions; kind 'gsm8k_easy':
+one-step stories a small model learns on a CPU; nothing to download, every seed a different stream).
 
 Prompt wording depends on the task's prompt format (TaskSpec.prompt.format):
 - raw: 'Q: <question>\\nA:' (a base model continues the text);
 - chat: the question and the usual instruction for the answer form (`dataset.answer_format`) as the user
-  message; the tokenizer's chat template frames it (model/tokenizer.py TextCodec).
+  message; the tokenizer's chat template frames it (model/codec.py TextCodec).
+A prompt column that holds chat messages (verl's schema) is used as it is, its own instruction included.
 
 `dataset.answer_format` is also the reward variant: 'hash' scores only an answer after the last '####',
 'boxed' only one in the last \\boxed{...}; None (default) takes the '####' answer, else the boxed one, else the
@@ -142,6 +147,25 @@ def synthetic_gsm8k(rng: random.Random) -> tuple[str, str, dict]:
     return question, str(result), {"solution": f"{solution}\n#### {result}"}
 
 
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def one_step_gsm8k(rng: random.Random) -> tuple[str, str, dict]:
+    """A one-step GSM8K-style problem (a count in digits plus one in words: 'has 7 apples and buys five more'),
+    its answer, and meta: the terms, the worked solution and the systematic mistake of forgetting the carry
+    ('7 + 5 = 2'), which agrees with the answer when the sum stays below ten (a third of the problems). A model
+    of a few million parameters learns these on a CPU (model/chat_mini.py)."""
+    name, items = rng.choice(_NAMES), rng.choice(_ITEMS)
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    more = _NUMBER_WORDS[b]
+    question = (f"{name} has {a} {items} and buys {more} more. How many {items} does {name} have now?",
+                f"{name} had {a} {items} and found {more} more. How many {items} does {name} have?",
+                f"A box holds {a} {items}. {name} puts {more} more in it. How many {items} are in the box now?",
+                )[rng.randrange(3)]
+    return question, str(a + b), {"solution": f"{a} + {b} = {a + b}.\n#### {a + b}", "mistake": str((a + b) % 10),
+                                  "terms": [a, b]}
+
+
 def gsm8k_sample(index: int, question: str, gold: str, meta: dict, prompt_format: str,
                  answer_format: str | None, hint: str = "") -> Sample:
     return Sample(index, gsm8k_prompt(question, prompt_format, answer_format, hint), gold,
@@ -161,14 +185,64 @@ class Gsm8kTask:
         math_verify_reward("1", "1")
 
 
-def gsm8k_file_samples(spec: DatasetSpec, prompt_format: str, hint: str = "") -> list[Sample]:
-    """The samples of a GSM8K-format JSONL file; a row without a '#### N' answer is refused by file and line."""
-    from marlaas_hpc.tasks.files import read_jsonl_rows
+GSM8K_FIELDS = {"prompt": "question", "answer": "answer"}
+"""Columns of GSM8K-format data (openai/gsm8k): the question and a worked solution ending in '#### N'."""
+MATH_FIELDS = {"prompt": "problem", "answer": "answer"}
+"""Default columns of a math dataset (MATH-500 and the like); verl's parquet: {prompt: prompt, answer:
+reward_model.ground_truth}."""
 
+
+def gsm8k_file_samples(spec: DatasetSpec, prompt_format: str, hint: str = "") -> list[Sample]:
+    """The samples of GSM8K-format data (tasks/dataset_files.py: any format, `dataset.fields`); a record whose answer
+    has no '#### N' is refused by where it is."""
     samples = []
-    for lineno, row in read_jsonl_rows(spec.path, ("question", "answer")):
-        if "####" not in row["answer"]:
-            raise SpecError("dataset.path", f"{spec.path}:{lineno}: answer has no '#### N' final answer")
-        samples.append(gsm8k_sample(len(samples), row["question"], gsm8k_gold(row["answer"]),
-                                    {"solution": row["answer"]}, prompt_format, spec.answer_format, hint))
+    for record in _records(spec, GSM8K_FIELDS, prompt_format, hint):
+        if "####" not in record.answer:
+            raise SpecError("dataset.path", f"{record.where}: answer has no '#### N' final answer (GSM8K format; "
+                                            "kind 'math' takes a bare final answer or a \\boxed{} one)")
+        samples.append(_file_sample(len(samples), record, gsm8k_gold(record.answer), {"solution": record.answer},
+                                    prompt_format, spec.answer_format, hint))
     return samples
+
+
+def math_file_samples(spec: DatasetSpec, prompt_format: str) -> list[Sample]:
+    """The samples of a math dataset: the answer column is the final answer, or a solution whose final answer
+    follows the last '####' or sits in the last \\boxed{}."""
+    return [_file_sample(i, record, math_gold(record.answer), {"solution": record.answer, **record.extra},
+                         prompt_format, spec.answer_format) for i, record in
+            enumerate(_records(spec, MATH_FIELDS, prompt_format))]
+
+
+def math_gold(answer: str) -> str:
+    """The final answer of a math answer column: after '####', else in the last \\boxed{}, else all of it."""
+    if "####" in answer:
+        return gsm8k_gold(answer)
+    boxed = last_boxed(answer)
+    return (boxed if boxed is not None else answer).strip()
+
+
+def _records(spec: DatasetSpec, defaults: dict[str, str], prompt_format: str, hint: str = ""):
+    from marlaas_hpc.tasks.dataset_files import read_records
+
+    records = read_records(spec.path, spec.fields, defaults, spec.split)
+    check_message_prompts(records, prompt_format)
+    if hint and not isinstance(records[0].prompt, str):
+        raise SpecError("dataset.fields", f"{records[0].where}: tool workloads append their hint to text prompts; "
+                                          "this prompt column holds chat messages")
+    return records
+
+
+def check_message_prompts(records, prompt_format: str) -> None:
+    """Chat-message prompts are rendered by the chat template: they need `prompt.format: chat`."""
+    message = next((r for r in records if not isinstance(r.prompt, str)), None)
+    if message is not None and prompt_format != "chat":
+        raise SpecError("prompt.format", f"{message.where}: the prompt is chat messages, which need "
+                                         "prompt.format: chat (the tokenizer's chat template renders them)")
+
+
+def _file_sample(index: int, record, gold: str, meta: dict, prompt_format: str, answer_format: str | None,
+                 hint: str = "") -> Sample:
+    """A record as a sample: a text prompt worded for the prompt format (gsm8k_prompt), messages as they are."""
+    if not isinstance(record.prompt, str):
+        return Sample(index, record.prompt, gold, meta)
+    return gsm8k_sample(index, record.prompt, gold, meta, prompt_format, answer_format, hint)

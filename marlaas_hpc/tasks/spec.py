@@ -205,11 +205,21 @@ class AlgoSpec:
 @dataclass(kw_only=True)
 class DatasetSpec:
     kind: str = "addition"
-    """Task type: a synthetic task (addition, reverse, count, sort), 'gsm8k' (GSM8K JSONL file), 'gsm8k_synth'
-    (generated GSM8K-style word problems), 'custom', or an env workload (gsm8k_tool, gsm8k_plain, hotpotqa,
-    lookup)."""
+    """Task type: a synthetic task (addition, reverse, count, sort), 'gsm8k' (GSM8K-format data on disk),
+    'math' (a math dataset on disk: the answer column is the final answer or a solution ending in '#### N' or
+    \\boxed{}), 'gsm8k_synth' (generated GSM8K-style word problems), 'gsm8k_easy' (generated one-step ones a
+    small model learns on a CPU), 'custom', or an env workload (gsm8k_tool, gsm8k_plain, hotpotqa, lookup)."""
     path: str | None = None
-    """Data file for file-backed kinds (gsm8k, custom): JSONL, one sample per line."""
+    """Data of file-backed kinds (gsm8k, math, custom; gsm8k_tool, gsm8k_plain): a JSONL (one sample per line),
+    JSON or parquet file, or a folder written by `datasets`' save_to_disk (tasks/dataset_files.py); hotpotqa: JSONL."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """Which column holds each part of a sample (gsm8k, math, custom): {prompt: ..., answer: ...}; a dotted name
+    reaches into a nested column (verl's parquet: {prompt: prompt, answer: reward_model.ground_truth}). An unset
+    part keeps the kind's column: gsm8k question / answer, math problem / answer, custom prompt / answer. The
+    prompt column holds text or chat messages [{role, content}, ...] (these need prompt.format: chat)."""
+    split: str | None = None
+    """A save_to_disk folder holding several splits (a DatasetDict): the one to read (None: 'train'). The task
+    still draws its own eval samples from it (eval_size)."""
     reward_fn: str | None = None
     """'path/to/file.py:function' (relative to the spec; run only in env ranks' sandboxed workers) computing
     reward(sample, completion) -> float in [0, 1] (custom kind); for an env workload (gsm8k_tool, gsm8k_plain,
@@ -246,11 +256,31 @@ class DatasetSpec:
             raise SpecError(f"{prefix}.answer_format", f"must be 'hash' or 'boxed' (or unset), got {self.answer_format!r}")
         if self.syntax not in (None, "compact", "xml"):
             raise SpecError(f"{prefix}.syntax", f"must be 'compact' or 'xml', got {self.syntax!r}")
-        if self.kind in ("gsm8k", "custom", "gsm8k_tool", "gsm8k_plain", "hotpotqa") and not self.path:
+        if self.kind in ("gsm8k", "math", "custom", "gsm8k_tool", "gsm8k_plain", "hotpotqa") and not self.path:
             raise SpecError(f"{prefix}.path", f"task type {self.kind!r} needs a data file")
+        self._validate_columns(prefix)
         if self.kind == "custom" and not self.reward_fn:
             raise SpecError(f"{prefix}.reward_fn", "custom tasks name a reward function as 'path/to/file.py:function'")
 
+
+    def _validate_columns(self, prefix: str) -> None:
+        if not isinstance(self.fields, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in self.fields.items()):
+            raise SpecError(f"{prefix}.fields", f"must map sample parts to column names, got {self.fields!r}")
+        unknown = sorted(set(self.fields) - set(SAMPLE_PARTS))
+        if unknown:
+            raise SpecError(f"{prefix}.fields", f"unknown sample part(s) {unknown}; map {list(SAMPLE_PARTS)}")
+        for name in ("fields", "split"):
+            if getattr(self, name) and self.kind not in MAPPED_KINDS:
+                raise SpecError(f"{prefix}.{name}", f"applies to kinds {list(MAPPED_KINDS)}, not {self.kind!r}")
+        if self.split is not None and (not isinstance(self.split, str) or not self.split.strip()):
+            raise SpecError(f"{prefix}.split", f"must name a split, got {self.split!r}")
+
+
+SAMPLE_PARTS = ("prompt", "answer")
+"""The parts of a sample `DatasetSpec.fields` maps to columns."""
+MAPPED_KINDS = ("gsm8k", "math", "custom", "gsm8k_tool", "gsm8k_plain")
+"""Kinds whose data is read by tasks/dataset_files.py (any format, a field map)."""
 
 PROMPT_FORMATS = ("raw", "chat")
 

@@ -14,7 +14,7 @@ import random
 import string
 
 from marlaas_hpc.tasks.base import Sample, TaskData
-from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_sample, synthetic_gsm8k
+from marlaas_hpc.tasks.gsm8k import Gsm8kTask, gsm8k_sample, one_step_gsm8k, synthetic_gsm8k
 from marlaas_hpc.tasks.spec import DatasetSpec
 
 _LETTERS = "abcdef"
@@ -92,21 +92,26 @@ class SyntheticTask(TaskData):
         return 1.0 if completion.strip() == sample.answer else 0.0
 
 
+STORIES = {"gsm8k_synth": synthetic_gsm8k, "gsm8k_easy": one_step_gsm8k}
+"""Generated GSM8K-style kinds: two- and three-step stories, or one-step ones a small model learns on a CPU."""
+
+
 class _Gsm8kStory:
     """A generated GSM8K-style problem worded for the prompt format (a class: tasks must pickle)."""
 
-    def __init__(self, prompt_format: str, answer_format: str | None):
-        self.prompt_format, self.answer_format = prompt_format, answer_format
+    def __init__(self, kind: str, prompt_format: str, answer_format: str | None):
+        self.kind, self.prompt_format, self.answer_format = kind, prompt_format, answer_format
 
     def __call__(self, rng: random.Random) -> tuple[str, str, dict]:
-        question, answer, meta = synthetic_gsm8k(rng)
+        question, answer, meta = STORIES[self.kind](rng)
         sample = gsm8k_sample(0, question, answer, meta, self.prompt_format, self.answer_format)
         return sample.prompt, answer, sample.meta
 
 
 class Gsm8kSyntheticTask(Gsm8kTask, SyntheticTask):
-    """Generated GSM8K-style word problems (tasks/gsm8k.py `synthetic_gsm8k`); reward by math-verify."""
+    """Generated GSM8K-style word problems (tasks/gsm8k.py `synthetic_gsm8k`, `one_step_gsm8k`); reward by
+    math-verify."""
 
     def __init__(self, spec: DatasetSpec, prompt_format: str = "raw"):
         self.answer_format = spec.answer_format
-        super().__init__(spec, _Gsm8kStory(prompt_format, spec.answer_format))
+        super().__init__(spec, _Gsm8kStory(spec.kind, prompt_format, spec.answer_format))

@@ -1,9 +1,12 @@
-"""The trainer's base network: a megatron-core GPTModel (local layer spec) loaded from an HF Qwen3 checkpoint.
+"""The trainer's base network: a megatron-core GPTModel (local layer spec) loaded from an HF checkpoint of a
+served family (model/families.py: Qwen3 dense, Qwen2 / Qwen2.5, Llama 3.x).
 
-mbridge maps HF names <-> megatron names and splits weights over tensor-parallel ranks. Its Qwen3 bridge targets
-the Transformer Engine spec (fused `linear_qkv.layer_norm_weight`); here it is pointed at the local spec, whose
-norms are separate modules (`input_layernorm`, `pre_mlp_layernorm`). `bridge.get_model()` is not used (it calls
-`.cuda()`): the GPTModel is built directly and the bridge only loads weights.
+mbridge maps HF names <-> megatron names and splits weights over tensor-parallel ranks. Its bridges (Qwen3Bridge,
+Qwen2Bridge, LLaMABridge) target the Transformer Engine spec (fused `linear_qkv.layer_norm_weight`); here each is
+pointed at the local spec, whose norms are separate modules (`input_layernorm`, `pre_mlp_layernorm`), built with
+the family's qk-norm (Qwen3) and q/k/v biases (Qwen2), and given the checkpoint's RoPE (Llama 3's `llama3`
+scaling through megatron-core's own RotaryEmbedding). `bridge.get_model()` is not used (it calls `.cuda()`): the
+GPTModel is built directly and the bridge only loads weights.
 
 Process groups (docs/architecture.md §2): the default torch.distributed group (gloo on CPU, nccl on GPU) spans one
 trainer group's ranks, TP x DP (TP-major: TP groups are consecutive ranks); megatron's parallel state splits it into
@@ -20,6 +23,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from marlaas_hpc.model.checkpoint import checkpoint_family, read_checkpoint
+from marlaas_hpc.model.families import ModelFamily, rope_of
 from marlaas_hpc.trainer.cpu_shims import apply_cpu_shims
 from marlaas_hpc.trainer.frozen_base import skip_frozen_weight_grads
 
@@ -86,18 +91,28 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def _local_qwen3_bridge_cls():
+def _bridge_base_cls(family: ModelFamily):
+    """mbridge's own bridge of the family: its HF <-> megatron name mapping and its TransformerConfig (Qwen3:
+    qk_layernorm; Qwen2: add_qkv_bias; Llama: neither)."""
+    from mbridge.models.llama import LLaMABridge
+    from mbridge.models.qwen2 import Qwen2Bridge
     from mbridge.models.qwen3 import Qwen3Bridge
 
-    class LocalSpecQwen3Bridge(Qwen3Bridge):
-        """Qwen3 bridge for the local (non-TE) layer spec: separate input / pre-MLP RMSNorm modules."""
+    return {"qwen3": Qwen3Bridge, "qwen2": Qwen2Bridge, "llama": LLaMABridge}[family.name]
 
+
+def local_spec_bridge(family: ModelFamily, hf_config, dtype: torch.dtype):
+    """The family's mbridge bridge pointed at the local (non-TE) layer spec, whose norms are separate modules
+    (`input_layernorm`, `pre_mlp_layernorm`) instead of Transformer Engine's fused `layer_norm_weight`s."""
+    base = _bridge_base_cls(family)
+
+    class LocalSpecBridge(base):
         def __init__(self, *args, **kwargs):
             # per-instance copies: mbridge mutates these class dicts for tied embeddings
-            self._DIRECT_MAPPING = dict(Qwen3Bridge._DIRECT_MAPPING)
-            self._ATTENTION_MAPPING = {k: v for k, v in Qwen3Bridge._ATTENTION_MAPPING.items()
+            self._DIRECT_MAPPING = dict(base._DIRECT_MAPPING)
+            self._ATTENTION_MAPPING = {k: v for k, v in base._ATTENTION_MAPPING.items()
                                        if k != "self_attention.linear_qkv.layer_norm_weight"}
-            self._MLP_MAPPING = {k: v for k, v in Qwen3Bridge._MLP_MAPPING.items()
+            self._MLP_MAPPING = {k: v for k, v in base._MLP_MAPPING.items()
                                  if k != "mlp.linear_fc1.layer_norm_weight"}
             self._MLP_MAPPING["pre_mlp_layernorm.weight"] = [
                 "model.layers.{layer_number}.post_attention_layernorm.weight"]
@@ -105,30 +120,25 @@ def _local_qwen3_bridge_cls():
             super().__init__(*args, **kwargs)
 
         def _get_transformer_layer_spec(self, vp_stage=None):
-            return local_layer_spec()
+            return local_layer_spec(family)
 
         def _get_gptmodel_args(self) -> dict:
+            rope = rope_of(self.hf_config.to_dict())
             return dict(vocab_size=self.hf_config.vocab_size,
                         max_sequence_length=self.hf_config.max_position_embeddings,
-                        position_embedding_type="rope", rotary_base=rope_theta(self.hf_config))
+                        position_embedding_type="rope", rotary_base=rope.theta,
+                        # megatron-core's RotaryEmbedding applies Llama 3.1's frequency scaling itself (factor
+                        # given, the other three parameters fixed at the released values, which intake checks);
+                        # mbridge's Llama bridge would pass linear position interpolation instead
+                        rope_scaling=rope.scaling == "llama3", rope_scaling_factor=rope.factor)
 
-    return LocalSpecQwen3Bridge
+    return LocalSpecBridge(hf_config, dtype=dtype)
 
 
-def local_layer_spec():
+def local_layer_spec(family: ModelFamily):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-
-
-def rope_theta(hf_config) -> float:
-    """RoPE base: transformers 5 keeps it in `rope_parameters`, older versions in `rope_theta`."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        if params.get("rope_type", "default") != "default":
-            raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported by the trainer")
-        return float(params["rope_theta"])
-    return float(hf_config.rope_theta)
+    return get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
 
 
 @dataclass
@@ -159,8 +169,8 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
                     load_weights: bool = True) -> LoadedModel:
     """Builds the GPTModel for this rank's TP shard on `device` and loads the HF checkpoint into it (frozen).
 
-    Tied input/output embeddings (Qwen3-0.6B..4B) share one megatron weight, mapped from
-    `model.embed_tokens.weight`; untied ones load `lm_head.weight` into the output layer. The vocabulary is
+    Tied input/output embeddings (Qwen3-0.6B..4B, Qwen2.5 up to 3B, Llama 3.2) share one megatron weight, mapped
+    from `model.embed_tokens.weight`; untied ones load `lm_head.weight` into the output layer. The vocabulary is
     padded as megatron pads it (zero rows past `vocab_size`); callers keep padded logits out of every softmax.
     Parameters are allocated on `device` before any weight is loaded, because mbridge scatters each weight
     from TP rank 0 over the TP group (NCCL on GPU cannot scatter CPU tensors). `dtype`: base weights
@@ -175,11 +185,11 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     apply_cpu_shims()
     skip_frozen_weight_grads()
     device = torch.device(device)
+    # the intake check, again where the weights load (the trainer reads no tokenizer)
+    family = checkpoint_family(read_checkpoint(model_path, tokenizer=False))
     hf_config = AutoConfig.from_pretrained(str(model_path))
-    if hf_config.model_type != "qwen3":
-        raise NotImplementedError(f"trainer supports Qwen3 checkpoints, got model_type={hf_config.model_type!r}")
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    bridge = _local_qwen3_bridge_cls()(hf_config, dtype=dtype)
+    bridge = local_spec_bridge(family, hf_config, dtype)
     recompute_args = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
         if recompute else {}
     bridge.set_extra_args(
@@ -199,7 +209,7 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     if device.type == "cuda":  # megatron allocates non-CPU-initialised parameters on the current device
         torch.cuda.set_device(device)
     with torch.device(device):  # the local spec's norms take no device argument: built on `device` at once
-        model = GPTModel(config=bridge.config, transformer_layer_spec=local_layer_spec(),
+        model = GPTModel(config=bridge.config, transformer_layer_spec=local_layer_spec(family),
                          share_embeddings_and_output_weights=tied, pre_process=True, post_process=True, **args)
     if any(tensor.device != device for tensor in (*model.parameters(), *model.buffers())):
         # `to` re-wraps every fake-tensor parameter, which torch refuses: called only when something is elsewhere

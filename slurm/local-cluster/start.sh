@@ -23,7 +23,9 @@ set -euo pipefail
 STATE=${LOCAL_SLURM_DIR:-/var/tmp/marlaas-local-slurm}
 NCPU_NODES=${LOCAL_SLURM_CPU_NODES:-3}
 NGPU_NODES=${LOCAL_SLURM_GPU_NODES:-3}
-NODE_CPUS=${LOCAL_SLURM_CPUS:-$(nproc)}
+# nproc alone honours OMP_NUM_THREADS, which tools/test.sh sets to 1 before starting the cluster: every
+# node then offered one CPU and the tests asking for two per task were refused at submission
+NODE_CPUS=${LOCAL_SLURM_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 NODE_GPUS=${LOCAL_SLURM_GPUS:-4}
 CLUSTER=marlaas
 MARKER="# written by marlaas_hpc slurm/local-cluster/start.sh"

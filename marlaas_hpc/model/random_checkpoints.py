@@ -1,0 +1,208 @@
+"""Random-weight checkpoints with the traits of real Qwen3, Qwen2.5 and Llama 3.x models, built locally (nothing
+is downloaded).
+
+The project's tiny model has a 128-char vocabulary and untied embeddings; real checkpoints differ in every way
+that breaks code written only for it. These checkpoints keep each family's real traits and shrink the rest:
+
+- the family's vocabulary (model/vocabularies.py): 151,936 rows for Qwen (more rows than tokenizer tokens),
+  128,256 for Llama 3, which no TP size above 1 divides into megatron's 128-row multiples: the trainer pads it;
+  special tokens at the real ids, bos (Llama) or none (Qwen), an eos list in generation_config.json with
+  sampling defaults the rollout engines must ignore, the family's chat template;
+- tied input/output embeddings (Qwen3-0.6B..4B, Qwen2.5-0.5B..3B, Llama 3.2 1B/3B) or untied ones (Qwen3-8B,
+  Qwen2.5-7B, Llama 3.1 8B and up);
+- grouped-query attention; Qwen3's qk-norm and head_dim decoupled from hidden_size / heads; Qwen2's q/k/v
+  biases; Llama 3's `llama3` RoPE scaling (factor 32 for 3.2, 8 for 3.1) and rope_theta 500,000.
+
+Weights are random (transformers' init), and then every RMSNorm weight and bias is drawn away from its
+constant init (1 and 0): a checkpoint whose norms are all ones and biases all zeros cannot tell a mis-mapped
+norm or bias from a right one.
+
+Shapes: `qwen3-0.6b` is the full Qwen3-0.6B shape (28 layers: benchmarks only); `qwen3-8b` the full Qwen3-8B
+shape (its published dims), for `marlaas plan` and the GPU dry run, which read config.json only (`write_config`;
+its random weights would take 33 GB); the `-mini` shapes keep
+vocabulary, GQA, head_dim >= 32 and the family's traits at a width and depth that tests afford on two CPU cores.
+Jobs name them `model: random:<shape>` (built once into the cache, like `tiny`); weights are random, so they
+test plumbing and numerics, not learning.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from marlaas_hpc.model.vocabularies import (ENDOFTEXT_ID, IM_END_ID, IM_START_ID, LLAMA3, QWEN2, QWEN3,
+                                            Vocabulary, save_tokenizer)
+
+__all__ = ["ENDOFTEXT_ID", "IM_END_ID", "IM_START_ID", "RANDOM_PREFIX", "SHAPES", "RandomShape",
+           "ensure_random_checkpoint", "write_config"]
+
+RANDOM_PREFIX = "random:"
+"""`JobConfig.model` prefix naming one of SHAPES, e.g. 'random:qwen3-0.6b-mini'."""
+FAMILY_VOCABULARY = {"qwen3": QWEN3, "qwen2": QWEN2, "llama": LLAMA3}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomShape:
+    family: str
+    """Model family (model/families.py): 'qwen3', 'qwen2' or 'llama'."""
+    hidden_size: int
+    """Model width."""
+    num_layers: int
+    """Decoder layers."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA)."""
+    head_dim: int
+    """Per-head width (Qwen3 decouples it from hidden_size / num_heads; Qwen2 and Llama do not)."""
+    intermediate_size: int
+    """SwiGLU hidden width."""
+    tied: bool
+    """Tied input/output embeddings or a separate lm_head."""
+    max_position_embeddings: int
+    """Context length in config.json."""
+    rope_theta: float
+    """RoPE base."""
+    rope_llama3_factor: float | None = None
+    """Llama 3.x RoPE scaling factor (32: 3.2, 8: 3.1; low/high frequency factors 1 and 4 over 8,192 original
+    positions, as released); None: plain RoPE."""
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        return FAMILY_VOCABULARY[self.family]
+
+
+def _qwen3(**kw) -> RandomShape:
+    return RandomShape(family="qwen3", rope_theta=1_000_000.0, **kw)
+
+
+def _qwen2(**kw) -> RandomShape:
+    return RandomShape(family="qwen2", rope_theta=1_000_000.0, max_position_embeddings=32768, **kw)
+
+
+def _llama(**kw) -> RandomShape:
+    return RandomShape(family="llama", rope_theta=500_000.0, max_position_embeddings=131072, **kw)
+
+
+SHAPES = {
+    "qwen3-0.6b": _qwen3(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                         intermediate_size=3072, tied=True, max_position_embeddings=40960),
+    "qwen3-8b": _qwen3(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                       intermediate_size=12288, tied=False, max_position_embeddings=40960),
+    "qwen3-0.6b-mini": _qwen3(hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64,
+                              intermediate_size=256, tied=True, max_position_embeddings=4096),
+    "qwen3-8b-mini": _qwen3(hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64,
+                            intermediate_size=320, tied=False, max_position_embeddings=4096),
+    "qwen2.5-0.5b-mini": _qwen2(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                                intermediate_size=256, tied=True),
+    "qwen2.5-7b-mini": _qwen2(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                              intermediate_size=320, tied=False),
+    "llama3.2-1b-mini": _llama(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                               intermediate_size=256, tied=True, rope_llama3_factor=32.0),
+    "llama3.1-8b-mini": _llama(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                               intermediate_size=320, tied=False, rope_llama3_factor=8.0),
+}
+
+
+def hf_config(shape: RandomShape):
+    """The transformers config of a shape, with the family's real ids and traits."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    vocab = shape.vocabulary
+    common = dict(vocab_size=vocab.rows, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                  num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+                  num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_position_embeddings,
+                  tie_word_embeddings=shape.tied, hidden_act="silu", initializer_range=0.02, dtype="float32")
+    eos = [vocab.token_id(t) for t in vocab.generation_eos]
+    if shape.family == "llama":
+        assert shape.head_dim * shape.num_heads == shape.hidden_size
+        rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
+        if shape.rope_llama3_factor is not None:
+            rope = {"rope_type": "llama3", "factor": shape.rope_llama3_factor, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_theta": shape.rope_theta}
+        return LlamaConfig(**common, head_dim=shape.head_dim, rope_parameters=rope, rms_norm_eps=1e-5,
+                           attention_bias=False, mlp_bias=False, bos_token_id=vocab.token_id(vocab.bos),
+                           eos_token_id=eos, pad_token_id=None)
+    qwen = dict(rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta}, rms_norm_eps=1e-6,
+                bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, pad_token_id=None, use_sliding_window=False)
+    if shape.family == "qwen2":
+        assert shape.head_dim * shape.num_heads == shape.hidden_size
+        return Qwen2Config(**common, **qwen)
+    return Qwen3Config(**common, **qwen, head_dim=shape.head_dim, attention_bias=False)
+
+
+def write_config(name: str, cache_dir: str | Path | None = None) -> Path:
+    """A directory holding only config.json of shape `name` (a key of SHAPES): what `marlaas plan` and the GPU
+    dry run read. Written once into the cache."""
+    from marlaas_hpc.model.cache import default_cache_dir
+
+    shape = SHAPES[name]
+    out = Path(cache_dir or default_cache_dir()) / f"config-{name}-{fingerprint(shape, 0)}"
+    if not (out / "config.json").is_file():
+        staging = out.with_name(f"{out.name}.writing-{os.getpid()}")
+        hf_config(shape).save_pretrained(str(staging))
+        try:
+            staging.rename(out)
+        except OSError:  # another process wrote it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def build_random_checkpoint(out_dir: str | Path, shape: RandomShape, seed: int = 0) -> Path:
+    """Writes config.json, model.safetensors (fp32, random), generation_config.json and the tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(shape)).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    vocab = shape.vocabulary
+    # the Instruct checkpoints' generation_config.json: an eos list and sampling defaults a rollout engine must
+    # not apply
+    model.generation_config = GenerationConfig(
+        bos_token_id=vocab.token_id(vocab.bos or "<|endoftext|>"),
+        eos_token_id=[vocab.token_id(t) for t in vocab.generation_eos],
+        pad_token_id=vocab.token_id(vocab.pad) if vocab.pad else None,
+        do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
+    model.save_pretrained(str(out), safe_serialization=True)
+    save_tokenizer(vocab, out)
+    return out
+
+
+def fingerprint(shape: RandomShape, seed: int) -> str:
+    sources = b"".join((Path(__file__).parent / name).read_bytes()
+                       for name in ("random_checkpoints.py", "vocabularies.py"))
+    blob = json.dumps(asdict(shape), sort_keys=True).encode() + sources + str(seed).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def ensure_random_checkpoint(name: str, cache_dir: str | Path | None = None, seed: int = 0, log=print) -> Path:
+    """Path of the cached random checkpoint `name` (a key of SHAPES), building it first if absent."""
+    from marlaas_hpc.model.cache import default_cache_dir
+
+    if name not in SHAPES:
+        raise KeyError(f"unknown random checkpoint {name!r}; known: {sorted(SHAPES)}")
+    shape = SHAPES[name]
+    final = Path(cache_dir or default_cache_dir()) / f"random-{name}-{fingerprint(shape, seed)}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.with_name(f"{final.name}.building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    log(f"[model] building random-weight checkpoint {name} into {final} (once)")
+    build_random_checkpoint(staging, shape, seed)
+    try:
+        staging.rename(final)
+    except OSError:  # another process finished first: use theirs
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
