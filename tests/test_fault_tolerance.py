@@ -170,15 +170,20 @@ def test_sigkill_of_one_rank_of_one_of_two_trainer_groups_rolls_back_that_groups
     assert others and all(".r" not in r["group_id"] for r in others), "no other task went back"
 
 
-def _scale(run_dir: Path, rollout: int) -> None:
+def _marlaas(*args: str) -> str:
     import subprocess
     import sys
 
     from test_runtime_mpi import ROOT, _env
 
-    proc = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "scale", str(run_dir), "--rollout", str(rollout)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *args], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _scale(run_dir: Path, rollout: int) -> None:
+    _marlaas("scale", str(run_dir), "--rollout", str(rollout))
 
 
 def test_marlaas_scale_adds_a_rollout_rank_to_a_live_job_then_drains_it(tmp_path):
@@ -191,6 +196,7 @@ def test_marlaas_scale_adds_a_rollout_rank_to_a_live_job_then_drains_it(tmp_path
     _scale(run_dir, 2)
     job.wait_lines("[scale] rollout rank 4 joined")
     job.wait_steps(job.steps() + 6)
+    assert "ranks: rollout [2, 4] (joined [4])" in _marlaas("status", str(run_dir)), "marlaas status shows it"
     _scale(run_dir, 1)
     job.wait_lines("[scale] rollout rank 4 drained and left")
     assert job.finish() == 0, job.output()
