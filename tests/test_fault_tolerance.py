@@ -105,6 +105,24 @@ def test_losing_the_last_rollout_rank_stops_the_job_resumably_and_says_why(tmp_p
     assert load_job_checkpoint(run_dir) is not None, "the run dir is resumable"
 
 
+def test_sigkill_of_rank_0_stops_the_job_with_one_message_and_it_resumes(tmp_path):
+    """Rank 0 (the scheduler) is a single point: its death stops the job with the one message and a failed status
+    (the ULFM mpiexec itself exits 0 after it), and `marlaas run --resume` finishes every task, each version
+    trained exactly once over both runs."""
+    run_dir = tmp_path / "run"
+    job = Job([str(_config(tmp_path, rollout_ranks=2)), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_steps(8)
+    os.kill(_rank(run_dir, "scheduler")["pid"], signal.SIGKILL)
+    code = job.finish()
+    stops = [line for line in job.err.splitlines() if line.startswith("marlaas: job stopped")]
+    assert code not in (0, 75) and len(stops) == 1, job.output()
+    assert stops[0].startswith("marlaas: job stopped: rank 0 (scheduler") and "does not go on without it" in stops[0]
+    assert f"marlaas run --resume {run_dir}" in stops[0] and (run_dir / "crash.json").exists()
+    resumed = Job(["--resume", str(run_dir)], tmp_path)
+    assert resumed.finish() == 0, resumed.output()
+    _check_every_version_once(run_dir)
+
+
 def test_a_rollout_rank_stopped_with_sigstop_is_found_hung_killed_and_handled_as_lost(tmp_path):
     """SIGSTOP: the rank is alive but makes no progress (its heartbeat stops). After fault.hang_timeout_s its
     supervisor names it, kills it, and the job goes on without it as after a SIGKILL."""

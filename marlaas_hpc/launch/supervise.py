@@ -34,6 +34,8 @@ STOP_AFTER_FAILURE_S = 10.0
 STOP_WAIT_S = 10.0
 """How long the launcher gets to exit after SIGTERM before SIGKILL."""
 CRASH_FILE = "crash.json"
+LOST_RANK_EXIT = 1
+"""The job's status when a rank's loss stopped it but the launcher said 0 (the ULFM mpiexec does)."""
 LOSS_DIR = "faults"
 """RUN_DIR/faults/rank<N>.json: the cause of a rank's loss that the job went on without (rank 0 names it)."""
 FORWARDED = (signal.SIGUSR2, signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -191,7 +193,12 @@ class Supervisor:
         ended = self.monitor.job_status()
         # a job that went on without a lost rank ends with rank 0's status: the ULFM launcher still reports a rank
         # that joined the live job (another MPI job to it) and was then lost, as exit 137
-        return ended if ended is not None and self.interrupted is None else code
+        if ended is not None and self.interrupted is None:
+            return ended
+        failure = self.monitor.first_failure()
+        if code == 0 and failure is not None and not failure.peer_lost and not tolerated(failure):
+            return LOST_RANK_EXIT  # the ULFM launcher exits 0 whatever its ranks died of (rank 0's SIGKILL too)
+        return code
 
     def failure(self, code: int) -> RankFailure | None:
         """The rank failure that ended the job, if it ended by one (None for a normal end, a preemption (75),
