@@ -214,6 +214,7 @@ def cmd_status(args) -> int:
 def cmd_scale(args) -> int:
     """Sets the number of rollout ranks of a live local job (runtime/scaling.py): rank 0 starts ranks that join, or
     drains the newest ones, and says so in its log."""
+    import json
     from pathlib import Path
 
     from marlaas_hpc.runtime.scaling import request_scale
@@ -222,7 +223,7 @@ def cmd_scale(args) -> int:
     if not (run_dir / "job.json").is_file():
         print(f"marlaas: {run_dir} is not the run dir of a job (no job.json)", file=sys.stderr)
         return 2
-    if (run_dir / "summary.json").is_file() and not json_loads(run_dir / "summary.json").get("preempted"):
+    if (run_dir / "summary.json").is_file() and not json.loads((run_dir / "summary.json").read_text()).get("preempted"):
         print(f"marlaas: the job of {run_dir} has ended", file=sys.stderr)
         return 2
     if args.rollout < 1:
@@ -231,12 +232,6 @@ def cmd_scale(args) -> int:
     path = request_scale(run_dir, args.rollout)
     print(f"asked the job of {run_dir} for {args.rollout} rollout ranks ({path}); its log says what rank 0 does")
     return 0
-
-
-def json_loads(path) -> dict:
-    import json
-
-    return json.loads(path.read_text())
 
 
 def cmd_report(args) -> int:

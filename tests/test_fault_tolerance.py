@@ -44,7 +44,11 @@ def _kill_one(tmp_path: Path, role: str, **layout) -> tuple[Job, dict, Path]:
     time.sleep(rng.uniform(0.0, 0.5))
     victims = sorted((json.loads(p.read_text()) for p in (run_dir / "ranks").glob("rank*.json")),
                      key=lambda r: r["rank"])
-    victim = [r for r in victims if r["role"] == role][-1]
+    victim = [r for r in victims if r["role"] == role][0]  # the first: the scheduler fills it first
+    # held still for a moment first, so that it holds groups when it dies: the tiny model's groups are generated and
+    # scored in milliseconds, and at a random instant a rank often held none (then nothing is issued again)
+    os.kill(victim["pid"], signal.SIGSTOP)
+    time.sleep(1.0)
     os.kill(victim["pid"], signal.SIGKILL)
     code = job.finish()
     assert code == 0, f"seed {SEED}: the job did not finish by itself:\n{job.output()}"
