@@ -9,6 +9,7 @@ import pytest
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.sim.engine import Simulation
+from marlaas_hpc.sim.report import staleness_violations
 from marlaas_hpc.sim.setup import setup_from_job
 from marlaas_hpc.sim.tails import OccupancyRolloutSim, tail_costs
 from marlaas_hpc.sim.weight_sync import DeltaPlaneModel
@@ -116,3 +117,16 @@ def test_a_bad_delta_plane_is_refused_naming_the_field(field, value, message):
     with pytest.raises(SpecError) as error:
         DeltaPlaneModel(**{field: value}).validate()
     assert message in str(error.value)
+
+
+def test_relay_on_demand_pulls_only_what_work_asks_for_within_the_bound():
+    """Pulling on demand, a rank installs a task's version only when work for it waits on one: fewer installs
+    than pulling every version, and the staleness rule holds (work never starts on an older version than asked)."""
+    eager, on_demand = (Simulation(heavy_tail_setup(64, 16, steps=2), load_workload(WORKLOAD), seed=0, trace=False,
+                                   delta_plane=DeltaPlaneModel(plane="relay", relay_pull=pull))
+                        for pull in ("eager", "on_demand"))
+    for sim in (eager, on_demand):
+        assert set(sim.run().ended.values()) == {"done"}
+        assert not staleness_violations(sim)
+    spent = [sum(sim.delta_plane.meter.rank_seconds.values()) for sim in (eager, on_demand)]
+    assert spent[1] < spent[0] / 2

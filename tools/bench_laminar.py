@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,38 +47,84 @@ def heavy_tail_setup(n_tasks: int, rollout_ranks: int, steps: int):
                           rollout_slots=max(1, 4 * n_tasks * base.algo.batch_prompts // rollout_ranks // 8))
 
 
-def measure(n_tasks: int, rollout_ranks: int, steps: int, plane: DeltaPlaneModel, seed: int = 0) -> dict:
-    sim = Simulation(heavy_tail_setup(n_tasks, rollout_ranks, steps), load_workload(WORKLOAD), seed=seed,
-                     trace=False, delta_plane=plane, rollout_engine=OccupancyRolloutSim)
-    wall = time.perf_counter()
+PLANES = {"broadcast": ("broadcast", None, "eager"), "broadcast-wait": ("broadcast", 0, "eager"),
+          "relay": ("relay", None, "eager"), "relay-on-demand": ("relay", None, "on_demand")}
+"""Rows: today's lockstep (leader posts, max_in_flight outstanding), the same with a leader that waits for each
+broadcast (the delta plane before it posted asynchronously), the relay tier with every rank pulling every
+version, and with ranks pulling only the versions their work asks for."""
+
+
+def light_tail(workload):
+    """The same mean completion length with a thin tail (sigma 0.25): what the tail alone costs."""
+    profile = workload.profiles["default"]
+    heavy = profile.response_tokens
+    median = heavy.expected() / math.exp(0.25 ** 2 / 2)
+    light = dataclasses.replace(heavy, median=median, sigma=0.25)
+    return dataclasses.replace(workload, profiles={"default": dataclasses.replace(profile, response_tokens=light)})
+
+
+def measure(n_tasks: int, rollout_ranks: int, steps: int, plane: DeltaPlaneModel, workload, seed: int) -> dict:
+    sim = Simulation(heavy_tail_setup(n_tasks, rollout_ranks, steps), workload, seed=seed, trace=False,
+                     delta_plane=plane, rollout_engine=OccupancyRolloutSim)
     outcome = sim.run()
-    wall = time.perf_counter() - wall
     end, tails = outcome.end_time, tail_costs(sim)
-    trained_tokens = sum(sum(s) for s in sim.trained_tokens) if hasattr(sim, "trained_tokens") else None
-    return {"tasks": n_tasks, "ranks": rollout_ranks, "plane": plane.plane, "e2e_s": end,
-            "blocked_s": sim.delta_plane.meter.blocked_per_update(),
+    assert set(outcome.ended.values()) == {"done"}, outcome.ended
+    return {"blocked_ms": 1e3 * sim.delta_plane.meter.blocked_per_update(),
             "decode_busy": tails.decode_seconds / (rollout_ranks * end),
             "plane_share": sum(sim.delta_plane.meter.rank_seconds.values()) / (rollout_ranks * end),
-            "dropped": tails.dropped_groups, "issued": tails.issued_groups, "sparse": tails.sparse_fraction,
-            "done": sum(status == "done" for status in outcome.ended.values()), "wall_s": wall}
+            "dropped": tails.dropped_groups, "dropped_share": tails.dropped_groups / tails.issued_groups,
+            "sparse": tails.sparse_fraction, "groups_per_s": tails.trained_groups / end, "e2e_s": end}
+
+
+def averaged(n_tasks, ranks, steps, plane, workload, seeds) -> dict:
+    runs = [measure(n_tasks, ranks, steps, plane, workload, seed) for seed in range(seeds)]
+    return {key: sum(run[key] for run in runs) / len(runs) for key in runs[0]}
+
+
+HEADER = (f"{'tasks':>5} {'GPUs':>4} {'plane':<16} {'tail':<5} {'blocked ms/upd':>14} {'decode busy':>11} "
+          f"{'on plane':>8} {'dropped':>8} {'drop %':>6} {'sparse %':>8} {'groups/s':>8} {'e2e s':>8}")
+
+
+def row(n_tasks, ranks, name, tail, r) -> str:
+    return (f"{n_tasks:>5} {ranks:>4} {name:<16} {tail:<5} {r['blocked_ms']:>14.1f} {r['decode_busy']:>11.3f} "
+            f"{r['plane_share']:>8.3f} {r['dropped']:>8.0f} {100 * r['dropped_share']:>6.2f} "
+            f"{100 * r['sparse']:>8.1f} {r['groups_per_s']:>8.1f} {r['e2e_s']:>8.1f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scales", nargs="+", default=["32:8", "1024:256"], help="tasks:rollout_ranks")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per task")
+    parser.add_argument("--seeds", type=int, default=2, help="runs averaged per row (seeds 0..n-1)")
     parser.add_argument("--max-in-flight", type=int, default=16)
-    parser.add_argument("--push-bandwidth", type=float, default=25e9)
-    parser.add_argument("--relay-bandwidth", type=float, default=25e9)
-    parser.add_argument("--pull-bandwidth", type=float, default=25e9)
+    parser.add_argument("--push-bandwidth", type=float, default=25e9, help="bytes/s, leader -> root relay")
+    parser.add_argument("--relay-bandwidth", type=float, default=25e9, help="bytes/s, a relay's egress")
+    parser.add_argument("--pull-bandwidth", type=float, default=25e9, help="bytes/s, node relay -> rollout rank")
+    parser.add_argument("--fanout", type=int, default=2, help="relay tree fan-out (1: a chain)")
     args = parser.parse_args()
+    heavy = load_workload(WORKLOAD)
+    print(HEADER, flush=True)
+    ratio = ratio_wait = None
     for scale in args.scales:
         n_tasks, ranks = (int(x) for x in scale.split(":"))
-        for plane in ("broadcast", "relay"):
-            model = DeltaPlaneModel(plane=plane, max_in_flight=args.max_in_flight,
+        results = {}
+        for name, (plane, bound, pull) in PLANES.items():
+            model = DeltaPlaneModel(plane=plane, max_in_flight=args.max_in_flight if bound is None else bound,
                                     push_bandwidth=args.push_bandwidth, relay_bandwidth=args.relay_bandwidth,
-                                    pull_bandwidth=args.pull_bandwidth)
-            print(measure(n_tasks, ranks, args.steps, model), flush=True)
+                                    pull_bandwidth=args.pull_bandwidth, relay_fanout=args.fanout,
+                                    relay_pull=pull)
+            results[name] = averaged(n_tasks, ranks, args.steps, model, heavy, args.seeds)
+            print(row(n_tasks, ranks, name, "heavy", results[name]), flush=True)
+        light = averaged(n_tasks, ranks, args.steps, DeltaPlaneModel(max_in_flight=args.max_in_flight),
+                         light_tail(heavy), args.seeds)
+        print(row(n_tasks, ranks, "broadcast", "light", light), flush=True)
+        if n_tasks == 1024:
+            ratio = results["relay"]["blocked_ms"] / results["broadcast"]["blocked_ms"]
+            ratio_wait = results["relay"]["blocked_ms"] / results["broadcast-wait"]["blocked_ms"]
+    blocked = (f"{ratio:.2f} (against a leader waiting for each broadcast: {ratio_wait:.2f})" if ratio is not None
+               else "not measured (no 1024-task scale run)")
+    print(f"relay/broadcast leader blocked {blocked}; repack/none throughput not measured (repack not built yet); "
+          f"CPU twin (3 rollout ranks, heavy-tailed kind) not measured yet")
 
 
 if __name__ == "__main__":

@@ -132,6 +132,8 @@ class RolloutSim:
     def receive(self, group: SimGroup, asked: int | None) -> None:
         if asked is not None and not group.eval and self.versions.get(group.task_id, -1) < asked:
             self.waiting.append((group, asked))
+            if self.sim.delta_plane is not None:  # a relay pulling on demand fetches it now
+                self.sim.delta_plane.wanted(self.rank, group.task_id, asked)
             return
         if asked is not None and not group.eval:
             group.version = self.versions[group.task_id]  # newest version here (never older than asked)

@@ -14,13 +14,15 @@ one of these; without one the simulator keeps its older, averaged model (`Simula
     RelayTier          the relay design: one relay per rollout node (`ranks_per_node` rollout ranks). The leader
                        pushes a version once into the root relay and returns; relays forward it along a
                        `relay_fanout`-ary tree (1: a chain), pipelined in `relay_chunks` chunks; each rollout rank
-                       pulls it from its node's relay at its next step boundary, stalling only itself.
+                       pulls it from its node's relay at its next step boundary, stalling only itself: every
+                       new version (`relay_pull` 'eager', what every rank installs today) or only a version its
+                       waiting work asks for ('on_demand').
 
 Bandwidths and latencies are parameters (`DeltaPlaneModel`); the broadcast's transfer is the workload's
-`network.delta_bandwidth` / `delta_latency`, as in the averaged model. Both planes install every version on every
-rollout rank, as the runtime does. A rank's step boundary is extrapolated from its engine's state when the
-version is published (its token counter and batch then): the batch may change before that time, which shifts
-the boundary by less than a step.
+`network.delta_bandwidth` / `delta_latency`, as in the averaged model. The broadcast (and the eager relay)
+installs every version on every rollout rank, as the runtime does. A rank's step boundary is extrapolated from
+its engine's state when the version is published (its token counter and batch then): the batch may change before
+that time, which shifts the boundary by less than a step.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from marlaas_hpc.config_loader import SpecError
 
 PLANES = ("broadcast", "relay")
+PULLS = ("eager", "on_demand")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +55,10 @@ class DeltaPlaneModel:
     """Relay: children per relay (1: a chain)."""
     relay_chunks: int = 8
     """Relay: chunks a version is pipelined in (a relay forwards a chunk as soon as it holds it)."""
+    relay_pull: str = "eager"
+    """Relay: 'eager' (a rank pulls every new version at its next step boundary: it holds every task's newest, as
+    every rank does today) or 'on_demand' (a rank pulls a task's version only when work for it asks for a newer
+    one than it holds)."""
     pull_bandwidth: float = 25e9
     """Relay: node relay (host memory) -> a rollout rank on the same node."""
     ranks_per_node: int = 8
@@ -60,6 +67,8 @@ class DeltaPlaneModel:
     def validate(self, prefix: str = "delta_plane") -> "DeltaPlaneModel":
         if self.plane not in PLANES:
             raise SpecError(f"{prefix}.plane", f"unknown plane {self.plane!r}; known {PLANES}")
+        if self.relay_pull not in PULLS:
+            raise SpecError(f"{prefix}.relay_pull", f"unknown pull {self.relay_pull!r}; known {PULLS}")
         for name, least in (("max_in_flight", 0), ("relay_fanout", 1), ("relay_chunks", 1), ("ranks_per_node", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -180,6 +189,9 @@ class LockstepBroadcast:
         now = self.sim.queue.now
         rollout._stall(end - (rollout.stall_until if rollout.stall_until > now else now), "load_delta")
 
+    def wanted(self, rank: int, task_id: str, version: int) -> None:
+        """Work on `rank` waits for a version: it comes with the broadcast every rank joins."""
+
     def _installed(self, task_id: str, version: int) -> None:
         for rollout in self.sim.rollout.values():
             rollout.new_version(task_id, version, 0.0)
@@ -196,6 +208,11 @@ class RelayTier:
         self.node_ranks = [ranks[i:i + model.ranks_per_node] for i in range(0, len(ranks), model.ranks_per_node)]
         """Relay i serves these rollout ranks (relays in breadth-first order of the tree: i's parent is
         (i - 1) // fanout)."""
+        self.relay_of = {rank: i for i, node in enumerate(self.node_ranks) for rank in node}
+        self.held: list[dict[str, int]] = [{} for _ in self.node_ranks]
+        """Per relay: task -> newest version it holds whole."""
+        self.wants: dict[int, dict[str, int]] = {rank: {} for rank in ranks}
+        """On demand: rank -> task -> the version its waiting work asks for, not yet at its relay."""
         self.egress_free = [0.0] * len(self.node_ranks)
         self.leader_free: dict[int, float] = {}
         self.meter = PlaneMeter(sim.rollout)
@@ -234,16 +251,34 @@ class RelayTier:
         return completes
 
     def _arrived(self, relay: int, task_id: str, version: int, size: float) -> None:
+        held = self.held[relay]
+        held[task_id] = max(version, held.get(task_id, -1))
+        eager = self.model.relay_pull == "eager"
         for rank in self.node_ranks[relay]:
-            rollout = self.sim.rollout[rank]
-            if rollout.versions.get(task_id, -1) < version:
-                self.sim.queue.at(next_step_boundary(rollout, self.sim.queue.now), self._pull, rank, task_id,
-                                  version, size)
+            if eager or self.wants[rank].get(task_id, version + 1) <= version:
+                self.wants[rank].pop(task_id, None)
+                self._pull_soon(rank, task_id, size)
 
-    def _pull(self, rank: int, task_id: str, version: int, size: float) -> None:
-        """Between two engine steps the rank copies the version from its node's relay and installs it; a
-        newer one already pulled makes it moot."""
+    def wanted(self, rank: int, task_id: str, version: int) -> None:
+        """Work on `rank` waits for `version` of the task: on demand, pull it now if the node's relay has it,
+        else when it arrives there (eager pulls come anyway)."""
+        if self.model.relay_pull == "eager":
+            return
+        if self.held[self.relay_of[rank]].get(task_id, -1) >= version:
+            self._pull_soon(rank, task_id, _adapter_bytes(self.sim, task_id))
+        else:
+            wants = self.wants[rank]
+            wants[task_id] = min(version, wants.get(task_id, version))
+
+    def _pull_soon(self, rank: int, task_id: str, size: float) -> None:
         rollout = self.sim.rollout[rank]
+        self.sim.queue.at(next_step_boundary(rollout, self.sim.queue.now), self._pull, rank, task_id, size)
+
+    def _pull(self, rank: int, task_id: str, size: float) -> None:
+        """Between two engine steps the rank copies the newest version its node's relay holds and installs it;
+        one it already holds makes the pull moot."""
+        rollout = self.sim.rollout[rank]
+        version = self.held[self.relay_of[rank]][task_id]
         if rollout.versions.get(task_id, -1) >= version:
             return
         pull = size / self.model.pull_bandwidth
