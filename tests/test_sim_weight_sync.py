@@ -64,20 +64,22 @@ class Scripted:
         return self.lengths.pop(0) if self.lengths else 5.0
 
 
-def scripted_sim(lengths, *, group_size: int, steps: int, slots: int, max_running: int = 256) -> Simulation:
+def scripted_sim(lengths, *, group_size: int, steps: int, slots: int, max_running: int = 256, rollout_ranks: int = 1,
+                 engine=OccupancyRolloutSim) -> Simulation:
     """One single-turn task (B 1, staleness bound 1) on one rollout rank, its completion lengths scripted."""
     job = JobConfig.load(ROOT / "configs" / "sim-paper.yaml")
     task = next(t for t in job.tasks if t.task_id == "gsm8k")
     task = dataclasses.replace(task, total_steps=steps, max_staleness=1,
                                algo=dataclasses.replace(task.algo, group_size=group_size, batch_prompts=1))
-    setup = setup_from_job(job, tasks=[task], max_adapters=1, rollout_ranks=1, env_ranks=1, trainer_tp=1,
-                           rollout_slots=slots)
+    setup = setup_from_job(job, tasks=[task], max_adapters=1, rollout_ranks=rollout_ranks, env_ranks=1,
+                           trainer_tp=1, rollout_slots=slots)
     workload = load_workload(WORKLOAD)
-    profile = dataclasses.replace(workload.profiles["default"], response_tokens=Scripted(lengths))
+    lengths = lengths if hasattr(lengths, "sample") else Scripted(lengths)
+    profile = dataclasses.replace(workload.profiles["default"], response_tokens=lengths)
     workload = dataclasses.replace(workload, profiles={"default": profile},
                                    rollout=dataclasses.replace(workload.rollout, max_running_sequences=max_running,
                                                                prefill_per_token=0.0))
-    return Simulation(setup, workload, seed=0, trace=False, rollout_engine=OccupancyRolloutSim)
+    return Simulation(setup, workload, seed=0, trace=False, rollout_engine=engine)
 
 
 def test_a_group_overtaken_past_the_bound_is_counted_dropped():
@@ -130,3 +132,37 @@ def test_relay_on_demand_pulls_only_what_work_asks_for_within_the_bound():
         assert not staleness_violations(sim)
     spent = [sum(sim.delta_plane.meter.rank_seconds.values()) for sim in (eager, on_demand)]
     assert spent[1] < spent[0] / 2
+
+
+class ScriptedLognormal(Scripted):
+    """Scripted lengths whose kind claims a log-normal of the given median and sigma (its p90 for the repack)."""
+
+    dist = "lognormal"
+
+    def __init__(self, lengths, median: float, sigma: float):
+        super().__init__(lengths)
+        self.median, self.sigma = median, sigma
+
+
+def test_a_repacked_sequence_continues_on_the_tail_rank_where_it_left_off():
+    """One group of 4 on a 4-slot engine, lengths 300, 10, 10, 10; the kind's p90 is 10 e^(1.28 * 0.5) = 18.96
+    tokens. After 10 steps at 4 running, the long one runs alone (under the share, set to half: 2 of 4 slots);
+    past its p90 (19 tokens generated) it moves to the tail rank, which re-prefills it and decodes the other 281.
+    Decoded tokens are conserved: 10 steps at 4 and 290 at 1, over both ranks; the group is scored and trained
+    once, from the tail rank."""
+    from marlaas_hpc.sim.repack import RepackingRolloutSim, with_tail_ranks
+
+    lengths = ScriptedLognormal([300.0, 10.0, 10.0, 10.0], median=10.0, sigma=0.5)
+    sim = scripted_sim(lengths, group_size=4, steps=1, slots=1, max_running=4, rollout_ranks=2,
+                       engine=RepackingRolloutSim)
+    with_tail_ranks(sim, 1, share=0.5)
+    assert sim.run().ended == {"gsm8k": "done"}
+    regular, tail = (sim.rollout[rank] for rank in sorted(sim.rollout))
+    assert (regular.repacked_sequences, tail.repacked_sequences) == (1, 0)
+    rollout = sim.workload.rollout
+    step = {n: rollout.decode_step * n ** rollout.batch_exponent + rollout.step_overhead for n in (1, 4)}
+    assert regular.occupancy[4] == pytest.approx(10 * step[4])
+    assert regular.occupancy[1] == pytest.approx(9 * step[1])
+    assert tail.occupancy[1] == pytest.approx(281 * step[1])
+    task = sim.scheduler.tasks["gsm8k"]
+    assert (task.trained_groups, task.dropped_groups, task.version) == (1, 0, 1)
