@@ -93,7 +93,8 @@ class RepackingRolloutSim(OccupancyRolloutSim):
 
     def _tail_passes_at(self) -> float | None:
         """The token count at which every running sequence has generated more tokens than its p90 (a whole
-        number of steps), if only that keeps the rank from repacking (few running, nothing queued, all single-turn training sequences); else None."""
+        number of steps), if only that keeps the rank from repacking (few running, nothing queued, all
+        single-turn training sequences); else None."""
         running = self.running
         if not running or self.queue or len(running) >= self.share * self.model.max_running_sequences:
             return None
