@@ -1,6 +1,6 @@
 """Two jobs of different base models on one shared rollout pool against dedicated pools (issue #28, PlexRL).
 
-    python tools/bench_multiplex.py [--gsm-tasks 4] [--search-tasks 4] [--ranks 2] [--staleness 1] [--steps 10]
+    python tools/bench_multiplex.py [--gsm-tasks 8] [--search-tasks 4] [--ranks 2] [--staleness 1] [--steps 10]
                                     [--mode async] [--pool 4 3 2] [--sleep 0.2] [--wake 0.5] [--seed 0]
 
 Job A is compute-bound (GSM8K-like: one long-tailed answer per episode), job B tool-bound (search-like: four
@@ -11,7 +11,9 @@ Qwen3-0.6B). Each job has `--ranks` dedicated rollout GPUs and one TP=1 trainer 
 jobs on one pool of each `--pool` size, trainers unchanged.
 
 GPU-hours to finish every task: a job's GPUs count until it ends (dedicated), the shared pool's until the last
-job ends. Slowdown: a job's end-to-end time against its dedicated run. Goal (issue #28): >= 30% fewer GPU-hours
+job ends. Slowdown: a job's end-to-end time against its dedicated run. 'idle roll': the GPU-time its rollout
+ranks had nothing to run (no sequence, no adapter install, no switch), as a share of all its GPU-time: on the
+dedicated row, about what time-slicing whole engines can save at most. Goal (issue #28): >= 30% fewer GPU-hours
 at <= 10% slower per job.
 """
 from __future__ import annotations
@@ -54,13 +56,14 @@ def row(label: str, result, dedicated) -> str:
         done = set(job.statuses.values()) == {"done"}
         cells.append(f"{job.end_time:>8.1f} {job.end_time / alone.end_time - 1:>+6.1%}{'' if done else ' !'}")
     violations = sum(job.staleness_violations for job in result.jobs)
-    cells += [f"{result.switches:>8}", f"{violations:>5}"]
+    idle = result.rollout_idle_s / (3600 * result.gpu_hours)
+    cells += [f"{idle:>9.1%}", f"{result.switches:>8}", f"{violations:>5}"]
     return " | ".join(cells)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gsm-tasks", type=int, default=4)
+    parser.add_argument("--gsm-tasks", type=int, default=8)
     parser.add_argument("--search-tasks", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=2, help="dedicated rollout GPUs per job")
     parser.add_argument("--staleness", type=int, default=1, help="every task's max_staleness k")
@@ -79,7 +82,7 @@ def main() -> None:
     print(f"A: {args.gsm_tasks} GSM8K-like tasks, B: {args.search_tasks} search-like tasks; {args.steps} steps, "
           f"k={args.staleness}, {args.mode}; switch {switch.seconds:.2f} s (sleep {switch.sleep} + wake {switch.wake})")
     print(" | ".join([f"{'rollout':<18}", "GPUs", "  GPU-h", "  vs ded", "    A e2e s  slow", "    B e2e s  slow",
-                      "switches", "viol."]))
+                      "idle roll", "switches", "viol."]))
     print(row(f"dedicated {args.ranks}+{args.ranks}", dedicated, dedicated))
     for size in pools:
         print(row(f"shared pool {size}", run_shared(pair, size, switch, args.seed), dedicated), flush=True)

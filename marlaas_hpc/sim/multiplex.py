@@ -74,6 +74,8 @@ class JobResult:
     """Its GPUs (dedicated: rollout + trainer; shared: its trainer GPUs, the pool counted apart)."""
     statuses: dict[str, str]
     staleness_violations: int
+    rollout_idle_s: float = 0.0
+    """Dedicated: GPU-seconds its rollout ranks had nothing to do (no sequence, no install) before it ended."""
 
 
 @dataclass
@@ -85,6 +87,13 @@ class PoolResult:
     switches: int = 0
     served_s: dict[str, float] = field(default_factory=dict)
     """Shared: GPU-seconds the pool's ranks were awake (or waking) for each model."""
+    pool_idle_s: float = 0.0
+    """Shared: GPU-seconds the pool's ranks had nothing to do (no sequence, no install, no switch)."""
+
+    @property
+    def rollout_idle_s(self) -> float:
+        """GPU-seconds of idle rollout ranks: what time-slicing can take at most, switches not counted."""
+        return self.pool_idle_s + sum(job.rollout_idle_s for job in self.jobs)
 
     @property
     def gpus(self) -> int:
@@ -97,8 +106,9 @@ def run_dedicated(jobs: list[PoolJob], seed: int = 0) -> PoolResult:
     for index, job in enumerate(jobs):
         sim = Simulation(job.setup, job.workload, seed=seed + index)
         outcome = sim.run()
+        idle = sum(outcome.end_time - min(rollout.meter.busy, outcome.end_time) for rollout in sim.rollout.values())
         results.append(JobResult(job.model, outcome.end_time, job.setup.gpus, outcome.ended,
-                                 len(staleness_violations(sim))))
+                                 len(staleness_violations(sim)), idle))
     hours = sum(r.gpus * r.end_time for r in results) / 3600
     return PoolResult(results, 0, hours)
 
@@ -114,7 +124,9 @@ def run_shared(jobs: list[PoolJob], ranks: int, switch: EngineSwitch | None = No
                for job, sim in zip(jobs, pool.sims)]
     makespan = max(r.end_time for r in results)
     hours = (ranks * makespan + sum(r.gpus * r.end_time for r in results)) / 3600
-    return PoolResult(results, ranks, hours, pool.policy.switches, pool.served_s(makespan))
+    busy = sum(min(engine.meter.busy, makespan) for engines in pool.engines for engine in engines.values())
+    return PoolResult(results, ranks, hours, pool.policy.switches, pool.served_s(makespan),
+                      max(0.0, ranks * makespan - busy))
 
 
 class PooledSimulation(Simulation):
