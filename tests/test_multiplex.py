@@ -146,3 +146,13 @@ def test_a_dearer_switch_switches_less():
     dear = run_shared(jobs, ranks=1, switch=EngineSwitch(sleep=2.0, wake=8.0))
     _audited(dear, jobs)
     assert dear.switches < cheap.switches
+
+
+def test_ranks_are_split_fairly_by_weight_and_unneeded_ranks_go_to_the_others():
+    saturated = {"a": demand(100, r0=4, r2=4), "b": demand(100, r1=4, r3=4)}
+    pool = ModelPool(4, ["a", "b"], switch_s=0.7, slots=4, weights={"a": 3.0, "b": 1.0})
+    assert pool.plan(100.0, saturated) == [Drain(1, "b")], "a's weight is 3 of 4: b keeps one rank"
+    even = ModelPool(4, ["a", "b"], switch_s=0.7, slots=4)
+    assert even.plan(100.0, saturated) == [], "equal weights, both saturated: two ranks each, nothing moves"
+    # a needs one rank (its 3 groups fill one rank's 4 slots): b, waiting, gets a's other one at once
+    assert even.plan(100.0, {"a": demand(0, r0=3, r2=0), "b": demand(100, r1=4, r3=4)}) == [Switch(2, "a", "b", 100.7)]

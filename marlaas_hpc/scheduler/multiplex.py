@@ -8,9 +8,11 @@ rollout work waits for an engine and this one's demand on the rank has ended:
     draining(A → B) ──(A holds no group on the rank)──► waking(B) ──(switch cost elapsed)──► generating(B)
     generating(A) ──(A holds no group there and wants nothing, B waiting, gain > cost)──► waking(B)
 
-- **Demand.** Per model, the groups waiting for an engine (`Scheduler.pending_rollout`: quota that no open rank
-  has room for) and the groups it holds on each rank (in the engine, or in a tool call between turns). A model's
-  share of the ranks is proportional to its demand (waiting + held); a model with demand gets at least one rank.
+- **Demand and shares.** Per model, the groups waiting for an engine (`Scheduler.pending_rollout`: quota that no
+  open rank has room for) and the groups it holds on each rank (in the engine, or in a tool call between turns).
+  A model needs the ranks those groups fill (`slots` each); the ranks are split max-min fairly over the needs,
+  by weight (e.g. the GPUs each job would have had alone): a model gets its need or its weighted part, whichever
+  is less, and what it does not need goes to the others. A model with demand gets at least one rank.
 - **Affinity.** A rank is never taken from a model at or under its share, and a model's groups are never cut
   off: draining closes the rank to the model's new groups (`Scheduler.close_rollout_rank`) and lets the ones on
   it finish, multi-turn episodes included, so no KV cache of a running sequence is lost and no episode changes
@@ -90,10 +92,12 @@ class ModelPool:
     """The rollout ranks' model states and the policy that moves them (pure: no clock, no I/O)."""
 
     def __init__(self, ranks: int, models: list[str], switch_s: float, slots: int, gain_margin: float = 2.0,
-                 min_dwell_s: float | None = None):
+                 min_dwell_s: float | None = None, weights: dict[str, float] | None = None):
         if ranks < 1 or not models:
             raise ValueError("a model pool needs at least one rank and one model")
         self.models = list(models)
+        self.weights = {model: 1.0 for model in self.models} | (weights or {})
+        """Each model's weight in the fair split of the ranks (e.g. the GPUs its job would have had alone)."""
         self.switch_s = switch_s
         """Seconds from sleeping one engine to the other serving (sleep + wake + warm-up)."""
         self.slots = slots
@@ -158,13 +162,26 @@ class ModelPool:
         return []
 
     def _shares(self, demand: dict[str, ModelDemand]) -> dict[str, int]:
-        """Ranks per model in proportion to its demand (waiting + held groups), at least one for any demand;
-        rounded down, so a model keeps a rank it holds until it is clearly over its share."""
-        total = sum(d.total() for d in demand.values())
-        if total == 0:
+        """Ranks per model: a weighted max-min fair split of the ranks over the models' needs (a model needs the
+        ranks its waiting and held groups fill, `slots` a rank); what a model does not need goes to the others.
+        Rounded down, at least one for any demand, so a model keeps a rank it holds until it is clearly over."""
+        need = {m: -(-demand[m].total() // self.slots) for m in self.models}
+        if not any(need.values()):
             return {model: len(self.ranks) for model in self.models}  # nobody wants anything: nobody moves
-        return {model: max(1 if demand[model].total() else 0, len(self.ranks) * demand[model].total() // total)
-                for model in self.models}
+        share = {m: 0.0 for m in self.models}
+        left, active = float(len(self.ranks)), {m for m in self.models if need[m]}
+        while active and left > 1e-9:
+            weight = sum(self.weights[m] for m in active)
+            sated = {m for m in active if need[m] - share[m] <= left * self.weights[m] / weight}
+            if not sated:
+                for m in active:
+                    share[m] += left * self.weights[m] / weight
+                break
+            for m in sated:
+                left -= need[m] - share[m]
+                share[m] = float(need[m])
+            active -= sated
+        return {m: max(1 if need[m] else 0, int(share[m] + 1e-9)) for m in self.models}
 
     def _over_share(self, model: str, shares: dict[str, int], counts: dict[str, int], state: RankState,
                     now: float) -> bool:

@@ -200,7 +200,9 @@ class SharedPool:
         self.world: dict[str, tuple[int, ...]] = {}
         """Per model: the world rank of each pool rank in its job's numbering."""
         slots = {job.setup.rollout_slots for job in jobs}
-        self.policy = ModelPool(ranks, models, switch.seconds, max(slots))
+        # each job weighs what it would have had alone: its dedicated rollout ranks
+        self.policy = ModelPool(ranks, models, switch.seconds, max(slots),
+                                weights={job.model: float(job.setup.rollout_ranks) for job in jobs})
         for index, job in enumerate(jobs):
             self.sims.append(self._job(job, ranks, seed + index))
         self._awake_since = [0.0] * ranks
