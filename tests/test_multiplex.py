@@ -156,3 +156,16 @@ def test_ranks_are_split_fairly_by_weight_and_unneeded_ranks_go_to_the_others():
     assert even.plan(100.0, saturated) == [], "equal weights, both saturated: two ranks each, nothing moves"
     # a needs one rank (its 3 groups fill one rank's 4 slots): b, waiting, gets a's other one at once
     assert even.plan(100.0, {"a": demand(0, r0=3, r2=0), "b": demand(100, r1=4, r3=4)}) == [Switch(2, "a", "b", 100.7)]
+
+
+def test_bench_prints_the_dedicated_and_shared_rows():
+    import subprocess
+    import sys
+
+    args = ["--gsm-tasks", "1", "--search-tasks", "1", "--steps", "2", "--ranks", "1", "--pool", "2", "1"]
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_multiplex.py"), *args], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith(("dedicated", "shared"))]
+    assert [row.split("|")[0].strip() for row in rows] == ["dedicated 1+1", "shared pool 2", "shared pool 1"]
+    assert all(row.split("|")[-1].strip() == "0" for row in rows), "no staleness violation"
+    assert not any(" !" in row for row in rows), "every job finished"
