@@ -86,7 +86,7 @@ class EngineSet:
         self._members: dict[str, _Member] = {}
         self._awake: str | None = None
         self.switches: list[SwitchCost] = []
-        """Every switch so far (the first entry is the start's wake)."""
+        """Every switch so far (the start's switch back to `awake` first, unless `awake` was built last)."""
         self._retired: list[AdapterRef] = []
         if awake is not None and awake not in factories:
             raise KeyError(f"model {awake!r} has no engine factory (models: {list(factories)})")
