@@ -3,14 +3,14 @@ ranks 1, 2, 3 a chain of relays (fan-out 1), rank 4 (if any) a rollout rank, cli
 so every byte it pulls went through the whole chain.
 
     mpirun -np 5 python tests/relay_scenarios.py bytes
-        The leader sends v1, v2, v3 both by today's delta broadcast (DeltaChannel, members 0 and 4) and by relay
-        pushes. Rank 4 pins v1 at its relay, then takes v1..v3 from the broadcast and pulls them (v1: pinned,
-        though superseded); unpinned, v1 is gone. Prints whether every pulled tensor equals the broadcast one bit
-        for bit, and the versions the relay held at each point.
+        The leader sends v1, v2, v3 of a tiny-model adapter both by today's delta broadcast (DeltaChannel, members
+        0 and 4) and by relay pushes. Rank 4 pins v1 at its relay, then takes v1..v3 from the broadcast and pulls
+        v3 and v1 (pinned, though superseded); unpinned, v1 is gone. Prints whether every pulled tensor equals the
+        broadcast one bit for bit, whether both v3s give the same logprobs, and what the relay held at each point.
 
     mpirun -np 4 python tests/relay_scenarios.py chain
         The leader pushes two versions of a 12 MB adapter (several chunks) while relay 3 has not started reading:
-        push must return anyway. Then relay 3 starts; prints whether every relay holds both versions bit for bit.
+        push must return anyway. Then relay 3 starts; prints whether every relay holds v2 (v1 evicted) bit for bit.
 
     mpirun -np 5 python tests/relay_scenarios.py timing SHAPE     (SHAPE: tiny | qwen3-0.6b-r32)
         Seconds: the leader's push, until the last relay holds the version, and rank 4's pull (median of 5).
@@ -33,7 +33,8 @@ from marlaas_hpc.runtime.relay import Relay, RelayClient, RelayPusher, RelayTier
 from marlaas_hpc.tasks.spec import LoraSpec  # noqa: E402
 
 LEADER, RELAYS, CLIENT = 0, [1, 2, 3], 4
-MODULES = {  # (in, out) of each LoRA target, per layer
+MLP = ("gate_proj", "up_proj", "down_proj")
+MODULES = {  # layers, LoRA rank, (in, out) of each target: the tiny model (marlaas_hpc/tiny_weights) and Qwen3-0.6B
     "tiny": (4, 8, {"q_proj": (128, 128), "k_proj": (128, 64), "v_proj": (128, 64), "o_proj": (128, 128),
                     "gate_proj": (128, 384), "up_proj": (128, 384), "down_proj": (384, 128)}),
     "qwen3-0.6b-r32": (28, 32, {"q_proj": (1024, 2048), "k_proj": (1024, 1024), "v_proj": (1024, 1024),
@@ -53,8 +54,9 @@ def adapter(version: int, shape: str = "test") -> dict[str, torch.Tensor]:
     out = {}
     for layer in range(layers):
         for name, (fan_in, fan_out) in modules.items():
-            out[f"layers.{layer}.{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen)
-            out[f"layers.{layer}.{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen)
+            prefix = f"base_model.model.model.layers.{layer}.{'mlp' if name in MLP else 'self_attn'}"
+            out[f"{prefix}.{name}.lora_A.weight"] = 0.1 * torch.randn(rank, fan_in, generator=gen)
+            out[f"{prefix}.{name}.lora_B.weight"] = 0.1 * torch.randn(fan_out, rank, generator=gen)
     return out
 
 
@@ -62,8 +64,9 @@ def same(got: dict, want: dict) -> bool:
     return set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
-def tier(comm, clients: bool) -> RelayTier:
-    layout = RelayTierLayout(leaders=[LEADER], relays=RELAYS, clients={CLIENT: RELAYS[-1]} if clients else {})
+def tier(comm, clients: bool, chunk_elems: int = 1 << 20) -> RelayTier:
+    layout = RelayTierLayout(leaders=[LEADER], relays=RELAYS, clients={CLIENT: RELAYS[-1]} if clients else {},
+                             chunk_elems=chunk_elems)
     return RelayTier(comm, layout)
 
 
@@ -78,18 +81,18 @@ def pull_until(client: RelayClient, task_id: str, version: int, pin: bool = Fals
 
 def bytes_scenario(comm) -> None:
     rank = comm.Get_rank()
-    relays = tier(comm, clients=True)
+    relays = tier(comm, clients=True, chunk_elems=50_000)  # the tiny adapter (77,824 floats) in 2 chunks
     channel = DeltaChannel(comm, LEADER, [CLIENT]) if rank in (LEADER, CLIENT) else None
     relay = Relay(relays, rank).start() if rank in RELAYS else None
-    result, lora = {"ok": True}, LoraSpec(rank=4)
+    result, lora = {"ok": True}, LoraSpec(rank=8)
     if rank == LEADER:
         pusher = RelayPusher(relays, LEADER)
-        pusher.push("task", 1, adapter(1), lora)
-        channel.send("task", 1, adapter(1), lora)
+        pusher.push("task", 1, adapter(1, "tiny"), lora)
+        channel.send("task", 1, adapter(1, "tiny"), lora)
         comm.Barrier()  # rank 4 has pinned v1
         for version in (2, 3):
-            pusher.push("task", version, adapter(version), lora)
-            channel.send("task", version, adapter(version), lora)
+            pusher.push("task", version, adapter(version, "tiny"), lora)
+            channel.send("task", version, adapter(version, "tiny"), lora)
         channel.flush()
         comm.Barrier()
         pusher.close()
@@ -110,6 +113,7 @@ def bytes_scenario(comm) -> None:
         client.unpin("task", 1)
         result["v1_after_unpin"] = client.pull("task", 1) is not None
         result["v2_after_v3"] = client.pull("task", 2) is not None
+        result["same_logprobs"] = same_logprobs(broadcast[3], newest[1], lora)
         comm.Barrier()
         client.close()
     else:
@@ -118,6 +122,28 @@ def bytes_scenario(comm) -> None:
     if relay is not None:
         relay.join()
     report(comm, result, relay)
+
+
+def same_logprobs(broadcast: dict, pulled: dict, lora) -> bool:
+    """Installs both as two tasks of one engine (the tiny model, in-memory adapters as RolloutRank installs
+    them) and compares greedy completions and their logprobs."""
+    from marlaas_hpc.model import TextCodec
+    from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
+    from marlaas_hpc.tiny_model import ensure_tiny_model
+
+    path = ensure_tiny_model()
+    engine, codec = make_engine("hf", path, seed=0), TextCodec.from_pretrained(path)
+    requests = []
+    for task_id, tensors in (("broadcast", broadcast), ("relay", pulled)):
+        engine.add_adapter(AdapterRef(task_id, 3, tensors=tensors, lora=lora))
+        requests.append(GenerationRequest(task_id, task_id, 3, codec.encode_prompt("12+7="), temperature=0.0,
+                                          max_new_tokens=8, seed=1))
+    by_task = {gen.task_id: gen for gen in engine.generate(requests)}
+    base = engine.generate([GenerationRequest("base", "base", None, codec.encode_prompt("12+7="), temperature=0.0,
+                                              max_new_tokens=8, seed=1)])[0]
+    one, two = by_task["broadcast"], by_task["relay"]
+    adapter_matters = base.logprobs != one.logprobs  # else equal logprobs would say nothing of the bytes
+    return adapter_matters and one.completion_ids == two.completion_ids and one.logprobs == two.logprobs
 
 
 def chain_scenario(comm) -> None:

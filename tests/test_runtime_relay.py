@@ -1,6 +1,6 @@
 """The adapter relay tier (runtime/relay.py, issue #29 item 1). Its version store alone (pins, eviction, refused
 layouts), then tests/relay_scenarios.py under mpirun (gloo on the CPU): a pull from the end of a chain of 3 relays
-gives the bytes of today's delta broadcast of the same version; a pinned version outlives newer ones until its
+gives the bytes of today's delta broadcast of the same version, and the same logprobs once installed; a pinned version outlives newer ones until its
 unpin; a push returns while the last relay of the chain has not started reading, and every relay then holds the
 version bit for bit."""
 from __future__ import annotations
@@ -65,9 +65,12 @@ def test_the_newest_version_stays_when_unpinned_and_an_older_one_arriving_late_d
 
 
 @pytest.mark.parametrize("fields, field", [
-    (dict(leaders=[], relays=[1]), "relay.leaders"), (dict(leaders=[0], relays=[1, 1]), "relay.relays"),
-    (dict(leaders=[0], relays=[0, 1]), "relay.leaders"), (dict(leaders=[0], relays=[1], clients={2: 3}), "relay.clients"),
-    (dict(leaders=[0], relays=[1], fanout=0), "relay.fanout"), (dict(leaders=[0], relays=[1], chunk_elems=0), "relay.chunk_elems")])
+    (dict(leaders=[], relays=[1]), "relay.leaders"),
+    (dict(leaders=[0], relays=[1, 1]), "relay.relays"),
+    (dict(leaders=[0], relays=[0, 1]), "relay.leaders"),
+    (dict(leaders=[0], relays=[1], clients={2: 3}), "relay.clients"),
+    (dict(leaders=[0], relays=[1], fanout=0), "relay.fanout"),
+    (dict(leaders=[0], relays=[1], chunk_elems=0), "relay.chunk_elems")])
 def test_a_bad_relay_layout_is_refused_naming_the_field(fields, field):
     with pytest.raises(SpecError) as refused:
         RelayTierLayout(**fields).validate()
@@ -85,9 +88,13 @@ def test_a_tree_sends_to_every_relay_once_and_links_are_built_in_one_order():
 
 
 @pytest.mark.mpi
-def test_a_pull_through_a_chain_of_3_relays_gives_the_broadcast_bytes_and_a_pinned_version_outlives_newer_ones():
+def test_a_pull_through_a_chain_of_3_relays_gives_the_broadcast_bytes_and_logprobs_and_keeps_a_pinned_version():
+    """The tiny model's adapter, broadcast and pushed: pulled at the end of the chain, v1 (pinned) and v3 equal the
+    broadcast tensors bit for bit, and installed as two tasks of one HF engine they give the same greedy tokens
+    and logprobs (not the base model's); v1 outlives v2 and v3 while pinned, and goes at its unpin."""
     result = run_relays("bytes", 5)
-    assert result == {"ok": True, "pinned_v1_held_after_v3": True, "v1_after_unpin": False, "v2_after_v3": False}
+    assert result == {"ok": True, "pinned_v1_held_after_v3": True, "same_logprobs": True, "v1_after_unpin": False,
+                      "v2_after_v3": False}
 
 
 @pytest.mark.mpi

@@ -81,7 +81,8 @@ class RelayTierLayout:
 
     def children(self, relay: int) -> list[int]:
         index = self.relays.index(relay)
-        return [self.relays[i] for i in range(index * self.fanout + 1, min(len(self.relays), (index + 1) * self.fanout + 1))]
+        first = index * self.fanout + 1
+        return self.relays[first:first + self.fanout]
 
     def links(self) -> list[tuple[int, int]]:
         """Every (sender, receiver) link, in one order every member builds them in (gloo and NCCL set-up is a
@@ -153,7 +154,8 @@ class _Link:
         self.peer = receiver if me == sender else sender
         keys = [key, peer_key]
         self.backend = "nccl" if all(keys) and key != peer_key else "gloo"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        nccl = self.backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         prefixed = dist.PrefixStore(f"link/{sender}-{receiver}", store)
         self.member = 0 if me == sender else 1
         self.group = _process_group(self.backend, prefixed, self.member, 2, timeout)
@@ -219,7 +221,8 @@ class RelayPusher:
         self.tier.store.set(f"announce/{seq}", pickle.dumps(announce))
         flat = flat_buffer(tensors, names, self.link.device)
         header = torch.tensor([seq, flat.numel()], dtype=torch.int64)
-        works = [self.link.send(header)] + [self.link.send(chunk) for chunk in _chunks(flat, self.tier.layout.chunk_elems)]
+        chunks = _chunks(flat, self.tier.layout.chunk_elems)
+        works = [self.link.send(header)] + [self.link.send(chunk) for chunk in chunks]
         self.in_flight.append((works, flat))  # the buffer lives until the root relay has read it
         return seq
 
@@ -259,7 +262,8 @@ class Relay:
         """Held while one push is forwarded: the children receive pushes whole, one after another."""
         self.open_upstream = len(self.upstream)
         self.threads = [threading.Thread(target=self._take_pushes, args=(link,), daemon=True) for link in self.upstream]
-        self.threads += [threading.Thread(target=self._answer_pulls, args=(link,), daemon=True) for link in self.clients]
+        self.threads += [threading.Thread(target=self._answer_pulls, args=(link,), daemon=True)
+                         for link in self.clients]
         self.pushes_taken = 0
 
     def start(self) -> "Relay":
