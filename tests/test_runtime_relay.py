@@ -16,7 +16,8 @@ import torch
 
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.runtime.messages import DeltaAnnounce
-from marlaas_hpc.runtime.relay import RelayStore, RelayTierLayout
+from marlaas_hpc.runtime.delta import flat_buffer
+from marlaas_hpc.runtime.relay import LocalRelayClient, RelayStore, RelayTierLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,6 +63,23 @@ def test_the_newest_version_stays_when_unpinned_and_an_older_one_arriving_late_d
     assert store.held("t") == [4] and store.held("other") == [1]
     with pytest.raises(ValueError, match="not pinned"):
         store.unpin("t", 4)
+
+
+def test_an_in_process_pull_gives_the_pushed_tensors_and_honours_pins():
+    """A rollout rank hosting its node's relay pulls from the store in process (LocalRelayClient)."""
+    tensors = {"b.lora_B.weight": torch.randn(6, 2), "a.lora_A.weight": torch.randn(2, 5)}
+    names = sorted(tensors)
+    store = RelayStore()
+    client = LocalRelayClient(store)
+    assert client.pull("t") is None
+    store.put(DeltaAnnounce("t", 1, names, [tuple(tensors[n].shape) for n in names], None),
+              flat_buffer(tensors, names, torch.device("cpu")))
+    announce, got = client.pull("t", pin=True)
+    assert announce.version == 1 and all(torch.equal(got[n], tensors[n]) for n in tensors) and set(got) == set(tensors)
+    put(store, 2)
+    assert client.pull("t", 1) is not None and client.pull("t")[0].version == 2
+    client.unpin("t", 1)
+    assert client.pull("t", 1) is None
 
 
 @pytest.mark.parametrize("fields, field", [

@@ -179,8 +179,8 @@ class _Link:
 
 
 class RelayTier:
-    """The tier's store and this rank's links. Made by every member of `layout` (leaders, relay hosts, clients),
-    collectively over `comm`; `device` is the rank's own (its binding), for choosing NCCL or gloo per link."""
+    """The tier's store and this rank's links. Collective over `comm`: every rank of it makes one (a rank outside
+    `layout` gets no links); `device` is the rank's own (its binding), for choosing NCCL or gloo per link."""
 
     def __init__(self, comm, layout: RelayTierLayout, device: torch.device | str = "cpu",
                  host: str | None = None, timeout_s: float = 600.0):
@@ -264,7 +264,6 @@ class Relay:
         self.threads = [threading.Thread(target=self._take_pushes, args=(link,), daemon=True) for link in self.upstream]
         self.threads += [threading.Thread(target=self._answer_pulls, args=(link,), daemon=True)
                          for link in self.clients]
-        self.pushes_taken = 0
 
     def start(self) -> "Relay":
         for thread in self.threads:
@@ -296,7 +295,6 @@ class Relay:
             works += [(child, child.send(chunk)) for child in self.children]  # forwarded as soon as it is here
         announce = pickle.loads(self.tier.store.get(f"announce/{seq}"))
         self.store.put(announce, flat.cpu())
-        self.pushes_taken += 1
         for child, work in works:  # the children take it while this relay already holds it for its clients
             child.done(work)
 
@@ -349,3 +347,21 @@ class RelayClient:
         self.tier.store.set(f"request/{self.rank}/{self.requests}", pickle.dumps((op, task_id, version)))
         self.link.done(self.link.send(torch.tensor([self.requests], dtype=torch.int64)))
         self.requests += 1
+
+
+class LocalRelayClient:
+    """RelayClient's in-process twin: a rollout rank that hosts its node's relay (a thread of its own) reads the
+    relay's store directly, since a rank cannot make a link to itself; tests use it without processes."""
+
+    def __init__(self, store: RelayStore):
+        self.store = store
+
+    def pull(self, task_id: str, version: int | None = None, pin: bool = False):
+        found = self.store.get(task_id, version, pin=pin)
+        return None if found is None else (found[0], unflatten(*found))
+
+    def unpin(self, task_id: str, version: int) -> None:
+        self.store.unpin(task_id, version)
+
+    def close(self) -> None:
+        """Nothing to end: no link."""
