@@ -1,8 +1,8 @@
 """The adapter relay tier (runtime/relay.py, issue #29 item 1). Its version store alone (pins, eviction, refused
-layouts), then tests/relay_scenarios.py under mpirun (gloo on the CPU): a pull from the end of a chain of 3 relays
-gives the bytes of today's delta broadcast of the same version, and the same logprobs once installed; a pinned version outlives newer ones until its
-unpin; a push returns while the last relay of the chain has not started reading, and every relay then holds the
-version bit for bit."""
+layouts, the in-process pull), then tests/relay_scenarios.py under mpirun (gloo on the CPU): a pull from the end of
+a chain of 3 relays gives the bytes of today's delta broadcast of the same version, and the same logprobs once
+installed; a pinned version outlives newer ones until its unpin; a push returns while the last relay of the chain
+has not started reading, and every relay then holds the version bit for bit."""
 from __future__ import annotations
 
 import json
