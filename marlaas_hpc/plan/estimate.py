@@ -4,7 +4,7 @@ Trainer rank (one TP rank of a trainer group; every rank of the group holds the 
 
     base weights     every megatron parameter of this TP shard in the base dtype: embedding (and the untied output
                      layer) split by vocabulary rows (padded to 128 x TP), attention and MLP split by heads and
-                     columns; the local spec's RMSNorm weights stay float32 (they take no dtype)
+                     columns; the RMSNorm weights too (trainer/model.py casts the local spec's float32 norms)
     LoRA, per task   float32 A and B of the four megatron sites per layer (qkv, proj, fc1, fc2: trainer/lora.py)
     optimizer        per task: its gradients and AdamW's two moments, float32 (3 x the LoRA bytes); every task
                      that has stepped keeps them, so max_adapters tasks hold them at once
@@ -189,7 +189,7 @@ def base_weight_bytes(inputs: TrainerInputs) -> int:
     embeddings = shard_vocab * dims.hidden_size * (1 if dims.tied else 2)
     padding_mask = shard_vocab if dims.padded_vocab(tp) > dims.vocab_size else 0
     layers = dims.num_layers * (dims.layer_weights() + dims.qkv_biases()) // tp
-    return b * (embeddings + layers) + 4 * dims.norm_weights() + padding_mask + 4 * dims.head_dim // 2
+    return b * (embeddings + layers + dims.norm_weights()) + padding_mask + 4 * dims.head_dim // 2
 
 
 def lora_elements(dims: ModelDims, tp: int, rank: int) -> int:
@@ -203,15 +203,17 @@ def lora_elements(dims: ModelDims, tp: int, rank: int) -> int:
 
 def layer_bytes_per_token(inputs: TrainerInputs) -> int:
     """What one decoder layer keeps for backward per token of the micro-batch, as the trainer's code saves it:
-    the float32 copies torch's RMSNorm makes (the local spec's norm weights are float32, the activations bf16:
-    the fused kernel is skipped), the input of each LoRA site (its frozen base linear keeps none; proj's is
+    what torch's fused RMSNorm keeps (the norm weights are in the base dtype: trainer/model.py), the input of
+    each LoRA site (its frozen base linear keeps none; proj's is
     FlexAttention's output, kept anyway) and its [r] hidden, megatron's RoPE cos/sin, the attention's inputs and
     output, and the SwiGLU's input and output."""
     dims, b, r = inputs.dims, inputs.dtype_bytes, inputs.lora_rank
     h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // inputs.tensor_parallel
     q_heads, kv_heads = dims.num_heads // inputs.tensor_parallel, dims.num_kv_heads // inputs.tensor_parallel
-    norms = 2 * (4 * h + 4) + ((4 * q_heads * d + 4 * q_heads) + (4 * kv_heads * d + 4 * kv_heads)
-                               if dims.qk_norm else 0)
+    # each norm keeps its input and a float32 rstd per row (per head for the q/k norms); the k norm's input is a
+    # view of the fused qkv output (counted with the attention), the q norm's a copy (megatron reshapes the
+    # query heads of each KV group into one tensor)
+    norms = 2 * (b * h + 4) + (b * q_heads * d + 4 * q_heads + 4 * kv_heads if dims.qk_norm else 0)
     lora = b * (h + h + f) + (b * q_heads * d if inputs.attention == "dense" else 0) + 4 * 4 * r
     rope = 4 * d * b
     mlp = 4 * f * b  # fc1's output [2f] (SwiGLU's input), the SiLU output and the product
@@ -245,7 +247,7 @@ def activation_bytes(inputs: TrainerInputs) -> int:
     # each layer's input (the first one's: the embedding's output, made to require grad for megatron's reentrant
     # checkpoint) and the final norm's float32 input
     checkpoints = (dims.num_layers + 1) * tokens * dims.hidden_size * inputs.dtype_bytes \
-        + tokens * (4 * dims.hidden_size + 4)
+        + tokens * (inputs.dtype_bytes * dims.hidden_size + 4)
     return checkpoints + mask + max(0, layer + backward - logits_bytes(inputs))
 
 

@@ -14,7 +14,10 @@ torch 2.13 lacks around them is the CUDA runtime, in four places:
    and must be loaded before torch is imported: torch caches its CUDA hooks at import (`install`).
 2. Python `torch.cuda`: `is_available`, the current device, the RNG state megatron saves and restores around
    every attention call and recomputed layer, `synchronize` (`cuda_runtime`). RNG states are placeholders (fake
-   tensors hold no random numbers anyway).
+   tensors hold no random numbers anyway). Also one kernel choice a CPU build makes differently: on CUDA,
+   `rms_norm` with input and weight of one dtype runs torch's fused kernel, which keeps its input and a float32
+   rstd per row for backward; a CPU build always decomposes it (a float32 copy of the input kept). `cuda_runtime`
+   routes CUDA calls of one dtype to a twin of the fused kernel (`fused_rms_norm_twin`) that keeps what it keeps.
 3. Host reads of device values (`.item()`, `float(t)`, `if t:`): a fake tensor has no value. `MemoryCounter`
    answers each with 1 (1.0, True) and counts the CUDA ones: each is a device-to-host sync on a GPU.
 4. FakeTensorMode keeps `torch.tensor(...)` on the host until moved (`FakeGpuMode.avoid_device_init`), as it does
@@ -160,7 +163,55 @@ def cuda_runtime() -> Iterator[None]:
             stack.enter_context(replaced(torch.cuda, name, value))
         for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):
             stack.enter_context(replaced(torch.cuda.random, name, replacements[name]))
+        stack.enter_context(replaced(torch.nn.functional, "rms_norm",
+                                     fused_rms_norm_twin(torch.nn.functional.rms_norm)))
         yield
+
+
+def fused_rms_norm_twin(rms_norm, on=lambda input: input.is_cuda):
+    """`torch.nn.functional.rms_norm` as a CUDA build runs it: CUDA input and weight of one dtype go to the fused
+    kernel (aten::_fused_rms_norm), anything else to `rms_norm` as given (the decomposition, and its dtype-mismatch
+    warning). The twin holds what the kernel holds: its output and a float32 rstd per row in forward, its input,
+    weight and rstd kept for backward (torch's derivatives), and in backward the input's gradient (and the
+    weight's, when it requires one); on fake tensors, which have no values, it allocates just those (the kernel
+    computes in registers), and on real ones it computes them. `on(input)` says which inputs are the device's (a
+    test passes CPU tensors through the twin)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def rstd_of(x, dims, eps):
+        if isinstance(x, FakeTensor):
+            return x.new_empty(x.shape[:x.dim() - len(dims)] + (1,) * len(dims), dtype=torch.float32)
+        return torch.rsqrt(x.float().pow(2).mean(dims, keepdim=True) + eps)
+
+    class FusedRmsNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, normalized_shape, eps):
+            ctx.dims = tuple(range(-len(normalized_shape), 0))
+            rstd = rstd_of(x, ctx.dims, torch.finfo(x.dtype).eps if eps is None else eps)
+            out = torch.empty_like(x) if isinstance(x, FakeTensor) else (x.float() * rstd * weight.float()).to(x.dtype)
+            ctx.save_for_backward(x, weight, rstd)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, weight, rstd = ctx.saved_tensors
+            if isinstance(x, FakeTensor):
+                grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+                return torch.empty_like(x), grad_weight, None, None
+            normed, grad = x.float() * rstd, grad.float()
+            grad_normed = grad * weight.float()
+            grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(ctx.dims, keepdim=True))
+            grad_weight = (grad * normed).sum(tuple(range(grad.dim() - weight.dim()))).to(weight.dtype) \
+                if ctx.needs_input_grad[1] else None
+            return grad_x.to(x.dtype), grad_weight, None, None
+
+    def twin(input, normalized_shape, weight=None, eps=None):
+        if weight is not None and on(input) and weight.dtype == input.dtype:
+            return FusedRmsNorm.apply(input, weight, tuple(normalized_shape), eps)
+        return rms_norm(input, normalized_shape, weight, eps)
+
+    return twin
 
 
 @contextmanager

@@ -338,6 +338,8 @@ class Scheduler:
         self._free_ranks: list[int] = list(range(len(config.rollout_ranks)))
         """Indexes (in rollout_ranks) of the live rollout ranks with a free slot, sorted: the generate pass fills
         them in config order."""
+        self._closed_ranks: set[int] = set()
+        """Rollout ranks that take no new groups (a model pool gave them to another model: `close_rollout_rank`)."""
 
     # ---------------------------------------------------------------- events
     def handle(self, event) -> list:
@@ -798,14 +800,14 @@ class Scheduler:
         """A rollout rank finished `count` groups; it is listed in _free_ranks iff its load is below its slots."""
         slots = self.config.rollout_slots
         load = self.rollout_load[rank] = self.rollout_load[rank] - count
-        if load < slots <= load + count and rank not in self.leaving:
+        if load < slots <= load + count and rank not in self.leaving and rank not in self._closed_ranks:
             bisect.insort(self._free_ranks, self._rank_index[rank])
 
     def _rank_taken(self, rank: int, count: int) -> None:
         """A rollout rank was given `count` group turns: new groups (it is listed in _free_ranks), or multi-turn
         groups' next turns (Resumed: they may take it past its slots)."""
         load = self.rollout_load[rank] = self.rollout_load[rank] + count
-        if load - count < self.config.rollout_slots <= load:
+        if load - count < self.config.rollout_slots <= load and rank not in self._closed_ranks:
             del self._free_ranks[bisect.bisect_left(self._free_ranks, self._rank_index[rank])]
 
     def _generate(self) -> list:
@@ -866,6 +868,33 @@ class Scheduler:
         out += [(prompt, f"{task.task_id}/g{prompt}") for prompt in range(task.next_prompt, task.next_prompt + fresh)]
         task.next_prompt += fresh
         return out
+
+    # ---------------------------------------------------------------- rollout ranks lent to other models
+    def close_rollout_rank(self, rank: int) -> None:
+        """The rank takes no new groups of this scheduler's tasks (a model pool, scheduler/multiplex.py, is
+        handing it to another model); the groups on it run to their end, multi-turn ones included."""
+        if rank in self._closed_ranks:
+            return
+        self._closed_ranks.add(rank)
+        index = bisect.bisect_left(self._free_ranks, self._rank_index[rank])
+        if index < len(self._free_ranks) and self._free_ranks[index] == self._rank_index[rank]:
+            del self._free_ranks[index]
+
+    def open_rollout_rank(self, rank: int) -> list:
+        """The rank serves this scheduler's tasks again: returns the commands that fill its free slots."""
+        if rank not in self._closed_ranks:
+            return []
+        self._closed_ranks.discard(rank)
+        if self.rollout_load[rank] < self.config.rollout_slots and rank not in self.leaving:
+            bisect.insort(self._free_ranks, self._rank_index[rank])
+        return self.dispatch()
+
+    def pending_rollout(self) -> int:
+        """Groups the running tasks may issue now but that no open rollout rank has room for: rollout work
+        waiting for an engine (what a model pool weighs against the other models' demand)."""
+        if self.draining:
+            return 0
+        return sum(self._quota(self.tasks[task_id]) for task_id in self._issuable)
 
     # ---------------------------------------------------------------- queries
     def settled(self) -> bool:

@@ -17,7 +17,7 @@ from marlaas_hpc.service.isolation import (allowed_roots, check_data_paths, chec
                                           resolve_data_paths)
 from marlaas_hpc.service.queue import QueueEntry, TaskQueue
 from marlaas_hpc.service.quotas import TaskRecord, TenantQuota, check_quota
-from marlaas_hpc.tasks.spec import TaskSpec
+from marlaas_hpc.tasks.spec import TaskSpec, check_base_model
 
 JOB_FILE = "job.json"
 
@@ -27,9 +27,12 @@ class IntakeRules:
     """What a spec entering a running job is checked against (rank 0 writes them to RUN_DIR/job.json)."""
 
     model: str
-    """The job's base model: a spec's base_model must be None or this."""
+    """The job's (first) base model's path."""
     max_lora_rank: int
     data_roots: list[str]
+    models: dict[str, str] = field(default_factory=dict)
+    """The job's base models by name (JobConfig.model_names); a spec's base_model must name one (or be None).
+    Empty (a job.json written before models existed): the one model `model`."""
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
     run_dir: str = "."
     serve_idle_s: float = 0.0
@@ -42,7 +45,8 @@ class IntakeRules:
 
     @classmethod
     def from_job(cls, job, run_dir: str | Path) -> "IntakeRules":
-        return cls(model=job.model, max_lora_rank=job.max_lora_rank, data_roots=list(job.data_roots),
+        return cls(model=job.model, models=job.model_names(), max_lora_rank=job.max_lora_rank,
+                   data_roots=list(job.data_roots),
                    tenant_quotas=dict(job.tenant_quotas), run_dir=str(Path(run_dir).resolve()),
                    serve_idle_s=job.serve_idle_s, tenants=dict(job.tenants), sandbox=job.sandbox)
 
@@ -58,10 +62,6 @@ class IntakeRules:
         check_tenant(uid, tenant, self.tenants, self.owner_uid, doing)
 
 
-def _same_model(a: str, b: str) -> bool:
-    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
-
-
 def check_spec(data: Any, rules: IntakeRules, existing: Iterable[TaskRecord], base_dir: str | Path,
                owner_uid: int | None = None) -> TaskSpec:
     """The validated spec, its data paths made absolute against base_dir; SpecError (naming the field) if the
@@ -73,8 +73,7 @@ def check_spec(data: Any, rules: IntakeRules, existing: Iterable[TaskRecord], ba
     spec = resolve_data_paths(TaskSpec.from_dict(data), base_dir)
     if owner_uid is not None:
         rules.check_owner(owner_uid, spec.tenant)
-    if spec.base_model is not None and not _same_model(spec.base_model, rules.model):
-        raise SpecError("base_model", f"{spec.base_model!r} differs from the job's base model {rules.model!r}")
+    check_base_model(spec.base_model, rules.models or {rules.model: rules.model})
     if spec.lora.rank > rules.max_lora_rank:
         raise SpecError("lora.rank", f"{spec.lora.rank} exceeds the job's max_lora_rank {rules.max_lora_rank}")
     existing = list(existing)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, RankLost, Resumed, Scheduler,
                                    Scored, StepDone, Submit, TaskEnded, TaskFailed, Train)
+from marlaas_hpc.sim import weight_sync
 from marlaas_hpc.sim.setup import SimSetup
 from marlaas_hpc.sim.workload import TaskProfile, Workload
 
@@ -139,6 +140,8 @@ class RolloutSim:
             return
         if asked is not None and not group.eval and self.versions.get(group.task_id, -1) < asked:
             self.waiting.append((group, asked))
+            if self.sim.delta_plane is not None:  # a relay pulling on demand fetches it now
+                self.sim.delta_plane.wanted(self.rank, group.task_id, asked)
             return
         if asked is not None and not group.eval:
             group.version = self.versions[group.task_id]  # newest version here (never older than asked)
@@ -508,7 +511,10 @@ class SimOutcome:
 
 class Simulation:
     def __init__(self, setup: SimSetup, workload: Workload, seed: int = 0, keep_timeline: bool = False,
-                 trace: bool = True):
+                 trace: bool = True, delta_plane: weight_sync.DeltaPlaneModel | None = None,
+                 rollout_engine: type | None = None):
+        """`delta_plane`: model publishes with sim/weight_sync.py's lockstep broadcast or relay tier instead of the
+        averaged broadcast (`publish`); `rollout_engine`: a RolloutSim subclass (e.g. sim/tails.py's meter)."""
         self.setup, self.workload = setup.validate(), workload
         self.rng = random.Random(seed)
         self.keep_timeline = keep_timeline
@@ -516,7 +522,7 @@ class Simulation:
         self.scheduler = Scheduler(setup.scheduler_config(), clock=lambda: self.queue.now)
         self.latency = workload.network.message_latency
         ranks = setup.world_ranks()
-        engine = RolloutSim if workload.rollout.batching == "continuous" else StaticRolloutSim
+        engine = rollout_engine or (RolloutSim if workload.rollout.batching == "continuous" else StaticRolloutSim)
         self.rollout = {rank: engine(self, rank) for rank in ranks["rollout"]}
         self.env = {rank: EnvSim(self, rank) for rank in ranks["env"]}
         self.trainers = [TrainerSim(self, i) for i in range(setup.trainer_groups)]
@@ -537,6 +543,7 @@ class Simulation:
         """Each injected loss: rank, role, when, the groups the scheduler issued again."""
         self._eval_out: dict[str, tuple[SimGroup, int]] = {}
         """Eval group -> (group, rollout rank) until scored (sent again if its rank is lost)."""
+        self.delta_plane = weight_sync.delta_plane(self, delta_plane) if delta_plane is not None else None
 
     # ---- scheduler boundary ----
     def scheduler_event(self, event) -> None:
@@ -701,6 +708,8 @@ class Simulation:
         starts once every rollout rank joins (between engine steps); receiving and installing it stalls each
         rollout rank. A replica's first broadcasts also set its communicator up; the rollout ranks pay that
         once per job (with several replicas they would set the groups up together)."""
+        if self.delta_plane is not None:
+            return self.delta_plane.publish(task_id, version, at, trainer)
         net, model = self.workload.network, self.workload.trainer
         transfer = net.delta_latency + net.adapter_bytes_per_rank * self._specs[task_id].lora.rank / net.delta_bandwidth
         setup = model.broadcast_setup if trainer.broadcasts < model.warm_up_broadcasts else 0.0

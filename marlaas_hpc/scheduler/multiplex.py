@@ -1,0 +1,238 @@
+"""Several base models on one pool of rollout ranks: which model's engine is awake on each rank (issue #28).
+
+Each rollout rank holds one engine per model; one is awake, the others sleep (vLLM sleep mode level 1: weights
+in host memory, KV cache freed). The pool moves a rank from one model to another when the other model's
+rollout work waits for an engine and this one's demand on the rank has ended:
+
+    generating(A) ──(A over its share, B waiting, gain > switch cost)──► draining(A → B)
+    draining(A → B) ──(A holds no group on the rank)──► waking(B) ──(switch cost elapsed)──► generating(B)
+    generating(A) ──(A holds no group there and wants nothing, B waiting, gain > cost)──► waking(B)
+
+- **Demand and shares.** Per model, the groups waiting for an engine (`Scheduler.pending_rollout`: quota that no
+  open rank has room for) and the groups it holds on each rank (in the engine, or in a tool call between turns).
+  A model needs the ranks those groups fill (`slots` each); the ranks are split max-min fairly over the needs,
+  by weight (e.g. the GPUs each job would have had alone): a model gets its need or its weighted part, whichever
+  is less, and what it does not need goes to the others. A model with demand gets at least one rank.
+- **Affinity.** A rank is never taken from a model at or under its share, and a model's groups are never cut
+  off: draining closes the rank to the model's new groups (`Scheduler.close_rollout_rank`) and lets the ones on
+  it finish, multi-turn episodes included, so no KV cache of a running sequence is lost and no episode changes
+  engine. A rank stays with the model it woke for at least `min_dwell_s`; when more models want ranks than
+  there are, ranks rotate after that dwell (a model with waiting work and no rank is never starved).
+- **Gain against cost.** A switch pays `switch_s` (sleep one engine, wake the other); it is worth it only if the
+  engine time it serves for the waiting model, one round of the rank's slots at the model's observed time per
+  group (`observe`), exceeds `gain_margin` x `switch_s` (the margin pays for switching back later).
+
+The pool only decides; its driver (the simulator, sim/multiplex.py; the runtime once rollout ranks hold several
+engines) applies each `Switch` and closes / opens ranks on the models' schedulers. Every model's tasks keep
+their own scheduler, so the staleness rule and the audit are each scheduler's, unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GENERATING, DRAINING, WAKING = "generating", "draining", "waking"
+
+
+@dataclass(slots=True)
+class RankState:
+    """One rollout rank of the pool."""
+
+    awake: str
+    """The model whose engine is awake (or waking) on the rank; the others sleep."""
+    phase: str = GENERATING
+    """'generating' (serving `awake`), 'draining' (closed to `awake`'s new groups, for `to`), 'waking'."""
+    to: str | None = None
+    """The model the rank is being handed to (draining)."""
+    since: float = 0.0
+    """When `awake` woke (or the pool started): the dwell time counts from here."""
+    until: float = 0.0
+    """Waking: when the engine is awake."""
+
+
+@dataclass(slots=True)
+class ModelDemand:
+    """What a model wants from the pool now."""
+
+    waiting: int = 0
+    """Groups the model's scheduler would issue but no open rank has room for."""
+    held: dict[int, int] = field(default_factory=dict)
+    """Per pool rank: the model's groups on it (in the engine, or between turns in a tool call)."""
+
+    def total(self) -> int:
+        return self.waiting + sum(self.held.values())
+
+
+@dataclass(slots=True)
+class Drain:
+    """Close `rank` to `model`'s new groups (it will be handed to another model once they finish)."""
+
+    rank: int
+    model: str
+
+
+@dataclass(slots=True)
+class Reopen:
+    """The drain of `rank` is called off: `model`'s scheduler may issue to it again."""
+
+    rank: int
+    model: str
+
+
+@dataclass(slots=True)
+class Switch:
+    """Sleep `from_model`'s engine on `rank` and wake `to_model`'s; it serves `to_model` at `ready_at`."""
+
+    rank: int
+    from_model: str
+    to_model: str
+    ready_at: float
+
+
+class ModelPool:
+    """The rollout ranks' model states and the policy that moves them (pure: no clock, no I/O)."""
+
+    def __init__(self, ranks: int, models: list[str], switch_s: float, slots: int, gain_margin: float = 2.0,
+                 min_dwell_s: float | None = None, weights: dict[str, float] | None = None):
+        if ranks < 1 or not models:
+            raise ValueError("a model pool needs at least one rank and one model")
+        self.models = list(models)
+        self.weights = {model: 1.0 for model in self.models} | (weights or {})
+        """Each model's weight in the fair split of the ranks (e.g. the GPUs its job would have had alone)."""
+        self.switch_s = switch_s
+        """Seconds from sleeping one engine to the other serving (sleep + wake + warm-up)."""
+        self.slots = slots
+        """Groups a rank generates at once (the schedulers' rollout_slots)."""
+        self.gain_margin = gain_margin
+        self.min_dwell_s = 10 * switch_s if min_dwell_s is None else min_dwell_s
+        """A rank serves the model it woke for at least this long while that model wants it (default: ten
+        switches, so rotating ranks spends at most ~10% of their time switching)."""
+        self.ranks = [RankState(awake=self.models[i % len(self.models)]) for i in range(ranks)]
+        """Rank i starts awake for model i mod K: every model starts with ranks (it has tasks to start)."""
+        self.group_s = {model: 0.0 for model in self.models}
+        """Observed seconds a group of each model holds its rank (mean over its groups so far)."""
+        self._observed = {model: 0 for model in self.models}
+        self.switches = 0
+
+    # ---- what the driver tells the pool ----
+    def observe(self, model: str, seconds: float) -> None:
+        """A group of `model` left its rank after holding it `seconds` (from its arrival to its last turn's end,
+        tool calls included: the time the rank cannot be handed over because of it)."""
+        self._observed[model] += 1
+        self.group_s[model] += (seconds - self.group_s[model]) / self._observed[model]
+
+    def woken(self, rank: int, now: float) -> None:
+        """The rank's switch is done: its awake model serves."""
+        state = self.ranks[rank]
+        state.phase, state.since = GENERATING, now
+
+    def serving(self, model: str) -> list[int]:
+        """Ranks open to `model`'s new groups (generating for it)."""
+        return [i for i, s in enumerate(self.ranks) if s.awake == model and s.phase == GENERATING]
+
+    # ---- the policy ----
+    def plan(self, now: float, demand: dict[str, ModelDemand]) -> list:
+        """Commands for the ranks given every model's demand now: finished drains switch, drains nobody wants
+        any more are called off, and ranks of models over their share start draining toward models short of
+        theirs (or switch at once when their model holds nothing on them)."""
+        out: list = []
+        for rank, state in enumerate(self.ranks):
+            if state.phase == DRAINING:
+                out += self._settle_drain(rank, state, now, demand)
+        shares = self._shares(demand)
+        counts = self._counts()
+        for model in sorted(self.models, key=lambda m: -demand[m].waiting):
+            want = demand[model].waiting
+            while want > 0 and counts[model] < shares[model] and self._worth(model, want, counts[model]):
+                rank = self._donor(model, shares, counts, demand, now)
+                if rank is None:
+                    break
+                command = self._take(rank, model, now, demand)
+                out.append(command)
+                counts[model] += 1
+                counts[command.from_model if isinstance(command, Switch) else command.model] -= 1
+                want -= self.slots
+        return out
+
+    def _settle_drain(self, rank: int, state: RankState, now: float, demand: dict[str, ModelDemand]) -> list:
+        if demand[state.awake].held.get(rank, 0) == 0:
+            return [self._switch(rank, state, state.to, now)]
+        if demand[state.to].waiting == 0:  # the model it was drained for wants nothing now: keep serving
+            state.phase, state.to = GENERATING, None
+            return [Reopen(rank, state.awake)]
+        return []
+
+    def _shares(self, demand: dict[str, ModelDemand]) -> dict[str, int]:
+        """Ranks per model: a weighted max-min fair split of the ranks over the models' needs (a model needs the
+        ranks its waiting and held groups fill, `slots` a rank); what a model does not need goes to the others.
+        Rounded down, at least one for any demand, so a model keeps a rank it holds until it is clearly over."""
+        need = {m: -(-demand[m].total() // self.slots) for m in self.models}
+        if not any(need.values()):
+            return {model: len(self.ranks) for model in self.models}  # nobody wants anything: nobody moves
+        share = {m: 0.0 for m in self.models}
+        left, active = float(len(self.ranks)), {m for m in self.models if need[m]}
+        while active and left > 1e-9:
+            weight = sum(self.weights[m] for m in active)
+            sated = {m for m in active if need[m] - share[m] <= left * self.weights[m] / weight}
+            if not sated:
+                for m in active:
+                    share[m] += left * self.weights[m] / weight
+                break
+            for m in sated:
+                left -= need[m] - share[m]
+                share[m] = float(need[m])
+            active -= sated
+        return {m: max(1 if need[m] else 0, int(share[m] + 1e-9)) for m in self.models}
+
+    def _over_share(self, model: str, shares: dict[str, int], counts: dict[str, int], state: RankState,
+                    now: float) -> bool:
+        """Whether a rank of `model` may be taken: its model holds more than its share, or (more models want
+        ranks than there are) it has served its turn, `min_dwell_s`: the ranks then rotate, one turn each."""
+        if counts[model] > shares[model]:
+            return True
+        return sum(1 for m in self.models if shares[m]) > len(self.ranks) and now - state.since >= self.min_dwell_s
+
+    def _counts(self) -> dict[str, int]:
+        """Ranks per model, a draining rank counted for the model it goes to."""
+        counts = {model: 0 for model in self.models}
+        for state in self.ranks:
+            counts[state.to if state.phase == DRAINING else state.awake] += 1
+        return counts
+
+    def _worth(self, model: str, waiting: int, ranks: int) -> bool:
+        """Whether serving `model`'s waiting groups on one more rank beats paying for the switch: one round of
+        the rank's slots at the model's time per group. A model with no rank at all has nothing else to serve
+        it, and one not observed yet has no estimate: their switch is taken."""
+        if ranks == 0 or self._observed[model] == 0:
+            return True
+        gain = min(waiting, self.slots) / self.slots * self.group_s[model]
+        return gain > self.gain_margin * self.switch_s
+
+    def _donor(self, model: str, shares: dict[str, int], counts: dict[str, int], demand: dict[str, ModelDemand],
+               now: float) -> int | None:
+        """The rank to hand to `model`: generating for a model over its share, past its dwell time; the one
+        whose model holds the fewest groups on it (an idle rank switches at once)."""
+        best = None
+        for rank, state in enumerate(self.ranks):
+            if state.phase != GENERATING or state.awake == model:
+                continue
+            if not self._over_share(state.awake, shares, counts, state, now):
+                continue
+            if now - state.since < self.min_dwell_s and demand[state.awake].total():
+                continue
+            held = demand[state.awake].held.get(rank, 0)
+            if best is None or held < best[0]:
+                best = (held, rank)
+        return None if best is None else best[1]
+
+    def _take(self, rank: int, model: str, now: float, demand: dict[str, ModelDemand]):
+        state = self.ranks[rank]
+        if demand[state.awake].held.get(rank, 0) == 0:
+            return self._switch(rank, state, model, now)
+        state.phase, state.to = DRAINING, model
+        return Drain(rank, state.awake)
+
+    def _switch(self, rank: int, state: RankState, model: str, now: float) -> Switch:
+        switch = Switch(rank, state.awake, model, now + self.switch_s)
+        state.awake, state.phase, state.to, state.until = model, WAKING, None, switch.ready_at
+        self.switches += 1
+        return switch

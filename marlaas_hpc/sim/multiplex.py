@@ -1,0 +1,269 @@
+"""K jobs of different base models on one shared pool of rollout ranks, against dedicated pools (issue #28).
+
+    job j: Simulation (its scheduler, env ranks, trainer groups, its model's workload)  ─┐
+                                                                                       ├─ one EventQueue
+    pool rank i: one PooledRolloutSim per model, one awake ◄── ModelPool.plan (every tick_s) ─┘
+                 (scheduler/multiplex.py: Drain / Reopen / Switch; a switch costs EngineSwitch.seconds)
+
+Each job keeps its own `Simulation` (sim/engine.py) and scheduler, unchanged: the pool only replaces the job's
+rollout ranks with its model's engines on the shared ranks and opens / closes those ranks on the job's scheduler
+(`Scheduler.open_rollout_rank` / `close_rollout_rank`). A sleeping engine is frozen: it holds no group (the pool
+switches a rank only once its model holds nothing there), and the adapter versions published meanwhile are kept
+in host memory, their install folded into the wake. Evals are not modelled here (workload `evals: false`).
+
+`run_dedicated` runs each job alone on its own ranks; `run_shared` runs them together on `ranks` pool ranks.
+Both report, per job, its end-to-end time and GPUs, and the GPU-hours to finish every task: a job's trainer GPUs
+until it ends, its dedicated rollout GPUs until it ends, the shared pool's until the last job ends.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from marlaas_hpc.scheduler import Generate, Submit
+from marlaas_hpc.scheduler.multiplex import Drain, ModelDemand, ModelPool, Reopen, Switch
+from marlaas_hpc.sim.engine import EventQueue, RolloutSim, Simulation
+from marlaas_hpc.sim.report import staleness_violations
+from marlaas_hpc.sim.setup import SimSetup
+from marlaas_hpc.sim.workload import Workload
+from marlaas_hpc.tasks.spec import SpecError
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineSwitch:
+    """What handing a rollout GPU from one model's engine to another's costs (not measured here: no GPU).
+
+    Defaults from vLLM's sleep-mode figures (blog.vllm.ai 2025-10-26 "Zero-Reload Model Switching with vLLM
+    Sleep Mode", and the 2025-10-03 post it follows): level-1 sleep and wake of a small model (Qwen3-0.6B) in
+    ~0.1-0.8 s per switch on an A4000, a wake of ~0.1-0.4 s plus a one-token warm-up. An H100's PCIe moves a
+    0.6B model's 1.2 GB of bf16 weights in ~50 ms, so these are on the slow side for the simulator's H100 costs.
+    """
+
+    sleep: float = 0.2
+    """Seconds to put the awake engine to sleep (level 1: weights to host memory, KV cache freed)."""
+    wake: float = 0.5
+    """Seconds to wake the other engine (weights back, KV cache re-allocated) and warm it up (one token)."""
+
+    @property
+    def seconds(self) -> float:
+        return self.sleep + self.wake
+
+
+@dataclass(kw_only=True, slots=True)
+class PoolJob:
+    """One job of the comparison: one base model, its tasks and layout, its workload (stage costs)."""
+
+    model: str
+    """The job's base model (its name in the pool)."""
+    setup: SimSetup
+    """Layout and tasks; `rollout_ranks` is its dedicated pool (the shared run replaces it)."""
+    workload: Workload
+    """Its stage costs (a bigger model decodes and trains slower)."""
+
+    def trainer_gpus(self) -> int:
+        return self.setup.gpus - self.setup.rollout_ranks
+
+
+@dataclass
+class JobResult:
+    model: str
+    end_time: float
+    """Seconds until its last task ended."""
+    gpus: int
+    """Its GPUs (dedicated: rollout + trainer; shared: its trainer GPUs, the pool counted apart)."""
+    statuses: dict[str, str]
+    staleness_violations: int
+    rollout_idle_s: float = 0.0
+    """Dedicated: GPU-seconds its rollout ranks had nothing to do (no sequence, no install) before it ended."""
+
+
+@dataclass
+class PoolResult:
+    jobs: list[JobResult]
+    pool_ranks: int
+    """Shared rollout ranks (0: every job on its own ranks)."""
+    gpu_hours: float
+    switches: int = 0
+    served_s: dict[str, float] = field(default_factory=dict)
+    """Shared: GPU-seconds the pool's ranks were awake (or waking) for each model."""
+    pool_idle_s: float = 0.0
+    """Shared: GPU-seconds the pool's ranks had nothing to do (no sequence, no install, no switch)."""
+
+    @property
+    def rollout_idle_s(self) -> float:
+        """GPU-seconds of idle rollout ranks: what time-slicing can take at most, switches not counted."""
+        return self.pool_idle_s + sum(job.rollout_idle_s for job in self.jobs)
+
+    @property
+    def gpus(self) -> int:
+        return self.pool_ranks + sum(job.gpus for job in self.jobs)
+
+
+def run_dedicated(jobs: list[PoolJob], seed: int = 0) -> PoolResult:
+    """Each job alone on its own rollout ranks (the runs are independent: one simulation each)."""
+    results = []
+    for index, job in enumerate(jobs):
+        sim = Simulation(job.setup, job.workload, seed=seed + index)
+        outcome = sim.run()
+        idle = sum(outcome.end_time - min(rollout.meter.busy, outcome.end_time) for rollout in sim.rollout.values())
+        results.append(JobResult(job.model, outcome.end_time, job.setup.gpus, outcome.ended,
+                                 len(staleness_violations(sim)), idle))
+    hours = sum(r.gpus * r.end_time for r in results) / 3600
+    return PoolResult(results, 0, hours)
+
+
+def run_shared(jobs: list[PoolJob], ranks: int, switch: EngineSwitch | None = None, seed: int = 0,
+               tick_s: float = 0.05, horizon_s: float = 1e6) -> PoolResult:
+    """Every job on one pool of `ranks` rollout ranks, time-sliced by the ModelPool (`tick_s`: how often the
+    pool plans; a job not done by `horizon_s` simulated seconds is reported unfinished, at that time)."""
+    pool = SharedPool(jobs, ranks, switch or EngineSwitch(), seed, tick_s)
+    pool.run(horizon_s)
+    results = [JobResult(job.model, horizon_s if sim.end_time is None else sim.end_time, job.trainer_gpus(),
+                         {t: s.status for t, s in sim.scheduler.tasks.items()}, len(staleness_violations(sim)))
+               for job, sim in zip(jobs, pool.sims)]
+    makespan = max(r.end_time for r in results)
+    hours = (ranks * makespan + sum(r.gpus * r.end_time for r in results)) / 3600
+    busy = sum(min(engine.meter.busy, makespan) for engines in pool.engines for engine in engines.values())
+    return PoolResult(results, ranks, hours, pool.policy.switches, pool.served_s(makespan),
+                      max(0.0, ranks * makespan - busy))
+
+
+class PooledSimulation(Simulation):
+    """One job of a shared pool: a Generate counts on its rank's engine from the moment it is issued (it is in
+    flight for a message latency), so the pool never puts an engine to sleep with groups on their way to it."""
+
+    def _execute(self, command) -> None:
+        if isinstance(command, Generate):
+            self.rollout[command.rollout_rank].held += len(command.groups)
+        super()._execute(command)
+
+    def execute(self, commands: list) -> None:
+        """Commands a scheduler gave outside an event (a rank opened to it)."""
+        for command in commands:
+            self._execute(command)
+
+
+class PooledRolloutSim(RolloutSim):
+    """One model's engine on a shared rollout rank: awake or asleep (frozen), and what the pool needs to know:
+    the groups it holds and how long each held the rank."""
+
+    def __init__(self, sim: Simulation, rank: int, on_group_done):
+        super().__init__(sim, rank)
+        self.asleep = False
+        self.held = 0
+        """Groups issued to this engine and not yet generated: on their way, waiting for their version,
+        decoding, or in a tool call between turns."""
+        self._arrived: dict[str, float] = {}
+        self._on_group_done = on_group_done
+
+    def receive(self, group, asked) -> None:
+        if not group.eval and group.group_id not in self._arrived:
+            self._arrived[group.group_id] = self.sim.queue.now
+        super().receive(group, asked)
+
+    def _turn_done(self, sequence) -> None:
+        super()._turn_done(sequence)
+        group = sequence.group
+        if group.sequences_left == 0 and group.group_id in self._arrived:
+            self.held -= 1
+            self._on_group_done(self.sim.queue.now - self._arrived.pop(group.group_id))
+
+    def sleep(self) -> None:
+        if self.held:
+            raise RuntimeError(f"rollout rank {self.rank}: an engine holding {self.held} groups was put to sleep")
+        self._advance()
+        self.asleep, self.stall_until = True, math.inf  # frozen: no decoding, no wake-up, installs are free
+
+    def wake(self, seconds: float) -> None:
+        now = self.sim.queue.now
+        self.asleep, self.stall_until, self.last = False, now, now
+        self._stall(seconds, "wake")
+
+
+class SharedPool:
+    """The driver: K job simulations on one event queue, their rollout ranks replaced by the pool's engines."""
+
+    def __init__(self, jobs: list[PoolJob], ranks: int, switch: EngineSwitch, seed: int, tick_s: float):
+        models = [job.model for job in jobs]
+        if len(set(models)) != len(models):
+            raise SpecError("jobs", f"each job of a shared pool needs its own model, got {models}")
+        for job in jobs:
+            if job.workload.evals:
+                raise SpecError(f"{job.model}.workload.evals", "evals are not modelled on a shared pool: set false")
+        self.queue = EventQueue()
+        self.switch, self.tick_s = switch, tick_s
+        self.models = models
+        self.sims: list[PooledSimulation] = []
+        self.engines: list[dict[str, PooledRolloutSim]] = [{} for _ in range(ranks)]
+        """Per pool rank: each model's engine."""
+        self.world: dict[str, tuple[int, ...]] = {}
+        """Per model: the world rank of each pool rank in its job's numbering."""
+        slots = {job.setup.rollout_slots for job in jobs}
+        # each job weighs what it would have had alone: its dedicated rollout ranks
+        self.policy = ModelPool(ranks, models, switch.seconds, max(slots),
+                                weights={job.model: float(job.setup.rollout_ranks) for job in jobs})
+        for index, job in enumerate(jobs):
+            self.sims.append(self._job(job, ranks, seed + index))
+        self._awake_since = [0.0] * ranks
+        self._served = {model: 0.0 for model in models}
+
+    def _job(self, job: PoolJob, ranks: int, seed: int) -> PooledSimulation:
+        sim = PooledSimulation(dataclasses.replace(job.setup, rollout_ranks=ranks), job.workload, seed=seed)
+        sim.queue = self.queue  # one clock for every job (the scheduler reads sim.queue.now)
+        world = self.world[job.model] = sim.setup.world_ranks()["rollout"]
+        sim.rollout = {}
+        for index, rank in enumerate(world):
+            engine = PooledRolloutSim(sim, rank, lambda seconds, model=job.model: self.policy.observe(model, seconds))
+            self.engines[index][job.model] = sim.rollout[rank] = engine
+            if self.policy.ranks[index].awake != job.model:
+                engine.sleep()
+                sim.scheduler.close_rollout_rank(rank)
+        return sim
+
+    def run(self, horizon_s: float) -> None:
+        for sim in self.sims:
+            for spec in sim.setup.tasks:
+                self.queue.at(0.0, sim.scheduler_event, Submit(spec))
+        self.queue.at(0.0, self._tick)  # the tick keeps the queue alive: the horizon ends a job that hangs
+        self.queue.run(until_idle=lambda: self.queue.now > horizon_s
+                       or all(sim.end_time is not None for sim in self.sims))
+
+    def _tick(self) -> None:
+        demand = {model: ModelDemand(sim.scheduler.pending_rollout(),
+                                     {i: engines[model].held for i, engines in enumerate(self.engines)})
+                  for model, sim in zip(self.models, self.sims)}
+        for command in self.policy.plan(self.queue.now, demand):
+            self._apply(command)
+        self.queue.after(self.tick_s, self._tick)
+
+    def _apply(self, command) -> None:
+        if isinstance(command, Drain):
+            self._sim(command.model).scheduler.close_rollout_rank(self.world[command.model][command.rank])
+        elif isinstance(command, Reopen):
+            self._open(command.rank, command.model)
+        elif isinstance(command, Switch):
+            now = self.queue.now
+            self._served[command.from_model] += now - self._awake_since[command.rank]
+            self._awake_since[command.rank] = now
+            self._sim(command.from_model).scheduler.close_rollout_rank(self.world[command.from_model][command.rank])
+            self.engines[command.rank][command.from_model].sleep()
+            self.engines[command.rank][command.to_model].wake(self.switch.seconds)
+            self.queue.at(command.ready_at, self._woken, command)
+
+    def _woken(self, command: Switch) -> None:
+        self.policy.woken(command.rank, self.queue.now)
+        self._open(command.rank, command.to_model)
+
+    def _open(self, rank: int, model: str) -> None:
+        sim = self._sim(model)
+        sim.execute(sim.scheduler.open_rollout_rank(self.world[model][rank]))
+
+    def _sim(self, model: str) -> PooledSimulation:
+        return self.sims[self.models.index(model)]
+
+    def served_s(self, end: float) -> dict[str, float]:
+        served = dict(self._served)
+        for rank, state in enumerate(self.policy.ranks):
+            served[state.awake] += end - self._awake_since[rank]
+        return served

@@ -1,0 +1,171 @@
+"""Several base models on one rollout pool (issue #28): the scheduler's closed ranks, the model pool's policy, and
+the policy under the simulator's clock (K jobs on shared ranks against dedicated ones)."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from marlaas_hpc.config import JobConfig
+from marlaas_hpc.scheduler import Generate, Generated, Scheduler, SchedulerConfig, StepDone, Submit
+from marlaas_hpc.scheduler.multiplex import Drain, ModelDemand, ModelPool, Reopen, Switch
+from marlaas_hpc.sim.multiplex import EngineSwitch, PoolJob, run_dedicated, run_shared
+from marlaas_hpc.sim.setup import copies_to, setup_from_job
+from marlaas_hpc.sim.workload import load_workload
+from marlaas_hpc.tasks import TaskSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spec(task_id, batch=4, k=1, steps=3):
+    return TaskSpec.from_dict({"task_id": task_id, "max_staleness": k, "total_steps": steps,
+                               "algo": {"batch_prompts": batch, "group_size": 2}})
+
+
+def scheduler(ranks=(1, 2), slots=2):
+    return Scheduler(SchedulerConfig(rollout_ranks=ranks, env_ranks=(9,), rollout_slots=slots), clock=lambda: 0.0)
+
+
+def started(sched, task_id="t"):
+    sched.handle(Submit(spec(task_id)))
+    return sched.handle(StepDone(task_id, 0))
+
+
+# ---------------------------------------------------------------- the scheduler's side: closed rollout ranks
+def test_a_closed_rank_takes_no_new_groups_and_reopening_fills_it():
+    sched = scheduler()
+    sched.close_rollout_rank(2)
+    commands = started(sched)
+    assert {c.rollout_rank for c in commands if isinstance(c, Generate)} == {1}
+    assert sched.pending_rollout() == 8 - 2, "(k+1)B = 8 groups allowed, rank 1's two slots taken"
+    reopened = sched.open_rollout_rank(2)
+    assert [(c.rollout_rank, len(c.groups)) for c in reopened] == [(2, 2)]
+    assert sched.pending_rollout() == 4
+
+
+def test_a_rank_closed_while_its_groups_run_is_not_refilled_when_they_end():
+    sched = scheduler(ranks=(1,))
+    generate = next(c for c in started(sched) if isinstance(c, Generate))
+    sched.close_rollout_rank(1)
+    assert sched.handle(Generated(1, tuple(g for g, _ in generate.groups))) == []
+    assert sched.pending_rollout() == 6, "the generated groups are still outstanding (scoring)"
+
+
+# ---------------------------------------------------------------- the policy alone
+def demand(waiting=0, **held):
+    return ModelDemand(waiting, {int(rank[1:]): n for rank, n in held.items()})
+
+
+def test_an_idle_rank_switches_at_once_to_a_waiting_model():
+    pool = ModelPool(2, ["a", "b"], switch_s=0.7, slots=4)
+    out = pool.plan(10.0, {"a": demand(0, r0=0), "b": demand(6, r1=4)})
+    assert out == [Switch(0, "a", "b", 10.7)]
+    assert pool.serving("b") == [1], "the waking rank takes no groups until it is awake"
+    pool.woken(0, 10.7)
+    assert pool.serving("b") == [0, 1]
+
+
+def test_affinity_a_model_keeps_its_rank_while_its_demand_lasts():
+    pool = ModelPool(2, ["a", "b"], switch_s=0.7, slots=4)
+    # a holds groups on its only rank: it is within its share, so b's waiting work does not take it
+    assert pool.plan(100.0, {"a": demand(0, r0=3), "b": demand(20, r1=4)}) == []
+
+
+def test_a_rank_over_its_models_share_drains_then_switches():
+    pool = ModelPool(3, ["a", "b"], switch_s=0.7, slots=4)  # a: ranks 0 and 2, b: rank 1
+    out = pool.plan(100.0, {"a": demand(0, r0=1, r2=3), "b": demand(40, r1=4)})
+    assert out == [Drain(0, "a")], "the rank where a holds the fewest groups drains; none is cut off"
+    assert pool.plan(101.0, {"a": demand(0, r0=1, r2=3), "b": demand(40, r1=4)}) == []
+    assert pool.plan(102.0, {"a": demand(0, r0=0, r2=3), "b": demand(40, r1=4)}) == [Switch(0, "a", "b", 102.7)]
+
+
+def test_a_drain_nobody_waits_for_any_more_is_called_off():
+    pool = ModelPool(3, ["a", "b"], switch_s=0.7, slots=4)
+    pool.plan(100.0, {"a": demand(0, r0=1, r2=3), "b": demand(40, r1=4)})
+    assert pool.plan(101.0, {"a": demand(0, r0=1, r2=3), "b": demand(0, r1=4)}) == [Reopen(0, "a")]
+    assert pool.serving("a") == [0, 2]
+
+
+def test_no_switch_when_the_gain_is_below_the_switch_cost():
+    pool = ModelPool(3, ["a", "b"], switch_s=5.0, slots=4)
+    pool.observe("b", 1.0)  # b's groups hold a rank 1 s: one round of slots gains less than 2 x 5 s
+    assert pool.plan(100.0, {"a": demand(0, r0=0, r2=3), "b": demand(40, r1=4)}) == []
+    pool.switch_s = 0.1
+    assert pool.plan(100.0, {"a": demand(0, r0=0, r2=3), "b": demand(40, r1=4)}) == [Switch(0, "a", "b", 100.1)]
+
+
+def test_one_rank_rotates_between_models_after_its_dwell():
+    pool = ModelPool(1, ["a", "b"], switch_s=0.5, slots=4)  # dwell 5 s
+    busy = {"a": demand(4, r0=4), "b": demand(8)}
+    assert pool.plan(4.0, busy) == []
+    assert pool.plan(6.0, busy) == [Drain(0, "a")]
+    assert pool.plan(7.0, {"a": demand(4, r0=0), "b": demand(8)}) == [Switch(0, "a", "b", 7.5)]
+
+
+# ---------------------------------------------------------------- under the simulator's clock
+def _jobs(search_tasks=2, gsm_tasks=2, ranks=1, staleness=0, steps=6):
+    job = JobConfig.load(ROOT / "configs" / "sim-paper.yaml")
+    workload = load_workload(ROOT / "configs" / "workloads" / "h100-qwen3-0.6b.yaml")
+    gsm, search = job.tasks
+
+    def setup(task, count):
+        tasks = [dataclasses.replace(t, total_steps=steps, max_staleness=staleness) for t in copies_to([task], count)]
+        return setup_from_job(job, tasks=tasks, rollout_ranks=ranks, env_ranks=2, trainer_tp=1, rollout_slots=32,
+                              max_adapters=count)
+
+    return [PoolJob(model="qwen3-0.6b", setup=setup(gsm, gsm_tasks), workload=workload),
+            PoolJob(model="qwen3-0.6b-search", setup=setup(search, search_tasks), workload=workload)]
+
+
+def _audited(result, jobs):
+    for job, outcome in zip(jobs, result.jobs):
+        assert set(outcome.statuses.values()) == {"done"}, outcome
+        assert outcome.staleness_violations == 0
+
+
+def test_two_models_on_one_rank_both_finish_within_their_bounds():
+    jobs = _jobs()
+    shared = run_shared(jobs, ranks=1)
+    _audited(shared, jobs)
+    assert shared.switches >= 2, "the rank went back and forth"
+    assert all(seconds > 0 for seconds in shared.served_s.values())
+
+
+def test_shared_pool_of_the_ranks_the_jobs_use_costs_fewer_gpu_hours_at_their_dedicated_speed():
+    # each on-policy job (k = 0, two tasks) fills one rank's 32 slots: a dedicated pool of 2 ranks idles one
+    jobs = _jobs(ranks=2)
+    dedicated, shared = run_dedicated(jobs), run_shared(jobs, ranks=2)
+    _audited(shared, jobs)
+    for alone, together in zip(dedicated.jobs, shared.jobs):
+        assert together.end_time <= 1.10 * alone.end_time
+    assert shared.gpu_hours <= 0.9 * dedicated.gpu_hours
+
+
+def test_a_dearer_switch_switches_less():
+    jobs = _jobs()
+    cheap = run_shared(jobs, ranks=1, switch=EngineSwitch(sleep=0.1, wake=0.1))
+    dear = run_shared(jobs, ranks=1, switch=EngineSwitch(sleep=2.0, wake=8.0))
+    _audited(dear, jobs)
+    assert dear.switches < cheap.switches
+
+
+def test_ranks_are_split_fairly_by_weight_and_unneeded_ranks_go_to_the_others():
+    saturated = {"a": demand(100, r0=4, r2=4), "b": demand(100, r1=4, r3=4)}
+    pool = ModelPool(4, ["a", "b"], switch_s=0.7, slots=4, weights={"a": 3.0, "b": 1.0})
+    assert pool.plan(100.0, saturated) == [Drain(1, "b")], "a's weight is 3 of 4: b keeps one rank"
+    even = ModelPool(4, ["a", "b"], switch_s=0.7, slots=4)
+    assert even.plan(100.0, saturated) == [], "equal weights, both saturated: two ranks each, nothing moves"
+    # a needs one rank (its 3 groups fill one rank's 4 slots): b, waiting, gets a's other one at once
+    assert even.plan(100.0, {"a": demand(0, r0=3, r2=0), "b": demand(100, r1=4, r3=4)}) == [Switch(2, "a", "b", 100.7)]
+
+
+def test_bench_prints_the_dedicated_and_shared_rows():
+    import subprocess
+    import sys
+
+    args = ["--gsm-tasks", "1", "--search-tasks", "1", "--steps", "2", "--ranks", "1", "--pool", "2", "1"]
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_multiplex.py"), *args], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith(("dedicated", "shared"))]
+    assert [row.split("|")[0].strip() for row in rows] == ["dedicated 1+1", "shared pool 2", "shared pool 1"]
+    assert all(row.split("|")[-1].strip() == "0" for row in rows), "no staleness violation"
+    assert not any(" !" in row for row in rows), "every job finished"

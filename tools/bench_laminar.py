@@ -1,0 +1,148 @@
+"""Issue #29 (Laminar) in the simulator: today's lockstep delta broadcast against a relay tier, what long tails
+cost, and Laminar's repack, on a heavy-tailed length workload at the paper's 32 tasks / 8 rollout GPUs and at
+1024 tasks / 256 rollout GPUs.
+
+    python tools/bench_laminar.py [--scales 32:8 1024:256] [--steps 6] [--seeds 2] [--max-in-flight 16]
+                                  [--push-bandwidth 25e9] [--relay-bandwidth 25e9] [--pull-bandwidth 25e9]
+                                  [--fanout 2] [--ranks-per-tail 32]
+
+Per scale and plane: the leader's blocked time per published version, the rollout ranks' decode-busy fraction
+and their share of time on the delta plane (waiting in broadcasts, transfers, installs), groups dropped at the
+staleness bound (and their share of groups issued), the share of decode time with under a quarter of an engine's
+sequence slots running, trained groups per second and end-to-end time; then the same mean length with a thin
+tail, and the broadcast with repack (sim/repack.py: one tail rank per --ranks-per-tail rollout ranks, taken from
+them). The last line is the issue's summary: measured figures filled in, the rest marked "not measured".
+
+Every cost is an assumption of configs/workloads/h100-heavy-tail.yaml (not measured on a GPU); bandwidths are
+the flags above. Tasks: sim-paper.yaml's GSM8K-like single-turn task copied, max_new_tokens 8192 so the tail is
+not cut, B 16 groups of G 8, staleness bound 1.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from marlaas_hpc.config import JobConfig  # noqa: E402
+from marlaas_hpc.sim.engine import Simulation  # noqa: E402
+from marlaas_hpc.sim.repack import RepackingRolloutSim, with_tail_ranks  # noqa: E402
+from marlaas_hpc.sim.setup import copies_to, setup_from_job  # noqa: E402
+from marlaas_hpc.sim.tails import OccupancyRolloutSim, tail_costs  # noqa: E402
+from marlaas_hpc.sim.weight_sync import DeltaPlaneModel  # noqa: E402
+from marlaas_hpc.sim.workload import load_workload  # noqa: E402
+
+WORKLOAD = ROOT / "configs" / "workloads" / "h100-heavy-tail.yaml"
+
+
+def heavy_tail_setup(n_tasks: int, rollout_ranks: int, steps: int):
+    """sim-paper.yaml's single-turn task copied to n_tasks; per 8 rollout GPUs one TP=2 trainer group and 4 env
+    ranks (the paper's ratio), every rollout rank with room for 4 tasks' B groups."""
+    job = JobConfig.load(ROOT / "configs" / "sim-paper.yaml")
+    base = next(t for t in job.tasks if t.task_id == "gsm8k")
+    base = dataclasses.replace(base, total_steps=steps, algo=dataclasses.replace(base.algo, max_new_tokens=8192))
+    groups = max(1, rollout_ranks // 8)
+    return setup_from_job(job, tasks=copies_to([base], n_tasks), max_adapters=n_tasks, rollout_ranks=rollout_ranks,
+                          env_ranks=4 * groups, trainer_groups=groups, trainer_tp=2,
+                          rollout_slots=max(1, 4 * n_tasks * base.algo.batch_prompts // rollout_ranks // 8))
+
+
+PLANES = {"broadcast": ("broadcast", None, "eager"), "broadcast-wait": ("broadcast", 0, "eager"),
+          "relay": ("relay", None, "eager"), "relay-on-demand": ("relay", None, "on_demand")}
+"""Rows: today's lockstep (leader posts, max_in_flight outstanding), the same with a leader that waits for each
+broadcast (the delta plane before it posted asynchronously), the relay tier with every rank pulling every
+version, and with ranks pulling only the versions their work asks for."""
+
+
+def light_tail(workload):
+    """The same mean completion length with a thin tail (sigma 0.25): what the tail alone costs."""
+    profile = workload.profiles["default"]
+    heavy = profile.response_tokens
+    median = heavy.expected() / math.exp(0.25 ** 2 / 2)
+    light = dataclasses.replace(heavy, median=median, sigma=0.25)
+    return dataclasses.replace(workload, profiles={"default": dataclasses.replace(profile, response_tokens=light)})
+
+
+def measure(n_tasks: int, rollout_ranks: int, steps: int, plane: DeltaPlaneModel, workload, seed: int,
+            tail_ranks: int = 0) -> dict:
+    """One run; `tail_ranks` > 0: that many of the rollout ranks are set aside as repack tail ranks."""
+    sim = Simulation(heavy_tail_setup(n_tasks, rollout_ranks, steps), workload, seed=seed, trace=False,
+                     delta_plane=plane, rollout_engine=RepackingRolloutSim if tail_ranks else OccupancyRolloutSim)
+    if tail_ranks:
+        with_tail_ranks(sim, tail_ranks)
+    outcome = sim.run()
+    end, tails = outcome.end_time, tail_costs(sim)
+    assert set(outcome.ended.values()) == {"done"}, outcome.ended
+    return {"blocked_ms": 1e3 * sim.delta_plane.meter.blocked_per_update(),
+            "decode_busy": tails.decode_seconds / (rollout_ranks * end),
+            "plane_share": sum(sim.delta_plane.meter.rank_seconds.values()) / (rollout_ranks * end),
+            "dropped": tails.dropped_groups, "dropped_share": tails.dropped_groups / tails.issued_groups,
+            "sparse": tails.sparse_fraction, "groups_per_s": tails.trained_groups / end, "e2e_s": end}
+
+
+def averaged(n_tasks, ranks, steps, plane, workload, seeds, tail_ranks=0) -> dict:
+    runs = [measure(n_tasks, ranks, steps, plane, workload, seed, tail_ranks) for seed in range(seeds)]
+    return {key: sum(run[key] for run in runs) / len(runs) for key in runs[0]}
+
+
+HEADER = (f"{'tasks':>5} {'GPUs':>4} {'plane':<18} {'tail':<5} {'blocked ms/upd':>14} {'decode busy':>11} "
+          f"{'on plane':>8} {'dropped':>8} {'drop %':>6} {'sparse %':>8} {'groups/s':>8} {'e2e s':>8}")
+
+
+def row(n_tasks, ranks, name, tail, r) -> str:
+    return (f"{n_tasks:>5} {ranks:>4} {name:<18} {tail:<5} {r['blocked_ms']:>14.1f} {r['decode_busy']:>11.3f} "
+            f"{r['plane_share']:>8.3f} {r['dropped']:>8.0f} {100 * r['dropped_share']:>6.2f} "
+            f"{100 * r['sparse']:>8.1f} {r['groups_per_s']:>8.1f} {r['e2e_s']:>8.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scales", nargs="+", default=["32:8", "1024:256"], help="tasks:rollout_ranks")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per task")
+    parser.add_argument("--seeds", type=int, default=2, help="runs averaged per row (seeds 0..n-1)")
+    parser.add_argument("--max-in-flight", type=int, default=16)
+    parser.add_argument("--push-bandwidth", type=float, default=25e9, help="bytes/s, leader -> root relay")
+    parser.add_argument("--relay-bandwidth", type=float, default=25e9, help="bytes/s, a relay's egress")
+    parser.add_argument("--pull-bandwidth", type=float, default=25e9, help="bytes/s, node relay -> rollout rank")
+    parser.add_argument("--fanout", type=int, default=2, help="relay tree fan-out (1: a chain)")
+    parser.add_argument("--ranks-per-tail", type=int, default=32,
+                        help="repack row: one tail rank per this many rollout ranks (at least one)")
+    args = parser.parse_args()
+    heavy = load_workload(WORKLOAD)
+    print(HEADER, flush=True)
+    ratio = ratio_wait = repack_ratio = None
+    for scale in args.scales:
+        n_tasks, ranks = (int(x) for x in scale.split(":"))
+        results = {}
+        for name, (plane, bound, pull) in PLANES.items():
+            model = DeltaPlaneModel(plane=plane, max_in_flight=args.max_in_flight if bound is None else bound,
+                                    push_bandwidth=args.push_bandwidth, relay_bandwidth=args.relay_bandwidth,
+                                    pull_bandwidth=args.pull_bandwidth, relay_fanout=args.fanout,
+                                    relay_pull=pull)
+            results[name] = averaged(n_tasks, ranks, args.steps, model, heavy, args.seeds)
+            print(row(n_tasks, ranks, name, "heavy", results[name]), flush=True)
+        light = averaged(n_tasks, ranks, args.steps, DeltaPlaneModel(max_in_flight=args.max_in_flight),
+                         light_tail(heavy), args.seeds)
+        print(row(n_tasks, ranks, "broadcast", "light", light), flush=True)
+        tails = max(1, ranks // args.ranks_per_tail)
+        repack = averaged(n_tasks, ranks, args.steps, DeltaPlaneModel(max_in_flight=args.max_in_flight), heavy,
+                          args.seeds, tail_ranks=tails)
+        print(row(n_tasks, ranks, f"broadcast+repack{tails}", "heavy", repack), flush=True)
+        if n_tasks == 1024:
+            ratio = results["relay"]["blocked_ms"] / results["broadcast"]["blocked_ms"]
+            ratio_wait = results["relay"]["blocked_ms"] / results["broadcast-wait"]["blocked_ms"]
+            repack_ratio = repack["groups_per_s"] / results["broadcast"]["groups_per_s"]
+    blocked = (f"{ratio:.2f} (against a leader waiting for each broadcast: {ratio_wait:.2f})" if ratio is not None
+               else "not measured (no 1024-task scale run)")
+    throughput = (f"{repack_ratio:.2f} (simulator, trained groups/s at 1024 tasks)" if ratio is not None
+                  else "not measured (no 1024-task scale run)")
+    print(f"relay/broadcast leader blocked {blocked}; repack/none throughput {throughput}; "
+          f"CPU twin (3 rollout ranks, heavy-tailed kind) not measured yet; repack in the runtime not built")
+
+
+if __name__ == "__main__":
+    main()
