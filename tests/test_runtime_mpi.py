@@ -42,6 +42,8 @@ def test_two_tasks_with_different_bounds_end_to_end(tmp_path, tiny_model_path):
     proc, run_dir = run_marlaas(small_config(), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[add] v4/4" in proc.stdout and "[sort] v4/4" in proc.stdout  # progress shown
+    noise = [line for line in proc.stderr.splitlines() if "Warning:" in line and "[W" not in line[:3]]
+    assert not noise, noise  # quiet logs: no library's Python warnings between the progress lines (runtime/quiet.py)
     summary = json.loads((run_dir / "summary.json").read_text())
     tasks = summary["tasks"]
     assert {t: s["status"] for t, s in tasks.items()} == {"add": "done", "sort": "done"}

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.launch.layout import assign_role, ranks_of, trainer_group_ranks, world_size_matches
 from marlaas_hpc.runtime.comm import quiet_barrier, recv_wait
+from marlaas_hpc.runtime.quiet import silence_library_notices
 from marlaas_hpc.scheduler import MODES
 from marlaas_hpc.tasks.spec import SpecError
 
@@ -457,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--join", metavar="RUN_DIR", help=argparse.SUPPRESS)  # a rank rank 0 started
     parser.add_argument("--as-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    silence_library_notices()
     if args.join:
         join_main(args.join, args.as_rank)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

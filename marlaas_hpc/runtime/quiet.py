@@ -1,0 +1,26 @@
+"""Library notices a normal run does not print: each says something the project chose on purpose, once per rank,
+between the per-task progress lines. Installed at the start of every rank process (runtime/main.py), before the
+libraries are imported; anything else a library warns about still shows."""
+from __future__ import annotations
+
+import logging
+import warnings
+
+NOTICES = (
+    # megatron-core and mbridge at import: the trainer uses megatron's local spec and torch's optimizers by design
+    (UserWarning, r"(Transformer Engine and Apex are|Apex is) not installed"),
+    # megatron-core's TransformerConfig about its own default cuda_graph_scope (the trainer captures no CUDA graph)
+    (UserWarning, r"full scope is deprecated"),
+    # vLLM's kernel-override scan reads torch.distributed's deprecated alias while walking modules
+    (FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated"),
+)
+QUIET_LOGGERS = (
+    "vllm.triton_utils.importing",  # "Triton is installed, but doesn't include CPU backend": the CPU twin
+)
+
+
+def silence_library_notices() -> None:
+    for category, message in NOTICES:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
