@@ -138,3 +138,32 @@ def test_hf_in_memory_adapter_equals_its_directory_and_bad_tensors_are_refused(h
                                                     max_new_tokens=10, seed=11)])
     assert again.completion_ids == gens[1].completion_ids, "the refused load left 'mem' as it was"
     np.testing.assert_allclose(again.logprobs, gens[1].logprobs, atol=1e-5)  # alone vs in a padded batch
+
+
+def test_row_sampler_draws_from_softmax_over_temperature():
+    """Each row's token frequencies follow softmax(logits / T) (a bias in the inverse-CDF draw moves them),
+    T = 0 rows take the argmax, a row with NaN logits still gets a token, and a seeded row draws the same
+    tokens whatever rows share its batch."""
+    import torch
+
+    from marlaas_hpc.rollout.hf_engine import _RowSampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0], [0.0, 3.0, 0.0, 0.0, 0.0], [float("nan")] * 5])
+    temps, draws = [0.7, 0.0, 1.0], 4000
+    generators = [torch.Generator().manual_seed(i) for i in range(3)]
+    counts = torch.zeros(3, 5)
+    for _ in range(draws):
+        out = _RowSampler(temps, generators)(torch.empty(3, 1), logits)
+        assert torch.isfinite(out).sum(dim=1).tolist() == [1, 1, 1]
+        counts += torch.isfinite(out).float()
+    expected = torch.softmax(logits[0] / 0.7, dim=-1)
+    assert (counts[0] / draws - expected).abs().max() < 0.03
+    assert counts[1].tolist() == [0, draws, 0, 0, 0]
+
+    def tokens(rows):
+        gens = {seed: torch.Generator().manual_seed(seed) for seed in rows}
+        batch = torch.tensor([[float(seed % 3), 1.0, 0.5, 0.0, 2.0] for seed in rows])
+        picks = [_RowSampler([1.0] * len(rows), list(gens.values()))(None, batch).argmax(dim=1) for _ in range(20)]
+        return torch.stack(picks)[:, list(rows).index(7)].tolist()
+
+    assert tokens([7]) == tokens([3, 7, 11])

@@ -83,7 +83,8 @@ def base_logits(rank: int, model_path: str, tp: int, probe: list[list[int]]) -> 
     """Only the base model's logits (a TP size too costly for the whole scenario)."""
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 
-    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp))
+    # float32 whatever the device: the callers compare with float32 transformers ('auto' is bfloat16 on CUDA)
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, dtype="float32"))
     return {"base_logits": trainer.logits(None, probe)}
 
 

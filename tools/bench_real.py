@@ -2,7 +2,8 @@
 machine: tokens/s of each and the peak RSS of each process. Prints figures; asserts nothing about speed.
 
     python tools/bench_real.py [--shape qwen3-0.6b] [--prompts 4] [--group 4] [--prompt-tokens 64]
-                               [--new-tokens 64] [--lora-rank 32] [--tp 1]
+                               [--new-tokens 64] [--lora-rank 32] [--tp 1] [--device cpu|cuda]
+                               [--engine vllm|hf] [--steps 1]
 
 The checkpoint (28 layers, 151,936-word vocabulary, tied embeddings, ~0.6B parameters, 2.4 GB in fp32) is built
 once into the cache (`model: random:qwen3-0.6b`). Each part runs in a process of its own, so each peak RSS is
@@ -17,6 +18,12 @@ once the model is loaded (mbridge and vLLM read the safetensors through mmap: th
 the weights are copied, a transient the estimate leaves out). The children run with glibc's mmap threshold fixed at
 its default (MALLOC_MMAP_THRESHOLD_): otherwise glibc raises it as large blocks are freed and keeps freed tensors'
 memory in the heap, and RSS no longer follows the live tensors.
+
+`--device cuda` runs both parts on the GPU instead (one GPU, --tp 1): the trainer in bf16 with the attention it
+picks on CUDA (FlexAttention), the rollout engine in bf16, and the figures are torch's CUDA allocator peaks
+(max_memory_allocated: the CUDA context and the allocator's cache left out, as in the plan) against `marlaas plan`'s
+GPU estimate of the same step. `--steps N` times the last of N steps (the first compiles FlexAttention's kernels).
+`--engine hf` generates with transformers + PEFT where vLLM is not installed.
 """
 from __future__ import annotations
 
@@ -54,11 +61,13 @@ def trainer_part(args, model_path: str, out_dir: str) -> dict:
     assign_advantages(trajectories)
     threads = max(1, (os.cpu_count() or 1) // args.tp)
     records = run_local(_train, args.tp, model_path, args.tp, trajectories, args.lora_rank, out_dir,
-                        timeout=3600, threads=threads)
+                        args.device, args.steps, timeout=3600, threads=threads,
+                        backend="nccl" if args.device == "cuda" else "gloo")
     return records[0]
 
 
-def _train(rank: int, model_path: str, tp: int, trajectories, lora_rank: int, out_dir: str) -> dict:
+def _train(rank: int, model_path: str, tp: int, trajectories, lora_rank: int, out_dir: str, device: str,
+           steps: int) -> dict:
     import mbridge.models.qwen3  # noqa: F401  (what the trainer imports on its way to a model: in the baseline)
     import megatron.core.models.gpt.gpt_model  # noqa: F401
 
@@ -68,18 +77,30 @@ def _train(rank: int, model_path: str, tp: int, trajectories, lora_rank: int, ou
 
     start = time.perf_counter()
     baseline = host_memory.rss_bytes()
-    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp))
+    cuda = device == "cuda"
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, device=device,
+                                             dtype="bfloat16" if cuda else "auto"))
     trainer.add_task("bench", LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank), AlgoSpec(lr=1e-5))
     built = time.perf_counter()
     load_rss = _peak_rss_gib()
     host_memory.reset_peak()
-    metrics = trainer.train_step("bench", trajectories)
+    gpu = _CudaPeaks() if cuda else None
+    for _ in range(steps):  # the last one is timed: the first compiles FlexAttention's kernels on CUDA
+        step_start = time.perf_counter()
+        metrics = trainer.train_step("bench", trajectories)
+        if cuda:
+            gpu.synchronize()
     step_peak = host_memory.peak_rss_bytes()
     stepped = time.perf_counter()
     export = trainer.export_adapter("bench", Path(out_dir) / "adapter")
     tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
-    return {"load_s": built - start, "step_s": stepped - built, "tokens": tokens,
-            "tokens_per_s": tokens / (stepped - built), "loss": metrics["loss"], "adapter": str(export),
+    gpu_figures = {} if gpu is None else {
+        "gpu_load_gib": gpu.load / 2**30, "gpu_peak_gib": gpu.peak() / 2**30,
+        "gpu_estimate_gib": _trainer_estimate(model_path, tp, trajectories, lora_rank, dtype_bytes=2,
+                                              attention="flex") / 2**30,
+        "gpu_name": gpu.name}
+    return {**gpu_figures, "load_s": built - start, "step_s": stepped - step_start, "tokens": tokens,
+            "tokens_per_s": tokens / (stepped - step_start), "loss": metrics["loss"], "adapter": str(export),
             "peak_rss_gib": max(load_rss, step_peak / 2**30),  # reset_peak restarted the kernel's own
             "load_peak_rss_gib": load_rss, "baseline_gib": baseline / 2**30,
             "step_peak_rss_gib": step_peak / 2**30,
@@ -87,20 +108,42 @@ def _train(rank: int, model_path: str, tp: int, trajectories, lora_rank: int, ou
             "params": sum(p.numel() for p in trainer.model.parameters())}
 
 
-def _trainer_estimate(model_path: str, tp: int, trajectories, lora_rank: int) -> int:
-    """`marlaas plan`'s trainer estimate of this step on the CPU: one pass over rows of one sequence each."""
+class _CudaPeaks:
+    """torch's CUDA allocator figures of this process: what the loaded model holds, the peak since."""
+
+    def __init__(self):
+        import torch
+
+        torch.cuda.synchronize()
+        self.torch = torch
+        self.name = torch.cuda.get_device_name()
+        self.load = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def peak(self) -> int:
+        return self.torch.cuda.max_memory_allocated()
+
+
+def _trainer_estimate(model_path: str, tp: int, trajectories, lora_rank: int, dtype_bytes: int = 4,
+                      attention: str = "dense") -> int:
+    """`marlaas plan`'s trainer estimate of this step (fp32 dense on the CPU; bf16 flex on CUDA): one pass over
+    rows of one sequence each."""
     from marlaas_hpc.plan.estimate import ModelDims, TrainerInputs, trainer_memory
 
     width = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
-    inputs = TrainerInputs(dims=ModelDims.read(model_path), tensor_parallel=tp, dtype_bytes=4,
+    inputs = TrainerInputs(dims=ModelDims.read(model_path), tensor_parallel=tp, dtype_bytes=dtype_bytes,
                            micro_batch_tokens=len(trajectories) * width, row_tokens=width,
                            prompt_tokens=len(trajectories[0].prompt_ids), lora_rank=lora_rank, max_adapters=1,
-                           fused_tasks=1, recompute=False, attention="dense")
+                           fused_tasks=1, recompute=False, attention=attention)
     return trainer_memory(inputs).total
 
 
 def rollout_part(args, model_path: str, adapter: str, work_dir: str) -> dict:
-    import vllm  # noqa: F401  (in the baseline)
+    if args.engine == "vllm":
+        import vllm  # noqa: F401  (in the baseline)
 
     from marlaas_hpc.plan import host_memory
     from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
@@ -109,24 +152,37 @@ def rollout_part(args, model_path: str, adapter: str, work_dir: str) -> dict:
     start = time.perf_counter()
     baseline = host_memory.rss_bytes()
     max_model_len = args.prompt_tokens + args.new_tokens + 8
-    engine = make_engine("vllm", model_path, work_dir=work_dir, max_loras=1, max_lora_rank=args.lora_rank,
-                         max_model_len=max_model_len, seed=0)
+    if args.engine == "hf":
+        import torch
+
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        engine = make_engine("hf", model_path, device=args.device, dtype=dtype, seed=0)
+    else:
+        dtype_kw = {"dtype": "bfloat16"} if args.device == "cuda" else {}
+        engine = make_engine("vllm", model_path, work_dir=work_dir, max_loras=1, max_lora_rank=args.lora_rank,
+                             max_model_len=max_model_len, seed=0, **dtype_kw)
     engine.add_adapter(AdapterRef("bench", 1, adapter))
+    gpu = _CudaPeaks() if args.device == "cuda" else None
     ready = time.perf_counter()
     start_peak = host_memory.peak_rss_bytes()
     host_memory.reset_peak()
     requests = [GenerationRequest(f"r{i}", "bench", 1, prompt, temperature=1.0, max_new_tokens=args.new_tokens,
                                   seed=i) for i, (prompt, _) in enumerate(_rows(args))]
     gens = engine.generate(requests)
+    if gpu is not None:
+        gpu.synchronize()
     done = time.perf_counter()
+    gpu_figures = {} if gpu is None else {"gpu_load_gib": gpu.load / 2**30, "gpu_peak_gib": gpu.peak() / 2**30}
     engine.close()
     generated = sum(len(g.completion_ids) for g in gens)
-    return {"start_s": ready - start, "batch_s": done - ready, "sequences": len(gens), "generated_tokens": generated,
+    return {**gpu_figures, "start_s": ready - start, "batch_s": done - ready, "sequences": len(gens),
+            "generated_tokens": generated,
             "tokens_per_s": generated / (done - ready),
             "peak_rss_gib": max(start_peak, host_memory.peak_rss_bytes()) / 2**30,
             "baseline_gib": baseline / 2**30, "start_peak_rss_gib": start_peak / 2**30,
             "batch_peak_rss_gib": host_memory.peak_rss_bytes() / 2**30,
-            "estimate_gib": (baseline + _rollout_estimate(model_path, args, max_model_len)) / 2**30}
+            "estimate_gib": (baseline + _rollout_estimate(model_path, args, max_model_len)) / 2**30
+            if args.engine == "vllm" else 0.0}
 
 
 def _rollout_estimate(model_path: str, args, max_model_len: int) -> int:
@@ -151,6 +207,9 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--tp", type=int, default=1, help="trainer tensor parallelism (gloo processes)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both parts run")
+    parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="rollout engine")
+    parser.add_argument("--steps", type=int, default=1, help="trainer steps; the last is timed")
     parser.add_argument("--part", choices=["trainer", "rollout"], help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--adapter", help=argparse.SUPPRESS)
@@ -171,12 +230,15 @@ def main() -> int:
     print(f"[bench_real] checkpoint {args.shape} ({SHAPES[args.shape]}) at {model_path} "
           f"({time.perf_counter() - start:.0f} s)", flush=True)
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-              ("shape", "prompts", "group", "prompt_tokens", "new_tokens", "lora_rank", "tp")]
+              ("shape", "prompts", "group", "prompt_tokens", "new_tokens", "lora_rank", "tp", "device", "engine",
+               "steps")]
     with tempfile.TemporaryDirectory() as work:
         trainer = _child(common + ["--part=trainer", f"--model-path={model_path}", f"--work-dir={work}"])
         rollout = _child(common + ["--part=rollout", f"--model-path={model_path}", f"--adapter={trainer['adapter']}",
                                    f"--work-dir={work}/vllm"])
     rows = args.prompts * args.group
+    if args.device == "cuda":
+        return _print_gpu(args, trainer, rollout, rows)
     print(f"[bench_real] {args.shape}: {trainer['params'] / 1e6:.0f}M parameters (this TP rank), "
           f"{os.cpu_count()} CPU cores, all of them used by each part")
     print(f"trainer  TP={args.tp} fp32, LoRA r{args.lora_rank}, {rows} rows x {args.prompt_tokens}+{args.new_tokens} "
@@ -186,12 +248,29 @@ def main() -> int:
     print(f"         step peak RSS {trainer['step_peak_rss_gib']:.2f} GiB; marlaas plan: baseline "
           f"{trainer['baseline_gib']:.2f} + estimate = {trainer['estimate_gib']:.2f} GiB "
           f"({trainer['estimate_gib'] / trainer['step_peak_rss_gib'] - 1:+.0%})")
-    print(f"rollout  vLLM fp32, LoRA r{args.lora_rank}, {rollout['sequences']} sequences x {args.new_tokens} new tokens: "
+    print(f"rollout  {args.engine} fp32, LoRA r{args.lora_rank}, {rollout['sequences']} sequences x {args.new_tokens} new tokens: "
           f"batch {rollout['batch_s']:.1f} s = {rollout['tokens_per_s']:.1f} generated tokens/s "
           f"(engine start {rollout['start_s']:.1f} s), peak RSS {rollout['peak_rss_gib']:.2f} GiB")
+    if args.engine != "vllm":  # the plan sizes vLLM's engine only
+        return 0
     print(f"         batch peak RSS {rollout['batch_peak_rss_gib']:.2f} GiB (engine start "
           f"{rollout['start_peak_rss_gib']:.2f}); marlaas plan: baseline {rollout['baseline_gib']:.2f} + estimate = "
           f"{rollout['estimate_gib']:.2f} GiB ({rollout['estimate_gib'] / rollout['batch_peak_rss_gib'] - 1:+.0%})")
+    return 0
+
+
+def _print_gpu(args, trainer: dict, rollout: dict, rows: int) -> int:
+    print(f"[bench_real] {args.shape} on {trainer['gpu_name']}: {trainer['params'] / 1e6:.0f}M parameters")
+    print(f"trainer  bf16 flex, LoRA r{args.lora_rank}, {rows} rows x {args.prompt_tokens}+{args.new_tokens} tokens: "
+          f"step {trainer['step_s']:.2f} s = {trainer['tokens_per_s']:.0f} tokens/s (step {args.steps} of "
+          f"{args.steps}; load {trainer['load_s']:.1f} s)")
+    print(f"         GPU allocated: {trainer['gpu_load_gib']:.2f} GiB loaded, peak {trainer['gpu_peak_gib']:.2f} GiB; "
+          f"marlaas plan {trainer['gpu_estimate_gib']:.2f} GiB "
+          f"({trainer['gpu_estimate_gib'] / trainer['gpu_peak_gib'] - 1:+.1%})")
+    print(f"rollout  {args.engine} bf16, LoRA r{args.lora_rank}, {rollout['sequences']} sequences x "
+          f"{args.new_tokens} new tokens: batch {rollout['batch_s']:.2f} s = {rollout['tokens_per_s']:.0f} generated "
+          f"tokens/s (engine start {rollout['start_s']:.1f} s); GPU allocated {rollout['gpu_load_gib']:.2f} GiB "
+          f"loaded, peak {rollout['gpu_peak_gib']:.2f} GiB")
     return 0
 
 
