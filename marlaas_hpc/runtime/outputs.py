@@ -9,6 +9,7 @@ from pathlib import Path
 from marlaas_hpc.rundir import atomic_write_text, task_record
 from marlaas_hpc.runtime.records import JobRecords
 from marlaas_hpc.scheduler import Admit, Generate, StepDone, Submit, TaskEnded
+from marlaas_hpc.scheduler.state import CANCELLED, DONE, FAILED
 
 
 def audit_lines(record, group_size: int) -> str:
@@ -101,6 +102,41 @@ class StatusBoard:
         body = ",\n".join(f"  {json.dumps(task_id)}: {entry}" for task_id, entry in self.entries.items())
         atomic_write_text(self.path, head[:-1] + ', "tasks": {\n' + body + "\n}}\n")
         self.written_at = now
+
+
+class QuietLog:
+    """Rank 0's log, plus one line of where the job stands after QUIET_S without any line: a first step on GPUs
+    can take minutes (engines start, FlexAttention compiles, long generations) and a silent job looks hung."""
+
+    QUIET_S = 60.0
+
+    def __init__(self, log, clock=time.monotonic):
+        self.log, self.clock = log, clock
+        self.last = clock()
+
+    def __call__(self, message: str) -> None:
+        self.log(message)
+        self.last = self.clock()
+
+    def tick(self, scheduler) -> None:
+        """The standing line, if nothing was printed for QUIET_S (cheap when not due: one clock read)."""
+        if self.clock() - self.last >= self.QUIET_S:
+            self(standing_line(scheduler.tasks.values(), self.clock() - self.last))
+
+
+def standing_line(tasks, quiet_s: float) -> str:
+    tasks = list(tasks)
+    ended = sum(task.status in (DONE, FAILED, CANCELLED) for task in tasks)
+    steps = sum(max(task.version, 0) for task in tasks)
+    counts = {"generating": 0, "scoring": 0, "ready": 0}
+    training = 0
+    for task in tasks:
+        for name in counts:
+            counts[name] += len(getattr(task, name))
+        training += task.training is not None
+    groups = ", ".join(f"{n} {name}" for name, n in counts.items())
+    return (f"[job] no news for {quiet_s:.0f} s: {ended}/{len(tasks)} tasks ended, {steps} steps trained; groups: "
+            f"{groups}; {training} tasks training")
 
 
 class RunBooks:

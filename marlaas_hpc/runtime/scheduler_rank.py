@@ -29,7 +29,7 @@ from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, Checkp
                                           GenerateWork, Joining, LinkTo, PromptGroup, RanksChanged, RankStats,
                                           Shutdown, TaskSaved)
 from marlaas_hpc.runtime.scaling import Scaler
-from marlaas_hpc.runtime.outputs import RunBooks, write_summary
+from marlaas_hpc.runtime.outputs import QuietLog, RunBooks, write_summary
 from marlaas_hpc.runtime.recovery import crashed_run, rollback_outputs
 from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, RankJoined, RankLeaving, RankLost,
                                    Scheduler, StepDone, Submit, TaskEnded, Train)
@@ -43,7 +43,7 @@ class SchedulerRank:
     def __init__(self, comm, job, roles: dict[str, list[int]], codec: TextCodec, run_dir: Path, log=print,
                  startup_s: float = 0.0, preempt: PreemptFlag | None = None, resume: dict | None = None):
         self.comm, self.job, self.roles, self.codec = comm, job, roles, codec
-        self.run_dir, self.log = Path(run_dir), log
+        self.run_dir, self.log = Path(run_dir), QuietLog(log)
         self.outbox = Outbox(comm)
         self.start = time.time()
         self.busy = BusyClock()
@@ -103,7 +103,7 @@ class SchedulerRank:
         """Sends to the ranks of a lost trainer group that still live (they end themselves on it)."""
         self.delta_order = None
         """With several trainer groups: the job's order of delta broadcasts, hosted here (runtime/delta.py)."""
-        self.scaler = Scaler(comm, job, self.run_dir, log)
+        self.scaler = Scaler(comm, job, self.run_dir, self.log)
         """Rollout ranks joining, draining and wanted (runtime/scaling.py)."""
         self.ranks_joined: list[dict] = list(resume.get("ranks_joined", [])) if resume else []
         self.ranks_left: list[dict] = list(resume.get("ranks_left", [])) if resume else []
@@ -172,6 +172,7 @@ class SchedulerRank:
                 self._losses()
             self._scale()
             self.books.tick(self.busy)
+            self.log.tick(self.scheduler)
             if event is None and not self.starting and not self.taken:
                 time.sleep(0.002)
         self._finish_run()
