@@ -30,7 +30,9 @@ COMPONENTS = ("control", "env", "rollout", "trainer")
 ROLE_KINDS = ("scheduler", "env", "rollout", "trainer")
 """Role kind of the ranks of each component (control ranks run the scheduler)."""
 CPU_ONLY_COMPONENTS = ("control", "env")
-MPI_PLUGINS = ("pmix", "pmi2")
+MPI_PLUGINS = ("pmix", "pmi2", "ulfm")
+EMULATED_NODES_ENV = "MARLAAS_EMULATED_NODES"
+"""Set to 1 under `emulated_nodes` with `mpi: ulfm`: launch/ulfm_slurm.py gives each daemon its node's name."""
 
 _MEM = re.compile(r"^[1-9][0-9]*[KMGT]?$")
 _TIME = re.compile(r"^(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
@@ -172,8 +174,11 @@ class JobLayout:
     vllm.gpu_memory_utilization."""
     time: str | int = "01:00:00"
     """Default wall-clock limit of every component without its own `time`."""
-    mpi: Literal["pmix", "pmi2"] = "pmix"
-    """srun --mpi plugin; must match the MPI library mpi4py was built against (`srun --mpi=list`)."""
+    mpi: Literal["pmix", "pmi2", "ulfm"] = "pmix"
+    """How a Slurm job's ranks start. 'pmix' / 'pmi2': one srun step with that --mpi plugin (it must match the MPI
+    library mpi4py was built against: `srun --mpi=list`); any rank's death ends the step and the job. 'ulfm': the
+    fault-tolerant Open MPI 5 that tools/setup_env.sh installs under the venv starts them with its own mpiexec, its
+    daemons through srun (launch/ulfm_slurm.py): a lost env or rollout rank stops no tenant (fault.on_rank_loss)."""
     signal_lead_s: int = 120
     """Slurm sends USR2 this many seconds before the time limit (--signal=USR2@N): time to checkpoint."""
     srun_grace_s: int = 60
@@ -184,7 +189,8 @@ class JobLayout:
     e.g. 'ib0'; None: let each library choose."""
     emulated_nodes: bool = False
     """Several emulated slurmd on one machine (slurm/local-cluster): exports the Open MPI settings that a
-    step spanning them needs (ob1 + tcp over lo; the shared-memory transport segfaults otherwise)."""
+    step spanning them needs (ob1 + tcp over lo; the shared-memory transport segfaults otherwise); with
+    `mpi: ulfm`, MARLAAS_EMULATED_NODES=1 instead (each daemon runs under its node's name: launch/ulfm_slurm.py)."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run by the batch script before srun, e.g. 'module load openmpi/4.1'."""
     exports: dict[str, str] = field(default_factory=dict)
@@ -220,12 +226,16 @@ class JobLayout:
     def exports_for_job(self) -> dict[str, str]:
         """Environment the batch script exports before srun: emulated-node and NIC settings, then `exports`."""
         out: dict[str, str] = {}
-        if self.emulated_nodes:  # Open MPI's shared-memory btl segfaults across emulated nodes
+        ulfm_emulated = self.emulated_nodes and self.mpi == "ulfm"
+        if ulfm_emulated:  # Open MPI 5 tells nodes apart by name: each daemon gets its own (launch/ulfm_slurm.py)
+            out[EMULATED_NODES_ENV] = "1"
+        elif self.emulated_nodes:  # Open MPI's shared-memory btl segfaults across emulated nodes
             out.update(OMPI_MCA_pml="ob1", OMPI_MCA_btl="self,tcp")
         nic = "lo" if self.emulated_nodes else self.network_interface
+        if nic and not ulfm_emulated:  # PRRTE found no interface for its daemons with oob over lo
+            out.update(OMPI_MCA_btl_tcp_if_include=nic, OMPI_MCA_oob_tcp_if_include=nic)
         if nic:
-            out.update(OMPI_MCA_btl_tcp_if_include=nic, OMPI_MCA_oob_tcp_if_include=nic,
-                       NCCL_SOCKET_IFNAME=nic, GLOO_SOCKET_IFNAME=nic)
+            out.update(NCCL_SOCKET_IFNAME=nic, GLOO_SOCKET_IFNAME=nic)
         out.update(self.exports)
         return out
 
@@ -249,7 +259,7 @@ class JobLayout:
         except ValueError as exc:
             raise LayoutError("time", str(exc)) from None
         if self.mpi not in MPI_PLUGINS:
-            raise LayoutError("mpi", f"unknown srun MPI plugin {self.mpi!r}; use one of {list(MPI_PLUGINS)}")
+            raise LayoutError("mpi", f"unknown MPI start {self.mpi!r}; use one of {list(MPI_PLUGINS)}")
         if self.accelerator not in ("auto", "cpu", "cuda"):
             raise LayoutError("accelerator", f"must be 'auto', 'cpu' or 'cuda', got {self.accelerator!r}")
         if not isinstance(self.share_gpus, bool):

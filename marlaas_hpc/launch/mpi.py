@@ -55,7 +55,7 @@ class FaultConfig:
     local_mpi: str = "auto"
     """Local mode's MPI (`marlaas run` outside Slurm): 'ulfm' (the fault-tolerant Open MPI 5 that
     tools/setup_env.sh installs under the venv), 'system' (the mpirun on PATH: no fault tolerance), 'auto' (ulfm
-    when installed, else system). Under Slurm ranks start through srun with the system's MPI."""
+    when installed, else system). Under Slurm, `layout.mpi` says how ranks start (srun's plugin or 'ulfm')."""
 
     def validate(self, prefix: str = "fault") -> "FaultConfig":
         if self.on_rank_loss not in ON_RANK_LOSS:

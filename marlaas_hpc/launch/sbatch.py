@@ -101,6 +101,26 @@ def guarded_srun(layout: JobLayout, python: str, command: str, *extra: str) -> s
     return " \\\n    ".join([f"{python} {guard}", *(f"{part} :" for part in parts[:-1]), parts[-1], command])
 
 
+def ulfm_step(layout: JobLayout, python: str, command: str) -> str:
+    """The batch script's step under `layout.mpi: ulfm`: ULFM's mpiexec on the leader node, its daemons started
+    through srun in each het component with the CPUs and GPUs each rank of it holds (launch/ulfm_slurm.py), under
+    the step guard (its supervisor hears every rank: causes of losses, hangs, rank 0's status for the job's)."""
+    resources = [layout.resources(name) for name in COMPONENTS]
+    cpus = ",".join(str(res.cpus_per_task) for res in resources)
+    gpus = ",".join(str(res.gpus_per_task or 0) for res in resources)
+    guard = shlex.join(["-m", "marlaas_hpc.launch.step_guard", f"--grace={layout.srun_grace_s}", "--"])
+    return (f"{python} {guard} {python} -m marlaas_hpc.launch.ulfm_slurm launch --cpus {cpus} --gpus {gpus} -- "
+            f"{shlex.quote(command)}")
+
+
+def job_step(layout: JobLayout, python: str, command: str, *extra: str) -> str:
+    """The batch script's step: srun with the site's MPI plugin (`guarded_srun`), or ULFM's mpiexec (`ulfm_step`:
+    srun's extra options do not apply)."""
+    if layout.mpi == "ulfm":
+        return ulfm_step(layout, python, command)
+    return guarded_srun(layout, python, command, *extra)
+
+
 def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | Path,
                   requeue_marker: str | Path | None = None, python: str = sys.executable) -> str:
     """The sbatch script running `command` (a shell command line) on every rank of `layout`.
@@ -127,7 +147,7 @@ def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | 
         job_name=job_name, world_size=layout.world_size, trainer_tp=layout.trainer_tp,
         trainer_dp=layout.trainer_dp, trainer_groups=layout.trainer_groups, blocks=blocks, setup=layout.setup,
         exports=[f"export {k}={shlex.quote(v)}" for k, v in layout.exports_for_job().items()],
-        step=guarded_srun(layout, shlex.quote(python), command), grace_s=layout.srun_grace_s,
+        step=job_step(layout, shlex.quote(python), command), grace_s=layout.srun_grace_s, ulfm=layout.mpi == "ulfm",
         requeue_marker=shlex.quote(str(requeue_marker)) if requeue_marker else "")
 
 

@@ -26,7 +26,7 @@ from submitit.core import utils
 from submitit.slurm import slurm as _slurm
 
 from marlaas_hpc.launch.layout import COMPONENTS, JobLayout
-from marlaas_hpc.launch.sbatch import component_options, guarded_srun, time_minutes
+from marlaas_hpc.launch.sbatch import component_options, job_step, time_minutes
 
 # options the layout owns; setting them through update_parameters would desynchronise the components
 _LAYOUT_OWNED = {"partition", "nodes", "ntasks_per_node", "cpus_per_task", "cpus_per_gpu", "num_gpus",
@@ -123,7 +123,7 @@ class HetJobExecutor(_slurm.SlurmExecutor):
         params["additional_parameters"] = extra
         params["setup"] = (self._header_lines() + self.layout.setup + list(params.get("setup") or [])
                            + [f"export {k}={shlex.quote(v)}" for k, v in self.layout.exports_for_job().items()])
-        step = guarded_srun(self.layout, self.python, command, *(params.pop("srun_args", None) or []))
+        step = job_step(self.layout, self.python, command, *(params.pop("srun_args", None) or []))
         return _slurm._make_sbatch_string(command=step, folder=self.folder, **params)
 
     def _header_lines(self) -> tp.List[str]:

@@ -1,0 +1,80 @@
+"""`layout.mpi: ulfm` (launch/ulfm_slurm.py): the ULFM mpiexec's plan from a het job's batch environment (recorded
+on the local cluster), each rank's srun-like environment, the daemons' srun, and the batch script's step."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from marlaas_hpc.launch.layout import JobLayout, assign_role
+from marlaas_hpc.launch.sbatch import render_sbatch
+from marlaas_hpc.launch.slurm_env import placement_from_env
+from marlaas_hpc.launch.ulfm_slurm import agent_argv, make_plan, rank_environ, rank_hosts, step_nodes, tasks_per_node
+
+BATCH_ENV = {  # the batch script's environment of a 4-component het job (1, 1, 2, 2 tasks; rollout on 2 nodes)
+    "SLURM_JOB_ID": "41", "SLURM_HET_SIZE": "4",
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "c1", "SLURM_TASKS_PER_NODE_HET_GROUP_0": "1",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "c2", "SLURM_TASKS_PER_NODE_HET_GROUP_1": "1",
+    "SLURM_JOB_NODELIST_HET_GROUP_2": "g[1-2]", "SLURM_TASKS_PER_NODE_HET_GROUP_2": "1(x2)",
+    "SLURM_JOB_NODELIST_HET_GROUP_3": "g3", "SLURM_TASKS_PER_NODE_HET_GROUP_3": "2",
+    # what the daemon's own srun step leaves in every rank it starts: the rank must not take them for its own
+    "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "3", "SLURM_STEP_NODELIST": "g3",
+}
+
+
+@pytest.mark.parametrize("text, counts", [("2", [2]), ("1(x2)", [1, 1]), ("2(x3),1", [2, 2, 2, 1]),
+                                          ("4,2(x2)", [4, 2, 2])])
+def test_tasks_per_node(text, counts):
+    assert tasks_per_node(text) == counts
+
+
+def test_plan_puts_ranks_in_component_order():
+    plan = make_plan(BATCH_ENV, cpus=[2, 1, 2, 4], gpus=[0, 0, 1, 1])
+    assert [(n.group, n.host, n.tasks) for n in step_nodes(BATCH_ENV)] == [
+        (0, "c1", 1), (1, "c2", 1), (2, "g1", 1), (2, "g2", 1), (3, "g3", 2)]
+    assert rank_hosts(plan) == ["c1", "c2", "g1", "g2", "g3", "g3"]
+    with pytest.raises(ValueError, match="4 het components"):
+        make_plan(BATCH_ENV, cpus=[2, 1], gpus=[0, 0])
+
+
+def test_each_rank_sees_the_het_step_srun_would_have_given_it():
+    plan = make_plan(BATCH_ENV, cpus=[2, 1, 2, 4], gpus=[0, 0, 1, 1])
+    layout = JobLayout(env_ranks=1, rollout_ranks=2, trainer_tp=2)
+    local = [0, 0, 0, 0, 0, 1]
+    for rank in range(6):
+        env = rank_environ({**BATCH_ENV, "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "6",
+                            "OMPI_COMM_WORLD_LOCAL_RANK": str(local[rank])}, plan)
+        placement = placement_from_env(env)
+        role = assign_role(rank, layout)
+        assert placement.rank == rank and placement.world_size == 6 and placement.local_rank == local[rank]
+        assert placement.component == role.component and placement.component_sizes == (1, 1, 2, 2)
+        assert placement.mismatch_with(layout) is None and placement.rendezvous_host == "c1"
+    trainer = rank_environ({**BATCH_ENV, "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6"}, plan)
+    assert trainer["SLURM_GTIDS"] == "4,5" and trainer["SLURM_NODEID"] == "4"
+    with pytest.raises(ValueError, match="6 ranks planned"):
+        rank_environ({**BATCH_ENV, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "5"}, plan)
+
+
+def test_a_daemon_starts_in_its_component_with_what_its_ranks_hold_there():
+    plan = make_plan(BATCH_ENV, cpus=[2, 1, 2, 4], gpus=[0, 0, 1, 1])
+    argv = agent_argv(plan, "g3", ["PRTE_PREFIX=/x;", "prted", "--x"], emulated=False)
+    assert argv[:2] == ["srun", "--het-group=3"] and "--kill-on-bad-exit=0" in argv and "--overlap" in argv
+    assert "--cpus-per-task=8" in argv and "--gres=gpu:2" in argv
+    assert argv[-3:] == ["/bin/sh", "-c", "PRTE_PREFIX=/x; prted --x"]
+    env_daemon = agent_argv(plan, "c2", ["prted"], emulated=True)
+    assert not any(a.startswith("--gres") for a in env_daemon) and "--cpus-per-task=1" in env_daemon
+    assert env_daemon[-5:] == ["unshare", "--uts", "/bin/sh", "-c", "hostname c2; prted"]
+
+
+def test_the_batch_script_runs_ulfms_mpiexec_instead_of_srun():
+    layout = JobLayout.from_dict({"env_ranks": 1, "rollout_ranks": 2, "trainer_tp": 2, "mpi": "ulfm",
+                                  "emulated_nodes": True, "rollout": {"gpus_per_task": 1},
+                                  "trainer": {"gpus_per_task": 1}}).validate()
+    text = render_sbatch(layout, "python -m marlaas_hpc.runtime.main job.yaml --run-dir r", "demo", "/tmp/f")
+    step = [line for line in text.splitlines() if "ulfm_slurm launch" in line]
+    assert len(step) == 1 and "launch --cpus 1,1,1,1 --gpus 0,0,1,1 -- " in step[0]
+    assert "'python -m marlaas_hpc.runtime.main job.yaml --run-dir r'" in step[0]
+    assert "-m marlaas_hpc.launch.step_guard --grace=60 -- " in step[0] and "srun --" not in text and "--mpi=" not in text
+    assert "export MARLAAS_EMULATED_NODES=1" in text and "OMPI_MCA_btl" not in text
+    assert "--mpi=pmix" in render_sbatch(JobLayout(), "python x", "demo", "/tmp/f")

@@ -1,0 +1,50 @@
+"""Issue 25 under Slurm: with `layout.mpi: ulfm` (launch/ulfm_slurm.py) a SIGKILLed rollout rank of a running
+het job on the local cluster stops no task: the job finishes by itself (every component COMPLETED, no requeue),
+one line names the rank and what was issued again, and every version of every task is trained exactly once."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from marlaas_hpc.launch.mpi import ulfm_prefix
+from test_slurm_job import _config, _preempt_at_step, _submit, _wait_final, cluster  # noqa: F401 (fixture)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow,
+              pytest.mark.skipif(ulfm_prefix() is None, reason="needs the ULFM Open MPI (tools/setup_env.sh)")]
+
+
+def test_a_killed_rollout_rank_stops_no_task_under_ulfm(cluster, tmp_path):  # noqa: F811
+    steps = 40
+    config = _config(steps)
+    config["layout"].update(mpi="ulfm", rollout_ranks=2)
+    job_id, run_dir, _ = _submit(config, tmp_path)
+    assert _preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
+    victim = json.loads((run_dir / "ranks" / "rank2.json").read_text())
+    assert victim["role"] == "rollout"
+    os.kill(victim["pid"], signal.SIGSTOP)  # held for a moment first: it then holds groups when it dies
+    time.sleep(1.0)
+    os.kill(victim["pid"], signal.SIGKILL)
+    states = _wait_final(job_id, run_dir, 600)
+
+    assert states == ["COMPLETED"] * 4, states
+    assert not (run_dir / "crash.json").exists() and not (run_dir / "slurm" / "crash_requeues").exists()
+    faults = [line for line in (run_dir / "slurm" / f"{job_id}_0_log.out").read_text().splitlines()
+              if line.startswith("[fault]")]
+    assert len(faults) == 1 and faults[0].startswith("[fault] rank 2 (rollout) lost: died"), faults
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (loss,) = summary["ranks_lost"]
+    assert loss["rank"] == 2 and loss["role"] == "rollout" and loss["cause"].startswith("died")
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    for task in config["tasks"]:
+        task_id, algo = task["task_id"], task["algo"]
+        assert summary["tasks"][task_id]["status"] == "done", summary["tasks"][task_id]
+        rows = [r for r in audit if r["task_id"] == task_id]
+        per_version = collections.Counter(r["trained_into"] for r in rows)
+        assert per_version == {v: algo["batch_prompts"] * algo["group_size"] for v in range(1, steps + 1)}
+        assert len({(r["group_id"], r["sample"]) for r in rows}) == len(rows), "no sample trained twice"
+        assert not any(r["group_id"] in loss["groups_reissued"] for r in rows), "a lost group is never trained"
