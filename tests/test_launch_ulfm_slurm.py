@@ -77,4 +77,14 @@ def test_the_batch_script_runs_ulfms_mpiexec_instead_of_srun():
     assert "'python -m marlaas_hpc.runtime.main job.yaml --run-dir r'" in step[0]
     assert "-m marlaas_hpc.launch.step_guard --grace=60 -- " in step[0] and "srun --" not in text and "--mpi=" not in text
     assert "export MARLAAS_EMULATED_NODES=1" in text and "OMPI_MCA_btl" not in text
-    assert "--mpi=pmix" in render_sbatch(JobLayout(), "python x", "demo", "/tmp/f")
+    assert text.count("#SBATCH --no-kill") == 1  # a failed node ends its ranks, not the allocation
+    srun = render_sbatch(JobLayout(), "python x", "demo", "/tmp/f")
+    assert "--mpi=pmix" in srun and "--no-kill" not in srun
+
+
+def test_the_submitit_script_asks_for_no_kill_under_ulfm(tmp_path):
+    from marlaas_hpc.launch.submitit_hetjob import HetJobExecutor
+
+    layout = JobLayout.from_dict({"mpi": "ulfm", "emulated_nodes": True}).validate()
+    text = HetJobExecutor(tmp_path, layout)._make_submission_file_text("python -u -m x", "uid")
+    assert "#SBATCH --no-kill" in text and "ulfm_slurm launch" in text

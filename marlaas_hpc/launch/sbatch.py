@@ -113,6 +113,12 @@ def ulfm_step(layout: JobLayout, python: str, command: str) -> str:
             f"{shlex.quote(command)}")
 
 
+def job_options(layout: JobLayout) -> list[str]:
+    """sbatch options of the whole job (on the leader component): under `mpi: ulfm`, `--no-kill` (a failed node
+    ends its ranks, not the allocation: the job goes on without them)."""
+    return ["--no-kill"] if layout.mpi == "ulfm" else []
+
+
 def job_step(layout: JobLayout, python: str, command: str, *extra: str) -> str:
     """The batch script's step: srun with the site's MPI plugin (`guarded_srun`), or ULFM's mpiexec (`ulfm_step`:
     srun's extra options do not apply)."""
@@ -138,7 +144,7 @@ def render_sbatch(layout: JobLayout, command: str, job_name: str, folder: str | 
         opts = component_options(layout, name)
         if i == 0:  # job-wide options live on the leader
             log = shlex.quote(str(folder / "%x-%j.out"))
-            opts = [f"--job-name={shlex.quote(job_name)}", f"--output={log}", "--requeue"] + opts
+            opts = [f"--job-name={shlex.quote(job_name)}", f"--output={log}", "--requeue"] + opts + job_options(layout)
         blocks.append({"name": name, "ntasks": layout.component_sizes[i], "options": opts})
     env = Path(template_dir())
     tmpl = jinja2.Environment(loader=jinja2.FileSystemLoader(str(env)), undefined=jinja2.StrictUndefined,

@@ -26,7 +26,7 @@ from submitit.core import utils
 from submitit.slurm import slurm as _slurm
 
 from marlaas_hpc.launch.layout import COMPONENTS, JobLayout
-from marlaas_hpc.launch.sbatch import component_options, job_step, time_minutes
+from marlaas_hpc.launch.sbatch import component_options, job_options, job_step, time_minutes
 
 # options the layout owns; setting them through update_parameters would desynchronise the components
 _LAYOUT_OWNED = {"partition", "nodes", "ntasks_per_node", "cpus_per_task", "cpus_per_gpu", "num_gpus",
@@ -120,6 +120,7 @@ class HetJobExecutor(_slurm.SlurmExecutor):
         if leader.mem is not None:
             extra["mem"] = leader.mem
         extra.update(_options_as_parameters(leader.extra_sbatch))
+        extra.update(_options_as_parameters(job_options(self.layout)))
         params["additional_parameters"] = extra
         params["setup"] = (self._header_lines() + self.layout.setup + list(params.get("setup") or [])
                            + [f"export {k}={shlex.quote(v)}" for k, v in self.layout.exports_for_job().items()])
