@@ -167,3 +167,20 @@ def test_row_sampler_draws_from_softmax_over_temperature():
         return torch.stack(picks)[:, list(rows).index(7)].tolist()
 
     assert tokens([7]) == tokens([3, 7, 11])
+
+
+def test_hf_engine_ignores_the_checkpoints_sampling_defaults_quietly(capfd):
+    """A Qwen3 checkpoint's generation_config.json asks for temperature 0.6, top_k 20, top_p 0.95: the engine
+    samples by its own rule (_RowSampler), and transformers warned on every batch that these flags were ignored."""
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
+    from marlaas_hpc.rollout import GenerationRequest, make_engine
+
+    path = ensure_random_checkpoint("qwen3-0.6b-mini")
+    assert '"temperature": 0.6' in (path / "generation_config.json").read_text()
+    capfd.readouterr()
+    engine = make_engine("hf", path, device="cpu")
+    gens = engine.generate([GenerationRequest(f"r{i}", "base", None, [10, 11, 12], temp, 4, seed=i)
+                            for i, temp in enumerate((1.0, 0.0))])
+    assert [len(g.completion_ids) for g in gens] == [4, 4]
+    err = capfd.readouterr().err
+    assert "generation flags are not valid" not in err, err

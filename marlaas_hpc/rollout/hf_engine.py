@@ -79,10 +79,13 @@ class HfEngine(RolloutEngine):
 
     def __init__(self, model_path: str | Path, *, device: str | None = None, dtype: torch.dtype = torch.float32,
                  seed: int = 0, max_batch_size: int | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
+        # sampling is _RowSampler's: the checkpoint's sampling defaults (Qwen3: temperature 0.6, top_k 20, top_p
+        # 0.95) would be merged into every greedy generate call, and transformers warns about each of them
+        self.base.generation_config = GenerationConfig()
         tok = AutoTokenizer.from_pretrained(str(model_path))
         self.eos_id = tok.eos_token_id
         # the tokenizer's eos plus generation_config.json's (Qwen3: <|im_end|>, <|endoftext|>), as the vLLM engine

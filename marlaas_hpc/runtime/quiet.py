@@ -4,6 +4,7 @@ libraries are imported; anything else a library warns about still shows."""
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 NOTICES = (
@@ -20,6 +21,9 @@ QUIET_LOGGERS = (
 
 
 def silence_library_notices() -> None:
+    # transformers' and huggingface_hub's progress bars ("Loading weights: 100%|...") as each rank loads its model:
+    # one per rank, interleaved with rank 0's lines; a site that wants them sets the variable to 0
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for category, message in NOTICES:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in QUIET_LOGGERS:
