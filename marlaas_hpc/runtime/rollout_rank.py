@@ -59,11 +59,15 @@ class _SamplingGroup:
     sampled_until: float | None = None
     """When its latest turn finished generating (a multi-turn group stays open after its last turn until the env
     rank's GroupEnded arrives, but samples nothing more)."""
+    relay_pin: bool = False
+    """Relay mode: its version is pinned at this rank's relay (released when the group completes)."""
 
 
 class RolloutRank:
     def __init__(self, comm, engine, delta_channel, seed: int = 0, run_dir: Path | None = None):
         self.comm, self.engine, self.delta = comm, engine, delta_channel
+        self.pins = delta_channel if hasattr(delta_channel, "pin") else None
+        """Relay mode (runtime/relay_plane.py RelayFeed): the relay that keeps each open group's version."""
         self.run_dir = run_dir
         self.rank = comm.Get_rank()
         self.seed = seed
@@ -113,6 +117,7 @@ class RolloutRank:
         if self.run_dir is not None:
             write_timeline(self.run_dir, self.rank, "rollout", self.clock)
         self.outbox.flush()
+        self.delta.close()  # relay mode: this rank's relay ends once every leader has closed
         # the engine is not shut down: the process ends next (runtime/main.py end_rank), and vLLM's orderly
         # shutdown took ~0.9 s that frees nothing the exit does not
 
@@ -177,6 +182,8 @@ class RolloutRank:
         for group in work.groups:
             entry = _SamplingGroup(work, group, work.version, time.time())
             self.open_groups[group.group_id] = entry
+            if self.pins is not None and work.version is not None:
+                entry.relay_pin = self.pins.pin(work.adapter_key, work.version)
             if work.multi_turn and work.version is not None:
                 self.engine.pin(work.adapter_key, work.version)
             contexts = [group.prompt_ids] * work.group_size
@@ -272,7 +279,16 @@ class RolloutRank:
         self._note_group(entry)
 
     def _note_group(self, entry: _SamplingGroup) -> None:
+        """The group's timeline record; it completed, so its relay pin (relay mode) is released here, after
+        noting whether the relay still held its version and whether a newer one had come meanwhile."""
+        relay = {}
+        if entry.relay_pin:
+            key = entry.work.adapter_key
+            relay = {"relay_held": self.pins.holds(key, entry.version),
+                     "superseded": self.versions.get(key, -1) > entry.version}
+            self.pins.unpin(key, entry.version)
+            entry.relay_pin = False
         self.clock.note("group", (entry.work.task_id,), entry.t0, time.time(), group_id=entry.group.group_id,
                         eval=entry.work.eval, prompt_tokens=len(entry.group.prompt_ids), turns=entry.turn,
                         completion_tokens=[entry.model_tokens.get(j, 0) for j in range(entry.work.group_size)],
-                        version=entry.version, sampled_until=entry.sampled_until)
+                        version=entry.version, sampled_until=entry.sampled_until, **relay)
