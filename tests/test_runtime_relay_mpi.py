@@ -13,6 +13,7 @@ item 1), whole local jobs under mpirun (HF engine, tiny model, CPU, gloo links):
   decides an engine batch's make-up, and the HF engine's float rounding with it, in either transport.
 """
 import json
+from collections import Counter
 
 import pytest
 
@@ -61,12 +62,14 @@ def test_a_relay_job_finishes_every_task_with_the_audit_exact(relay_run):
         rows = [r for r in audit if r["task_id"] == task_id]
         assert len(rows) == tasks[task_id]["trained_samples"] == STEPS * 2 * 4  # steps x B x G
         assert len({(r["group_id"], r["sample"]) for r in rows}) == len(rows), "a sample trained twice"
-        assert sorted({r["trained_into"] for r in rows}) == list(range(1, STEPS + 1))
+        per_version = Counter(r["trained_into"] for r in rows)
+        assert per_version == {v: 2 * 4 for v in range(1, STEPS + 1)}, per_version  # each version once, whole
         for row in rows:
             assert row["trained_into"] - 1 - bound <= row["behaviour_version"] <= row["trained_into"] - 1, row
     # one leader, every version pushed once: v0 of each task at admission, then one per step
     (group,) = summary["trainer_groups"].values()
-    assert group["delta"]["sent"] == 2 * (STEPS + 1) and group["delta"]["blocked_s"] >= 0
+    assert group["delta"]["sent"] == 2 * (STEPS + 1)
+    assert group["delta"]["blocked_s"] > 0 and group["delta"]["flush_s"] >= 0
     rollout_ranks = [rank for rank, records in timeline.items() if any(r["stage"] == "group" for r in records)]
     assert len(rollout_ranks) == 2, "both rollout ranks (the chain's two relays) generated"
     for rank in rollout_ranks:

@@ -127,8 +127,9 @@ class DeltaChannel:
         """Process groups of earlier epochs and what was in flight on them: never destroyed (module doc)."""
         self.keys: dict[int, str | None] = {}
         """Leader: each member's GPU (gpu_key), which decides the backend."""
-        self.blocked_s, self.sent = 0.0, 0
-        """Leader: seconds spent inside `send` and `flush` (its blocked time), and versions sent."""
+        self.blocked_s, self.flush_s, self.sent = 0.0, 0.0, 0
+        """Leader: seconds spent inside `send` (its blocked time per update), inside `flush` (at the end), and
+        versions sent."""
         if comm.Get_rank() == leader:
             # the rollout ranks arrive once their engine is up, seconds after a trainer: wait without spinning
             self.keys = {rank: recv_wait(comm, TAG_DELTA, source=rank)[0] for rank in self.rollout_ranks}
@@ -225,7 +226,7 @@ class DeltaChannel:
         """Leader: waits until every posted broadcast is complete (before the rank leaves the group)."""
         t0 = time.perf_counter()
         self._reap(0)
-        self.blocked_s += time.perf_counter() - t0
+        self.flush_s += time.perf_counter() - t0
 
     def close(self) -> None:
         """Leader, before it leaves: `flush` (the relay plane's publisher also ends its tier there)."""

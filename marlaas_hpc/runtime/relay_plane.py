@@ -47,15 +47,15 @@ def join_relay_tier(comm, layout: RelayTierLayout, timeout_s: float = 600.0) -> 
 
 class RelayPublisher:
     """A trainer leader's delta plane in relay mode: the `send` / `close` of a DeltaChannel, without a collective.
-    `blocked_s` sums the seconds spent inside `send` and `close` (the leader's blocked time)."""
+    `blocked_s` sums the seconds spent inside `send` (the leader's blocked time per update), `flush_s` those inside
+    `flush` and `close` (at the end: until the root relay has taken every push)."""
 
     epoch = 0
     """The tier is never remade (DeltaChannel's epochs count remade channels)."""
 
     def __init__(self, tier: RelayTier, leader: int):
         self.pusher = RelayPusher(tier, leader)
-        self.blocked_s = 0.0
-        self.sent = 0
+        self.blocked_s, self.flush_s, self.sent = 0.0, 0.0, 0
 
     def send(self, task_id: str, version: int, tensors: dict[str, torch.Tensor], lora) -> None:
         t0 = time.perf_counter()
@@ -67,13 +67,13 @@ class RelayPublisher:
         """Waits until the root relay has taken every push."""
         t0 = time.perf_counter()
         self.pusher.flush()
-        self.blocked_s += time.perf_counter() - t0
+        self.flush_s += time.perf_counter() - t0
 
     def close(self) -> None:
         """Flushes, then tells the relays this leader pushes no more (their threads end once every leader has)."""
         t0 = time.perf_counter()
         self.pusher.close()
-        self.blocked_s += time.perf_counter() - t0
+        self.flush_s += time.perf_counter() - t0
 
     def remake(self, rollout_ranks: list[int], epoch: int) -> None:
         raise RuntimeError("the relay tier is not remade when rollout ranks change (delta.transport: relay needs "

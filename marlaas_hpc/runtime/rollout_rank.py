@@ -1,6 +1,7 @@
 """Rollout rank: serves every task's generation requests from one engine (continuous batch), receives LoRA
-deltas from the trainer group leaders (runtime/delta_fanin.py), and sends finished turns straight to their env
-rank.
+deltas from the trainer group leaders (runtime/delta_fanin.py) or, under `delta.transport: relay`, from its own
+relay (runtime/relay_plane.py: it then pins each open group's version there until the group completes), and sends
+finished turns straight to their env rank.
 
 A prompt group's first turn comes from rank 0 (GenerateWork). Training work asked for a superseded version
 samples with the newest one. When a group's turn is done (its G completions): GroupTurn to the env rank, Generated
@@ -144,7 +145,8 @@ class RolloutRank:
 
     def _drain_deltas(self) -> None:
         """Joins the announced broadcasts (a leader blocks until all rollout ranks join; with several trainer
-        groups, `DeltaFanIn` keeps each leader's order) and installs each version newer than the one held: a
+        groups, `DeltaFanIn` keeps each leader's order), or takes each task's newest version from this rank's relay
+        (`RelayFeed`), and installs each version newer than the one held: a
         task that moved between groups may see its old group's last version land after its new group's next."""
         for announce, receive in self.delta.poll():
             with self.clock.track("load_delta", (announce.task_id,), version=announce.version):
