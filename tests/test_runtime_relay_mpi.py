@@ -117,3 +117,32 @@ def test_relay_and_broadcast_give_the_same_adapter_bytes_and_rollouts_at_every_v
     assert sorted(relay_adapters) == [f"v{v:04d}" for v in range(5)]
     assert relay_adapters == broadcast_adapters
     assert relay_metrics == broadcast_metrics and len(relay_metrics) == 4
+
+
+def test_two_trainer_groups_push_into_one_tree_of_three_relays(tmp_path, tiny_model_path):
+    """Two leaders push into the root relay (one upstream link each), which forwards along a tree (fan-out 2) to
+    the other two rollout ranks' relays: both tasks finish, each group's leader pushed each of its versions once,
+    and every rollout rank installed versions of both tasks from its relay (the final ones reached the ranks)."""
+    job = {"model": "tiny", "engine": "hf", "mode": "async", "rollout_slots": 4,
+           "layout": {"env_ranks": 1, "rollout_ranks": 3, "trainer_tp": 1, "trainer_groups": 2},
+           "fault": {"on_rank_loss": "stop"}, "delta": {"transport": "relay", "relay_fanout": 2},
+           "tasks": [{"task_id": task_id, "dataset": {"kind": kind, "eval_size": 8}, "lora": {"rank": 4, "alpha": 8},
+                      "total_steps": 3, "max_staleness": 1,
+                      "algo": {"group_size": 4, "batch_prompts": 2, "lr": 0.003, "max_new_tokens": 6}}
+                     for task_id, kind in (("add", "addition"), ("sort", "sort"))]}
+    proc, run_dir = run_marlaas(job, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {t: (s["status"], s["steps_done"]) for t, s in summary["tasks"].items()} == {"add": ("done", 3),
+                                                                                        "sort": ("done", 3)}
+    groups = summary["trainer_groups"]
+    assert sorted(len(g["tasks"]) for g in groups.values()) == [1, 1], groups
+    assert [g["delta"]["sent"] for g in groups.values()] == [4, 4]  # v0..v3 of its one task
+    finals = {}
+    for path in (run_dir / "timeline").glob("rank*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        installed = {(r["tasks"][0], r["version"]) for r in records if r["stage"] == "load_delta"}
+        if installed:  # a rollout rank
+            finals[path.stem] = installed
+    assert len(finals) == 3 and all({t for t, _ in held} == {"add", "sort"} for held in finals.values()), finals
+    assert {("add", 3), ("sort", 3)} <= set().union(*finals.values()), finals
