@@ -70,6 +70,42 @@ class TrainerSettings:
         return self
 
 
+DELTA_TRANSPORTS = ("broadcast", "relay")
+
+
+@dataclass(kw_only=True)
+class DeltaSettings:
+    """How new adapter versions reach the rollout ranks (the delta plane, docs/architecture.md §2)."""
+
+    transport: str = "broadcast"
+    """'broadcast': each trainer leader broadcasts every version to every rollout rank over its delta channel
+    (runtime/delta.py), which each rollout rank joins between its engine steps. 'relay': the leader pushes each
+    version once into a chain (or tree) of relays, one thread per rollout rank, and returns; each rollout rank
+    installs the newest version of every task from its own relay between engine steps, and its relay keeps the
+    versions its in-flight groups use (runtime/relay_plane.py). Relays need `fault.on_rank_loss: stop`: the tier
+    is not remade when a rank is lost or joins."""
+    relay_fanout: int = 1
+    """Relay mode: relays each relay forwards to (1: a chain through the rollout ranks, pipelined chunk by chunk;
+    2+: a tree, fewer hops, each relay's egress shared)."""
+    relay_chunk_mb: float = 4.0
+    """Relay mode: the unit (MiB of float32) a relay forwards to the next as soon as it holds it."""
+
+    def validate(self, prefix: str = "delta") -> "DeltaSettings":
+        if self.transport not in DELTA_TRANSPORTS:
+            raise SpecError(f"{prefix}.transport", f"must be one of {list(DELTA_TRANSPORTS)}, got {self.transport!r}")
+        if not isinstance(self.relay_fanout, int) or isinstance(self.relay_fanout, bool) or self.relay_fanout < 1:
+            raise SpecError(f"{prefix}.relay_fanout", f"must be an integer >= 1, got {self.relay_fanout!r}")
+        if not isinstance(self.relay_chunk_mb, (int, float)) or isinstance(self.relay_chunk_mb, bool) \
+                or not self.relay_chunk_mb > 0:
+            raise SpecError(f"{prefix}.relay_chunk_mb", f"must be a number of MiB > 0, got {self.relay_chunk_mb!r}")
+        return self
+
+    @property
+    def chunk_elems(self) -> int:
+        """float32 elements per forwarded chunk."""
+        return max(1, int(self.relay_chunk_mb * (1 << 20)) // 4)
+
+
 @dataclass(kw_only=True)
 class JobConfig:
     model: str = "tiny"
@@ -124,6 +160,10 @@ class JobConfig:
     needs the fault-tolerant MPI local mode runs on) or 'stop' (the job stops and resumes from its checkpoints),
     hang_timeout_s (a rank without a heartbeat that long is killed and handled as lost), local_mpi ('auto',
     'ulfm', 'system')."""
+    delta: DeltaSettings = field(default_factory=DeltaSettings)
+    """How adapter versions reach the rollout ranks: transport 'broadcast' (a collective the rollout ranks join
+    between engine steps) or 'relay' (pushed into relays, pulled by each rollout rank), relay_fanout,
+    relay_chunk_mb."""
     adapters: RetentionConfig = field(default_factory=RetentionConfig)
     """Which adapter versions each task's `adapters/` dir keeps: the last `keep_last`, every `keep_every`-th
     (1: all), always the final one, the versions a task pins (`keep_versions`) and any still in flight
@@ -169,6 +209,11 @@ class JobConfig:
         self.trainer.validate("trainer")
         self.checkpoint.validate("checkpoint")
         self.fault.validate("fault")
+        self.delta.validate("delta")
+        if self.delta.transport == "relay" and self.fault.on_rank_loss != "stop":
+            raise SpecError("delta.transport", "'relay' needs fault.on_rank_loss: stop (the relay tier is not "
+                                               "remade when a rank is lost or joins; a lost rank stops the job, "
+                                               "which resumes from its checkpoints)")
         self.adapters.validate("adapters")
         self.env_pool.validate("env_pool")
         self._validate_models()

@@ -18,6 +18,7 @@ from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.runtime.messages import DeltaAnnounce
 from marlaas_hpc.runtime.delta import flat_buffer
 from marlaas_hpc.runtime.relay import LocalRelayClient, RelayStore, RelayTierLayout
+from marlaas_hpc.runtime.relay_plane import job_relay_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,3 +122,25 @@ def test_a_push_returns_before_the_chain_completes_and_every_relay_holds_identic
     chain would hang here); then all three relays hold the newest version bit for bit (the older one evicted)."""
     result = run_relays("chain", 4)
     assert result == {"ok": True, "returned_before_last_relay_read": True, "last_relay_held_when_leader_returned": []}
+
+
+def test_the_delta_transport_is_broadcast_by_default_and_relay_is_chosen_and_checked_in_the_job_config():
+    """`delta.transport` (config.DeltaSettings): relays need fault.on_rank_loss 'stop' (the tier is not remade when a
+    rank is lost or joins); a bad transport, fan-out or chunk size is refused naming its field."""
+    from marlaas_hpc.config import JobConfig
+
+    def job(**fields):
+        return JobConfig.from_dict({"tasks": [{"task_id": "t"}], **fields})
+
+    assert job().delta.transport == "broadcast"
+    relays = job(delta={"transport": "relay", "relay_fanout": 2, "relay_chunk_mb": 1}, fault={"on_rank_loss": "stop"})
+    assert relays.delta.transport == "relay" and relays.delta.chunk_elems == 1 << 18
+    layout = job_relay_layout([3, 4, 5], [6], relays.delta.relay_fanout, relays.delta.chunk_elems).validate()
+    assert layout.parent(3) == [6] and layout.children(3) == [4, 5] and layout.clients == {}
+    for fields, field in ((dict(delta={"transport": "relay"}), "delta.transport"),
+                          (dict(delta={"transport": "nccl"}), "delta.transport"),
+                          (dict(delta={"relay_fanout": 0}), "delta.relay_fanout"),
+                          (dict(delta={"relay_chunk_mb": 0}), "delta.relay_chunk_mb")):
+        with pytest.raises(SpecError) as refused:
+            job(**fields)
+        assert field in str(refused.value), (fields, refused.value)

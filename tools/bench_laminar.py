@@ -4,7 +4,7 @@ cost, and Laminar's repack, on a heavy-tailed length workload at the paper's 32 
 
     python tools/bench_laminar.py [--scales 32:8 1024:256] [--steps 6] [--seeds 2] [--max-in-flight 16]
                                   [--push-bandwidth 25e9] [--relay-bandwidth 25e9] [--pull-bandwidth 25e9]
-                                  [--fanout 2] [--ranks-per-tail 32]
+                                  [--fanout 2] [--ranks-per-tail 32] [--twin] [--twin-ranks 1 3]
 
 Per scale and plane: the leader's blocked time per published version, the rollout ranks' decode-busy fraction
 and their share of time on the delta plane (waiting in broadcasts, transfers, installs), groups dropped at the
@@ -12,6 +12,14 @@ staleness bound (and their share of groups issued), the share of decode time wit
 sequence slots running, trained groups per second and end-to-end time; then the same mean length with a thin
 tail, and the broadcast with repack (sim/repack.py: one tail rank per --ranks-per-tail rollout ranks, taken from
 them). The last line is the issue's summary: measured figures filled in, the rest marked "not measured".
+
+--twin also runs the CPU twin (local jobs under mpirun: tiny model, HF engine, 2 single-turn tasks) under each
+delta transport (`delta.transport`: broadcast, relay) at each of --twin-ranks rollout ranks, and prints per run
+the trainer leader's blocked time per published version (seconds inside its delta plane's send, over versions
+sent), the seconds of its final flush (once, at the end: until every posted broadcast completed, or the root relay
+took every push), the median time from a version's publish to its install on the last rollout rank that
+installed it, and the rollout ranks' median install time; the last line then carries the relay/broadcast ratio
+of the leader's blocked time at each rank count.
 
 Every cost is an assumption of configs/workloads/h100-heavy-tail.yaml (not measured on a GPU); bandwidths are
 the flags above. Tasks: sim-paper.yaml's GSM8K-like single-turn task copied, max_new_tokens 8192 so the tail is
@@ -99,6 +107,73 @@ def row(n_tasks, ranks, name, tail, r) -> str:
             f"{100 * r['sparse']:>8.1f} {r['groups_per_s']:>8.1f} {r['e2e_s']:>8.1f}")
 
 
+def twin_job(transport: str, rollout_ranks: int, steps: int) -> dict:
+    """The CPU twin's job: test-small's two single-turn tasks (bounds 0 and 2), `steps` steps each."""
+    import yaml
+
+    job = yaml.safe_load((ROOT / "configs" / "test-small.yaml").read_text())
+    job["layout"] = {"env_ranks": 1, "rollout_ranks": rollout_ranks, "trainer_tp": 1}
+    job["delta"] = {"transport": transport}
+    job["fault"] = {"on_rank_loss": "stop"}
+    for task in job["tasks"]:
+        task["total_steps"] = steps
+    return job
+
+
+def twin_run(transport: str, rollout_ranks: int, steps: int, workdir: Path) -> dict:
+    """One local job; the leader's delta figures from summary.json, delivery and install times from timelines."""
+    import json
+    import os
+    import statistics
+    import subprocess
+
+    import yaml
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "job.yaml").write_text(yaml.safe_dump(twin_job(transport, rollout_ranks, steps)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    run_dir = workdir / "run"
+    proc = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "run", str(workdir / "job.yaml"), "--run-dir",
+                           str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"twin job {transport} x{rollout_ranks} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    delta = next(iter(summary["trainer_groups"].values()))["delta"]
+    published, installed, install_s = {}, {}, []
+    for path in (run_dir / "timeline").glob("rank*.jsonl"):
+        for record in map(json.loads, path.read_text().splitlines()):
+            key = (tuple(record["tasks"]), record.get("version"))
+            if record["stage"] == "publish":
+                published[key] = record["end"]
+            elif record["stage"] == "load_delta":
+                installed[key] = max(installed.get(key, 0.0), record["end"])
+                install_s.append(record["end"] - record["start"])
+    delivery = [installed[key] - end for key, end in published.items() if key in installed]
+    return {"blocked_ms": 1e3 * delta["blocked_s"] / max(delta["sent"], 1), "sent": delta["sent"],
+            "flush_ms": 1e3 * delta["flush_s"],
+            "delivery_ms": 1e3 * statistics.median(delivery), "install_ms": 1e3 * statistics.median(install_s),
+            "wall_s": summary["wall_time_s"]}
+
+
+def twin(ranks: list[int], steps: int) -> str:
+    """Runs the CPU twin's table; returns the last line's CPU-twin part."""
+    import tempfile
+
+    print(f"\nCPU twin (local jobs, tiny model, HF engine, gloo; 2 tasks x {steps} steps):")
+    print(f"{'transport':<10} {'rollout':>7} {'versions':>8} {'blocked ms/upd':>14} {'end flush ms':>12} "
+          f"{'delivery ms':>11} {'install ms':>10} {'wall s':>7}", flush=True)
+    blocked = {}
+    with tempfile.TemporaryDirectory(prefix="bench_laminar_twin_") as tmp:
+        for n in ranks:
+            for transport in ("broadcast", "relay"):
+                r = twin_run(transport, n, steps, Path(tmp) / f"{transport}{n}")
+                blocked[transport, n] = r["blocked_ms"]
+                print(f"{transport:<10} {n:>7} {r['sent']:>8} {r['blocked_ms']:>14.2f} {r['flush_ms']:>12.1f} "
+                      f"{r['delivery_ms']:>11.1f} {r['install_ms']:>10.1f} {r['wall_s']:>7.1f}", flush=True)
+    ratios = ", ".join(f"{n} rollout {blocked['relay', n]:.2f}/{blocked['broadcast', n]:.2f} ms" for n in ranks)
+    return f"CPU twin leader blocked per update relay/broadcast: {ratios} (2 single-turn tasks, not heavy-tailed)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scales", nargs="+", default=["32:8", "1024:256"], help="tasks:rollout_ranks")
@@ -111,11 +186,15 @@ def main() -> None:
     parser.add_argument("--fanout", type=int, default=2, help="relay tree fan-out (1: a chain)")
     parser.add_argument("--ranks-per-tail", type=int, default=32,
                         help="repack row: one tail rank per this many rollout ranks (at least one)")
+    parser.add_argument("--twin", action="store_true", help="also run the CPU twin's delta-plane jobs (minutes)")
+    parser.add_argument("--twin-ranks", type=int, nargs="+", default=[1, 3], help="rollout ranks per twin job")
+    parser.add_argument("--twin-steps", type=int, default=6, help="optimizer steps per task in a twin job")
+    parser.add_argument("--skip-sim", action="store_true", help="only the CPU twin (with --twin)")
     args = parser.parse_args()
     heavy = load_workload(WORKLOAD)
     print(HEADER, flush=True)
     ratio = ratio_wait = repack_ratio = None
-    for scale in args.scales:
+    for scale in [] if args.skip_sim else args.scales:
         n_tasks, ranks = (int(x) for x in scale.split(":"))
         results = {}
         for name, (plane, bound, pull) in PLANES.items():
@@ -140,8 +219,9 @@ def main() -> None:
                else "not measured (no 1024-task scale run)")
     throughput = (f"{repack_ratio:.2f} (simulator, trained groups/s at 1024 tasks)" if ratio is not None
                   else "not measured (no 1024-task scale run)")
+    twin_line = twin(args.twin_ranks, args.twin_steps) if args.twin else "CPU twin not run (--twin)"
     print(f"relay/broadcast leader blocked {blocked}; repack/none throughput {throughput}; "
-          f"CPU twin (3 rollout ranks, heavy-tailed kind) not measured yet; repack in the runtime not built")
+          f"{twin_line}; heavy-tailed twin kind and repack in the runtime not built")
 
 
 if __name__ == "__main__":

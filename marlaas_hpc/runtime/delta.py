@@ -127,6 +127,9 @@ class DeltaChannel:
         """Process groups of earlier epochs and what was in flight on them: never destroyed (module doc)."""
         self.keys: dict[int, str | None] = {}
         """Leader: each member's GPU (gpu_key), which decides the backend."""
+        self.blocked_s, self.flush_s, self.sent = 0.0, 0.0, 0
+        """Leader: seconds spent inside `send` (its blocked time per update), inside `flush` (at the end), and
+        versions sent."""
         if comm.Get_rank() == leader:
             # the rollout ranks arrive once their engine is up, seconds after a trainer: wait without spinning
             self.keys = {rank: recv_wait(comm, TAG_DELTA, source=rank)[0] for rank in self.rollout_ranks}
@@ -187,6 +190,7 @@ class DeltaChannel:
         for it. Rollout ranks join between their engine steps: waiting here stalled the trainer for up to one
         generate step per published version (a quarter of its time on local-demo). The group runs posted
         broadcasts in order; at most MAX_IN_FLIGHT wait, and `flush` waits for all."""
+        t0 = time.perf_counter()
         self._reap(self.MAX_IN_FLIGHT - 1)
         names = sorted(tensors)
         seq = self.order.next(self.epoch) if self.order is not None else None
@@ -195,6 +199,8 @@ class DeltaChannel:
         requests = [(rank, self.comm.isend(announce, dest=rank, tag=TAG_DELTA)) for rank in self.rollout_ranks]
         flat = flat_buffer(tensors, names, self.device)
         self.in_flight.append((self.process_group.broadcast(flat, 0), flat, requests))  # the buffer lives until done
+        self.blocked_s += time.perf_counter() - t0
+        self.sent += 1
 
     MAX_IN_FLIGHT = 16
     """Posted broadcasts the leader lets wait for the rollout ranks before it waits itself (bounds memory)."""
@@ -218,7 +224,13 @@ class DeltaChannel:
 
     def flush(self) -> None:
         """Leader: waits until every posted broadcast is complete (before the rank leaves the group)."""
+        t0 = time.perf_counter()
         self._reap(0)
+        self.flush_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Leader, before it leaves: `flush` (the relay plane's publisher also ends its tier there)."""
+        self.flush()
 
     def receive(self, announce: DeltaAnnounce) -> dict[str, torch.Tensor]:
         """Rollout rank: join the broadcast that follows `announce` and unflatten it."""

@@ -100,6 +100,9 @@ class DeltaFanIn:
                 tensors = unflatten(posted.announce, posted.flat)
                 yield posted.announce, lambda tensors=tensors: tensors
 
+    def close(self) -> None:
+        """Nothing to end (the relay plane's feed waits for its relay's threads here)."""
+
     def busy(self) -> bool:
         """Broadcasts announced and not yet handed out."""
         return bool(self.held) or any(self.pending.values()) or any(self.inbox.values())

@@ -232,6 +232,17 @@ def _restore_rng(run_dir: Path, tp_rank: int, group: int = 0, dp_rank: int = 0) 
         torch.set_rng_state(torch.load(path))
 
 
+def _relay_tier(comm, job: JobConfig, roles: dict, leaders: list[int]):
+    """`delta.transport: relay`: the relay tier, collective over the whole job (every rank calls this just before
+    the ready barrier; ranks outside the tier get no links); None under the broadcast."""
+    if job.delta.transport != "relay":
+        return None
+    from marlaas_hpc.runtime.relay_plane import job_relay_layout, join_relay_tier
+
+    return join_relay_tier(comm, job_relay_layout(roles["rollout"], leaders, job.delta.relay_fanout,
+                                                  job.delta.chunk_elems))
+
+
 def _ready(comm, rank: int, kind: str, start: float) -> None:
     """Tells rank 0 how long this rank took to get ready (wall and CPU seconds), then waits for every rank."""
     import time
@@ -279,10 +290,12 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
 
         run_dir.mkdir(parents=True, exist_ok=True)
         order = None
-        if len(leaders) > 1:  # the job's order of delta broadcasts lives here: it outlives any trainer group
+        relays = job.delta.transport == "relay"
+        if len(leaders) > 1 and not relays:  # the job's order of delta broadcasts: it outlives any trainer group
             from marlaas_hpc.runtime.delta import DeltaOrder
 
             order = DeltaOrder(comm, leaders)
+        _relay_tier(comm, job, roles, leaders)
         quiet_barrier(comm)
         readiness = comm.gather(None, root=0)[1:]
         log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - start:.1f} s "
@@ -297,6 +310,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
 
         worker = EnvRank(comm, codec, leader, run_dir=run_dir, pool_config=job.env_pool, sandbox=job.sandbox,
                          group_leaders=leaders)
+        _relay_tier(comm, job, roles, leaders)
         _ready(comm, rank, role.kind, start)
         comm.start_heartbeat(worker.clock)
         worker.run()
@@ -313,9 +327,15 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         # one delta channel per trainer group leader, made in the leaders' order on every rollout rank (each leader
         # waits for its own): each channel's NCCL communicator is set up as it is made, in that one order
         tolerant = comm.members.tolerant
-        delta = DeltaFanIn(comm, [DeltaChannel(comm, rank, roles["rollout"], device=binding.device,
-                                               tolerant=tolerant) for rank in leaders],
-                           device=binding.device, tolerant=tolerant)
+        tier = _relay_tier(comm, job, roles, leaders)
+        if tier is not None:
+            from marlaas_hpc.runtime.relay_plane import RelayFeed
+
+            delta = RelayFeed(tier, rank, leaders)
+        else:
+            delta = DeltaFanIn(comm, [DeltaChannel(comm, leader_rank, roles["rollout"], device=binding.device,
+                                                   tolerant=tolerant) for leader_rank in leaders],
+                               device=binding.device, tolerant=tolerant)
         worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir)
         worker.clock.note("start_engine", (), t0, engine_up)
         _ready(comm, rank, role.kind, start)
@@ -334,9 +354,15 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
             from marlaas_hpc.runtime.checkpoint import CheckpointPolicy
             from marlaas_hpc.runtime.delta import DeltaChannel, DeltaOrder
 
-            order = DeltaOrder(comm, leaders) if len(leaders) > 1 else None
-            delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order,
-                                 tolerant=comm.members.tolerant)
+            tier = _relay_tier(comm, job, roles, leaders)
+            if tier is not None:
+                from marlaas_hpc.runtime.relay_plane import RelayPublisher
+
+                delta = RelayPublisher(tier, rank)
+            else:
+                order = DeltaOrder(comm, leaders) if len(leaders) > 1 else None
+                delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order,
+                                     tolerant=comm.members.tolerant)
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
                                  policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
             worker.clock.note("build_model", (), t0, built)
@@ -347,6 +373,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
             worker = TrainerRank(comm, trainer, run_dir, mine[0], [], groups=groups, group=role.group,
                                  retention=job.adapters)
             worker.clock.note("build_model", (), t0, built)
+            _relay_tier(comm, job, roles, leaders)
             _ready(comm, rank, role.kind, start)
             comm.start_heartbeat(worker.clock)
             worker.run_follower()

@@ -214,7 +214,9 @@ def trainer_groups(stats: list, scheduler, wall_s: float) -> dict:
         if stat.kind == "trainer" and "trainer_group" in stat.extra:
             group = stat.extra["trainer_group"]
             out[str(group)] = {"ranks": stat.extra["ranks"], "busy_fraction": stat.busy_s / max(wall_s, 1e-9),
-                               "tasks": sorted(t for t, s in scheduler.tasks.items() if s.trainer_group == group)}
+                               "tasks": sorted(t for t, s in scheduler.tasks.items() if s.trainer_group == group),
+                               # the leader's delta plane: versions sent, seconds blocked in sending them
+                               "delta": stat.extra.get("delta", {})}
     return dict(sorted(out.items(), key=lambda item: int(item[0])))
 
 

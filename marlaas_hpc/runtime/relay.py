@@ -1,6 +1,7 @@
 """Adapter relays (issue #29, item 1): a tier of node relays that trainer leaders push adapter versions into and
-rollout ranks pull from, so that no collective includes a rollout rank's engine loop. NOT YET USED BY THE RANKS:
-RolloutRank and TrainerRank still use the lockstep broadcast (runtime/delta.py); this is the tested component.
+rollout ranks pull from, so that no collective includes a rollout rank's engine loop. The job uses it under
+`delta.transport: relay` (runtime/relay_plane.py: one relay per rollout rank, chained); the default delta plane is
+still the lockstep broadcast (runtime/delta.py).
 
     leader ──push (header, chunks)──► relay 0 ──chunk by chunk──► relay 1 ──► relay 2 ...   (a tree, fan-out F)
                                         │                            │

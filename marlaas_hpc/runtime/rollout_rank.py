@@ -1,6 +1,7 @@
 """Rollout rank: serves every task's generation requests from one engine (continuous batch), receives LoRA
-deltas from the trainer group leaders (runtime/delta_fanin.py), and sends finished turns straight to their env
-rank.
+deltas from the trainer group leaders (runtime/delta_fanin.py) or, under `delta.transport: relay`, from its own
+relay (runtime/relay_plane.py: it then pins each open group's version there until the group completes), and sends
+finished turns straight to their env rank.
 
 A prompt group's first turn comes from rank 0 (GenerateWork). Training work asked for a superseded version
 samples with the newest one. When a group's turn is done (its G completions): GroupTurn to the env rank, Generated
@@ -59,11 +60,15 @@ class _SamplingGroup:
     sampled_until: float | None = None
     """When its latest turn finished generating (a multi-turn group stays open after its last turn until the env
     rank's GroupEnded arrives, but samples nothing more)."""
+    relay_pin: bool = False
+    """Relay mode: its version is pinned at this rank's relay (released when the group completes)."""
 
 
 class RolloutRank:
     def __init__(self, comm, engine, delta_channel, seed: int = 0, run_dir: Path | None = None):
         self.comm, self.engine, self.delta = comm, engine, delta_channel
+        self.pins = delta_channel if hasattr(delta_channel, "pin") else None
+        """Relay mode (runtime/relay_plane.py RelayFeed): the relay that keeps each open group's version."""
         self.run_dir = run_dir
         self.rank = comm.Get_rank()
         self.seed = seed
@@ -113,6 +118,7 @@ class RolloutRank:
         if self.run_dir is not None:
             write_timeline(self.run_dir, self.rank, "rollout", self.clock)
         self.outbox.flush()
+        self.delta.close()  # relay mode: this rank's relay ends once every leader has closed
         # the engine is not shut down: the process ends next (runtime/main.py end_rank), and vLLM's orderly
         # shutdown took ~0.9 s that frees nothing the exit does not
 
@@ -139,7 +145,8 @@ class RolloutRank:
 
     def _drain_deltas(self) -> None:
         """Joins the announced broadcasts (a leader blocks until all rollout ranks join; with several trainer
-        groups, `DeltaFanIn` keeps each leader's order) and installs each version newer than the one held: a
+        groups, `DeltaFanIn` keeps each leader's order), or takes each task's newest version from this rank's relay
+        (`RelayFeed`), and installs each version newer than the one held: a
         task that moved between groups may see its old group's last version land after its new group's next."""
         for announce, receive in self.delta.poll():
             with self.clock.track("load_delta", (announce.task_id,), version=announce.version):
@@ -177,6 +184,8 @@ class RolloutRank:
         for group in work.groups:
             entry = _SamplingGroup(work, group, work.version, time.time())
             self.open_groups[group.group_id] = entry
+            if self.pins is not None and work.version is not None:
+                entry.relay_pin = self.pins.pin(work.adapter_key, work.version)
             if work.multi_turn and work.version is not None:
                 self.engine.pin(work.adapter_key, work.version)
             contexts = [group.prompt_ids] * work.group_size
@@ -272,7 +281,16 @@ class RolloutRank:
         self._note_group(entry)
 
     def _note_group(self, entry: _SamplingGroup) -> None:
+        """The group's timeline record; it completed, so its relay pin (relay mode) is released here, after
+        noting whether the relay still held its version and whether a newer one had come meanwhile."""
+        relay = {}
+        if entry.relay_pin:
+            key = entry.work.adapter_key
+            relay = {"relay_held": self.pins.holds(key, entry.version),
+                     "superseded": self.versions.get(key, -1) > entry.version}
+            self.pins.unpin(key, entry.version)
+            entry.relay_pin = False
         self.clock.note("group", (entry.work.task_id,), entry.t0, time.time(), group_id=entry.group.group_id,
                         eval=entry.work.eval, prompt_tokens=len(entry.group.prompt_ids), turns=entry.turn,
                         completion_tokens=[entry.model_tokens.get(j, 0) for j in range(entry.work.group_size)],
-                        version=entry.version, sampled_until=entry.sampled_until)
+                        version=entry.version, sampled_until=entry.sampled_until, **relay)

@@ -287,10 +287,13 @@ class TrainerRank:
             ran = self._run_ready_orders()
             if not commands and not data and not ran and not handovers and not admitted:
                 time.sleep(0.002)
+        self.delta.close()  # the last versions' broadcasts (or pushes), before this rank leaves
         self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall(),
-                                   {"trainer_group": self.group, "ranks": self.groups[self.group]}), 0, TAG_EVENT)
+                                   {"trainer_group": self.group, "ranks": self.groups[self.group],
+                                    "delta": {"sent": self.delta.sent, "blocked_s": self.delta.blocked_s,
+                                              "flush_s": self.delta.flush_s}}),
+                         0, TAG_EVENT)
         self.outbox.flush()
-        self.delta.flush()  # the last versions' broadcasts, before this rank leaves the group
         write_timeline(self.run_dir, self.rank, "trainer", self.clock)
         self.tensorboard.close()
 
