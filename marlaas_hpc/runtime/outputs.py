@@ -201,7 +201,7 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
     for stat in stats:
         busy.setdefault(stat.kind, []).append(stat.busy_s / max(wall_s, 1e-9))
     summary = {"mode": job.mode, "wall_time_s": wall_s, "startup_s": startup_s, "job_start": job_start,
-               "model": job.model,
+               "model": job.model, "models": job.model_names(),
                "engine": job.engine,
                "busy_fraction": {kind: _mean(values) for kind, values in sorted(busy.items())},
                "preempted": preempted, "previous_runs": runs or [],

@@ -415,6 +415,13 @@ def check_base_model(base_model: str | None, models: dict[str, str], field: str 
                            f"{sorted(models)}")
 
 
+def with_base_model(spec: TaskSpec, models: dict[str, str]) -> TaskSpec:
+    """The spec with its `base_model` named as the job names it (None: the first model; a path: its name), as
+    rank 0 admits it: summary.json, status.json and trainer placement read the name. SpecError as
+    `check_base_model`."""
+    return dataclasses.replace(spec, base_model=check_base_model(spec.base_model, models))
+
+
 def _same_path(a: str, b: str) -> bool:
     from pathlib import Path
 
