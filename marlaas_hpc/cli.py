@@ -63,7 +63,7 @@ def cmd_run(args) -> int:
         return 2
     try:  # build the tiny model (or a random checkpoint) once here, not in every rank; then check it
         gpus = _gpus_visible(job)
-        job.check_model(job.model_path(), vllm_on_cpu=not gpus)
+        job.check_models(vllm_on_cpu=not gpus)
         check_fits(job, gpus_visible=gpus)  # every GPU rank's memory estimate against its GPU (marlaas plan)
     except SpecError as exc:
         print(f"marlaas: invalid config {args.config or args.resume}: {exc}", file=sys.stderr)

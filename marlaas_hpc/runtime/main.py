@@ -262,7 +262,10 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     role = assign_role(rank, job.layout)
     roles = roles_of(job.layout)
     run_dir = Path(job.run_dir).resolve()
-    model_path = Path(comm.bcast(str(job.model_path()) if rank == 0 else None, root=0))
+    # every base model's dir by name (rank 0 builds the tiny model / a random checkpoint once), the default first
+    model_paths = {name: Path(path) for name, path in comm.bcast(
+        {name: str(path) for name, path in job.model_paths().items()} if rank == 0 else None, root=0).items()}
+    model_path = next(iter(model_paths.values()))
     codec = TextCodec.from_pretrained(model_path)
     groups = trainer_group_ranks(job.layout)
     leaders = [ranks[0] for ranks in groups]
@@ -328,7 +331,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         if job.layout.share_gpus:
             _wait_for_engines(comm, roles["rollout"])
         t0 = time.time()
-        trainer = _trainer(comm, job, mine, model_path, binding.device)
+        trainer = _trainer(comm, job, mine, model_paths[job.group_models()[role.group]], binding.device)
         built = time.time()
         if rank == mine[0]:
             from marlaas_hpc.runtime.checkpoint import CheckpointPolicy
@@ -485,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     state, ok = None, None
     if comm.Get_rank() == 0:
         try:
-            job.model_path()  # a missing checkpoint stops every rank here, naming `model`
+            job.model_paths()  # a missing checkpoint stops every rank here, naming `model` (or `models.<name>`)
             state = check_run_dir(job, resume)
             if not resume:
                 save_job_file(job, args.config)

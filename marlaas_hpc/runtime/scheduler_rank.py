@@ -36,7 +36,7 @@ from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, RankJ
 from marlaas_hpc.service import QueueIntake
 from marlaas_hpc.env import build_task_data
 from marlaas_hpc.tasks import SpecError
-from marlaas_hpc.tasks.spec import with_base_model
+from marlaas_hpc.tasks.spec import check_trained, with_base_model
 
 
 class SchedulerRank:
@@ -121,6 +121,7 @@ class SchedulerRank:
         must not stall rank 0)."""
         try:
             spec = with_base_model(spec, self.job.model_names())
+            check_trained(spec.base_model, self.job.group_models())
             self.data[spec.task_id] = build_task_data(spec.dataset, spec.prompt.format, sandbox=self.job.sandbox)
             self.codecs[spec.task_id] = self._codec_for(spec)
             if check_code:
