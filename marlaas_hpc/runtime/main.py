@@ -267,6 +267,10 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         {name: str(path) for name, path in job.model_paths().items()} if rank == 0 else None, root=0).items()}
     model_path = next(iter(model_paths.values()))
     codec = TextCodec.from_pretrained(model_path)
+    several = len(model_paths) > 1
+    # a job of several base models: rank 0 encodes and env ranks decode each task with its model's tokenizer
+    model_codecs = ({name: TextCodec.from_pretrained(path) for name, path in model_paths.items()}
+                    if several and role.kind in ("scheduler", "env") else None)
     groups = trainer_group_ranks(job.layout)
     leaders = [ranks[0] for ranks in groups]
     leader = leaders[0]
@@ -291,7 +295,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - start:.1f} s "
             f"({describe_readiness(readiness)})")
         scheduler = SchedulerRank(comm, job, roles, codec, run_dir, log=log, startup_s=time.time() - start,
-                                  preempt=preempt, resume=resume)
+                                  preempt=preempt, resume=resume, model_codecs=model_codecs)
         scheduler.delta_order = order
         comm.start_heartbeat(scheduler.busy)
         return scheduler.run()
@@ -299,7 +303,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         from marlaas_hpc.runtime.env_rank import EnvRank
 
         worker = EnvRank(comm, codec, leader, run_dir=run_dir, pool_config=job.env_pool, sandbox=job.sandbox,
-                         group_leaders=leaders)
+                         group_leaders=leaders, model_codecs=model_codecs)
         _ready(comm, rank, role.kind, start)
         comm.start_heartbeat(worker.clock)
         worker.run()
@@ -309,7 +313,8 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         from marlaas_hpc.runtime.rollout_rank import RolloutRank
 
         t0 = time.time()
-        engine = rollout_engine(job, model_path, rank, seed, binding.device, run_dir)
+        engine = (model_engines(job, model_paths, rank, seed, binding.device, run_dir) if several else
+                  rollout_engine(job, model_path, rank, seed, binding.device, run_dir))
         engine_up = time.time()
         if job.layout.share_gpus:
             _engine_is_up(comm, roles["trainer"])
@@ -339,7 +344,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
 
             order = DeltaOrder(comm, leaders) if len(leaders) > 1 else None
             delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order,
-                                 tolerant=comm.members.tolerant)
+                                 tolerant=comm.members.tolerant, model=job.group_models()[role.group])
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
                                  policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
             worker.clock.note("build_model", (), t0, built)
@@ -356,16 +361,34 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     return None
 
 
-def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, device: str, run_dir: Path):
-    """A rollout rank's engine, rebuilt in place if it fails (rollout/restart.py)."""
+def model_engines(job: JobConfig, model_paths: dict[str, Path], rank: int, seed: int, device: str, run_dir: Path):
+    """A rollout rank's engines of a job of several base models: one per model, the first awake
+    (rollout/model_engines.py)."""
+    from marlaas_hpc.rollout.engine_set import EngineSet
+    from marlaas_hpc.rollout.model_engines import ModelEngines
+
+    return ModelEngines(EngineSet({
+        name: (lambda path=path, name=name: rollout_engine(job, path, rank, seed, device, run_dir, name))
+        for name, path in model_paths.items()}))
+
+
+def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, device: str, run_dir: Path,
+                   model: str | None = None):
+    """A rollout rank's engine, rebuilt in place if it fails (rollout/restart.py). `model`: its name, in a job
+    of several (its vLLM work dir)."""
     from marlaas_hpc.model.cache import default_cache_dir
     from marlaas_hpc.rollout import make_engine
     from marlaas_hpc.rollout.restart import RestartingEngine
 
     # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
     if job.engine == "vllm":  # vLLM finds its GPUs through CUDA_VISIBLE_DEVICES (all of them: its TP size)
-        kwargs = {"work_dir": run_dir / "rollout" / f"rank{rank}", "cache_dir": default_cache_dir() / "vllm",
+        work_dir = run_dir / "rollout" / f"rank{rank}" / (model or "")
+        kwargs = {"work_dir": work_dir, "cache_dir": default_cache_dir() / "vllm",
                   **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())}
+        if model is not None and device != "cpu":  # one of an EngineSet on a GPU: it sleeps (rollout/engine_set.py)
+            from marlaas_hpc.rollout.engine_set import SLEEP_MODE_KWARGS
+
+            kwargs.update(SLEEP_MODE_KWARGS)
     else:
         kwargs = {"device": device}
     return RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))

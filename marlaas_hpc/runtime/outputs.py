@@ -215,6 +215,10 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                "scheduler_rank": next((stat.extra for stat in stats if stat.kind == "scheduler"), {}),
                # rollout engines rebuilt after an engine error (rollout/restart.py), per rollout rank
                "engine_restarts": {str(stat.rank): stat.extra.get("engine_restarts", 0)
-                                   for stat in stats if stat.kind == "rollout"}}
+                                   for stat in stats if stat.kind == "rollout"},
+               # a job of several base models, per rollout rank: switches of its awake engine and their seconds
+               "model_switches": {str(stat.rank): {"switches": stat.extra["model_switches"],
+                                                   "seconds": stat.extra["model_switch_s"]}
+                                  for stat in stats if stat.kind == "rollout" and "model_switches" in stat.extra}}
     atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
