@@ -428,7 +428,9 @@ def join_main(run_dir: str, rank: int) -> None:
 
         device = "cuda:0" if job.layout.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
         t0 = time.time()
-        engine = rollout_engine(job, job.model_path(), rank, job.seed + 7919 * rank, device, run_path)
+        paths = job.model_paths()  # a job of several base models: one engine per model, as the first ranks
+        engine = (model_engines(job, paths, rank, job.seed + 7919 * rank, device, run_path) if len(paths) > 1 else
+                  rollout_engine(job, job.model_path(), rank, job.seed + 7919 * rank, device, run_path))
         engine_up = time.time()
         live.send(Joining(rank), 0, TAG_EVENT)
         peers = recv_wait(live, TAG_CMD, source=0)[0].peers  # LinkTo: who links to it
