@@ -208,7 +208,8 @@ def cmd_status(args) -> int:
         ttfs = "-" if t["ttfs_s"] is None else f"{t['ttfs_s']:.1f}"
         tpts = "-" if t["tpts_s"] is None else f"{t['tpts_s']:.2f}"
         model = _short_model(t.get("base_model"))  # a run dir from before models were named has none
-        print(f"{task_id:<16} {t['tenant']:<10} {model:<12} {t['status']:<10} {t['steps_done']:>4}/{t['total_steps']:<4} "
+        print(f"{task_id:<16} {t['tenant']:<10} {model:<12} {t['status']:<10} "
+              f"{t['steps_done']:>4}/{t['total_steps']:<4} "
               f"{t['staleness_bound']:>2} {reward:>7} {ttfs:>7} {tpts:>7}" + (f"  {t['error']}" if t["error"] else ""))
     return 0
 

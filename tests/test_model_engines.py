@@ -9,7 +9,7 @@ import pytest
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.rollout import GenerationRequest, make_engine
 from marlaas_hpc.rollout.engine_set import EngineSet
-from marlaas_hpc.rollout.model_engines import ModelEngines
+from marlaas_hpc.rollout.model_engines import DWELL_SWITCHES, ModelEngines
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,11 @@ def prompts(tiny_model_path, chat_path):
             "chat": [chat.encode_prompt(p) for p in ("What is 3 + 4?", "Half of 10 is")]}
 
 
-def engines(tiny_model_path, chat_path) -> ModelEngines:
+def engines(tiny_model_path, chat_path, **kw) -> ModelEngines:
+    """The two models' engines; no dwell unless asked (the awake model's new requests wait once another does)."""
+    kw.setdefault("dwell_s", 0.0)
     return ModelEngines(EngineSet({"tiny": lambda: make_engine("hf", tiny_model_path, device="cpu"),
-                                   "chat": lambda: make_engine("hf", chat_path, device="cpu")}))
+                                   "chat": lambda: make_engine("hf", chat_path, device="cpu")}), **kw)
 
 
 def requests(model, prompts, tag="") -> list[GenerationRequest]:
@@ -98,7 +100,8 @@ def test_a_pin_of_a_sleeping_model_applies_when_it_wakes(tiny_model_path, chat_p
     tensors = {name: torch.zeros(shape) for name, shape in _lora_shapes(chat)}
     from marlaas_hpc.tasks.spec import LoraSpec
 
-    engine.add_adapter(AdapterRef("task-chat", 0, tensors=tensors, lora=LoraSpec(rank=2, alpha=4, target_modules=("q_proj",))))
+    lora = LoraSpec(rank=2, alpha=4, target_modules=("q_proj",))
+    engine.add_adapter(AdapterRef("task-chat", 0, tensors=tensors, lora=lora))
     engine.pin("task-chat", 0)  # v0 is queued for chat's wake: the pin waits with it
     assert engine.pins["chat"] == [("pin", "task-chat", 0)]
     engine.submit([GenerationRequest("c0", "task-chat", 0, [1, 2, 3], temperature=0.0, max_new_tokens=2)])
@@ -150,3 +153,29 @@ def test_a_waiting_request_keeps_its_version_when_newer_ones_arrive_meanwhile(ti
     engine.submit(on_v2)
     assert run(engine, {"t-v2"})["t-v2"].adapter_version == 2
     assert tiny.versions.live("task-tiny") == [2]
+
+
+def test_the_awake_model_keeps_taking_requests_during_its_dwell(tiny_model_path, chat_path, prompts):
+    """Affinity: while chat waits, tiny's new requests still go into its engine until its dwell has passed
+    since it woke; after that they wait and chat gets its turn."""
+    now = [0.0]
+    engine = engines(tiny_model_path, chat_path, dwell_s=5.0, clock=lambda: now[0])
+    engine.assign("task-tiny", "tiny")
+    engine.assign("task-chat", "chat")
+    engine.submit(requests("chat", prompts))  # chat waits
+    engine.submit(requests("tiny", prompts, "a"))  # within tiny's dwell: straight in
+    assert not engine.pending["tiny"] and engine.turns == ["chat"]
+    now[0] = 6.0
+    engine.submit(requests("tiny", prompts, "b"))  # dwell over: waits behind chat
+    assert len(engine.pending["tiny"]) == 2 and engine.turns == ["chat", "tiny"]
+    order = []
+    while engine.has_unfinished():
+        order += [engine.awake for _ in engine.step()]
+    assert order == ["tiny"] * 2 + ["chat"] * 2 + ["tiny"] * 2
+    now[0] = 0.0
+    default = engines(tiny_model_path, chat_path, dwell_s=None, clock=lambda: now[0])
+    cost = default.switches[-1].total_s  # the start's switch back to tiny: dwell = DWELL_SWITCHES x it
+    now[0] = 0.5 * DWELL_SWITCHES * cost
+    assert default._dwelling()
+    now[0] = 2 * DWELL_SWITCHES * cost + 1e-9
+    assert not default._dwelling()

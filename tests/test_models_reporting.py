@@ -71,5 +71,6 @@ def test_gantt_colours_rollout_rows_by_model_when_there_are_several(tmp_path):
 
 def test_report_task_table_names_the_model(tmp_path):
     assert marlaas(["report", str(two_model_run(tmp_path)), "-o", str(tmp_path / "out")]) == 0
-    rows = [line for line in (tmp_path / "out" / "report.md").read_text().splitlines() if line.startswith(("| t0 ", "| t1 "))]
+    lines = (tmp_path / "out" / "report.md").read_text().splitlines()
+    rows = [line for line in lines if line.startswith(("| t0 ", "| t1 "))]
     assert rows[0].split("|")[3].strip() == "tiny" and rows[1].split("|")[3].strip() == "/models/chat-mini"

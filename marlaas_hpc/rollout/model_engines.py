@@ -6,8 +6,10 @@ adapter versions (DeltaAnnounce.model: a trainer group loads one model), and is 
 (`assign`). Requests of the awake model go into its engine at once; requests of a sleeping model wait here. The
 rank switches when its awake engine has nothing in flight and another model has requests waiting: that model's
 engine wakes (adapter versions published while it slept are installed then) and its waiting requests go in.
-While another model waits, new requests of the awake model wait too, so its engine drains and the waiting model
-gets its turn: the models take turns, first come first served, one drained batch each. A switch never happens
+While another model waits, new requests of the awake model still go in during its dwell, DWELL_SWITCHES times
+the last measured switch cost since it woke (affinity: a switch must buy more engine time than it costs, as the
+model pool's dwell, scheduler/multiplex.py); after that they wait too, so its engine drains and the waiting
+model gets its turn: the models take turns, first come first served. A switch never happens
 with a request in flight (its KV cache would be lost), so a running sequence or an open group's turn never
 changes engine; an episode's later turns wait while another model is awake, as they wait on a tool.
 
@@ -25,13 +27,27 @@ only). `switches` keeps each switch's measured cost; the rank's timeline notes e
 """
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 from marlaas_hpc.rollout.base import AdapterRef, Generation, GenerationRequest, RolloutEngine
 from marlaas_hpc.rollout.engine_set import EngineSet, SwitchCost
 
 
+DWELL_SWITCHES = 10
+"""A model keeps taking new requests for this many times the last switch cost after it woke, others waiting."""
+
+
 class ModelEngines(RolloutEngine):
-    def __init__(self, engines: EngineSet):
+    def __init__(self, engines: EngineSet, dwell_s: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.engines = engines
+        self.dwell_s = dwell_s
+        """How long the awake model keeps taking new requests while others wait; None: DWELL_SWITCHES x the
+        last measured switch cost."""
+        self.clock = clock
+        self.woke_at = clock()
+        """When the awake model's turn began."""
         self.model_of: dict[str, str] = {}
         """Adapter key -> its task's base model (`assign`)."""
         self.pending: dict[str, list[GenerationRequest]] = {model: [] for model in engines.models}
@@ -91,7 +107,7 @@ class ModelEngines(RolloutEngine):
         awake = self.awake
         for request in requests:
             model = self.model(request.task_id)
-            if self._served(model) and not self._others_wait(model):
+            if self._served(model) and (not self._others_wait(model) or self._dwelling()):
                 now.append(request)
             else:
                 self._wait(model, request)
@@ -136,6 +152,14 @@ class ModelEngines(RolloutEngine):
         self.engines.close()
 
     # ---- whose turn ----
+    def _dwelling(self) -> bool:
+        """The awake model is within its dwell (it keeps taking new requests while others wait)."""
+        dwell = self.dwell_s
+        if dwell is None:
+            switches = self.engines.switches
+            dwell = DWELL_SWITCHES * switches[-1].total_s if switches else 0.0
+        return self.clock() - self.woke_at < dwell
+
     def _others_wait(self, model: str) -> bool:
         return any(other != model for other in self.turns)
 
@@ -153,6 +177,7 @@ class ModelEngines(RolloutEngine):
         model = self.turns.pop(0)
         if model != awake:
             self.switched.append(self.engines.switch(model))
+            self.woke_at = self.clock()
         self._serve(model)
 
     def _serve(self, model: str) -> None:
