@@ -56,3 +56,12 @@ def test_intake_takes_a_spec_naming_the_jobs_model_and_refuses_another(tmp_path)
     with pytest.raises(SpecError) as err:
         check_spec({**spec, "base_model": "llama"}, rules, [], tmp_path)
     assert err.value.field == "base_model" and "unknown model 'llama'" in str(err.value)
+
+
+def test_several_models_on_gpu_vllm_rollout_ranks_are_refused_before_start():
+    config = job(models={"qwen": "tiny", "chat": "chat-mini"}, engine="vllm",
+                 layout={"trainer_groups": 2, "trainer_group_models": ["qwen", "chat"]})
+    config.check_models(vllm_on_cpu=True)  # the CPU twin: each engine sleeps by hand (rollout/engine_set.py)
+    with pytest.raises(SpecError) as err:
+        config.check_models(vllm_on_cpu=False)
+    assert err.value.field == "models" and "cannot sleep apart" in str(err.value)

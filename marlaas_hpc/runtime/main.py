@@ -385,10 +385,6 @@ def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, devic
         work_dir = run_dir / "rollout" / f"rank{rank}" / (model or "")
         kwargs = {"work_dir": work_dir, "cache_dir": default_cache_dir() / "vllm",
                   **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())}
-        if model is not None and device != "cpu":  # one of an EngineSet on a GPU: it sleeps (rollout/engine_set.py)
-            from marlaas_hpc.rollout.engine_set import SLEEP_MODE_KWARGS
-
-            kwargs.update(SLEEP_MODE_KWARGS)
     else:
         kwargs = {"device": device}
     return RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))
