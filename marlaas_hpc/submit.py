@@ -105,7 +105,7 @@ def submit(job, config_path: str, job_name: str = "marlaas", max_requeues: int =
     # a placeholder checkpoint path renders (marlaas sbatch) but is not submitted; the tiny model (or a random
     # checkpoint) is built here once, not in every rank at once; rollout ranks run vLLM on CPU when their
     # component asks Slurm for no GPU
-    job.check_model(job.model_path(), vllm_on_cpu=not job.layout.rollout.requests_gpus())
+    job.check_models(vllm_on_cpu=not job.layout.rollout.requests_gpus())
     run_dir = Path(job.run_dir).resolve()
     job.run_dir = str(run_dir)
     check_run_dir(job, resume=False)

@@ -1,6 +1,6 @@
 """A job's base models (issue #28, item 1): `models: {name: path}` beside the single `model:`, a task's
-`base_model` naming one, intake refusing an unknown one, and a job of several models refused while the runtime
-serves one."""
+`base_model` naming one, intake refusing an unknown one, and a job of several models taken once a trainer group
+loads each task's model."""
 import pytest
 
 from marlaas_hpc.config import JobConfig
@@ -33,9 +33,13 @@ def test_a_task_naming_an_unknown_model_is_refused_naming_its_base_model():
     assert err.field == "tasks[0].base_model" and "unknown model 'llama'" in str(err)
 
 
-def test_several_models_are_refused_until_rollout_ranks_multiplex_engines():
-    err = refusal(models={"qwen": "tiny", "chat": "chat-mini"})
-    assert err.field == "models" and "a job serves one" in str(err) and "do not multiplex" in str(err)
+def test_several_models_load_once_each_task_has_a_trainer_group_of_its_model():
+    two = {"qwen": "tiny", "chat": "chat-mini"}
+    tasks = [{"task_id": "a"}, {"task_id": "b", "base_model": "chat"}]
+    err = refusal(models=two, tasks=tasks)  # every group loads the first model by default
+    assert err.field == "tasks[1].base_model" and "no trainer group loads model 'chat'" in str(err)
+    config = job(models=two, tasks=tasks, layout={"trainer_groups": 2, "trainer_group_models": ["qwen", "chat"]})
+    assert config.model == "tiny" and config.group_models() == ["qwen", "chat"]
 
 
 def test_model_and_models_disagreeing_is_refused():
@@ -52,3 +56,20 @@ def test_intake_takes_a_spec_naming_the_jobs_model_and_refuses_another(tmp_path)
     with pytest.raises(SpecError) as err:
         check_spec({**spec, "base_model": "llama"}, rules, [], tmp_path)
     assert err.value.field == "base_model" and "unknown model 'llama'" in str(err.value)
+
+
+def test_several_models_on_gpu_vllm_rollout_ranks_are_refused_before_start():
+    config = job(models={"qwen": "tiny", "chat": "chat-mini"}, engine="vllm",
+                 layout={"trainer_groups": 2, "trainer_group_models": ["qwen", "chat"]})
+    config.check_models(vllm_on_cpu=True)  # the CPU twin: each engine sleeps by hand (rollout/engine_set.py)
+    with pytest.raises(SpecError) as err:
+        config.check_models(vllm_on_cpu=False)
+    assert err.value.field == "models" and "cannot sleep apart" in str(err.value)
+
+
+def test_relays_with_several_models_are_refused_naming_delta_transport():
+    two = {"qwen": "tiny", "chat": "chat-mini"}
+    err = refusal(models=two, delta={"transport": "relay"}, fault={"on_rank_loss": "stop"},
+                  layout={"trainer_groups": 2, "trainer_group_models": ["qwen", "chat"]},
+                  tasks=[{"task_id": "a"}, {"task_id": "b", "base_model": "chat"}])
+    assert err.field == "delta.transport" and "one base model" in str(err)

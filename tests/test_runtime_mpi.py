@@ -65,7 +65,7 @@ def test_two_tasks_with_different_bounds_end_to_end(tmp_path, tiny_model_path):
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and "finished" in status.stdout
     rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[2:]}
-    assert rows["add"][1:4] == ["alice", "done", "4/4"] and rows["sort"][1:4] == ["bob", "done", "4/4"]
+    assert rows["add"][1:5] == ["alice", "tiny", "done", "4/4"] and rows["sort"][1:5] == ["bob", "tiny", "done", "4/4"]
     metrics = [json.loads(line) for line in (run_dir / "tasks/bob/sort/metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)

@@ -211,8 +211,8 @@ def test_report_of_the_serving_run(serving_run, tmp_path):
         assert f"{role} {fraction:.3f}" in text
     rows = {cells[0]: cells for cells in
             ([c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| "))}
-    keys = ("status", "steps_done", "staleness_bound", "reward_first", "reward_last", "eval_accuracy_before",
-            "eval_accuracy_after", "ttfs_s", "tpts_s")
+    keys = ("base_model", "status", "steps_done", "staleness_bound", "reward_first", "reward_last",
+            "eval_accuracy_before", "eval_accuracy_after", "ttfs_s", "tpts_s")
     for task_id, task in summary["tasks"].items():
         expected = [task_id, task["tenant"]] + [f"{task[k]:.3f}" if isinstance(task[k], float) else
                                                 ("-" if task[k] is None else str(task[k])) for k in keys]

@@ -152,6 +152,10 @@ class JobLayout:
     """Independent trainer groups (each trainer_dp x trainer_tp ranks, its own megatron world). Every task is
     owned by one group (its adapter shards and optimizer live there); the scheduler places each new task on
     the least-loaded group by tokens per step. Trainer ranks = trainer_groups * trainer_dp * trainer_tp."""
+    trainer_group_models: list[str] = field(default_factory=list)
+    """The base model each trainer group loads, one name of the job's `models` per group (e.g. [tiny, chat] with
+    trainer_groups: 2); a task goes only to a group of its `base_model`. Empty: every group loads the job's first
+    model (the only one a job of one model has)."""
     control: ComponentResources = field(default_factory=ComponentResources)
     """Het group 0: rank 0 (scheduler + intake), exactly one task, CPU only."""
     env: ComponentResources = field(default_factory=ComponentResources)
@@ -252,6 +256,12 @@ class JobLayout:
         _int_at_least(self.trainer_tp, 1, "trainer_tp")
         _int_at_least(self.trainer_dp, 1, "trainer_dp")
         _int_at_least(self.trainer_groups, 1, "trainer_groups")
+        models = self.trainer_group_models
+        if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+            raise LayoutError("trainer_group_models", f"must be a list of model names, got {models!r}")
+        if models and len(models) != self.trainer_groups:
+            raise LayoutError("trainer_group_models", f"names {len(models)} models for {self.trainer_groups} "
+                                                      "trainer groups: one per group")
         for name, expected in zip(COMPONENTS, self.component_sizes):
             self._validate_component(name, expected)
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from marlaas_hpc.report.load import RunData
 
-TASK_COLUMNS = (("status", "status"), ("steps", "steps_done"), ("k", "staleness_bound"),
+TASK_COLUMNS = (("model", "base_model"), ("status", "status"), ("steps", "steps_done"), ("k", "staleness_bound"),
                 ("reward first", "reward_first"), ("reward last", "reward_last"),
                 ("eval acc before", "eval_accuracy_before"), ("eval acc after", "eval_accuracy_after"),
                 ("TTFS s", "ttfs_s"), ("TPTS s", "tpts_s"))

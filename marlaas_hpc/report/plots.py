@@ -42,23 +42,50 @@ def reward_curves(run: RunData, out: Path) -> Path:
     return _save(fig, out / "reward_curves.png")
 
 
+def task_models(run: RunData) -> dict[str, str]:
+    """Each task's base model (summary.json's `base_model`; tasks of a run dir from before it have none)."""
+    return {task_id: info["base_model"] for task_id, info in run.summary.get("tasks", {}).items()
+            if info.get("base_model")}
+
+
+def model_colours(run: RunData) -> dict[str, tuple]:
+    """A colour per base model when the job served several (the Gantt chart's rollout rows), else none."""
+    models = sorted(set(task_models(run).values()))
+    if len(models) < 2:
+        return {}
+    palette = plt.get_cmap("Set1")
+    return {f"model {model}": palette(i % 9) for i, model in enumerate(models)}
+
+
+def span_keys(span: dict, model_of: dict[str, str], by_model: bool) -> list[str]:
+    """What a busy span's stripes stand for: its tasks, or on a rollout rank of a several-model job the
+    models of its tasks (which engine the rank was running)."""
+    tasks = span["tasks"] or ["(none)"]
+    if not (by_model and span["role"] == "rollout"):
+        return tasks
+    return sorted({f"model {model_of[t]}" for t in tasks if t in model_of}) or tasks
+
+
 def utilisation_gantt(run: RunData, out: Path) -> Path:
     """One row per worker rank; each busy span coloured by the task(s) it served (stripes when it served
-    several at once: a continuous batch, a fused train step)."""
+    several at once: a continuous batch, a fused train step). With several base models the rollout rows are
+    coloured by model instead: which model's engine each rank ran when."""
     ranks = sorted({(s["role"], s["rank"]) for s in run.timeline}, key=lambda rr: (ROLE_ORDER.get(rr[0], 9), rr[1]))
     row_of = {rank: i for i, (_, rank) in enumerate(ranks)}
-    colours = task_colours(run)
+    by_model = model_colours(run)
+    colours = {**task_colours(run), **by_model}
+    model_of = task_models(run)
     t0 = run.job_start
     fig, ax = plt.subplots(figsize=(13, 1.0 + 0.6 * max(1, len(ranks))))
     bars: dict[tuple, list] = {}
     for span in run.timeline:
-        tasks = span["tasks"] or ["(none)"]
-        height = 0.8 / len(tasks)
-        for j, task_id in enumerate(tasks):
+        keys = span_keys(span, model_of, bool(by_model))
+        height = 0.8 / len(keys)
+        for j, key in enumerate(keys):
             y = row_of[span["rank"]] - 0.4 + j * height
-            bars.setdefault((task_id, y, height), []).append((span["start"] - t0, span["end"] - span["start"]))
-    for (task_id, y, height), spans in bars.items():
-        ax.broken_barh(spans, (y, height), facecolors=colours.get(task_id, "grey"))
+            bars.setdefault((key, y, height), []).append((span["start"] - t0, span["end"] - span["start"]))
+    for (key, y, height), spans in bars.items():
+        ax.broken_barh(spans, (y, height), facecolors=colours.get(key, "grey"))
     if not ranks:
         ax.text(0.5, 0.5, "no timeline recorded (timeline/rank<N>.jsonl)", ha="center", transform=ax.transAxes)
     ax.set_yticks(range(len(ranks)), [f"rank {rank} {role}{_group_label(run, role, rank)}" for role, rank in ranks])
@@ -68,7 +95,8 @@ def utilisation_gantt(run: RunData, out: Path) -> Path:
         ax.set_xlim(0, wall)
     ax.set(xlabel="seconds since the job started", title=f"utilisation timeline: {run.label}")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, list(colours), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="task")
+    ax.legend(handles, list(colours), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+              title="task / model" if by_model else "task")
     return _save(fig, out / "utilisation_gantt.png")
 
 

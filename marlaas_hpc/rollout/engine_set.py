@@ -27,6 +27,9 @@ empty), which cannot be moved from outside. So on the CPU twin a switch frees an
 memory sleep saves on CPU) and costs no weight copy; a GPU switch also copies the weights to host memory and
 back, which the CPU twin's measured cost leaves out.
 
+The hf engine (engine: hf, transformers + PEFT) sleeps by moving its weights (adapters included) to host memory
+and wakes by moving them back: on CPU, where they already are, a switch moves nothing (`_sleep_engine`).
+
 GPU, several engines in one process: vLLM's cumem allocator is one per process (`CuMemAllocator.get_instance`),
 and its `sleep` / `wake_up` act on every allocation of the process (weights backed up to host, the rest, KV cache
 included, discarded), whichever engine made it: engines in one process cannot sleep apart. A GPU rank therefore
@@ -133,7 +136,7 @@ class EngineSet:
             raise RuntimeError(f"the engine of model {model!r} has requests in flight: it sleeps only when idle "
                                "(their KV cache would be lost)")
         start = time.perf_counter()
-        _sleep_vllm(_llm_of(member.engine))
+        _sleep_engine(member.engine)
         member.asleep = True
         self._awake = None
         return time.perf_counter() - start
@@ -147,7 +150,7 @@ class EngineSet:
         if self._awake is not None:
             raise RuntimeError(f"model {self._awake!r} is awake on this rank: put it to sleep first (or `switch`)")
         start = time.perf_counter()
-        _wake_vllm(_llm_of(member.engine))
+        _wake_engine(member.engine)
         member.asleep = False
         self._awake = model
         queued, member.queued = member.queued, {}
@@ -198,6 +201,36 @@ class EngineSet:
             return self._members[model]
         except KeyError:
             raise KeyError(f"model {model!r} has no engine on this rank (models: {self.models})") from None
+
+
+def _inner(engine: RolloutEngine) -> RolloutEngine:
+    """The engine a RestartingEngine wraps, or the engine itself."""
+    return getattr(engine, "engine", None) or engine
+
+
+def _sleep_engine(engine: RolloutEngine) -> None:
+    """vLLM: sleep mode level 1 (`_sleep_vllm`). The hf engine (transformers + PEFT): its weights, adapters
+    included, go to host memory, as level 1 does (nothing moves on CPU, where they already are); it holds no
+    KV cache between steps (each batch's cache is freed when its `generate` returns)."""
+    from marlaas_hpc.rollout.hf_engine import HfEngine
+
+    inner = _inner(engine)
+    if isinstance(inner, HfEngine):
+        if inner.device.type != "cpu":
+            inner.base.to("cpu")
+        return
+    _sleep_vllm(_llm_of(engine))
+
+
+def _wake_engine(engine: RolloutEngine) -> None:
+    from marlaas_hpc.rollout.hf_engine import HfEngine
+
+    inner = _inner(engine)
+    if isinstance(inner, HfEngine):
+        if inner.device.type != "cpu":
+            inner.base.to(inner.device)
+        return
+    _wake_vllm(_llm_of(engine))
 
 
 def _llm_of(engine: RolloutEngine):

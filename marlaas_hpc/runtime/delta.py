@@ -116,8 +116,10 @@ class DeltaChannel:
 
     def __init__(self, comm, leader: int, rollout_ranks: list[int], device: torch.device | str = "cpu",
                  host: str | None = None, timeout_s: float = 600.0, order: DeltaOrder | None = None,
-                 tolerant: bool = False):
+                 tolerant: bool = False, model: str | None = None):
         self.comm, self.leader, self.rollout_ranks = comm, leader, list(rollout_ranks)
+        self.model = model
+        """Leader: its trainer group's base model, named in every announce (DeltaAnnounce.model)."""
         self.own = torch.device(device)
         self.host, self.timeout_s, self.order, self.tolerant = host, timeout_s, order, tolerant
         self.epoch = 0
@@ -195,7 +197,7 @@ class DeltaChannel:
         names = sorted(tensors)
         seq = self.order.next(self.epoch) if self.order is not None else None
         announce = DeltaAnnounce(task_id, version, names, [tuple(tensors[n].shape) for n in names], lora, seq,
-                                 self.epoch)
+                                 self.epoch, self.model)
         requests = [(rank, self.comm.isend(announce, dest=rank, tag=TAG_DELTA)) for rank in self.rollout_ranks]
         flat = flat_buffer(tensors, names, self.device)
         self.in_flight.append((self.process_group.broadcast(flat, 0), flat, requests))  # the buffer lives until done

@@ -89,8 +89,10 @@ class _ScoringGroup:
 class EnvRank:
     def __init__(self, comm, codec: TextCodec, trainer_leader: int, run_dir=None,
                  pool_config: EnvPoolConfig = EnvPoolConfig(), sandbox: SandboxConfig | None = None,
-                 group_leaders: list[int] | None = None):
+                 group_leaders: list[int] | None = None, model_codecs: dict[str, TextCodec] | None = None):
         self.comm, self.codec, self.trainer_leader = comm, codec, trainer_leader
+        self.model_codecs = model_codecs or {}
+        """Per base model (a job of several): the codec of its tokenizer; a model not here uses `codec`."""
         self.sandbox = sandbox or SandboxConfig()
         """How tenant reward files run here (sandboxed workers; env/tenant_code.py)."""
         self.group_leaders = group_leaders or [trainer_leader]
@@ -166,7 +168,7 @@ class EnvRank:
         self.specs[spec.task_id] = spec
         # rank 0 already checked it loads; a tenant reward file is only read here, it runs in sandboxed workers
         self.tasks[spec.task_id] = task = build_task_data(spec.dataset, spec.prompt.format, sandbox=self.sandbox)
-        self.codecs[spec.task_id] = self.codec.for_prompt(spec.prompt)
+        self.codecs[spec.task_id] = self.model_codecs.get(spec.base_model, self.codec).for_prompt(spec.prompt)
         # rank 0 names an eval prompt by its Sample.index (a file task's line, not its place in the eval split)
         self.eval_samples[spec.task_id] = {sample.index: sample for sample in task.eval_samples()}
         self.pool.add_task(spec.task_id, task)

@@ -273,8 +273,15 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     role = assign_role(rank, job.layout)
     roles = roles_of(job.layout)
     run_dir = Path(job.run_dir).resolve()
-    model_path = Path(comm.bcast(str(job.model_path()) if rank == 0 else None, root=0))
+    # every base model's dir by name (rank 0 builds the tiny model / a random checkpoint once), the default first
+    model_paths = {name: Path(path) for name, path in comm.bcast(
+        {name: str(path) for name, path in job.model_paths().items()} if rank == 0 else None, root=0).items()}
+    model_path = next(iter(model_paths.values()))
     codec = TextCodec.from_pretrained(model_path)
+    several = len(model_paths) > 1
+    # a job of several base models: rank 0 encodes and env ranks decode each task with its model's tokenizer
+    model_codecs = ({name: TextCodec.from_pretrained(path) for name, path in model_paths.items()}
+                    if several and role.kind in ("scheduler", "env") else None)
     groups = trainer_group_ranks(job.layout)
     leaders = [ranks[0] for ranks in groups]
     leader = leaders[0]
@@ -301,7 +308,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - start:.1f} s "
             f"({describe_readiness(readiness)})")
         scheduler = SchedulerRank(comm, job, roles, codec, run_dir, log=log, startup_s=time.time() - start,
-                                  preempt=preempt, resume=resume)
+                                  preempt=preempt, resume=resume, model_codecs=model_codecs)
         scheduler.delta_order = order
         comm.start_heartbeat(scheduler.busy)
         return scheduler.run()
@@ -309,7 +316,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         from marlaas_hpc.runtime.env_rank import EnvRank
 
         worker = EnvRank(comm, codec, leader, run_dir=run_dir, pool_config=job.env_pool, sandbox=job.sandbox,
-                         group_leaders=leaders)
+                         group_leaders=leaders, model_codecs=model_codecs)
         _relay_tier(comm, job, roles, leaders)
         _ready(comm, rank, role.kind, start)
         comm.start_heartbeat(worker.clock)
@@ -320,7 +327,8 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         from marlaas_hpc.runtime.rollout_rank import RolloutRank
 
         t0 = time.time()
-        engine = rollout_engine(job, model_path, rank, seed, binding.device, run_dir)
+        engine = (model_engines(job, model_paths, rank, seed, binding.device, run_dir) if several else
+                  rollout_engine(job, model_path, rank, seed, binding.device, run_dir))
         engine_up = time.time()
         if job.layout.share_gpus:
             _engine_is_up(comm, roles["trainer"])
@@ -348,7 +356,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         if job.layout.share_gpus:
             _wait_for_engines(comm, roles["rollout"])
         t0 = time.time()
-        trainer = _trainer(comm, job, mine, model_path, binding.device)
+        trainer = _trainer(comm, job, mine, model_paths[job.group_models()[role.group]], binding.device)
         built = time.time()
         if rank == mine[0]:
             from marlaas_hpc.runtime.checkpoint import CheckpointPolicy
@@ -362,7 +370,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
             else:
                 order = DeltaOrder(comm, leaders) if len(leaders) > 1 else None
                 delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order,
-                                     tolerant=comm.members.tolerant)
+                                     tolerant=comm.members.tolerant, model=job.group_models()[role.group])
             worker = TrainerRank(comm, trainer, run_dir, rank, mine[1:], delta, groups=groups, group=role.group,
                                  policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
             worker.clock.note("build_model", (), t0, built)
@@ -380,15 +388,29 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     return None
 
 
-def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, device: str, run_dir: Path):
-    """A rollout rank's engine, rebuilt in place if it fails (rollout/restart.py)."""
+def model_engines(job: JobConfig, model_paths: dict[str, Path], rank: int, seed: int, device: str, run_dir: Path):
+    """A rollout rank's engines of a job of several base models: one per model, the first awake
+    (rollout/model_engines.py)."""
+    from marlaas_hpc.rollout.engine_set import EngineSet
+    from marlaas_hpc.rollout.model_engines import ModelEngines
+
+    return ModelEngines(EngineSet({
+        name: (lambda path=path, name=name: rollout_engine(job, path, rank, seed, device, run_dir, name))
+        for name, path in model_paths.items()}))
+
+
+def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, device: str, run_dir: Path,
+                   model: str | None = None):
+    """A rollout rank's engine, rebuilt in place if it fails (rollout/restart.py). `model`: its name, in a job
+    of several (its vLLM work dir)."""
     from marlaas_hpc.model.cache import default_cache_dir
     from marlaas_hpc.rollout import make_engine
     from marlaas_hpc.rollout.restart import RestartingEngine
 
     # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
     if job.engine == "vllm":  # vLLM finds its GPUs through CUDA_VISIBLE_DEVICES (all of them: its TP size)
-        kwargs = {"work_dir": run_dir / "rollout" / f"rank{rank}", "cache_dir": default_cache_dir() / "vllm",
+        work_dir = run_dir / "rollout" / f"rank{rank}" / (model or "")
+        kwargs = {"work_dir": work_dir, "cache_dir": default_cache_dir() / "vllm",
                   **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())}
     else:
         kwargs = {"device": device}
@@ -429,7 +451,9 @@ def join_main(run_dir: str, rank: int) -> None:
 
         device = "cuda:0" if job.layout.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
         t0 = time.time()
-        engine = rollout_engine(job, job.model_path(), rank, job.seed + 7919 * rank, device, run_path)
+        paths = job.model_paths()  # a job of several base models: one engine per model, as the first ranks
+        engine = (model_engines(job, paths, rank, job.seed + 7919 * rank, device, run_path) if len(paths) > 1 else
+                  rollout_engine(job, job.model_path(), rank, job.seed + 7919 * rank, device, run_path))
         engine_up = time.time()
         live.send(Joining(rank), 0, TAG_EVENT)
         peers = recv_wait(live, TAG_CMD, source=0)[0].peers  # LinkTo: who links to it
@@ -512,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     state, ok = None, None
     if comm.Get_rank() == 0:
         try:
-            job.model_path()  # a missing checkpoint stops every rank here, naming `model`
+            job.model_paths()  # a missing checkpoint stops every rank here, naming `model` (or `models.<name>`)
             state = check_run_dir(job, resume)
             if not resume:
                 save_job_file(job, args.config)

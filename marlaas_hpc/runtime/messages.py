@@ -46,6 +46,9 @@ class GenerateWork:
     """Multi-turn: prompt + model + tool token budget of an episode; every turn's cap is cut to fit it."""
     adapter: str | None = None
     """The name of the task's adapter versions after a rollback (TaskState.adapter_key); None: the task id."""
+    model: str | None = None
+    """The task's base model (its name in the job's `models`): which engine of a rollout rank that serves
+    several samples it (rollout/model_engines.py). None: the rank's one engine."""
 
     @property
     def adapter_key(self) -> str:
@@ -134,6 +137,9 @@ class DeltaAnnounce:
     (runtime/delta.py DeltaOrder), which every rollout rank posts them in. None with one group."""
     epoch: int = 0
     """The channel it is broadcast on (a channel is remade when the rollout ranks change: a lost or joined rank)."""
+    model: str | None = None
+    """The base model of the trainer group that trained it (layout.trainer_group_models): which engine of a rollout
+    rank that serves several models installs it. None: the rank's one engine."""
 
 
 @dataclass

@@ -239,7 +239,7 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
     for stat in stats:
         busy.setdefault(stat.kind, []).append(stat.busy_s / max(wall_s, 1e-9))
     summary = {"mode": job.mode, "wall_time_s": wall_s, "startup_s": startup_s, "job_start": job_start,
-               "model": job.model,
+               "model": job.model, "models": job.model_names(),
                "engine": job.engine,
                "busy_fraction": {kind: _mean(values) for kind, values in sorted(busy.items())},
                "preempted": preempted, "previous_runs": runs or [],
@@ -253,6 +253,10 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                "scheduler_rank": next((stat.extra for stat in stats if stat.kind == "scheduler"), {}),
                # rollout engines rebuilt after an engine error (rollout/restart.py), per rollout rank
                "engine_restarts": {str(stat.rank): stat.extra.get("engine_restarts", 0)
-                                   for stat in stats if stat.kind == "rollout"}}
+                                   for stat in stats if stat.kind == "rollout"},
+               # a job of several base models, per rollout rank: switches of its awake engine and their seconds
+               "model_switches": {str(stat.rank): {"switches": stat.extra["model_switches"],
+                                                   "seconds": stat.extra["model_switch_s"]}
+                                  for stat in stats if stat.kind == "rollout" and "model_switches" in stat.extra}}
     atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary

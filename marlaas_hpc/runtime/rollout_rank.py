@@ -20,6 +20,11 @@ no request on it, no episode pinning it); rollout/vllm_engine.py says why memory
 
 An engine that fails (rollout/restart.py: RestartingEngine) is rebuilt in place and its requests re-issued; the
 rank tells rank 0 (EngineRestarted), which logs it. Its groups go on as if nothing happened.
+
+A rank of a job with several base models drives a `ModelEngines` (rollout/model_engines.py: one engine per model,
+one awake) through the same calls: each task's model comes with its work (GenerateWork.model) and its versions
+(DeltaAnnounce.model), and each switch of the awake engine is a `switch` note in the rank's timeline (which model
+it left and woke, and what it cost); summary.json's rollout extras count them.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
+from marlaas_hpc.rollout.model_engines import ModelEngines
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, GenerateWork,
                                           GroupTurn, GroupEnded, PromptGroup, RanksChanged, RankStats, Shutdown)
@@ -80,6 +86,8 @@ class RolloutRank:
         self.counter = 0
         self.clock = BusyClock()
         self.outbox = Outbox(comm)
+        self.models = engine if isinstance(engine, ModelEngines) else None
+        """A job of several base models: the engine per model (None: one engine)."""
         if hasattr(engine, "on_restart"):  # a RestartingEngine
             engine.on_restart = self._engine_restarted
 
@@ -106,21 +114,42 @@ class RolloutRank:
             self._submit_ready()
             from_env = self._drain_env()
             if self.engine.has_unfinished():
-                tasks = sorted({entry.work.task_id for entry in self.open_groups.values()})
-                with self.clock.track("generate", tasks):
+                tasks = self._generating_tasks()
+                with self.clock.track("generate", tasks):  # the span takes `tasks` as they are at its end
                     finished = self.engine.step()
+                    if self.models is not None:  # the step may have switched models: the awake one's tasks
+                        tasks[:] = self._generating_tasks(self.models.awake)
+                self._note_switches()
                 self._collect(finished)
             elif not commands and not from_env:
                 time.sleep(0.002)
             self._drop_retired()
-        self.outbox.send(RankStats(self.rank, "rollout", self.clock.busy, self.clock.wall(),
-                               {"engine_restarts": getattr(self.engine, "restarts", 0)}), 0, TAG_EVENT)
+        extra = {"engine_restarts": getattr(self.engine, "restarts", 0)}
+        if self.models is not None:
+            switches = self.models.switches
+            extra.update(models=self.models.models, model_switches=len(switches),
+                         model_switch_s=sum(cost.total_s for cost in switches))
+        self.outbox.send(RankStats(self.rank, "rollout", self.clock.busy, self.clock.wall(), extra), 0, TAG_EVENT)
         if self.run_dir is not None:
             write_timeline(self.run_dir, self.rank, "rollout", self.clock)
         self.outbox.flush()
         self.delta.close()  # relay mode: this rank's relay ends once every leader has closed
         # the engine is not shut down: the process ends next (runtime/main.py end_rank), and vLLM's orderly
         # shutdown took ~0.9 s that frees nothing the exit does not
+
+    def _generating_tasks(self, model: str | None = None) -> list[str]:
+        """The tasks of the open groups (of `model` only, when given: the awake engine's)."""
+        return sorted({entry.work.task_id for entry in self.open_groups.values()
+                       if model is None or entry.work.model == model})
+
+    def _note_switches(self) -> None:
+        """Each switch of the awake model's engine in the last step: a timeline note (it ended now)."""
+        if self.models is None:
+            return
+        now = time.time()
+        for cost in self.models.pop_switches():
+            self.clock.note("switch", (), now - cost.total_s, now, from_model=cost.from_model,
+                            to_model=cost.to_model, sleep_s=cost.sleep_s, wake_s=cost.wake_s)
 
     def _ranks_changed(self, change: RanksChanged) -> None:
         """An env rank lost: the groups bound for it were issued again elsewhere; each is closed here (its version
@@ -153,6 +182,8 @@ class RolloutRank:
                 tensors = receive()
                 if announce.version <= self.versions.get(announce.task_id, -1):
                     continue
+                if self.models is not None:
+                    self.models.assign(announce.task_id, announce.model)
                 self.engine.add_adapter(AdapterRef(announce.task_id, announce.version, tensors=tensors,
                                                    lora=announce.lora))
             self.versions[announce.task_id] = announce.version
@@ -180,6 +211,8 @@ class RolloutRank:
         self.waiting = still_waiting
 
     def _start(self, work: GenerateWork) -> None:
+        if self.models is not None:
+            self.models.assign(work.adapter_key, work.model)
         requests = []
         for group in work.groups:
             entry = _SamplingGroup(work, group, work.version, time.time())

@@ -36,13 +36,16 @@ from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, RankJ
 from marlaas_hpc.service import QueueIntake
 from marlaas_hpc.env import build_task_data
 from marlaas_hpc.tasks import SpecError
-from marlaas_hpc.tasks.spec import check_base_model
+from marlaas_hpc.tasks.spec import check_trained, with_base_model
 
 
 class SchedulerRank:
     def __init__(self, comm, job, roles: dict[str, list[int]], codec: TextCodec, run_dir: Path, log=print,
-                 startup_s: float = 0.0, preempt: PreemptFlag | None = None, resume: dict | None = None):
+                 startup_s: float = 0.0, preempt: PreemptFlag | None = None, resume: dict | None = None,
+                 model_codecs: dict[str, TextCodec] | None = None):
         self.comm, self.job, self.roles, self.codec = comm, job, roles, codec
+        self.model_codecs = model_codecs or {}
+        """Per base model (a job of several): the codec of its tokenizer; a model not here uses `codec`."""
         self.run_dir, self.log = Path(run_dir), QuietLog(log)
         self.outbox = Outbox(comm)
         self.start = time.time()
@@ -120,7 +123,8 @@ class SchedulerRank:
         by `tasks add`, and one written by hand fails its task at first use: a file that hangs while loading
         must not stall rank 0)."""
         try:
-            check_base_model(spec.base_model, self.job.model_names())
+            spec = with_base_model(spec, self.job.model_names())
+            check_trained(spec.base_model, self.job.group_models())
             self.data[spec.task_id] = build_task_data(spec.dataset, spec.prompt.format, sandbox=self.job.sandbox)
             self.codecs[spec.task_id] = self._codec_for(spec)
             if check_code:
@@ -139,9 +143,9 @@ class SchedulerRank:
     def _codec_for(self, spec):
         """The codec of the spec's prompt format; a chat task on a tokenizer without a template is refused."""
         try:
-            return self.codec.for_prompt(spec.prompt)
+            return self.model_codecs.get(spec.base_model, self.codec).for_prompt(spec.prompt)
         except ValueError as exc:
-            raise SpecError("prompt.format", f"{exc} ({self.job.model})") from None
+            raise SpecError("prompt.format", f"{exc} ({spec.base_model or self.job.model})") from None
 
     def _handle(self, event) -> list:
         """The scheduler's handling of an event, and what it changes in the run dir (RunBooks.handled: records
@@ -422,7 +426,7 @@ class SchedulerRank:
         task = self.scheduler.tasks[command.task_id]
         return GenerateWork(command.task_id, command.version, command.env_rank, groups, algo.group_size,
                             algo.temperature, algo.max_new_tokens, **self._episodes(command.task_id),
-                            adapter=task.adapter_key if task.rollbacks else None)
+                            adapter=task.adapter_key if task.rollbacks else None, model=task.spec.base_model)
 
     def _episodes(self, task_id: str) -> dict:
         """GenerateWork fields of a multi-turn (tool) task: its rollout rank keeps its groups open."""
@@ -442,7 +446,8 @@ class SchedulerRank:
         task = self.scheduler.tasks[task_id]
         work = GenerateWork(task_id, version, env, groups, 1, 0.0, spec.algo.max_new_tokens, eval=True,
                             **self._episodes(task_id),
-                            adapter=task.adapter_key if task.rollbacks and version is not None else None)
+                            adapter=task.adapter_key if task.rollbacks and version is not None else None,
+                            model=spec.base_model)
         self.outbox.send(work, rollout, TAG_CMD)
         for group in groups:
             self.eval_out[group.group_id] = (dataclasses.replace(work, groups=[group]), rollout)

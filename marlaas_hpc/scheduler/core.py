@@ -244,6 +244,9 @@ class SchedulerConfig:
     is present into one step that shares the base model's forward and backward. 1 = one task per step."""
     trainer_groups: int = 1
     """Independent trainer groups; each task is owned by one (placement by tokens per step)."""
+    trainer_group_models: tuple[str, ...] = ()
+    """The base model each trainer group loads (one per group): a task is placed only on a group of its
+    `spec.base_model`. Empty: every group loads the job's one model."""
 
     def validate(self) -> "SchedulerConfig":
         if self.mode not in MODES:
@@ -254,6 +257,9 @@ class SchedulerConfig:
             raise ValueError("the scheduler needs at least one rollout rank and one env rank")
         if self.rollout_slots < 1 or self.max_adapters < 1 or self.trainer_slots < 1 or self.trainer_groups < 1:
             raise ValueError("rollout_slots, max_adapters, trainer_slots and trainer_groups must be >= 1")
+        if self.trainer_group_models and len(self.trainer_group_models) != self.trainer_groups:
+            raise ValueError(f"trainer_group_models: {len(self.trainer_group_models)} models for "
+                             f"{self.trainer_groups} trainer groups")
         return self
 
 
@@ -263,8 +269,8 @@ class TrainerGroups:
 
     __slots__ = ("placement", "heaps", "busy", "ready", "moving", "lost")
 
-    def __init__(self, groups: int):
-        self.placement = Placement(groups)
+    def __init__(self, groups: int, models: tuple[str, ...] = ()):
+        self.placement = Placement(groups, models)
         self.heaps: list[list] = [[] for _ in range(groups)]
         """Per group: heap of (order key, stamp, task_id) of its trainable tasks (stale entries skipped)."""
         self.busy = [0] * groups
@@ -294,7 +300,7 @@ class Scheduler:
         self.env_load = {rank: 0 for rank in config.env_ranks}
         self.training: set[str] = set()
         """Tasks with a Train order in flight (at most trainer_slots per trainer group)."""
-        self.trainers = TrainerGroups(config.trainer_groups)
+        self.trainers = TrainerGroups(config.trainer_groups, config.trainer_group_models)
         """Placement of tasks on trainer groups, and each group's train heap and orders in flight. (State about
         groups lives in this one object: an instance with more than 29 attributes loses CPython's fast
         attribute loads, which made every event of a one-group job 7% dearer.)"""
@@ -684,7 +690,8 @@ class Scheduler:
             task.status, task.admitted_at = RUNNING, self.clock()
             self._n_running += 1
             task.trainer_group = (0 if self._train_heap is not None else
-                                  self.trainers.placement.place(task.task_id, estimated_tokens_per_step(task.spec)))
+                                  self.trainers.placement.place(task.task_id, estimated_tokens_per_step(task.spec),
+                                                                task.spec.base_model))
             self.mode.admitted(task)
             self._touch(task)
             out.append(Admit(task.spec, task.resume_version, task.trainer_group,

@@ -6,9 +6,10 @@ tokens per step (what its train steps cost), not its task count: one task with 1
 much as many tasks with short ones. A task's tokens per step start as an estimate from its spec and become the
 mean measured over its steps (StepDone metrics 'step_tokens') once it has trained.
 
-    place(task)      a new (or resumed) task goes to the least-loaded group (ties: the lowest index)
+    place(task)      a new (or resumed) task goes to the least-loaded group of its base model (ties: the lowest
+                     index; issue #28: each group loads one base model, `models`)
     observe(task, n) a step of the task trained n tokens (prompt + completion): its cost is the measured mean
-    move_target(t)   at t's step boundary: the least-loaded group if moving t there lowers the larger of the
+    move_target(t)   at t's step boundary: the least-loaded group of t's model if moving t there lowers the larger of the
                      two groups' loads by at least MOVE_GAIN of it, else None (a move hands over the adapter
                      and optimizer state, so it must be worth it)
     release(task)    the task ended: its group sheds its load
@@ -32,10 +33,19 @@ def estimated_tokens_per_step(spec: TaskSpec) -> float:
 
 
 class Placement:
-    def __init__(self, groups: int):
+    def __init__(self, groups: int, models: tuple[str, ...] = ()):
         if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
             raise ValueError(f"trainer_groups: must be an integer >= 1, got {groups!r}")
+        if models and len(models) != groups:
+            raise ValueError(f"trainer_group_models: {len(models)} models for {groups} trainer groups")
         self.groups = groups
+        self.models = tuple(models)
+        """The base model each group loads (empty: every group loads the job's one model)."""
+        self._groups_of: dict[str, list[int]] = {}
+        for group, model in enumerate(self.models):
+            self._groups_of.setdefault(model, []).append(group)
+        self.model_of: dict[str, str | None] = {}
+        """task -> the base model it was placed by (None: any group)."""
         self.load = [0.0] * groups
         """Tokens per step of the tasks each group owns."""
         self.tasks = [0] * groups
@@ -46,20 +56,34 @@ class Placement:
         self._measured: dict[str, tuple[float, int]] = {}
         """task -> (sum of measured step tokens, steps measured)."""
 
-    def place(self, task_id: str, tokens_per_step: float) -> int:
-        """The least-loaded group (ties: the lowest index) takes the task."""
+    def groups_of(self, model: str | None) -> list[int] | None:
+        """The groups that load `model` (None: every group, a job of one model or a task naming none);
+        ValueError naming `base_model` if none does."""
+        if not self.models or model is None:
+            return None
+        groups = self._groups_of.get(model)
+        if not groups:
+            raise ValueError(f"base_model: no trainer group loads model {model!r} (groups load "
+                             f"{sorted(self._groups_of)})")
+        return groups
+
+    def place(self, task_id: str, tokens_per_step: float, model: str | None = None) -> int:
+        """The least-loaded group of `model` (ties: the lowest index) takes the task."""
         if task_id in self.owner:
             raise ValueError(f"task {task_id!r} is already placed on trainer group {self.owner[task_id]}")
-        group = self.least_loaded()
+        group = self.least_loaded(self.groups_of(model))
+        self.model_of[task_id] = model
         self.owner[task_id], self.cost[task_id] = group, float(tokens_per_step)
         self.load[group] += self.cost[task_id]
         self.tasks[group] += 1
         return group
 
-    def least_loaded(self) -> int:
-        """The group with the least load (ties: the lowest index)."""
+    def least_loaded(self, among: list[int] | None = None) -> int:
+        """The group with the least load, of `among` (None: of all; ties: the lowest index)."""
         load = self.load
-        return load.index(min(load))  # two C-level scans: the scheduler asks at every step boundary
+        if among is None:
+            return load.index(min(load))  # two C-level scans: the scheduler asks at every step boundary
+        return min(among, key=load.__getitem__)
 
     def observe(self, task_id: str, step_tokens: float) -> None:
         """A step of the task trained `step_tokens` tokens: its cost becomes the mean of its measured steps."""
@@ -73,7 +97,7 @@ class Placement:
     def move_target(self, task_id: str) -> int | None:
         """The group the task should move to now (at its step boundary), or None."""
         source = self.owner[task_id]
-        target = self.least_loaded()
+        target = self.least_loaded(self.groups_of(self.model_of.get(task_id)))
         if target == source:
             return None
         cost = self.cost[task_id]
@@ -97,6 +121,7 @@ class Placement:
 
     def release(self, task_id: str) -> None:
         group = self.owner.pop(task_id, None)
+        self.model_of.pop(task_id, None)
         if group is not None:
             self.load[group] -= self.cost.pop(task_id)
             self._measured.pop(task_id, None)

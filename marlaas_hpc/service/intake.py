@@ -17,7 +17,7 @@ from marlaas_hpc.service.isolation import (allowed_roots, check_data_paths, chec
                                           resolve_data_paths)
 from marlaas_hpc.service.queue import QueueEntry, TaskQueue
 from marlaas_hpc.service.quotas import TaskRecord, TenantQuota, check_quota
-from marlaas_hpc.tasks.spec import TaskSpec, check_base_model
+from marlaas_hpc.tasks.spec import TaskSpec, check_base_model, check_trained
 
 JOB_FILE = "job.json"
 
@@ -33,6 +33,9 @@ class IntakeRules:
     models: dict[str, str] = field(default_factory=dict)
     """The job's base models by name (JobConfig.model_names); a spec's base_model must name one (or be None).
     Empty (a job.json written before models existed): the one model `model`."""
+    trainer_group_models: list[str] = field(default_factory=list)
+    """The model each trainer group loads (JobConfig.group_models): a spec's model must have one. Empty (a
+    job.json written before groups owned a model): not checked."""
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
     run_dir: str = "."
     serve_idle_s: float = 0.0
@@ -45,7 +48,8 @@ class IntakeRules:
 
     @classmethod
     def from_job(cls, job, run_dir: str | Path) -> "IntakeRules":
-        return cls(model=job.model, models=job.model_names(), max_lora_rank=job.max_lora_rank,
+        return cls(model=job.model, models=job.model_names(), trainer_group_models=job.group_models(),
+                   max_lora_rank=job.max_lora_rank,
                    data_roots=list(job.data_roots),
                    tenant_quotas=dict(job.tenant_quotas), run_dir=str(Path(run_dir).resolve()),
                    serve_idle_s=job.serve_idle_s, tenants=dict(job.tenants), sandbox=job.sandbox)
@@ -73,7 +77,9 @@ def check_spec(data: Any, rules: IntakeRules, existing: Iterable[TaskRecord], ba
     spec = resolve_data_paths(TaskSpec.from_dict(data), base_dir)
     if owner_uid is not None:
         rules.check_owner(owner_uid, spec.tenant)
-    check_base_model(spec.base_model, rules.models or {rules.model: rules.model})
+    model = check_base_model(spec.base_model, rules.models or {rules.model: rules.model})
+    if rules.trainer_group_models:
+        check_trained(model, rules.trainer_group_models)
     if spec.lora.rank > rules.max_lora_rank:
         raise SpecError("lora.rank", f"{spec.lora.rank} exceeds the job's max_lora_rank {rules.max_lora_rank}")
     existing = list(existing)

@@ -415,6 +415,21 @@ def check_base_model(base_model: str | None, models: dict[str, str], field: str 
                            f"{sorted(models)}")
 
 
+def check_trained(model: str, group_models: list[str], field: str = "base_model") -> None:
+    """SpecError naming `field` unless a trainer group loads `model` (`group_models`: each group's model,
+    JobConfig.group_models)."""
+    if model not in group_models:
+        raise SpecError(field, f"no trainer group loads model {model!r} (layout.trainer_group_models: "
+                               f"{group_models})")
+
+
+def with_base_model(spec: TaskSpec, models: dict[str, str]) -> TaskSpec:
+    """The spec with its `base_model` named as the job names it (None: the first model; a path: its name), as
+    rank 0 admits it: summary.json, status.json and trainer placement read the name. SpecError as
+    `check_base_model`."""
+    return dataclasses.replace(spec, base_model=check_base_model(spec.base_model, models))
+
+
 def _same_path(a: str, b: str) -> bool:
     from pathlib import Path
 

@@ -1,0 +1,50 @@
+"""A job of two base models end to end under mpirun (issue #28): configs/multi-model-demo.yaml (the tiny char
+model and chat-mini, two tasks each) with ONE rollout rank holding an engine per model and two trainer groups,
+one per model. Every task runs to its last step on a trainer group of its model, each model's adapters are
+trained on that model, the rollout rank switched engines (timeline notes, summary.json), and summary.json and
+`marlaas status` name each task's model."""
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from test_runtime_mpi import ROOT, run_marlaas
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+MODEL_OF = {"add": "tiny", "sort": "tiny", "gsm8k-hash": "chat", "gsm8k-boxed": "chat"}
+
+
+def test_two_models_share_one_rollout_rank_and_train_on_their_own_groups(tmp_path):
+    from marlaas_hpc.model.chat_mini import ensure_chat_mini
+    from marlaas_hpc.tiny_model import ensure_tiny_model
+
+    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    for task in config["tasks"]:
+        task["total_steps"] = 2
+    proc, run_dir = run_marlaas(config, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    tasks = summary["tasks"]
+    assert summary["models"] == {"tiny": "tiny", "chat": "chat-mini"}
+    assert {t: s["base_model"] for t, s in tasks.items()} == MODEL_OF
+    assert all(s["status"] == "done" and s["steps_done"] == 2 for s in tasks.values()), tasks
+    group_model = {0: "tiny", 1: "chat"}
+    assert all(group_model[s["trainer_group"]] == MODEL_OF[t] for t, s in tasks.items())
+    assert all(s["eval_accuracy_after"] is not None for s in tasks.values())
+    paths = {"tiny": str(ensure_tiny_model()), "chat": str(ensure_chat_mini())}
+    for task_id, info in tasks.items():
+        adapter = run_dir / "tasks" / info["tenant"] / task_id / "adapters" / "v0002" / "adapter_config.json"
+        assert json.loads(adapter.read_text())["base_model_name_or_path"] == paths[MODEL_OF[task_id]]
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] for r in audit)
+    (rank, switches), = summary["model_switches"].items()
+    assert switches["switches"] >= 1
+    notes = [json.loads(line) for line in (run_dir / "timeline" / f"rank{rank}.jsonl").read_text().splitlines()]
+    moves = {(n["from_model"], n["to_model"]) for n in notes if n["stage"] == "switch"}
+    assert ("tiny", "chat") in moves or ("chat", "tiny") in moves
+    status = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "status", str(run_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[2:]}
+    assert {t: rows[t][2] for t in MODEL_OF} == MODEL_OF
