@@ -152,9 +152,11 @@ def bench_join(name: str, steps: int, out: Path) -> dict:
         groups = [r for r in spans if r.get("stage") == "group"]
         first = min((g["end"] for g in groups), default=None)
         weights = [r["end"] - r["start"] for r in spans if r.get("stage") == "base_weights"]
+        plan = [r["end"] - r["start"] for r in spans if r.get("stage") == "weights_plan"]
         engine = [r["end"] - r["start"] for r in spans if r.get("stage") == "start_engine"]
         joined.append({"rank": record["rank"], "join_s": record["start_s"], "weights": layout["join_weights"],
-                       "base_weights_s": weights[0] if weights else None, "engine_s": engine[0] if engine else None,
+                       "base_weights_s": weights[0] if weights else None, "plan_wait_s": plan[0] if plan else None,
+                       "engine_s": engine[0] if engine else None,
                        "first_group_s": None if first is None else first - spawned, "groups": len(groups)})
     return {"fault": name, "joiners": wanted - 1, "joined": joined, "wall_s": summary["wall_time_s"]}
 
@@ -173,7 +175,8 @@ def main() -> None:
         if "joined" in result:
             for j in result["joined"]:
                 first = "-" if j["first_group_s"] is None else f"{j['first_group_s']:.1f} s"
-                weights = "" if j["base_weights_s"] is None else f" in {j['base_weights_s']:.2f} s"
+                weights = "" if j["base_weights_s"] is None else \
+                    f" in {j['base_weights_s']:.2f} s after {j['plan_wait_s']:.2f} s waiting for its chain's plan"
                 print(f"{name}: rank {j['rank']} joined {j['join_s']:.1f} s after its start, first group at "
                       f"{first} ({j['groups']} groups; base weights from {j['weights']}{weights}, engine "
                       f"{j['engine_s']:.1f} s)")

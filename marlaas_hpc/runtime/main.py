@@ -402,9 +402,10 @@ def join_main(run_dir: str, rank: int) -> None:
 
         device = "cuda:0" if job.layout.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
         t0 = time.time()
-        model_dir, local = job.model_path(), None
+        disk = model_dir = job.model_path()
+        planned = t0
         if job.layout.join_weights == "peer":
-            model_dir = local = _weights_from_peer(live, rank, run_path, model_dir)
+            model_dir, planned = _weights_from_peer(live, rank, run_path, disk)
         weights_in = time.time()
         engine = rollout_engine(job, model_dir, rank, job.seed + 7919 * rank, device, run_path)
         engine_up = time.time()
@@ -420,8 +421,9 @@ def join_main(run_dir: str, rank: int) -> None:
             live.send(gpu_key(torch.device(device)), leader, TAG_DELTA)
         worker = RolloutRank(live, engine, DeltaFanIn(live, [], leaders=leaders, device=device, tolerant=True),
                              seed=job.seed + 7919 * rank, run_dir=run_path, model_dir=model_dir)
-        if local is not None:
-            worker.clock.note("base_weights", (), t0, weights_in)
+        if job.layout.join_weights == "peer":  # waiting for the plan (every joiner of its batch asked), then the copy
+            worker.clock.note("weights_plan", (), t0, planned)
+            worker.clock.note("base_weights", (), planned, weights_in, peer=model_dir != disk)
         worker.clock.note("start_engine", (), weights_in, engine_up)
         live.start_heartbeat(worker.clock)
         worker.run()
@@ -436,10 +438,10 @@ def join_main(run_dir: str, rank: int) -> None:
     end_rank(0)
 
 
-def _weights_from_peer(live, rank: int, run_dir: Path, disk_dir: Path) -> Path:
+def _weights_from_peer(live, rank: int, run_dir: Path, disk_dir: Path) -> tuple[Path, float]:
     """A joining rank, `layout.join_weights: peer`: the base model's files from a live rollout rank (or the joiner
     before it in a chain) into node-local tmp, forwarded to the next joiner as they come (runtime/peer_weights.py);
-    the disk's model directory if rank 0 names no feeder."""
+    the disk's model directory if rank 0 names no feeder. Returns the directory and when rank 0's plan came."""
     from marlaas_hpc.runtime.comm import recv_wait
     from marlaas_hpc.runtime.membership import accept_links, connect_link, open_port
     from marlaas_hpc.runtime.messages import TAG_CMD, TAG_EVENT, WeightsWanted
@@ -448,8 +450,9 @@ def _weights_from_peer(live, rank: int, run_dir: Path, disk_dir: Path) -> Path:
     port = open_port()
     live.send(WeightsWanted(rank, port), 0, TAG_EVENT)
     plan = recv_wait(live, TAG_CMD, source=0)[0]
+    planned = time.time()
     if plan.feeder is None:
-        return disk_dir
+        return disk_dir, planned
     feeder = accept_links({plan.feeder: port})[plan.feeder]
     forward = forward_link = None
     if plan.forward_port is not None:
@@ -466,7 +469,7 @@ def _weights_from_peer(live, rank: int, run_dir: Path, disk_dir: Path) -> Path:
     print(f"[join] rank {rank}: base weights from rank {plan.feeder} ({got.peer_bytes / 2**20:.1f} MiB in "
           f"{got.seconds:.1f} s" + (f", then rank {plan.forward_to}" if forward is not None else "") +
           f"; sizes and crc32 checked) in {got.path}", flush=True)
-    return got.path
+    return got.path, planned
 
 
 def _remove_local_weights(run_dir: Path, rank: int) -> None:

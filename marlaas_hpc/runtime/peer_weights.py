@@ -50,8 +50,9 @@ def local_weights_dir(run_dir: Path, rank: int) -> Path:
     return Path(os.environ.get("TMPDIR") or "/tmp") / f"marlaas-base-{tag}-rank{rank}"
 
 
-def chunks_of(model_dir: Path, files: list[tuple[str, int]], start: tuple[int, int] = (0, 0)):
-    """(file index, chunk) over `files` read from `model_dir`, from file index / offset `start` on."""
+def chunks_of(model_dir: Path, files: list[tuple[str, int]], start: tuple[int, int] = (0, 0), ring=None):
+    """(file index, chunk) over `files` read from `model_dir`, from file index / offset `start` on; each chunk read
+    into the next buffer of `ring` (a _Ring: no allocation per chunk), or a new bytes object without one."""
     first, offset = start
     for index in range(first, len(files)):
         name, size = files[index]
@@ -59,12 +60,43 @@ def chunks_of(model_dir: Path, files: list[tuple[str, int]], start: tuple[int, i
             f.seek(offset)
             position = offset
             while position < size:
-                chunk = f.read(min(CHUNK_BYTES, size - position))
-                if not chunk:
+                want = min(CHUNK_BYTES, size - position)
+                if ring is None:
+                    chunk = f.read(want)
+                    got = len(chunk)
+                else:
+                    chunk = ring.take(want)
+                    got = f.readinto(chunk)
+                    chunk = chunk[:got]
+                if not got:
                     raise OSError(f"{name} is shorter than {size} bytes")
-                position += len(chunk)
+                position += got
                 yield index, chunk
         offset = 0
+
+
+class _Ring:
+    """WINDOW + 1 chunk buffers used in turn (allocating and zeroing a 4 MiB buffer per chunk cost more than the
+    crc32 of it); a buffer is taken again only once the send that last carried it is done."""
+
+    def __init__(self, sender: "WeightSender"):
+        self.sender = sender
+        self.buffers: list[bytearray | None] = [None] * (WINDOW + 1)
+        self.requests: list = [None] * (WINDOW + 1)
+        self.slot = -1
+
+    def take(self, nbytes: int) -> memoryview:
+        self.slot = (self.slot + 1) % len(self.buffers)
+        request = self.requests[self.slot]
+        while request is not None and not self.sender.completed(request):
+            time.sleep(0.0002)
+        if self.buffers[self.slot] is None or len(self.buffers[self.slot]) < nbytes:
+            self.buffers[self.slot] = bytearray(max(nbytes, min(CHUNK_BYTES, 1 << 20)))
+        return memoryview(self.buffers[self.slot])[:nbytes]
+
+    def hold(self, request) -> None:
+        """The send carrying the buffer taken last."""
+        self.requests[self.slot] = request
 
 
 class WeightSender:
@@ -91,15 +123,28 @@ class WeightSender:
             self.failed, self.pending = exc, []
         return len(self.pending) < WINDOW
 
-    def push(self, chunk) -> None:
-        """Sends one chunk, waiting for room first."""
+    def push(self, chunk):
+        """Sends one chunk, waiting for room first; returns its request (None once failed)."""
         from mpi4py import MPI
 
         while not self.room():
-            time.sleep(0.0005)
-        if self.failed is None:
-            self._post(self.link.Isend([chunk, MPI.BYTE], dest=self.peer, tag=TAG_CHUNK), chunk)
-            self.sent_bytes += len(chunk)
+            time.sleep(0.0002)
+        if self.failed is not None:
+            return None
+        request = self.link.Isend([chunk, MPI.BYTE], dest=self.peer, tag=TAG_CHUNK)
+        self._post(request, chunk)
+        self.sent_bytes += len(chunk)
+        return request
+
+    def completed(self, request) -> bool:
+        """Whether one posted send is done (a failed link: every send counts as done)."""
+        if self.failed is not None:
+            return True
+        try:
+            return request.Test()
+        except Exception as exc:  # the receiver died
+            self.failed, self.pending = exc, []
+            return True
 
     def finish(self, sums: list[int]) -> None:
         self._post(self.link.isend(sums, dest=self.peer, tag=TAG_SUMS), None)
@@ -125,7 +170,8 @@ class PeerFeed:
         self.files = manifest(self.model_dir)
         self.sender = WeightSender(link, peer)
         self.sender.start(self.files)
-        self.chunks = chunks_of(self.model_dir, self.files)
+        self.ring = _Ring(self.sender)
+        self.chunks = chunks_of(self.model_dir, self.files, ring=self.ring)
         self.sums = [0] * len(self.files)
         self.all_posted = False
 
@@ -139,7 +185,7 @@ class PeerFeed:
                 break
             index, chunk = item
             self.sums[index] = zlib.crc32(chunk, self.sums[index])
-            self.sender.push(chunk)
+            self.ring.hold(self.sender.push(chunk))
         return self.sender.failed is not None or (self.all_posted and self.sender.done())
 
     def close(self) -> None:
@@ -180,6 +226,7 @@ def receive_weights(link, out_dir: Path, disk_dir: Path, forward: WeightSender |
     sums = [0] * len(files)
     at = (0, 0)  # the next file index and offset to be received
     status = MPI.Status()
+    ring = _Ring(forward if forward is not None else WeightSender(None))
     for index, (name, size) in enumerate(files):
         target = out_dir / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -188,7 +235,7 @@ def receive_weights(link, out_dir: Path, disk_dir: Path, forward: WeightSender |
             while got < size and fell_back is None:
                 try:
                     _wait_probe(link, peer, TAG_CHUNK, status)
-                    chunk = bytearray(status.Get_count(MPI.BYTE))
+                    chunk = ring.take(status.Get_count(MPI.BYTE))
                     link.Recv([chunk, MPI.BYTE], source=peer, tag=TAG_CHUNK)
                 except _FeederLost as lost:
                     fell_back = lost.why
@@ -201,14 +248,14 @@ def receive_weights(link, out_dir: Path, disk_dir: Path, forward: WeightSender |
                 peer_bytes += len(chunk)
                 sums[index] = zlib.crc32(chunk, sums[index])
                 if forward is not None:
-                    forward.push(chunk)
+                    ring.hold(forward.push(chunk))
             at = (index, got)
             if fell_back is not None:
                 break
     if fell_back is not None:
         log(f"[join] {feeder} lost while sending the base weights ({fell_back}; {peer_bytes / 2**20:.1f} of "
             f"{sum(s for _, s in files) / 2**20:.1f} MiB received): the rest from the disk ({disk_dir})")
-        _rest_from_disk(disk_dir, files, at, out_dir, sums, forward)
+        _rest_from_disk(disk_dir, files, at, out_dir, sums, forward, ring)
     else:
         theirs = _wait_obj(link, peer, TAG_SUMS)
         bad = [name for (name, _), a, b in zip(files, sums, theirs) if a != b]
@@ -223,14 +270,16 @@ def receive_weights(link, out_dir: Path, disk_dir: Path, forward: WeightSender |
     return WeightsReceived(out_dir, peer_bytes, fell_back, time.time() - t0)
 
 
-def _rest_from_disk(disk_dir, files, at, out_dir, sums, forward) -> None:
+def _rest_from_disk(disk_dir, files, at, out_dir, sums, forward, ring) -> None:
     """After a lost feeder: file `at[0]` from offset `at[1]` on, and every later file, from the disk."""
-    for index, chunk in chunks_of(disk_dir, files, at):
-        with open(Path(out_dir) / files[index][0], "ab", buffering=0) as f:
+    for index, chunk in chunks_of(disk_dir, files, at, ring):
+        target = Path(out_dir) / files[index][0]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "ab", buffering=0) as f:
             f.write(chunk)
         sums[index] = zlib.crc32(chunk, sums[index])
         if forward is not None:
-            forward.push(chunk)
+            ring.hold(forward.push(chunk))
 
 
 class _FeederLost(Exception):
