@@ -47,6 +47,8 @@ def rank_main(model: str, engine_kind: str, mode: str, out: str) -> None:
     disk = model_dir(model)
     if rank > 0 and engine_kind == "hf":  # the library imports before the clock: each run pays them alike
         import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+    if engine_kind == "vllm":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     comm.Barrier()
     t0 = time.time()
     if rank == 0:
@@ -64,7 +66,8 @@ def rank_main(model: str, engine_kind: str, mode: str, out: str) -> None:
         if forward is not None:
             forward.wait()
         path, weights_s = got.path, time.time() - t0
-    kwargs = {"device": "cpu"} if engine_kind == "hf" else {"work_dir": Path(out) / f"vllm{rank}"}
+    kwargs = {"device": "cpu"} if engine_kind == "hf" else {"work_dir": Path(out) / f"vllm{rank}",
+                                                            "max_model_len": 512}
     engine = make_engine(engine_kind, path, seed=rank, **kwargs)
     engine_s = time.time() - t0
     codec = TextCodec.from_pretrained(path)
