@@ -4,7 +4,7 @@ before and forwards to the next as it receives). Each joiner then builds the hf 
 rank 0 from the disk, and all three sample the same requests with the same adapter at the same version; rank 0
 prints one JSON line with what each rank found.
 
-    python tests/peer_weights_ranks.py MODEL_DIR OUT_DIR ADAPTER_DIR [--kill-feeder-after N]
+    python tests/peer_weights_ranks.py MODEL_DIR OUT_DIR ADAPTER_DIR [--kill-feeder-after N | --bad-sums]
 """
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ def main() -> None:
     result = {"rank": rank}
     if rank == 0:
         feed, turns = PeerFeed(comm, model_dir, peer=1), 0
+        if "--bad-sums" in sys.argv:  # what a chunk damaged on the way would look like: every crc32 differs
+            finish = feed.sender.finish
+            feed.sender.finish = lambda sums: finish([(x + 1) % 2**32 for x in sums])
         while not feed.progress():
             turns += 1  # a live rollout rank's loop: an engine step between turns
             if kill_after is not None and feed.sender.sent_bytes >= kill_after:
@@ -57,11 +60,13 @@ def main() -> None:
                               log=lines.append, feeder=f"rank {rank - 1}")
         if forward is not None:
             forward.wait()
-        result.update(peer_bytes=got.peer_bytes, fell_back=got.fell_back, lines=lines, path=str(got.path))
+        result.update(peer_bytes=got.peer_bytes, fell_back_lines=len(lines), fell_back=got.fell_back, lines=lines, path=str(got.path))
         mine = logprobs(got.path, adapter)
     if kill_after is not None:  # rank 0 is gone: no collective; each joiner prints its own line
         print(json.dumps({**result, "logprobs": mine, "disk": logprobs(model_dir, adapter)}), flush=True)
         os._exit(0)
+    if "--bad-sums" in sys.argv and rank > 0:
+        print(json.dumps(result), flush=True)
     everyone = comm.gather((result, mine), root=0)
     if rank == 0:
         disk = everyone[0][1]

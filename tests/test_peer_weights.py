@@ -42,7 +42,7 @@ def test_a_chain_of_two_joiners_receives_the_model_byte_identical_and_samples_as
         tmp_path, tiny_model_path, make_lora_adapter):
     (report,) = _run(3, tmp_path, tiny_model_path, make_lora_adapter("peer", seed=5))
     feeder, first, second = report["ranks"]
-    assert feeder["turns"] > 1, "the live rank sent over several turns of its loop, not in one go"
+    assert feeder["turns"] >= 2, "the live rank sent over several turns of its loop (16 chunks of 64 KiB a turn at most)"
     size = sum(s for _, s in manifest(tiny_model_path))
     assert first["peer_bytes"] == size and second["peer_bytes"] == size and not first["fell_back"]
     for joiner in (first, second):
@@ -59,3 +59,15 @@ def test_a_feeder_lost_mid_transfer_leaves_the_joiner_reading_the_rest_from_disk
     assert line.startswith("[join] rank 0 lost while sending the base weights") and "the rest from the disk" in line
     _same_files(tiny_model_path, Path(joiner["path"]))
     assert joiner["logprobs"] == joiner["disk"]
+
+
+def test_files_whose_crc32_differs_from_the_live_ranks_are_taken_from_disk_down_the_chain(
+        tmp_path, tiny_model_path, make_lora_adapter):
+    lines = _run(3, tmp_path, tiny_model_path, make_lora_adapter("peer", seed=5), "--bad-sums")
+    joiners = [line for line in lines if "path" in line]
+    assert sorted(j["rank"] for j in joiners) == [1, 2]
+    names = [name for name, _ in manifest(tiny_model_path)]
+    for joiner in joiners:
+        (line,) = joiner["lines"]
+        assert "crc32 differs for" in line and all(name in line for name in names), line
+        _same_files(tiny_model_path, Path(joiner["path"]))
