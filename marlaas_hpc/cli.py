@@ -224,17 +224,17 @@ def _short_model(model: str | None) -> str:
 def cmd_scale(args) -> int:
     """Sets the number of rollout ranks of a live local job (runtime/scaling.py): rank 0 starts ranks that join, or
     drains the newest ones, and says so in its log."""
-    import json
     from pathlib import Path
 
-    from marlaas_hpc.runtime.scaling import request_scale
+    from marlaas_hpc.runtime.scaling import not_live, request_scale
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "job.json").is_file():
         print(f"marlaas: {run_dir} is not the run dir of a job (no job.json)", file=sys.stderr)
         return 2
-    if (run_dir / "summary.json").is_file() and not json.loads((run_dir / "summary.json").read_text()).get("preempted"):
-        print(f"marlaas: the job of {run_dir} has ended", file=sys.stderr)
+    why = not_live(run_dir)
+    if why is not None:
+        print(f"marlaas: not scaled: the job of {run_dir} {why}", file=sys.stderr)
         return 2
     if args.rollout < 1:
         print("marlaas: --rollout must be at least 1 (a job needs a rollout rank)", file=sys.stderr)

@@ -217,6 +217,9 @@ class JobConfig:
         self.adapters.validate("adapters")
         self.env_pool.validate("env_pool")
         self._validate_models()
+        if self.layout.join_weights == "peer" and len(self.model_names()) > 1:
+            raise SpecError("layout.join_weights", "'peer' sends one base model's files: with several `models` "
+                                                   "a joining rank reads them from disk ('disk')")
         if self.delta.transport == "relay" and len(self.model_names()) > 1:
             raise SpecError("delta.transport", "'relay' serves one base model: relays do not carry a version's "
                                                "model yet (several `models`: use 'broadcast')")

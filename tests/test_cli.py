@@ -48,3 +48,56 @@ def test_gpu_config_renders_and_run_submit_refuse_its_placeholder_model(tmp_path
         assert proc.returncode == 2 and "model: '/path/to/Qwen3-0.6B' is not an HF checkpoint dir" \
             in proc.stderr, (command, proc.stderr)
     assert not (tmp_path / "run").exists(), "nothing written for a refused job"
+
+
+def _run_dir(tmp_path, rank0_pid=None, **files):
+    import json
+    import socket
+
+    run_dir = tmp_path / "run"
+    (run_dir / "ranks").mkdir(parents=True)
+    (run_dir / "job.json").write_text("{}")
+    (run_dir / "status.json").write_text("{}")
+    if rank0_pid is not None:
+        (run_dir / "ranks" / "rank0.json").write_text(json.dumps({"rank": 0, "role": "scheduler", "pid": rank0_pid,
+                                                                  "host": socket.gethostname()}))
+    for name, data in files.items():
+        (run_dir / f"{name}.json").write_text(json.dumps(data))
+    return run_dir
+
+
+def test_scale_refuses_a_job_that_is_not_running_and_says_why(tmp_path):
+    """`marlaas scale` asks a live job's rank 0: a run dir whose job ended, crashed, was preempted, or whose rank 0
+    is gone is refused, naming why, and nothing is written (it was accepted before)."""
+    import time
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    cases = {
+        "has ended (summary.json)": dict(summary={"preempted": False}),
+        "was preempted and is not running": dict(summary={"preempted": True}),
+        "was stopped by a crash (crash.json: marlaas: job stopped: rank 2": dict(
+            crash={"message": "marlaas: job stopped: rank 2 (rollout) died"}),
+        f"its rank 0 (pid {gone.pid}) has ended": dict(rank0_pid=gone.pid),
+        "has not started (no ranks/rank0.json)": {},
+    }
+    for i, (why, setup) in enumerate(cases.items()):
+        run_dir = _run_dir(tmp_path / str(i), **setup)
+        if "crash" in setup:
+            time.sleep(0.01)
+            (run_dir / "crash.json").touch()
+        proc = marlaas("scale", str(run_dir), "--rollout", "2")
+        assert proc.returncode == 2 and why in proc.stderr, (why, proc.stderr)
+        assert not (run_dir / "control").exists()
+
+
+def test_scale_asks_a_live_jobs_rank_0(tmp_path):
+    rank0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "marlaas_hpc.runtime.main"])
+    try:
+        run_dir = _run_dir(tmp_path, rank0_pid=rank0.pid)
+        proc = marlaas("scale", str(run_dir), "--rollout", "2")
+        assert proc.returncode == 0, proc.stderr
+        assert (run_dir / "control" / "rollout.json").is_file()
+    finally:
+        rank0.kill()
+        rank0.wait()

@@ -73,3 +73,11 @@ def test_relays_with_several_models_are_refused_naming_delta_transport():
                   layout={"trainer_groups": 2, "trainer_group_models": ["qwen", "chat"]},
                   tasks=[{"task_id": "a"}, {"task_id": "b", "base_model": "chat"}])
     assert err.field == "delta.transport" and "one base model" in str(err)
+
+
+def test_peer_fed_joins_with_several_models_are_refused_naming_join_weights():
+    two = {"qwen": "tiny", "chat": "chat-mini"}
+    err = refusal(models=two, layout={"trainer_groups": 2, "trainer_group_models": ["qwen", "chat"],
+                                      "join_weights": "peer"},
+                  tasks=[{"task_id": "a"}, {"task_id": "b", "base_model": "chat"}])
+    assert err.field == "layout.join_weights" and "several" in str(err)

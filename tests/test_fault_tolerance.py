@@ -251,3 +251,36 @@ def test_rollout_replace_starts_a_new_rank_for_a_killed_one(tmp_path):
     assert any(line.startswith("[scale] starting rollout rank 4 to replace rank 2") for line in job.lines)
     summary = _check_every_version_once(run_dir)
     assert summary["ranks_lost"][0]["rank"] == victim["rank"] and summary["ranks_joined"][0]["rank"] == 4
+
+
+def test_two_joiners_take_the_base_weights_from_a_live_rollout_rank_in_a_chain(tmp_path):
+    """1 -> 3 rollout ranks with `layout.join_weights: peer`: rank 0 sends no byte of the model; the live rollout
+    rank 2 feeds joiner 4, which forwards each chunk to joiner 5 as it comes (runtime/peer_weights.py). Each joiner
+    holds byte-identical copies of the model's files in node-local tmp, starts its engine from them, generates
+    groups that are trained, and the copies are removed when it ends."""
+    from marlaas_hpc.runtime.peer_weights import local_weights_dir, manifest
+    from marlaas_hpc.tiny_model import ensure_tiny_model
+
+    run_dir = tmp_path / "run"
+    job = Job([str(_config(tmp_path, join_weights="peer")), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_steps(3)
+    _scale(run_dir, 3)
+    job.wait_lines("[scale] base weights: rollout rank 2 -> 4 -> 5", "[join] rank 4: base weights from rank 2",
+                   "[join] rank 5: base weights from rank 4", "[scale] rollout rank 4 joined",
+                   "[scale] rollout rank 5 joined")
+    model = ensure_tiny_model()
+    for rank in (4, 5):
+        local = local_weights_dir(run_dir, rank)
+        assert manifest(local) == manifest(model)
+        for name, _ in manifest(model):
+            assert (local / name).read_bytes() == (model / name).read_bytes(), (rank, name)
+    job.wait_steps(job.steps() + 6)
+    assert job.finish() == 0, job.output()
+    _check_every_version_once(run_dir)
+    trained = {r["group_id"] for r in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
+    for rank in (4, 5):
+        timeline = [json.loads(line) for line in (run_dir / "timeline" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert any(s["stage"] == "base_weights" for s in timeline)
+        groups = {s["group_id"] for s in timeline if s["stage"] == "group" and not s["eval"]}
+        assert groups & trained, f"groups rank {rank} generated were trained"
+        assert not local_weights_dir(run_dir, rank).exists(), "its copy is removed when it ends"

@@ -181,3 +181,10 @@ def test_parse_slurm_time_rejects(text):
 
 def test_components_order_is_the_design_order():
     assert COMPONENTS == ("control", "env", "rollout", "trainer")
+
+
+def test_join_weights_is_disk_by_default_and_validated():
+    assert JobLayout().join_weights == "disk" and JobLayout(join_weights="peer").validate().join_weights == "peer"
+    with pytest.raises(LayoutError, match="must be one of \\['peer', 'disk'\\]") as info:
+        JobLayout(join_weights="nfs").validate()
+    assert info.value.field == "join_weights"

@@ -169,3 +169,18 @@ def test_bench_prints_the_dedicated_and_shared_rows():
     assert [row.split("|")[0].strip() for row in rows] == ["dedicated 1+1", "shared pool 2", "shared pool 1"]
     assert all(row.split("|")[-1].strip() == "0" for row in rows), "no staleness violation"
     assert not any(" !" in row for row in rows), "every job finished"
+
+
+def test_reopening_a_rank_lost_while_closed_is_skipped_and_an_unknown_rank_is_named():
+    from marlaas_hpc.scheduler import RankLost
+
+    sched = scheduler()
+    started(sched)
+    sched.close_rollout_rank(2)
+    sched.handle(RankLost(2, "rollout"))
+    assert sched.open_rollout_rank(2) == [], "a lost rank is not reopened (it was a KeyError)"
+    assert sched.open_rollout_rank(2) == []
+    with pytest.raises(ValueError, match="rank 7 is not a rollout rank of this scheduler"):
+        sched.open_rollout_rank(7)
+    with pytest.raises(ValueError, match="rank 7 is not a rollout rank of this scheduler"):
+        sched.close_rollout_rank(7)

@@ -1,15 +1,21 @@
 """What a fault costs a live local job (issue 25's benchmark), with real `marlaas run` jobs on the ULFM Open MPI.
 
-    python tools/bench_faults.py [--steps 60] [--faults rollout env trainer hang join join3] [--out runs/bench_faults]
+    python tools/bench_faults.py [--steps 60] [--faults rollout env trainer hang join join3 join_disk join3_disk]
+                                 [--out runs/bench_faults]
 
 For each fault the same job runs twice, without and with it (a rollout or env rank SIGKILLed out of two, one rank
 of one of two trainer groups SIGKILLed, a rollout rank stopped with SIGSTOP and found by the hang watchdog), and
 it prints: the groups issued again, per task the longest time without a step against its median time per step
 (the goal: at most 2x for tasks outside a failed trainer group), and the job's wall time against the run without
 the fault. `join` / `join3` scale a live job from 1 to 2 / 4 rollout ranks (`marlaas scale`) and print, per joined
-rank, the seconds from its start (MPI_Comm_spawn) to joining and to its first generated group. Joined ranks read
-the base weights from disk: receiving them from a peer (issue 25, Build 5) is not built, so there is no
-peer-vs-disk figure. Figures come from each run's summary.json, metrics.jsonl and timeline/.
+rank, the seconds from its start (MPI_Comm_spawn) to joining and to its first generated group, with the base
+weights from a live rollout rank (`layout.join_weights: peer`, a chain for 3 joiners; runtime/peer_weights.py);
+`join_disk` / `join3_disk` read them from the disk. On one machine "disk" is the page cache (the model's files were
+read by the job's own ranks at start), so the peer path pays a copy into $TMPDIR that a shared filesystem under
+load would make worth it; the figure says what the transfer costs, not what a cluster's storage would. These
+joins run the tiny model of configs/test-small.yaml; tools/bench_join_weights.py measures the same two paths at
+a real model's shape (random:qwen3-0.6b) without a training job around them. Figures come from each run's
+summary.json, metrics.jsonl and timeline/.
 """
 from __future__ import annotations
 
@@ -34,8 +40,11 @@ FAULTS = {
     "trainer": ({"trainer_tp": 2, "trainer_groups": 2}, "trainer follower of trainer group 1, TP rank 1",
                 signal.SIGKILL),
     "hang": ({"rollout_ranks": 2}, "rollout", signal.SIGSTOP),
-    "join": ({}, None, 2),
-    "join3": ({}, None, 4),
+    # joins: the base weights from a live rollout rank (layout.join_weights: peer) or from the disk
+    "join": ({"join_weights": "peer"}, None, 2),
+    "join3": ({"join_weights": "peer"}, None, 4),
+    "join_disk": ({"join_weights": "disk"}, None, 2),
+    "join3_disk": ({"join_weights": "disk"}, None, 4),
 }
 HANG_TIMEOUT_S = 4
 
@@ -126,8 +135,8 @@ def bench_fault(name: str, steps: int, out: Path) -> dict:
 
 
 def bench_join(name: str, steps: int, out: Path) -> dict:
-    wanted = FAULTS[name][2]
-    run = Run(job_config(steps, {}), out / name)
+    layout, _, wanted = FAULTS[name]
+    run = Run(job_config(steps, layout), out / name)
     run.wait(lambda: run.steps() >= 3, "3 steps")
     subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "scale", str(run.run_dir), "--rollout", str(wanted)],
                    cwd=ROOT, check=True, capture_output=True)
@@ -139,8 +148,15 @@ def bench_join(name: str, steps: int, out: Path) -> dict:
         spawned = record["at"] - record["start_s"]
         timeline = run.run_dir / "timeline" / f"rank{record['rank']}.jsonl"
         groups = [r for r in map(json.loads, timeline.read_text().splitlines()) if r.get("stage") == "group"]
+        spans = list(map(json.loads, timeline.read_text().splitlines()))
+        groups = [r for r in spans if r.get("stage") == "group"]
         first = min((g["end"] for g in groups), default=None)
-        joined.append({"rank": record["rank"], "join_s": record["start_s"],
+        weights = [r["end"] - r["start"] for r in spans if r.get("stage") == "base_weights"]
+        plan = [r["end"] - r["start"] for r in spans if r.get("stage") == "weights_plan"]
+        engine = [r["end"] - r["start"] for r in spans if r.get("stage") == "start_engine"]
+        joined.append({"rank": record["rank"], "join_s": record["start_s"], "weights": layout["join_weights"],
+                       "base_weights_s": weights[0] if weights else None, "plan_wait_s": plan[0] if plan else None,
+                       "engine_s": engine[0] if engine else None,
                        "first_group_s": None if first is None else first - spawned, "groups": len(groups)})
     return {"fault": name, "joiners": wanted - 1, "joined": joined, "wall_s": summary["wall_time_s"]}
 
@@ -159,8 +175,11 @@ def main() -> None:
         if "joined" in result:
             for j in result["joined"]:
                 first = "-" if j["first_group_s"] is None else f"{j['first_group_s']:.1f} s"
+                weights = "" if j["base_weights_s"] is None else \
+                    f" in {j['base_weights_s']:.2f} s after {j['plan_wait_s']:.2f} s waiting for its chain's plan"
                 print(f"{name}: rank {j['rank']} joined {j['join_s']:.1f} s after its start, first group at "
-                      f"{first} ({j['groups']} groups; base weights from disk)")
+                      f"{first} ({j['groups']} groups; base weights from {j['weights']}{weights}, engine "
+                      f"{j['engine_s']:.1f} s)")
             continue
         print(f"{name}: rank {result['rank']} lost; groups issued again {result['groups_reissued']}; wall "
               f"{result['wall_s']:.1f} s vs {result['baseline_wall_s']:.1f} s without the fault; cause: "

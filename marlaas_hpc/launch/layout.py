@@ -33,6 +33,8 @@ CPU_ONLY_COMPONENTS = ("control", "env")
 MPI_PLUGINS = ("pmix", "pmi2", "ulfm")
 EMULATED_NODES_ENV = "MARLAAS_EMULATED_NODES"
 """Set to 1 under `emulated_nodes` with `mpi: ulfm`: launch/ulfm_slurm.py gives each daemon its node's name."""
+JOIN_WEIGHTS = ("peer", "disk")
+"""Where a joining rollout rank reads the base weights (`JobLayout.join_weights`)."""
 
 _MEM = re.compile(r"^[1-9][0-9]*[KMGT]?$")
 _TIME = re.compile(r"^(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
@@ -171,6 +173,14 @@ class JobLayout:
     rollout_replace: bool = False
     """A lost rollout rank is replaced by a new one that joins the live job (local mode on the fault-tolerant MPI:
     runtime/scaling.py); its groups go to the survivors meanwhile. Under Slurm it is not replaced."""
+    join_weights: str = "disk"
+    """Where a rollout rank that joins the live job (`marlaas scale`, `rollout_replace`) reads the base model's
+    files: 'disk' (the model directory) or 'peer' (from a live rollout rank over MPI, chunked and pipelined;
+    joiners started together form a chain, each link carrying the model once; runtime/peer_weights.py; a peer
+    lost mid-transfer falls back to the disk). 'peer' is for a shared filesystem that a burst of starting ranks
+    contends for (λScale); it needs node-local tmp space ($TMPDIR) for one copy of the model per joined rank, and
+    on one machine, where the disk is the page cache, it was no faster (tools/bench_join_weights.py): hence not
+    the default. One base model only."""
     share_gpus: bool = False
     """Let rollout and trainer ranks on one node share GPUs when the node has fewer GPUs than they need (e.g. one
     vLLM engine and a TP=1 trainer on a one-GPU machine). Without it such a node is refused. Trainer ranks among
@@ -274,6 +284,8 @@ class JobLayout:
             raise LayoutError("accelerator", f"must be 'auto', 'cpu' or 'cuda', got {self.accelerator!r}")
         if not isinstance(self.share_gpus, bool):
             raise LayoutError("share_gpus", f"must be true or false, got {self.share_gpus!r}")
+        if self.join_weights not in JOIN_WEIGHTS:
+            raise LayoutError("join_weights", f"must be one of {list(JOIN_WEIGHTS)}, got {self.join_weights!r}")
         if not isinstance(self.rollout_replace, bool):
             raise LayoutError("rollout_replace", f"must be true or false, got {self.rollout_replace!r}")
         _int_at_least(self.signal_lead_s, 0, "signal_lead_s")

@@ -344,7 +344,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
             delta = DeltaFanIn(comm, [DeltaChannel(comm, leader_rank, roles["rollout"], device=binding.device,
                                                    tolerant=tolerant) for leader_rank in leaders],
                                device=binding.device, tolerant=tolerant)
-        worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir)
+        worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir, model_dir=model_path)
         worker.clock.note("start_engine", (), t0, engine_up)
         _ready(comm, rank, role.kind, start)
         comm.start_heartbeat(worker.clock)
@@ -452,8 +452,13 @@ def join_main(run_dir: str, rank: int) -> None:
         device = "cuda:0" if job.layout.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
         t0 = time.time()
         paths = job.model_paths()  # a job of several base models: one engine per model, as the first ranks
+        disk = model_dir = job.model_path()
+        planned = t0
+        if job.layout.join_weights == "peer":  # one base model only (config.py)
+            model_dir, planned = _weights_from_peer(live, rank, run_path, disk)
+        weights_in = time.time()
         engine = (model_engines(job, paths, rank, job.seed + 7919 * rank, device, run_path) if len(paths) > 1 else
-                  rollout_engine(job, job.model_path(), rank, job.seed + 7919 * rank, device, run_path))
+                  rollout_engine(job, model_dir, rank, job.seed + 7919 * rank, device, run_path))
         engine_up = time.time()
         live.send(Joining(rank), 0, TAG_EVENT)
         peers = recv_wait(live, TAG_CMD, source=0)[0].peers  # LinkTo: who links to it
@@ -466,17 +471,64 @@ def join_main(run_dir: str, rank: int) -> None:
         for leader in leaders:  # as every rollout rank does at start: the leader picks the backend
             live.send(gpu_key(torch.device(device)), leader, TAG_DELTA)
         worker = RolloutRank(live, engine, DeltaFanIn(live, [], leaders=leaders, device=device, tolerant=True),
-                             seed=job.seed + 7919 * rank, run_dir=run_path)
-        worker.clock.note("start_engine", (), t0, engine_up)
+                             seed=job.seed + 7919 * rank, run_dir=run_path, model_dir=model_dir)
+        if job.layout.join_weights == "peer":  # waiting for the plan (every joiner of its batch asked), then the copy
+            worker.clock.note("weights_plan", (), t0, planned)
+            worker.clock.note("base_weights", (), planned, weights_in, peer=model_dir != disk)
+        worker.clock.note("start_engine", (), weights_in, engine_up)
         live.start_heartbeat(worker.clock)
         worker.run()
         reporter.stop_heartbeat()
         live.disconnect_all()
     except BaseException as exc:
         report_crash(exc, run_path, rank, reporter)
+        _remove_local_weights(run_path, rank)
         end_lost_rank()
     reporter.bye()
+    _remove_local_weights(run_path, rank)
     end_rank(0)
+
+
+def _weights_from_peer(live, rank: int, run_dir: Path, disk_dir: Path) -> tuple[Path, float]:
+    """A joining rank, `layout.join_weights: peer`: the base model's files from a live rollout rank (or the joiner
+    before it in a chain) into node-local tmp, forwarded to the next joiner as they come (runtime/peer_weights.py);
+    the disk's model directory if rank 0 names no feeder. Returns the directory and when rank 0's plan came."""
+    from marlaas_hpc.runtime.comm import recv_wait
+    from marlaas_hpc.runtime.membership import accept_links, connect_link, open_port
+    from marlaas_hpc.runtime.messages import TAG_CMD, TAG_EVENT, WeightsWanted
+    from marlaas_hpc.runtime.peer_weights import WeightSender, local_weights_dir, receive_weights
+
+    port = open_port()
+    live.send(WeightsWanted(rank, port), 0, TAG_EVENT)
+    plan = recv_wait(live, TAG_CMD, source=0)[0]
+    planned = time.time()
+    if plan.feeder is None:
+        return disk_dir, planned
+    feeder = accept_links({plan.feeder: port})[plan.feeder]
+    forward = forward_link = None
+    if plan.forward_port is not None:
+        forward_link = connect_link(plan.forward_port, rank)
+        forward = WeightSender(forward_link)
+    got = receive_weights(feeder, local_weights_dir(run_dir, rank), disk_dir, forward=forward,
+                          feeder=f"rank {plan.feeder}", log=lambda line: print(line, flush=True))
+    if got.fell_back is None:
+        feeder.Disconnect()
+    if forward is not None:
+        forward.wait()
+        if forward.failed is None:
+            forward_link.Disconnect()
+    print(f"[join] rank {rank}: base weights from rank {plan.feeder} ({got.peer_bytes / 2**20:.1f} MiB in "
+          f"{got.seconds:.1f} s" + (f", then rank {plan.forward_to}" if forward is not None else "") +
+          f"; sizes and crc32 checked) in {got.path}", flush=True)
+    return got.path, planned
+
+
+def _remove_local_weights(run_dir: Path, rank: int) -> None:
+    import shutil
+
+    from marlaas_hpc.runtime.peer_weights import local_weights_dir
+
+    shutil.rmtree(local_weights_dir(run_dir, rank), ignore_errors=True)
 
 
 def _engine_is_up(comm, trainers: list[int]) -> None:

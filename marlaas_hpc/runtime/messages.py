@@ -180,6 +180,34 @@ class Joining:
 
 
 @dataclass
+class WeightsWanted:
+    """A rank rank 0 started, `layout.join_weights: peer` -> rank 0 (TAG_EVENT), before its engine: it takes the
+    base weights from a peer, whose link it accepts on `port` (runtime/peer_weights.py)."""
+
+    rank: int
+    port: str
+
+
+@dataclass
+class WeightsPlan:
+    """rank 0 -> a joiner that asked for the base weights (TAG_CMD): the rank that feeds it (None: read the disk) and
+    the port of the next joiner of its chain, which it forwards every chunk to (None: it is the last)."""
+
+    feeder: int | None
+    forward_to: int | None = None
+    forward_port: str | None = None
+
+
+@dataclass
+class FeedWeights:
+    """rank 0 -> a live rollout rank (TAG_CMD): send the base model's files to the joiner `rank`, whose link is
+    accepted on `port` (runtime/peer_weights.py PeerFeed)."""
+
+    rank: int
+    port: str
+
+
+@dataclass
 class LinkTo:
     """rank 0 -> a rank that joins: the ranks that will link to it (env ranks and trainer leaders)."""
 

@@ -35,8 +35,9 @@ from pathlib import Path
 from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
 from marlaas_hpc.rollout.model_engines import ModelEngines
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, write_timeline
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, GenerateWork,
-                                          GroupTurn, GroupEnded, PromptGroup, RanksChanged, RankStats, Shutdown)
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, FeedWeights,
+                                          GenerateWork, GroupTurn, GroupEnded, PromptGroup, RanksChanged, RankStats,
+                                          Shutdown)
 from marlaas_hpc.scheduler import Generated, Resumed
 
 
@@ -71,11 +72,16 @@ class _SamplingGroup:
 
 
 class RolloutRank:
-    def __init__(self, comm, engine, delta_channel, seed: int = 0, run_dir: Path | None = None):
+    def __init__(self, comm, engine, delta_channel, seed: int = 0, run_dir: Path | None = None,
+                 model_dir: Path | None = None):
         self.comm, self.engine, self.delta = comm, engine, delta_channel
         self.pins = delta_channel if hasattr(delta_channel, "pin") else None
         """Relay mode (runtime/relay_plane.py RelayFeed): the relay that keeps each open group's version."""
         self.run_dir = run_dir
+        self.model_dir = model_dir
+        """The base model's files its engine started from: what it sends a joining rank (FeedWeights)."""
+        self.feeds: list = []
+        """Joiners it is sending the base weights to (runtime/peer_weights.py PeerFeed), a few chunks per turn."""
         self.rank = comm.Get_rank()
         self.seed = seed
         self.versions: dict[str, int] = {}
@@ -103,6 +109,7 @@ class RolloutRank:
             commands = drain(self.comm, TAG_CMD, source=0)
             shutdown = next((command for command in commands if isinstance(command, Shutdown)), None)
             if shutdown is not None:
+                self._finish_feeds()
                 self.comm.members.ended_lost = shutdown.lost
                 self.comm.members.drained = shutdown.reason == "drained"
                 break
@@ -111,6 +118,9 @@ class RolloutRank:
                     self.waiting.append(command)
                 elif isinstance(command, RanksChanged):
                     self._ranks_changed(command)
+                elif isinstance(command, FeedWeights):
+                    self._feed(command)
+            self._progress_feeds()
             self._submit_ready()
             from_env = self._drain_env()
             if self.engine.has_unfinished():
@@ -121,7 +131,7 @@ class RolloutRank:
                         tasks[:] = self._generating_tasks(self.models.awake)
                 self._note_switches()
                 self._collect(finished)
-            elif not commands and not from_env:
+            elif not commands and not from_env and not self.feeds:
                 time.sleep(0.002)
             self._drop_retired()
         extra = {"engine_restarts": getattr(self.engine, "restarts", 0)}
@@ -150,6 +160,30 @@ class RolloutRank:
         for cost in self.models.pop_switches():
             self.clock.note("switch", (), now - cost.total_s, now, from_model=cost.from_model,
                             to_model=cost.to_model, sleep_s=cost.sleep_s, wake_s=cost.wake_s)
+
+    # ---- base weights for a joining rank (runtime/peer_weights.py) ----
+    def _feed(self, command: FeedWeights) -> None:
+        from marlaas_hpc.runtime.membership import connect_link
+        from marlaas_hpc.runtime.peer_weights import PeerFeed
+
+        with self.clock.track("feed_weights", ()):
+            self.feeds.append((command.rank, PeerFeed(connect_link(command.port, self.rank), self.model_dir)))
+
+    def _progress_feeds(self) -> None:
+        """A few more chunks to each joiner (at most the sender's window per turn); a finished feed's link ends."""
+        for entry in list(self.feeds):
+            rank, feed = entry
+            if feed.progress():
+                self.feeds.remove(entry)
+                feed.close()
+                if feed.sender.failed is not None:
+                    print(f"[join] rollout rank {self.rank}: joiner {rank} lost while it was sent the base weights",
+                          flush=True)
+
+    def _finish_feeds(self) -> None:
+        while self.feeds:
+            self._progress_feeds()
+            time.sleep(0.001)
 
     def _ranks_changed(self, change: RanksChanged) -> None:
         """An env rank lost: the groups bound for it were issued again elsewhere; each is closed here (its version

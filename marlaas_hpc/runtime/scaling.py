@@ -12,6 +12,9 @@ side (runtime/scheduler_rank.py runs a `Scaler`; runtime/membership.py makes the
                            groups is left (Scheduler.rank_idle) it gets Shutdown('drained'), sends its RankStats,
                            leaves (its process ends), and the others remake their channels without it
     a rollout rank lost, with layout.rollout_replace: one is spawned in its place
+    base weights (layout.join_weights: peer): before its engine a new rank says WeightsWanted(N, port); once every
+                           rank started together has, rank 0 tells one live rollout rank FeedWeights(first, port)
+                           and each joiner its WeightsPlan (feeder, next): a chain (runtime/peer_weights.py)
 
 A joined rank takes the next world rank after every rank the job had (its ranks/rank<N>.json, timeline/rank<N>.jsonl
 and its line in summary.json like any other). This needs the ULFM MPI of local mode (MPI_Comm_spawn, connect /
@@ -21,6 +24,7 @@ or a job that joins, is not done) and `marlaas scale` is refused by rank 0 with 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -35,6 +39,46 @@ def request_scale(run_dir: str | Path, rollout: int) -> Path:
     path = Path(run_dir) / SCALE_FILE
     atomic_write_text(path, json.dumps({"rollout": int(rollout), "at": time.time()}) + "\n")
     return path
+
+
+def not_live(run_dir: str | Path) -> str | None:
+    """Why the job of `run_dir` is not running (None: it is, as far as this machine can tell). What a run dir
+    records of its job: summary.json once it ended (finished, or preempted: it resumes with --resume),
+    crash.json once the supervisor stopped it (newer than status.json: that run), and ranks/rank0.json, rank 0's
+    pid and host in the current run (on this host: is that process alive, and is it a marlaas rank)."""
+    import os
+    import socket
+
+    run_dir = Path(run_dir)
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        if json.loads(summary.read_text()).get("preempted"):
+            return "was preempted and is not running (it continues with: marlaas run --resume RUN_DIR)"
+        return "has ended (summary.json)"
+    crash, status = run_dir / "crash.json", run_dir / "status.json"
+    if crash.is_file() and (not status.is_file() or crash.stat().st_mtime >= status.stat().st_mtime):
+        message = json.loads(crash.read_text()).get("message", "")
+        return f"was stopped by a crash (crash.json: {message.strip() or 'no message'})"
+    try:
+        rank0 = json.loads((run_dir / "ranks" / "rank0.json").read_text())
+    except (OSError, ValueError):
+        return "has not started (no ranks/rank0.json)"
+    if rank0.get("host") != socket.gethostname():
+        return None  # another host's process: not checkable from here (scaling is local mode's only anyway)
+    pid = int(rank0["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"is not running: its rank 0 (pid {pid}) has ended without a summary.json or crash.json (killed?)"
+    except PermissionError:
+        pass  # alive, another user's
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    if "marlaas_hpc" not in command:
+        return f"is not running: pid {pid} of its rank 0 is now another process ({command.strip()[:80]})"
+    return None
 
 
 def read_request(run_dir: Path) -> tuple[float, int] | None:
@@ -58,10 +102,16 @@ class Scaler:
         self.draining: set[int] = set()
         self.wanted: int | None = None
         """Rollout ranks asked for (`marlaas scale`); None: as many as there are."""
+        self.wanting: dict[int, str] = {}
+        """Joiners waiting for the base weights from a peer (WeightsWanted) -> the port they accept the feed on."""
+        self.planned: set[int] = set()
+        """Joiners told where their base weights come from (WeightsPlan)."""
         self._seen: float | None = None
         self._polled = 0.0
-        self.able = comm.members.tolerant
-        """Ranks can join and leave (the ULFM MPI of local mode)."""
+        under_slurm = "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ
+        self.able = comm.members.tolerant and not under_slurm
+        """Ranks can join and leave (the ULFM MPI of local mode; under Slurm, layout.mpi: ulfm, a spawned rank would
+        land on a node of the allocation PRRTE picks, not on a GPU node of the rollout component)."""
 
     def requested(self) -> int | None:
         """The newest `marlaas scale` request not seen yet (checked every POLL_S)."""
@@ -84,3 +134,19 @@ class Scaler:
         self.comm.add_link(rank, link)
         self.joining[rank] = time.time()
         return rank
+
+    def weights_chain(self) -> list[int] | None:
+        """The joiners to feed now, in chain order, once every spawned rank not yet planned has asked (they were
+        started together: one chain, each link carrying the model once); None while one has not."""
+        waiting = set(self.joining) - self.planned
+        if not self.wanting or not set(self.wanting) >= waiting:
+            return None
+        chain = sorted(self.wanting)
+        self.planned.update(chain)
+        return chain
+
+    def forget(self, rank: int) -> None:
+        """A joiner that joined or was lost."""
+        self.joining.pop(rank, None)
+        self.wanting.pop(rank, None)
+        self.planned.discard(rank)

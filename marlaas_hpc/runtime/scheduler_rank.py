@@ -26,8 +26,8 @@ from marlaas_hpc.runtime.checkpoint import PreemptFlag, mark_preempted
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
 from marlaas_hpc.runtime.faults import JobCannotGoOn, RankLostError
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, CheckpointDone, EngineRestarted, EvalDone,
-                                          GenerateWork, Joining, LinkTo, PromptGroup, RanksChanged, RankStats,
-                                          Shutdown, TaskSaved)
+                                          FeedWeights, GenerateWork, Joining, LinkTo, PromptGroup, RanksChanged,
+                                          RankStats, Shutdown, TaskSaved, WeightsPlan, WeightsWanted)
 from marlaas_hpc.runtime.scaling import Scaler
 from marlaas_hpc.runtime.outputs import QuietLog, RunBooks, write_summary
 from marlaas_hpc.runtime.recovery import crashed_run, rollback_outputs
@@ -346,6 +346,9 @@ class SchedulerRank:
         if isinstance(event, RankStats):
             self.stats.append(event)
             return
+        if isinstance(event, WeightsWanted):
+            self._weights_wanted(event)
+            return
         if isinstance(event, Joining):
             self._joined(event)
             return
@@ -470,8 +473,10 @@ class SchedulerRank:
     def _rank_lost(self, rank: int) -> None:
         """The scheduler's RankLost, the workers' RanksChanged, evals sent again, the record; the line follows
         once the cause is known (`_name_losses`)."""
-        if self.scaler.joining.pop(rank, None) is not None:
+        if self.scaler.joining.get(rank) is not None:
+            self.scaler.forget(rank)
             self.log(f"[scale] rank {rank} failed before it joined")
+            self._feed_weights()  # the others of its batch may be waiting for it
             return
         kind = self.members.kind_of[rank]
         if kind == "trainer":
@@ -545,8 +550,9 @@ class SchedulerRank:
     def _rescale(self, wanted: int) -> None:
         """`marlaas scale --rollout N`: ranks are started (they join once up) or drained (newest first)."""
         if not self.scaler.able:
+            why = self.members.why_not or ("fault.on_rank_loss: stop" if not self.members.tolerant else "under Slurm")
             self.log(f"[scale] rollout ranks {wanted} asked for, not done: ranks join and leave a live job only on "
-                     f"the fault-tolerant MPI of local mode ({self.members.why_not or 'fault.on_rank_loss: stop'})")
+                     f"the fault-tolerant MPI of local mode ({why})")
             return
         live = [r for r in self.members.alive("rollout") if r not in self.scaler.draining] + list(self.scaler.joining)
         self.log(f"[scale] rollout ranks: {len(live)} -> {max(wanted, 1)}")
@@ -594,7 +600,8 @@ class SchedulerRank:
         if event.ports is None:
             self.outbox.send(LinkTo(tuple(self.members.alive("env") + self._live_leaders())), rank, TAG_CMD)
             return
-        spawned = self.scaler.joining.pop(rank, time.time())
+        spawned = self.scaler.joining.get(rank, time.time())
+        self.scaler.forget(rank)
         self.members.join(rank, "rollout")
         self.delta_epoch += 1
         notice = RanksChanged(self.delta_epoch, tuple(self.members.alive("rollout")), joined=(rank,),
@@ -608,6 +615,30 @@ class SchedulerRank:
         self.log(f"[scale] rollout rank {rank} joined {record['start_s']:.1f} s after it was started; rollout ranks "
                  f"{self.members.alive('rollout')}")
         self._execute(self._handle(RankJoined(rank)))
+
+    def _weights_wanted(self, event: WeightsWanted) -> None:
+        self.scaler.wanting[event.rank] = event.port
+        self._feed_weights()
+
+    def _feed_weights(self) -> None:
+        """Every joiner started together asked for the base weights: one live rollout rank feeds the first, each
+        feeds the next (runtime/peer_weights.py); rank 0 sends only these few lines. No live rollout rank to feed
+        them (none, or only draining ones): each reads the disk."""
+        chain = self.scaler.weights_chain()
+        if chain is None:
+            return
+        sources = [r for r in self.members.alive("rollout") if r not in self.scaler.draining]
+        ports = {rank: self.scaler.wanting.pop(rank) for rank in chain}
+        if not sources:
+            self.log(f"[scale] no live rollout rank to send the base weights to {chain}: they read the disk")
+            for rank in chain:
+                self.outbox.send(WeightsPlan(None), rank, TAG_CMD)
+            return
+        source = sources[-1]
+        self.outbox.send(FeedWeights(chain[0], ports[chain[0]]), source, TAG_CMD)
+        for feeder, rank, after in zip([source] + chain, chain, chain[1:] + [None]):
+            self.outbox.send(WeightsPlan(feeder, after, ports.get(after)), rank, TAG_CMD)
+        self.log(f"[scale] base weights: rollout rank {source} -> " + " -> ".join(map(str, chain)))
 
     def _ranks_view(self) -> dict:
         """status.json's ranks: the live ones per role, and those that joined."""

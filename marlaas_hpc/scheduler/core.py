@@ -385,6 +385,7 @@ class Scheduler:
             return self._trainer_group_lost(event.trainer_group, event.restore)
         if event.role == "rollout" and rank in self.rollout_load:
             del self.rollout_load[rank]
+            self._closed_ranks.discard(rank)
             index = self._rank_index[rank]
             at = bisect.bisect_left(self._free_ranks, index)
             if at < len(self._free_ranks) and self._free_ranks[at] == index:
@@ -879,8 +880,10 @@ class Scheduler:
     # ---------------------------------------------------------------- rollout ranks lent to other models
     def close_rollout_rank(self, rank: int) -> None:
         """The rank takes no new groups of this scheduler's tasks (a model pool, scheduler/multiplex.py, is
-        handing it to another model); the groups on it run to their end, multi-turn ones included."""
-        if rank in self._closed_ranks:
+        handing it to another model); the groups on it run to their end, multi-turn ones included. A lost rank
+        is left as it is (it is in no pool any more); a rank this scheduler never had is a ValueError."""
+        self._check_rollout_rank(rank)
+        if rank in self._closed_ranks or rank not in self.rollout_load:
             return
         self._closed_ranks.add(rank)
         index = bisect.bisect_left(self._free_ranks, self._rank_index[rank])
@@ -888,13 +891,23 @@ class Scheduler:
             del self._free_ranks[index]
 
     def open_rollout_rank(self, rank: int) -> list:
-        """The rank serves this scheduler's tasks again: returns the commands that fill its free slots."""
+        """The rank serves this scheduler's tasks again: returns the commands that fill its free slots. A rank
+        lost meanwhile (RankLost) is skipped: nothing to reopen, no command. A rank this scheduler never had is a
+        ValueError."""
+        self._check_rollout_rank(rank)
         if rank not in self._closed_ranks:
             return []
         self._closed_ranks.discard(rank)
+        if rank not in self.rollout_load:  # lost while closed
+            return []
         if self.rollout_load[rank] < self.config.rollout_slots and rank not in self.leaving:
             bisect.insort(self._free_ranks, self._rank_index[rank])
         return self.dispatch()
+
+    def _check_rollout_rank(self, rank: int) -> None:
+        if rank not in self._rank_index:
+            raise ValueError(f"rank {rank} is not a rollout rank of this scheduler "
+                             f"(its rollout ranks: {sorted(self._rank_index)})")
 
     def pending_rollout(self) -> int:
         """Groups the running tasks may issue now but that no open rollout rank has room for: rollout work
