@@ -582,9 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     check = world_size_matches(job.layout, comm.Get_size())
     if not check:
-        if comm.Get_rank() == 0:
-            print(f"marlaas: {check.message}", file=sys.stderr, flush=True)
-        return 2
+        return _refuse_start(comm, [check.message])
     state, ok = None, None
     if comm.Get_rank() == 0:
         try:
@@ -599,17 +597,12 @@ def main(argv: list[str] | None = None) -> int:
     quiet_barrier(comm)  # the other ranks wait here while rank 0 checks the run dir and the model
     ok = comm.bcast(ok, root=0)
     if ok:
-        if comm.Get_rank() == 0:
-            print(f"marlaas: {ok}", file=sys.stderr, flush=True)
-        return 2
+        return _refuse_start(comm, [ok])
     refused = check_rank_device(comm, job, early)
     binding = early.binding
     refusals = comm.allgather(refused)
     if any(refusals):
-        if comm.Get_rank() == 0:
-            for message in dict.fromkeys(r for r in refusals if r):
-                print(f"marlaas: {message}", file=sys.stderr, flush=True)
-        return 2
+        return _refuse_start(comm, list(dict.fromkeys(r for r in refusals if r)))
     log = (lambda message: print(message, flush=True)) if comm.Get_rank() == 0 else (lambda message: None)
     _log_devices(comm.gather(binding, root=0), log)
     from marlaas_hpc.launch.monitor import RankReporter
@@ -643,6 +636,25 @@ def main(argv: list[str] | None = None) -> int:
     status = PREEMPTED_EXIT if summary is not None and summary["preempted"] else 0
     reporter.bye(status)
     return status
+
+
+def _refuse_start(comm, messages: list[str]) -> int:
+    """Every rank refuses to start (a bad config or run dir, a device the layout cannot have): rank 0 says why, and
+    the job ends with status 2. Under the ULFM launcher the status goes through the supervisor (rank 0's bye) and
+    every rank exits 0: ULFM's mpiexec sometimes never exited when all of its ranks ended non-zero (a refused
+    start hung the job until the test's 300 s timeout, about 1 run in 3)."""
+    from marlaas_hpc.launch.monitor import RankReporter
+
+    if comm.Get_rank() == 0:
+        for message in messages:
+            print(f"marlaas: {message}", file=sys.stderr, flush=True)
+    if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true"):
+        return 2
+    reporter = RankReporter.connect({"rank": comm.Get_rank(), "role": "refused"})
+    if not reporter.connected:
+        return 2  # no supervisor to hear the status: the exit status says it
+    reporter.bye(2 if comm.Get_rank() == 0 else None)
+    return 0
 
 
 def _live_comm(comm, job: JobConfig):
