@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from test_runtime_mpi import run_marlaas
+from test_runtime_mpi import rank_timelines, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -35,9 +35,7 @@ def finished_run(tmp_path_factory, tiny_model_path):
     tmp_path = tmp_path_factory.mktemp("retention")
     proc, run_dir = run_marlaas(_config(), tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    timeline = {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
-                for path in sorted((run_dir / "timeline").glob("rank*.jsonl"))}
-    return run_dir, timeline
+    return run_dir, rank_timelines(run_dir)
 
 
 def test_run_dir_keeps_the_policy_the_pins_and_the_final_version(finished_run):

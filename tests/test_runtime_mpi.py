@@ -29,6 +29,12 @@ def run_marlaas(config: dict, tmp_path: Path, *args, extra_path=None, timeout=60
     return proc, run_dir
 
 
+def rank_timelines(run_dir: Path) -> dict[str, list[dict]]:
+    """Each rank's timeline records (RUN_DIR/timeline/rank<N>.jsonl), by file stem, in rank-file order."""
+    return {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
+            for path in sorted((run_dir / "timeline").glob("rank*.jsonl"))}
+
+
 def small_config(**over):
     config = yaml.safe_load((ROOT / "configs" / "test-small.yaml").read_text())
     config.update(over)

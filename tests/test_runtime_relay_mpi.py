@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 
-from test_runtime_mpi import run_marlaas
+from test_runtime_mpi import rank_timelines, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -46,9 +46,7 @@ def relay_run(tmp_path_factory, tiny_model_path):
     tmp_path = tmp_path_factory.mktemp("relay_job")
     proc, run_dir = run_marlaas(_tool_job(), tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    timeline = {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
-                for path in sorted((run_dir / "timeline").glob("rank*.jsonl"))}
-    return run_dir, timeline
+    return run_dir, rank_timelines(run_dir)
 
 
 def test_a_relay_job_finishes_every_task_with_the_audit_exact(relay_run):

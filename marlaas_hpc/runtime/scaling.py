@@ -28,6 +28,7 @@ import os
 import time
 from pathlib import Path
 
+from marlaas_hpc.launch.slurm_env import in_slurm_step
 from marlaas_hpc.rundir import atomic_write_text
 
 SCALE_FILE = Path("control") / "rollout.json"
@@ -108,8 +109,7 @@ class Scaler:
         """Joiners told where their base weights come from (WeightsPlan)."""
         self._seen: float | None = None
         self._polled = 0.0
-        under_slurm = "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ
-        self.able = comm.members.tolerant and not under_slurm
+        self.able = comm.members.tolerant and not in_slurm_step(os.environ)
         """Ranks can join and leave (the ULFM MPI of local mode; under Slurm, layout.mpi: ulfm, a spawned rank would
         land on a node of the allocation PRRTE picks, not on a GPU node of the rollout component)."""
 
