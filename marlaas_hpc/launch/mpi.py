@@ -129,6 +129,11 @@ def find_local_mpi(choice: str = "auto", environ=os.environ, venv: str | Path = 
     return LocalMpi(kind="system", mpiexec=mpirun)
 
 
+def ft_enabled(environ=os.environ) -> bool:
+    """The launcher started this rank with `--with-ft ulfm` (it sets OMPI_MCA_mpi_ft_enable in every rank)."""
+    return environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes")
+
+
 def fault_tolerance_missing(library_version: str, environ=os.environ) -> str | None:
     """Why this rank's MPI cannot survive a peer's death (None: it can). ULFM needs Open MPI 5 or later started
     with `--with-ft ulfm`, which sets OMPI_MCA_mpi_ft_enable in every rank."""
@@ -142,6 +147,6 @@ def fault_tolerance_missing(library_version: str, environ=os.environ) -> str | N
         major = 0
     if major < 5:
         return f"{name} has no fault tolerance (ULFM needs Open MPI 5: tools/setup_env.sh installs one for local mode)"
-    if environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes"):
+    if not ft_enabled(environ):
         return f"{name} was started without fault tolerance (mpiexec --with-ft ulfm)"
     return None

@@ -644,11 +644,12 @@ def _refuse_start(comm, messages: list[str]) -> int:
     every rank exits 0: ULFM's mpiexec sometimes never exited when all of its ranks ended non-zero (a refused
     start hung the job until the test's 300 s timeout, about 1 run in 3)."""
     from marlaas_hpc.launch.monitor import RankReporter
+    from marlaas_hpc.launch.mpi import ft_enabled
 
     if comm.Get_rank() == 0:
         for message in messages:
             print(f"marlaas: {message}", file=sys.stderr, flush=True)
-    if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true"):
+    if not ft_enabled():
         return 2
     reporter = RankReporter.connect({"rank": comm.Get_rank(), "role": "refused"})
     if not reporter.connected:
@@ -714,8 +715,10 @@ def end_rank(code: int) -> None:
     if "mpi4py.MPI" in sys.modules:  # imported = initialized (mpi4py's default)
         from mpi4py import MPI
 
+        from marlaas_hpc.launch.mpi import ft_enabled
+
         if MPI.Is_initialized() and not MPI.Is_finalized():
-            if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true"):
+            if ft_enabled():
                 _finalize_deadline()
             MPI.Finalize()
     os._exit(code)
