@@ -55,3 +55,5 @@ def test_vllm_settings_reach_the_rollout_engine(tmp_path, tiny_model_path, monke
     assert summary["tasks"]["add"]["status"] == "done" and summary["tasks"]["add"]["steps_done"] == 2
     log = proc.stdout + proc.stderr
     assert "max_seq_len=96" in log and "enable_prefix_caching=False" in log, log[-4000:]
+    # quiet logs (runtime/quiet.py, the engine's use_tqdm_on_load): no weight-loading bar, no C++ NUMA notice
+    assert "Loading safetensors" not in log and "NUMA binding" not in log, log[-4000:]

@@ -195,7 +195,8 @@ class VllmEngine(RolloutEngine):
                       lora_target_modules=list(QWEN3_LORA_TARGETS),
                       logprobs_mode="processed_logprobs", max_model_len=max_model_len,
                       generation_config="vllm",  # no sampling defaults from the model's generation_config.json
-                      skip_tokenizer_init=True)  # prompts go in as ids and come out as ids (detokenize=False)
+                      skip_tokenizer_init=True,  # prompts go in as ids and come out as ids (detokenize=False)
+                      use_tqdm_on_load=False)  # no "Loading safetensors checkpoint shards" bar per rollout rank
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:

@@ -24,6 +24,10 @@ def silence_library_notices() -> None:
     # transformers' and huggingface_hub's progress bars ("Loading weights: 100%|...") as each rank loads its model:
     # one per rank, interleaved with rank 0's lines; a site that wants them sets the variable to 0
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # torch's C++ warnings outside a Python call (read once, when torch is imported: ranks import it later): vLLM's
+    # CPU worker prints "NUMA binding: Using MEMBIND policy ..." from init_cpu_memory_env as every CPU-twin rollout
+    # rank starts. C++ errors still show; a site that wants the warnings sets TORCH_CPP_LOG_LEVEL=WARNING
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     for category, message in NOTICES:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in QUIET_LOGGERS:
