@@ -118,3 +118,46 @@ def test_rollout_replace_starts_the_new_rank_on_the_dead_ranks_node_under_ulfm(c
     assert {g["group_id"] for g in _joined_groups(run_dir, joined) if not g["eval"]} & trained, \
         "groups the replacement generated were trained"
 
+
+def _scale(run_dir, rollout: int) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "scale", str(run_dir), "--rollout", str(rollout)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_marlaas_scale_under_ulfm_drains_refills_the_free_slot_and_refuses_beyond_the_allocation(cluster, tmp_path):  # noqa: F811
+    """`marlaas scale` in a Slurm job (layout.mpi: ulfm), rollout component of 2 slots: 2 -> 1 drains rank 3 (it
+    leaves, nothing lost); 1 -> 3 is refused with one line (one free slot); 1 -> 2 starts a rank in rank 3's slot,
+    on its node, which generates groups that are trained; 2 -> 1 is then refused with one line (under Slurm no rank
+    leaves once one joined). Every version trained exactly once, every component COMPLETED."""
+    steps = 60
+    config = _config(steps)
+    config["layout"].update(mpi="ulfm", rollout_ranks=2)
+    job_id, run_dir, _ = _submit(config, tmp_path)
+    assert _preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
+    slot = json.loads((run_dir / "ranks" / "rank3.json").read_text())
+    _scale(run_dir, 1)
+    _wait_line(run_dir, job_id, "[scale] rollout rank 3 drained and left")
+    _scale(run_dir, 3)
+    refused = _wait_line(run_dir, job_id, "[scale] rollout ranks 3 asked for, not done")
+    assert "1 free slot(s) of 2" in refused, refused
+    _scale(run_dir, 2)
+    started = _wait_line(run_dir, job_id, "[scale] starting rollout rank 6")
+    assert started.endswith(f"on {slot['host']} in rank 3's slot"), started
+    _wait_line(run_dir, job_id, "[scale] rollout rank 6 joined")
+    time.sleep(3.0)
+    _scale(run_dir, 1)
+    refused = _wait_line(run_dir, job_id, "[scale] rollout ranks 1 asked for, not done")
+    assert "no rank drains once one joined" in refused, refused
+    states = _wait_final(job_id, run_dir, 400)
+
+    assert states == ["COMPLETED"] * 4, states
+    new = json.loads((run_dir / "ranks" / "rank6.json").read_text())
+    assert new["host"] == slot["host"] and new["slot"] == 3
+    summary = _check_audit(config, run_dir, steps)
+    assert [r["rank"] for r in summary["ranks_left"]] == [3] and not summary["ranks_lost"]
+    trained = {r["group_id"] for r in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
+    assert {g["group_id"] for g in _joined_groups(run_dir, 6) if not g["eval"]} & trained, "the joined rank's groups"
