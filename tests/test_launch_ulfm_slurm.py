@@ -114,3 +114,19 @@ def test_a_rank_that_joins_in_a_slot_gets_the_variables_and_the_gpu_of_that_slot
     assert join_argv(3, ["python", "-m", "x"]) == ["-m", "marlaas_hpc.launch.ulfm_slurm", "join", "3", "--",
                                                    "python", "-m", "x"]
     assert JOIN_SLOT_ENV == "MARLAAS_JOIN_SLOT" and main(["nothing"]) == 2
+
+
+def test_ranks_join_under_slurm_only_with_ulfm_and_a_tolerant_job():
+    """runtime/scaling.py `why_not_join`: a plain srun step (mpi: pmix, no ULFM) keeps its refusal, a rank under this
+    module's mpiexec (its plan in the environment) may join, local mode too; a job that stops on a loss never."""
+    from marlaas_hpc.runtime.membership import Membership
+    from marlaas_hpc.runtime.scaling import why_not_join
+
+    srun_task = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "c1"}
+    tolerant = Membership({"rollout": [2]}, tolerant=True)
+    assert why_not_join(tolerant, srun_task) == "under Slurm, ranks join only with layout.mpi: ulfm"
+    assert why_not_join(tolerant, {**srun_task, "MARLAAS_ULFM_PLAN": "{}"}) is None
+    assert why_not_join(tolerant, {}) is None
+    stopping = Membership({"rollout": [2]}, tolerant=False, why_not="the MPI in use has no fault tolerance")
+    assert why_not_join(stopping, {}) == "the MPI in use has no fault tolerance"
+    assert why_not_join(Membership({"rollout": [2]}), srun_task) == "fault.on_rank_loss: stop"

@@ -109,6 +109,16 @@ def read_request(run_dir: Path) -> tuple[float, int] | None:
         return None
 
 
+def why_not_join(members, environ) -> str | None:
+    """Why ranks cannot join and leave the live job of a rank with this Membership and environment (None: they
+    can): its MPI has no fault tolerance or the job stops on a loss, or an srun step (no ULFM)."""
+    if not members.tolerant:
+        return members.why_not or "fault.on_rank_loss: stop"
+    if in_slurm_step(environ) and not in_ulfm_step(environ):
+        return "under Slurm, ranks join only with layout.mpi: ulfm"
+    return None
+
+
 class Scaler:
     """Rank 0's book of the rollout ranks that are joining, draining, and wanted (module doc)."""
 
@@ -130,7 +140,7 @@ class Scaler:
         self.in_allocation = in_ulfm_step(os.environ)
         """Under Slurm with layout.mpi: ulfm (launch/ulfm_slurm.py): a rank joins only in a free slot of the
         rollout component, on that slot's node (module doc)."""
-        self.why_not = self._why_not(os.environ)
+        self.why_not = why_not_join(comm.members, os.environ)
         """Why ranks cannot join and leave this job (None: they can)."""
         self.able = self.why_not is None
         self.slots: dict[int, int | None] = {r: r for r in comm.members.alive("rollout")} if self.in_allocation else {}
@@ -142,14 +152,6 @@ class Scaler:
         """Ranks this job may still start (None: no limit, local mode)."""
         self.spawned = False
         """A rank was started in this job (under Slurm no rank drains after that: `stays_why`)."""
-
-    def _why_not(self, environ) -> str | None:
-        members = self.comm.members
-        if not members.tolerant:
-            return members.why_not or "fault.on_rank_loss: stop"
-        if in_slurm_step(environ) and not in_ulfm_step(environ):
-            return "under Slurm, ranks join only with layout.mpi: ulfm"
-        return None
 
     def cannot_spawn(self, count: int = 1) -> str | None:
         """Why `count` more ranks cannot be started (None: they can)."""
