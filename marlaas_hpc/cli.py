@@ -222,8 +222,8 @@ def _short_model(model: str | None) -> str:
 
 
 def cmd_scale(args) -> int:
-    """Sets the number of rollout ranks of a live local job (runtime/scaling.py): rank 0 starts ranks that join, or
-    drains the newest ones, and says so in its log."""
+    """Sets the number of rollout ranks of a live job (runtime/scaling.py): rank 0 starts ranks that join, or
+    drains the newest ones, and says so in its log (under Slurm with layout.mpi: ulfm, within the allocation)."""
     from pathlib import Path
 
     from marlaas_hpc.runtime.scaling import not_live, request_scale
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     from marlaas_hpc.service.commands import add_tasks_parser
 
     add_tasks_parser(sub)
-    scale = sub.add_parser("scale", help="set the number of rollout ranks of a live local job (ranks join or drain)")
+    scale = sub.add_parser("scale", help="set the number of rollout ranks of a live job (ranks join or drain; under Slurm within the allocation)")
     scale.add_argument("run_dir", metavar="RUN_DIR")
     scale.add_argument("--rollout", type=int, required=True, help="rollout ranks wanted")
     scale.set_defaults(func=cmd_scale)

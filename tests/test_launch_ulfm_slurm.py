@@ -88,3 +88,45 @@ def test_the_submitit_script_asks_for_no_kill_under_ulfm(tmp_path):
     layout = JobLayout.from_dict({"mpi": "ulfm", "emulated_nodes": True}).validate()
     text = HetJobExecutor(tmp_path, layout)._make_submission_file_text("python -u -m x", "uid")
     assert "#SBATCH --no-kill" in text and "ulfm_slurm launch" in text
+
+
+def test_a_rank_that_joins_in_a_slot_gets_the_variables_and_the_gpu_of_that_slots_rank():
+    """`ulfm_slurm join SLOT`: a rank spawned into the live job (runtime/scaling.py) sees the SLURM_* variables of
+    the slot's rank, not its daemon's step nor its own spawn's world, so launch/devices.py binds it to the GPU that
+    rank had (both rollout ranks on one node, the daemon's step holding the node's two GPUs)."""
+    from marlaas_hpc.launch.devices import bind_device, node_ranks_from_env
+    from marlaas_hpc.launch.ulfm_slurm import JOIN_SLOT_ENV, join_argv, main, slot_environ, slot_host
+
+    batch = {**BATCH_ENV, "SLURM_JOB_NODELIST_HET_GROUP_2": "g1", "SLURM_TASKS_PER_NODE_HET_GROUP_2": "2"}
+    plan = make_plan(batch, cpus=[2, 1, 2, 4], gpus=[0, 0, 1, 1])
+    layout = JobLayout.from_dict({"env_ranks": 1, "rollout_ranks": 2, "trainer_tp": 2,
+                                  "rollout": {"gpus_per_task": 1}, "trainer": {"gpus_per_task": 1}}).validate()
+    daemon = {**batch, "CUDA_VISIBLE_DEVICES": "0,1"}
+    original = rank_environ({**daemon, "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "6",
+                             "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, plan)
+    joined = slot_environ(daemon, plan, 3)  # what `join 3` gives the spawned process (its own OMPI_* aside)
+    for key in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_GTIDS", "SLURM_NODEID", "SLURM_HET_SIZE"):
+        assert joined[key] == original[key], key
+    was = bind_device(original, 3, layout, driver_gpus=4, node_ranks=[2, 3])
+    now = bind_device(joined, 3, layout, driver_gpus=4, node_ranks=node_ranks_from_env(joined))
+    assert was.gpus == now.gpus == ("1",) and now.role == "rollout"
+    assert slot_host({"MARLAAS_ULFM_PLAN": json.dumps(plan)}, 3) == "g1"
+    assert join_argv(3, ["python", "-m", "x"]) == ["-m", "marlaas_hpc.launch.ulfm_slurm", "join", "3", "--",
+                                                   "python", "-m", "x"]
+    assert JOIN_SLOT_ENV == "MARLAAS_JOIN_SLOT" and main(["nothing"]) == 2
+
+
+def test_ranks_join_under_slurm_only_with_ulfm_and_a_tolerant_job():
+    """runtime/scaling.py `why_not_join`: a plain srun step (mpi: pmix, no ULFM) keeps its refusal, a rank under this
+    module's mpiexec (its plan in the environment) may join, local mode too; a job that stops on a loss never."""
+    from marlaas_hpc.runtime.membership import Membership
+    from marlaas_hpc.runtime.scaling import why_not_join
+
+    srun_task = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "c1"}
+    tolerant = Membership({"rollout": [2]}, tolerant=True)
+    assert why_not_join(tolerant, srun_task) == "under Slurm, ranks join only with layout.mpi: ulfm"
+    assert why_not_join(tolerant, {**srun_task, "MARLAAS_ULFM_PLAN": "{}"}) is None
+    assert why_not_join(tolerant, {}) is None
+    stopping = Membership({"rollout": [2]}, tolerant=False, why_not="the MPI in use has no fault tolerance")
+    assert why_not_join(stopping, {}) == "the MPI in use has no fault tolerance"
+    assert why_not_join(Membership({"rollout": [2]}), srun_task) == "fault.on_rank_loss: stop"

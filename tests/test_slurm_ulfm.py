@@ -12,6 +12,7 @@ import time
 import pytest
 
 from marlaas_hpc.launch.mpi import ulfm_prefix
+from test_slurm_cluster import _sacct_states
 from test_slurm_job import _config, _preempt_at_step, _submit, _wait_final, cluster  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow,
@@ -48,3 +49,115 @@ def test_a_killed_rollout_rank_stops_no_task_under_ulfm(cluster, tmp_path):  # n
         assert per_version == {v: algo["batch_prompts"] * algo["group_size"] for v in range(1, steps + 1)}
         assert len({(r["group_id"], r["sample"]) for r in rows}) == len(rows), "no sample trained twice"
         assert not any(r["group_id"] in loss["groups_reissued"] for r in rows), "a lost group is never trained"
+
+
+def _rank0_log(run_dir, job_id: str) -> list[str]:
+    path = run_dir / "slurm" / f"{job_id}_0_log.out"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _wait_line(run_dir, job_id: str, prefix: str, timeout_s: float = 120) -> str:
+    """The first line of rank 0's log that starts with `prefix` (fails once the job has ended without it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [line for line in _rank0_log(run_dir, job_id) if line.startswith(prefix)]
+        if found:
+            return found[0]
+        states = _sacct_states(job_id)
+        if len(states) == 4 and all(s.split()[0] in ("FAILED", "CANCELLED", "COMPLETED", "TIMEOUT") for s in states):
+            break
+        time.sleep(0.5)
+    pytest.fail(f"no line {prefix!r} in rank 0's log ({_sacct_states(job_id)}):\n"
+                + "\n".join(_rank0_log(run_dir, job_id)[-30:]))
+
+
+def _check_audit(config: dict, run_dir, steps: int) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    for task in config["tasks"]:
+        task_id, algo = task["task_id"], task["algo"]
+        assert summary["tasks"][task_id]["status"] == "done", summary["tasks"][task_id]
+        rows = [r for r in audit if r["task_id"] == task_id]
+        per_version = collections.Counter(r["trained_into"] for r in rows)
+        assert per_version == {v: algo["batch_prompts"] * algo["group_size"] for v in range(1, steps + 1)}
+        assert len({(r["group_id"], r["sample"]) for r in rows}) == len(rows), "no sample trained twice"
+    return summary
+
+
+def _joined_groups(run_dir, rank: int) -> list[dict]:
+    path = run_dir / "timeline" / f"rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if '"stage": "group"' in line]
+
+
+def test_rollout_replace_starts_the_new_rank_on_the_dead_ranks_node_under_ulfm(cluster, tmp_path):  # noqa: F811
+    """`layout.rollout_replace` under Slurm: the replacement of a SIGKILLed rollout rank is spawned onto the dead
+    rank's node, in its slot (its SLURM_* variables, so launch/devices.py gives it that rank's GPU), generates groups
+    that are trained, and the job finishes by itself with every version trained exactly once."""
+    steps = 40
+    config = _config(steps)
+    config["layout"].update(mpi="ulfm", rollout_ranks=2, rollout_replace=True)
+    job_id, run_dir, _ = _submit(config, tmp_path)
+    assert _preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
+    victim = json.loads((run_dir / "ranks" / "rank2.json").read_text())
+    assert victim["role"] == "rollout"
+    os.kill(victim["pid"], signal.SIGKILL)
+    joined = 6  # the next world rank after control, env, 2 rollout and 2 trainer ranks
+    started = _wait_line(run_dir, job_id, f"[scale] starting rollout rank {joined} to replace rank 2")
+    assert f"on {victim['host']}" in started, started
+    _wait_line(run_dir, job_id, f"[scale] rollout rank {joined} joined")
+    states = _wait_final(job_id, run_dir, 300)
+
+    assert states == ["COMPLETED"] * 4, states
+    assert not (run_dir / "crash.json").exists()
+    new = json.loads((run_dir / "ranks" / f"rank{joined}.json").read_text())
+    assert new["role"] == "rollout (joined)" and new["host"] == victim["host"], (new, victim)
+    assert new["slot"] == 2, "it runs as the dead rank's task of the rollout component (its SLURM_* variables)"
+    summary = _check_audit(config, run_dir, steps)
+    assert [r["rank"] for r in summary["ranks_lost"]] == [2] and [r["rank"] for r in summary["ranks_joined"]] == [joined]
+    trained = {r["group_id"] for r in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
+    assert {g["group_id"] for g in _joined_groups(run_dir, joined) if not g["eval"]} & trained, \
+        "groups the replacement generated were trained"
+
+
+def _scale(run_dir, rollout: int) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "scale", str(run_dir), "--rollout", str(rollout)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_marlaas_scale_under_ulfm_drains_refills_the_free_slot_and_refuses_beyond_the_allocation(cluster, tmp_path):  # noqa: F811
+    """`marlaas scale` in a Slurm job (layout.mpi: ulfm), rollout component of 2 slots: 2 -> 1 drains rank 3 (it
+    leaves, nothing lost); 1 -> 3 is refused with one line (one free slot); 1 -> 2 starts a rank in rank 3's slot,
+    on its node, which generates groups that are trained; 2 -> 1 is then refused with one line (under Slurm no rank
+    leaves once one joined). Every version trained exactly once, every component COMPLETED."""
+    steps = 60
+    config = _config(steps)
+    config["layout"].update(mpi="ulfm", rollout_ranks=2)
+    job_id, run_dir, _ = _submit(config, tmp_path)
+    assert _preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
+    slot = json.loads((run_dir / "ranks" / "rank3.json").read_text())
+    _scale(run_dir, 1)
+    _wait_line(run_dir, job_id, "[scale] rollout rank 3 drained and left")
+    _scale(run_dir, 3)
+    refused = _wait_line(run_dir, job_id, "[scale] rollout ranks 3 asked for, not done")
+    assert "1 free slot(s) of 2" in refused, refused
+    _scale(run_dir, 2)
+    started = _wait_line(run_dir, job_id, "[scale] starting rollout rank 6")
+    assert started.endswith(f"on {slot['host']} in rank 3's slot"), started
+    _wait_line(run_dir, job_id, "[scale] rollout rank 6 joined")
+    time.sleep(3.0)
+    _scale(run_dir, 1)
+    refused = _wait_line(run_dir, job_id, "[scale] rollout ranks 1 asked for, not done")
+    assert "no rank drains once one joined" in refused, refused
+    states = _wait_final(job_id, run_dir, 400)
+
+    assert states == ["COMPLETED"] * 4, states
+    new = json.loads((run_dir / "ranks" / "rank6.json").read_text())
+    assert new["host"] == slot["host"] and new["slot"] == 3
+    summary = _check_audit(config, run_dir, steps)
+    assert [r["rank"] for r in summary["ranks_left"]] == [3] and not summary["ranks_lost"]
+    trained = {r["group_id"] for r in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
+    assert {g["group_id"] for g in _joined_groups(run_dir, 6) if not g["eval"]} & trained, "the joined rank's groups"

@@ -171,8 +171,9 @@ class JobLayout:
     GPUs and the rank is given some, else on the CPU; 'cuda' refuses to start a rollout or trainer rank without
     its GPU(s); 'cpu' never uses GPUs. Scheduler and env ranks always run on the CPU."""
     rollout_replace: bool = False
-    """A lost rollout rank is replaced by a new one that joins the live job (local mode on the fault-tolerant MPI:
-    runtime/scaling.py); its groups go to the survivors meanwhile. Under Slurm it is not replaced."""
+    """A lost rollout rank is replaced by a new one that joins the live job (on the fault-tolerant MPI:
+    runtime/scaling.py); its groups go to the survivors meanwhile. Under Slurm (`mpi: ulfm`) the replacement runs on
+    the dead rank's node with its GPU(s), once per job; under plain srun it is not replaced."""
     join_weights: str = "disk"
     """Where a rollout rank that joins the live job (`marlaas scale`, `rollout_replace`) reads the base model's
     files: 'disk' (the model directory) or 'peer' (from a live rollout rank over MPI, chunked and pipelined;

@@ -105,12 +105,22 @@ def rank_environ(environ, plan: dict) -> dict:
     hosts = rank_hosts(plan)
     if len(hosts) != int(environ["OMPI_COMM_WORLD_SIZE"]):
         raise ValueError(f"{len(hosts)} ranks planned, Open MPI started {environ['OMPI_COMM_WORLD_SIZE']}")
+    return slot_environ(environ, plan, rank, int(environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+
+
+def slot_environ(environ, plan: dict, slot: int, local_id: int | None = None) -> dict:
+    """`environ` with the SLURM_* variables of the het-step task that world rank `slot` of the plan is: its
+    PROCID, LOCALID (`local_id`; None: its place among the plan's ranks on its node), node and the ranks sharing
+    it, the step's and the components' sizes and nodes. A rank started with the job runs as its own slot; a rank
+    that joins the live job runs as the slot of the rank it replaces (`join`)."""
+    hosts = rank_hosts(plan)
     node_order = list(dict.fromkeys(hosts))
+    sharing = [r for r, host in enumerate(hosts) if host == hosts[slot]]
     env = dict(environ)
-    env.update(SLURM_PROCID=str(rank), SLURM_LOCALID=environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+    env.update(SLURM_PROCID=str(slot), SLURM_LOCALID=str(sharing.index(slot) if local_id is None else local_id),
                SLURM_NTASKS=str(len(hosts)), SLURM_NPROCS=str(len(hosts)), SLURM_STEP_NUM_TASKS=str(len(hosts)),
-               SLURM_STEP_NODELIST=",".join(node_order), SLURM_NODEID=str(node_order.index(hosts[rank])),
-               SLURM_GTIDS=",".join(str(r) for r, host in enumerate(hosts) if host == hosts[rank]))
+               SLURM_STEP_NODELIST=",".join(node_order), SLURM_NODEID=str(node_order.index(hosts[slot])),
+               SLURM_GTIDS=",".join(map(str, sharing)))
     if plan["het"]:
         groups = max(g for g, _, _ in plan["nodes"]) + 1
         env["SLURM_HET_SIZE"] = str(groups)
@@ -119,6 +129,27 @@ def rank_environ(environ, plan: dict) -> dict:
             env[f"SLURM_NTASKS_HET_GROUP_{group}"] = str(sum(n for _, n in mine))
             env[f"SLURM_JOB_NODELIST_HET_GROUP_{group}"] = ",".join(h for h, _ in mine)
     return env
+
+
+# ---- ranks that join the live job (runtime/scaling.py) ----
+JOIN_SLOT_ENV = "MARLAAS_JOIN_SLOT"
+"""Set in a joined rank's environment: the world rank whose slot (node, SLURM_* variables, GPUs) it runs in."""
+
+
+def in_ulfm_step(environ=os.environ) -> bool:
+    """This process runs under this module's mpiexec (a rank of it, or one spawned by a rank)."""
+    return PLAN_ENV in environ
+
+
+def slot_host(environ, slot: int) -> str:
+    """The node of world rank `slot` in the step's plan."""
+    return rank_hosts(json.loads(environ[PLAN_ENV]))[slot]
+
+
+def join_argv(slot: int, program: list[str]) -> list[str]:
+    """What MPI_Comm_spawn runs (after the interpreter) for a rank that joins in `slot`: `join`, which gives
+    `program` the slot's SLURM_* variables."""
+    return ["-m", "marlaas_hpc.launch.ulfm_slurm", "join", str(slot), "--", *program]
 
 
 def mpiexec_argv(mpi: LocalMpi, plan: dict, hostfile: Path, agent: Path, command: str) -> list[str]:
@@ -155,7 +186,7 @@ def launch(command: str, cpus: list[int], gpus: list[int], environ=os.environ) -
 
 def main(argv: list[str] | None = None) -> int:
     """`launch --cpus 2,8,8,8 --gpus 0,0,1,1 -- COMMAND` (batch script), `agent HOST WORDS...` (PRRTE),
-    `rank -- PROGRAM ARGS...` (each rank)."""
+    `rank -- PROGRAM ARGS...` (each rank), `join SLOT -- PROGRAM ARGS...` (a rank spawned into the live job)."""
     args = list(sys.argv[1:] if argv is None else argv)
     mode = args.pop(0) if args else ""
     if mode == "agent":
@@ -165,10 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "rank":
         program = args[args.index("--") + 1:]
         os.execvpe(program[0], program, rank_environ(os.environ, json.loads(os.environ[PLAN_ENV])))
+    if mode == "join":
+        slot, program = int(args[0]), args[args.index("--") + 1:]
+        env = slot_environ(os.environ, json.loads(os.environ[PLAN_ENV]), slot)
+        env[JOIN_SLOT_ENV] = str(slot)
+        os.execvpe(program[0], program, env)
     if mode == "launch":
         counts = {args[i]: [int(x) for x in args[i + 1].split(",")] for i in range(0, args.index("--"), 2)}
         return launch(" ".join(args[args.index("--") + 1:]), counts["--cpus"], counts["--gpus"])
-    print(f"usage: python -m marlaas_hpc.launch.ulfm_slurm launch|agent|rank ... (got {mode!r})", file=sys.stderr)
+    print(f"usage: python -m marlaas_hpc.launch.ulfm_slurm launch|agent|rank|join ... (got {mode!r})", file=sys.stderr)
     return 2
 
 

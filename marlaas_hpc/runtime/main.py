@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.launch.layout import assign_role, ranks_of, trainer_group_ranks, world_size_matches
+from marlaas_hpc.launch.ulfm_slurm import JOIN_SLOT_ENV
 from marlaas_hpc.runtime.comm import quiet_barrier, recv_wait
 from marlaas_hpc.runtime.quiet import silence_library_notices
 from marlaas_hpc.scheduler import MODES
@@ -161,15 +162,15 @@ def describe_role(role, trainer_groups: int = 1) -> str:
     return f"trainer follower{group}, TP rank {role.tp_rank}"
 
 
-def record_rank(run_dir: Path, rank: int, role: str) -> None:
+def record_rank(run_dir: Path, rank: int, role: str, **extra) -> None:
     """RUN_DIR/ranks/rank<N>.json: pid and host of each rank of the current run (operators and the fault tests
-    find a rank's process here)."""
+    find a rank's process here), and `extra` (a joined rank's slot and GPUs under Slurm)."""
     import json
 
     from marlaas_hpc.rundir import atomic_write_text
 
-    atomic_write_text(Path(run_dir) / "ranks" / f"rank{rank}.json",
-                      json.dumps({"rank": rank, "role": role, "pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+    atomic_write_text(Path(run_dir) / "ranks" / f"rank{rank}.json", json.dumps(
+        {"rank": rank, "role": role, "pid": os.getpid(), "host": socket.gethostname(), **extra}) + "\n")
 
 
 def report_crash(exc: BaseException, run_dir: Path, rank: int, reporter) -> None:
@@ -422,8 +423,11 @@ def join_main(run_dir: str, rank: int) -> None:
     runtime/scaling.py): its engine first, then Joining to rank 0, the links its env ranks and trainer leaders
     make to its port, its GPU to each leader (their delta channels are remade with it), and the rollout loop. It
     ends once its links are disconnected (drained, or at the end of the job: a process still linked cannot finalize
-    MPI). Devices: the CPU, or the first GPU it sees (placing joined ranks on free GPUs is not done)."""
-    from mpi4py import MPI  # first: rank 0's MPI_Comm_spawn waits until this process is in MPI_Init
+    MPI). Devices: under Slurm (launch/ulfm_slurm.py `join`) those of the slot it runs in, bound as that slot's
+    rank was (before MPI_Init); in local mode the CPU, or the first GPU it sees."""
+    slot = os.environ.get(JOIN_SLOT_ENV)
+    binding = _bind_joiner(run_dir, int(slot)) if slot is not None else None
+    from mpi4py import MPI  # early: rank 0's MPI_Comm_spawn waits until this process is in MPI_Init
 
     from marlaas_hpc.launch.monitor import RankReporter
     from marlaas_hpc.model import TextCodec
@@ -442,14 +446,15 @@ def join_main(run_dir: str, rank: int) -> None:
     live.add_link(0, MPI.Comm.Get_parent())
     live.members.join(rank, "rollout")
     role = "rollout (joined)"
-    record_rank(run_path, rank, role)
+    record_rank(run_path, rank, role, **({} if binding is None else {"slot": int(slot), "gpus": list(binding.gpus)}))
     reporter = live.reporter = RankReporter.connect({
         "rank": rank, "role": role, "run_dir": str(run_path), "tolerant": True, "on_rank_loss": "continue",
         "hang_timeout_s": job.fault.hang_timeout_s})
     try:
         import torch
 
-        device = "cuda:0" if job.layout.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
+        device = binding.device if binding is not None else \
+            "cuda:0" if job.layout.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
         t0 = time.time()
         paths = job.model_paths()  # a job of several base models: one engine per model, as the first ranks
         disk = model_dir = job.model_path()
@@ -487,6 +492,19 @@ def join_main(run_dir: str, rank: int) -> None:
     reporter.bye()
     _remove_local_weights(run_path, rank)
     end_rank(0)
+
+
+def _bind_joiner(run_dir: str, slot: int):
+    """A joined rank under Slurm: the device binding of world rank `slot` (launch/devices.py, from the slot's
+    SLURM_* variables that `ulfm_slurm join` set), applied before MPI_Init as every rank's is."""
+    from marlaas_hpc.launch.devices import apply_binding, bind_device, count_driver_gpus, node_ranks_from_env
+
+    job = load_job(None, run_dir, None, resume=True)
+    slurm_env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_COMM_WORLD")}  # its own spawn's
+    binding = bind_device(slurm_env, slot, job.layout, driver_gpus=count_driver_gpus(),
+                          node_ranks=node_ranks_from_env(slurm_env))
+    apply_binding(binding, os.environ)
+    return binding
 
 
 def _weights_from_peer(live, rank: int, run_dir: Path, disk_dir: Path) -> tuple[Path, float]:

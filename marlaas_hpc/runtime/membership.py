@@ -28,8 +28,8 @@ Membership records it (`mark_lost`): a worker may learn of a loss from rank 0 be
 A joined rank (runtime/scaling.py) keeps the world's numbering: it is given the next free world rank, and a
 LiveComm sends to it, and probes for what it sends, over its link (`add_link`), with the world rank as the
 address; the joined rank's own LiveComm reaches every peer the same way. Joins and drains need the ULFM MPI's
-dynamic processes and are local mode's only: under Slurm (srun, no ULFM) the job's ranks are the ones it started
-with.
+dynamic processes: local mode, or `layout.mpi: ulfm` under Slurm (within the allocation, runtime/scaling.py); under
+plain srun (no ULFM) the job's ranks are the ones it started with.
 """
 from __future__ import annotations
 
@@ -275,14 +275,23 @@ TAG_LINK = 19
 """The first message on a new link: the connecting rank's world rank."""
 
 
-def spawn_rank(argv: list[str]):
+def spawn_rank(argv: list[str], host: str | None = None):
     """Rank 0: starts one process running `python argv...` in the job (MPI_Comm_spawn over COMM_SELF: no other
-    rank takes part); returns the intercommunicator to it. Returns once the process is in MPI_Init (~1.3 s)."""
+    rank takes part); returns the intercommunicator to it. Returns once the process is in MPI_Init (~1.3 s; 2-4 s
+    under Slurm). `host`: the node it runs on (Info 'host': PRRTE starts it through that node's daemon)."""
     import sys
 
     from mpi4py import MPI
 
-    return MPI.COMM_SELF.Spawn(sys.executable, args=argv, maxprocs=1)
+    if host is None:
+        return MPI.COMM_SELF.Spawn(sys.executable, args=argv, maxprocs=1)
+    info = MPI.Info.Create()
+    try:
+        info.Set("host", host)
+        info.Set("map_by", "slot:OVERSUBSCRIBE")  # the node's slots all count as used (docs/architecture.md)
+        return MPI.COMM_SELF.Spawn(sys.executable, args=argv, maxprocs=1, info=info)
+    finally:
+        info.Free()
 
 
 def open_port() -> str:

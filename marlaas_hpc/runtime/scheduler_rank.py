@@ -475,6 +475,7 @@ class SchedulerRank:
         once the cause is known (`_name_losses`)."""
         if self.scaler.joining.get(rank) is not None:
             self.scaler.forget(rank)
+            self.scaler.release(rank)
             self.log(f"[scale] rank {rank} failed before it joined")
             self._feed_weights()  # the others of its batch may be waiting for it
             return
@@ -485,12 +486,16 @@ class SchedulerRank:
         if kind not in ("env", "rollout"):
             raise JobCannotGoOn(f"the job does not go on without a {kind} rank")
         self.scaler.draining.discard(rank)
-        replace = kind == "rollout" and self.job.layout.rollout_replace and self.scaler.able
-        if not self.members.alive(kind) and not replace:
+        slot = self.scaler.release(rank)
+        replaced = None
+        if kind == "rollout" and self.job.layout.rollout_replace and self.scaler.able:
+            why_not = self.scaler.cannot_spawn()
+            if why_not is None:
+                replaced = self._spawn(f"to replace rank {rank} (layout.rollout_replace)", slot)
+            else:
+                self.log(f"[scale] rank {rank} is not replaced: {why_not}")
+        if not self.members.alive(kind) and replaced is None:
             raise JobCannotGoOn(f"no {kind} rank is left")
-        if replace:
-            self.log(f"[scale] starting rollout rank {self.scaler.spawn()} to replace rank {rank} "
-                     "(layout.rollout_replace)")
         commands = self._handle(RankLost(rank, kind))
         if kind == "rollout":
             self.delta_epoch += 1
@@ -550,18 +555,46 @@ class SchedulerRank:
     def _rescale(self, wanted: int) -> None:
         """`marlaas scale --rollout N`: ranks are started (they join once up) or drained (newest first)."""
         if not self.scaler.able:
-            why = self.members.why_not or ("fault.on_rank_loss: stop" if not self.members.tolerant else "under Slurm")
             self.log(f"[scale] rollout ranks {wanted} asked for, not done: ranks join and leave a live job only on "
-                     f"the fault-tolerant MPI of local mode ({why})")
+                     f"the fault-tolerant MPI (local mode, or layout.mpi: ulfm under Slurm) ({self.scaler.why_not})")
             return
         live = [r for r in self.members.alive("rollout") if r not in self.scaler.draining] + list(self.scaler.joining)
+        more = max(wanted, 1) - len(live)
+        free = self.scaler.free_slots()
+        if self.scaler.in_allocation and more > len(free):
+            self.log(f"[scale] rollout ranks {wanted} asked for, not done: {len(live)} run and the allocation's "
+                     f"rollout component has {len(free)} free slot(s) of {len(self.scaler.slots)} (a rank joins "
+                     "only in a slot whose rank was lost or drained; a job that joins from outside is not done)")
+            return
+        if more > 0 and self.scaler.cannot_spawn(more):
+            self.log(f"[scale] rollout ranks {wanted} asked for, not done: {self.scaler.cannot_spawn(more)}")
+            return
+        drainable = [r for r in live if r not in self.scaler.joining and self.scaler.may_leave(r)]
+        if len(live) - wanted > len(drainable):
+            self.log(f"[scale] rollout ranks {wanted} asked for, not done: {self.scaler.stays_why()}; "
+                     f"{len(drainable)} of the {len(live)} could drain")
+            return
         self.log(f"[scale] rollout ranks: {len(live)} -> {max(wanted, 1)}")
-        for _ in range(max(wanted, 1) - len(live)):
-            self.log(f"[scale] starting rollout rank {self.scaler.spawn()}")
-        for rank in sorted((r for r in live if r not in self.scaler.joining), reverse=True)[:len(live) - wanted]:
+        for i in range(more):
+            self._spawn("", free[i] if self.scaler.in_allocation else None)
+        for rank in sorted(drainable, reverse=True)[:max(len(live) - wanted, 0)]:
             self.scaler.draining.add(rank)
             self._execute(self._handle(RankLeaving(rank)))
             self.log(f"[scale] rollout rank {rank} drains: no new group; it leaves once its groups are done")
+
+    def _spawn(self, why: str, slot: int | None) -> int | None:
+        """Starts one rollout rank (in `slot` under Slurm) and says so; None if MPI_Comm_spawn refused it."""
+        from mpi4py import MPI
+
+        try:
+            rank, host = self.scaler.spawn(slot)
+        except MPI.Exception as exc:  # PRRTE found no room on the node, ...: the slot stays free
+            where = "" if slot is None else f" in rank {slot}'s slot"
+            self.log(f"[scale] could not start a rollout rank {why}".rstrip() + f"{where}: {exc}")
+            return None
+        where = f" on {host} in rank {slot}'s slot" if host else ""
+        self.log(f"[scale] starting rollout rank {rank} {why}".rstrip() + where)
+        return rank
 
     def _drained(self, rank: int) -> bool:
         return self.scheduler.rank_idle(rank) and not any(r == rank for _, r in self.eval_out.values())
@@ -580,6 +613,7 @@ class SchedulerRank:
         except RankLostError:  # it died meanwhile: idle, it held nothing
             self.comm.links.pop(rank, None)
         self.members.mark_lost(rank)
+        self.scaler.release(rank)
         commands = self._handle(RankLost(rank, "rollout"))
         self.delta_epoch += 1
         notice = RanksChanged(self.delta_epoch, tuple(self.members.alive("rollout")), lost=(rank,), left=(rank,))
