@@ -1,8 +1,11 @@
 """A job of two base models end to end under mpirun (issue #28): configs/multi-model-demo.yaml (the tiny char
 model and chat-mini, two tasks each) with ONE rollout rank holding an engine per model and two trainer groups,
 one per model. Every task runs to its last step on a trainer group of its model, each model's adapters are
-trained on that model, the rollout rank switched engines (timeline notes, summary.json), and summary.json and
-`marlaas status` name each task's model."""
+trained on that model, the rollout rank switched engines when rank 0's model pool told it to and served only
+the model rank 0 assigned it (scheduler/rank_models.py: rank 0's timeline notes each Serve and Served, the
+rank's notes each switch and group), and summary.json and `marlaas status` name each task's model."""
+import bisect
+import collections
 import json
 import subprocess
 import sys
@@ -10,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from test_runtime_mpi import ROOT, run_marlaas
+from test_runtime_mpi import ROOT, rank_timelines, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 MODEL_OF = {"add": "tiny", "sort": "tiny", "gsm8k-hash": "chat", "gsm8k-boxed": "chat"}
@@ -39,12 +42,39 @@ def test_two_models_share_one_rollout_rank_and_train_on_their_own_groups(tmp_pat
         assert json.loads(adapter.read_text())["base_model_name_or_path"] == paths[MODEL_OF[task_id]]
     audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
     assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] for r in audit)
+    for task in config["tasks"]:  # every version trained exactly once, each from one full batch
+        trained = collections.Counter(r["trained_into"] for r in audit if r["task_id"] == task["task_id"])
+        assert trained == {v: task["algo"]["batch_prompts"] * task["algo"]["group_size"] for v in (1, 2)}
     (rank, switches), = summary["model_switches"].items()
     assert switches["switches"] >= 1
-    notes = [json.loads(line) for line in (run_dir / "timeline" / f"rank{rank}.jsonl").read_text().splitlines()]
-    moves = {(n["from_model"], n["to_model"]) for n in notes if n["stage"] == "switch"}
-    assert ("tiny", "chat") in moves or ("chat", "tiny") in moves
+    served = assignment_followed(run_dir)
+    assert set(served[int(rank)]) == {"tiny", "chat"}, "the rank served both models, one after the other"
     status = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "status", str(run_dir)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[2:]}
     assert {t: rows[t][2] for t in MODEL_OF} == MODEL_OF
+
+
+def assignment_followed(run_dir) -> dict[int, list[str]]:
+    """Checks that each rollout rank followed rank 0's model pool: its engine switches are the switches rank 0
+    ordered (Serve, answered Served with the switch's cost), in order, and every group it started (training and
+    eval) is of the model it served then. Returns each rank's models in the order it served them."""
+    timelines = rank_timelines(run_dir)
+    rank0 = timelines["rank0"]
+    out = {}
+    for name, notes in timelines.items():
+        if not notes or notes[0]["role"] != "rollout":
+            continue
+        rank = notes[0]["rank"]
+        answers = [n for n in rank0 if n["stage"] == "served" and n["rollout_rank"] == rank]
+        assert answers, f"rank 0 assigned rollout rank {rank} no model"
+        ordered = [n["model"] for n in answers if n["sleep_s"] or n["wake_s"]]
+        switches = [n for n in notes if n["stage"] == "switch"]
+        assert [n["to_model"] for n in switches] == ordered, "the rank switched exactly when rank 0 said"
+        ends = [n["end"] for n in switches]
+        models = [answers[0]["model"]] + [n["to_model"] for n in switches]
+        for group in (n for n in notes if n["stage"] == "group"):
+            serving = models[bisect.bisect_right(ends, group["start"])]
+            assert MODEL_OF[group["tasks"][0]] == serving, (group, serving)
+        out[rank] = models
+    return out
