@@ -147,3 +147,28 @@ def test_a_rank_whose_model_has_no_work_left_goes_to_the_other_model():
     assert set(result.ended.values()) == {"done"} and set(result.ended) == set(tasks)
     assert (1, "a") == loop.serves[0][1:] and (2, "b") == loop.serves[1][1:]
     assert any(rank == 1 and model == "b" for _, rank, model in loop.serves[2:]), loop.serves
+
+
+def test_status_names_the_model_each_rollout_rank_serves(tmp_path, capsys):
+    import argparse
+    import json
+    from pathlib import Path
+
+    from marlaas_hpc.cli import cmd_status
+    from marlaas_hpc.config import JobConfig
+    from marlaas_hpc.runtime.outputs import StatusBoard
+
+    sched = scheduler()
+    models = RankModels(sched, ["a", "b"], multi_turn=lambda task_id: False)
+    sched.handle(Submit(spec("a1")))
+    job = JobConfig.load(Path(__file__).resolve().parents[1] / "configs" / "multi-model-demo.yaml")
+    board = StatusBoard(tmp_path, job, sched, 0.0)
+    board.changed("a1")
+    board.refresh()
+    assert json.loads((tmp_path / "status.json").read_text())["rollout_models"] == {"1": "a", "2": "b"}
+    sched.rank_models[2] = "a"  # as a Switch sets it
+    board.changed("a1")
+    board.refresh()
+    assert cmd_status(argparse.Namespace(run_dir=str(tmp_path))) == 0
+    assert "rollout ranks serve: 1 a, 2 a" in capsys.readouterr().out
+    assert models.model_of(2) == "a"
