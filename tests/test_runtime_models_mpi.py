@@ -16,7 +16,7 @@ import yaml
 from test_runtime_mpi import ROOT, rank_timelines, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-MODEL_OF = {"add": "tiny", "sort": "tiny", "gsm8k-hash": "chat", "gsm8k-boxed": "chat"}
+MODEL_OF = {"sort-a": "tiny", "sort-b": "tiny", "gsm8k-hash": "chat", "gsm8k-boxed": "chat"}
 
 
 def test_two_models_share_one_rollout_rank_and_train_on_their_own_groups(tmp_path):
@@ -24,8 +24,8 @@ def test_two_models_share_one_rollout_rank_and_train_on_their_own_groups(tmp_pat
     from marlaas_hpc.tiny_model import ensure_tiny_model
 
     config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
-    for task in config["tasks"]:
-        task["total_steps"] = 2
+    for task in config["tasks"]:  # short: 2 steps of 4 prompts, 8 eval prompts
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = 2, 4, 8
     proc, run_dir = run_marlaas(config, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

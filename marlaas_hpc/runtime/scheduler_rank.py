@@ -696,6 +696,12 @@ class SchedulerRank:
         for group_id, work in lost:
             rollout, env = self._eval_ranks()
             work = dataclasses.replace(work, env_rank=env)
+            if self.rank_models is not None:  # several models: to a rank serving its model, or held back
+                del self.eval_out[group_id]
+                rollout = self.rank_models.eval_rank(work.model)
+                if rollout is None:
+                    self.rank_models.hold_eval(work.model, work, 1)
+                    continue
             self.eval_out[group_id] = (work, rollout)
             self.outbox.send(work, rollout, TAG_CMD)
         return [group_id for group_id, _ in lost]
