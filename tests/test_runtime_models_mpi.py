@@ -3,7 +3,8 @@ model and chat-mini, two tasks each) with ONE rollout rank holding an engine per
 one per model. Every task runs to its last step on a trainer group of its model, each model's adapters are
 trained on that model, the rollout rank switched engines when rank 0's model pool told it to and served only
 the model rank 0 assigned it (scheduler/rank_models.py: rank 0's timeline notes each Serve and Served, the
-rank's notes each switch and group), and summary.json and `marlaas status` name each task's model."""
+rank's notes each switch and group), and summary.json and `marlaas status` name each task's model. With two
+rollout ranks, the rank of the model whose tasks end first goes to the other model."""
 import bisect
 import collections
 import json
@@ -76,5 +77,31 @@ def assignment_followed(run_dir) -> dict[int, list[str]]:
         for group in (n for n in notes if n["stage"] == "group"):
             serving = models[bisect.bisect_right(ends, group["start"])]
             assert MODEL_OF[group["tasks"][0]] == serving, (group, serving)
-        out[rank] = models
+        out[rank] = models  # (the first twice when rank 0's first Serve made the rank switch)
     return out
+
+
+def test_rank_0_hands_the_rank_of_a_model_with_no_work_left_to_the_other(tmp_path):
+    """Two rollout ranks, one per model at the start; the tiny model's tasks (one step each) end long before
+    chat-mini's, and rank 0 then switches the tiny model's rank to chat-mini (after its evals there are answered):
+    both ranks follow rank 0's assignment, and every version is trained exactly once."""
+    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    config["layout"]["rollout_ranks"] = 2
+    for task in config["tasks"]:
+        steps = 1 if MODEL_OF[task["task_id"]] == "tiny" else 3
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = steps, 4, 8
+    proc, run_dir = run_marlaas(config, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert all(s["status"] == "done" for s in summary["tasks"].values()), summary["tasks"]
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    for task in config["tasks"]:
+        trained = collections.Counter(r["trained_into"] for r in audit if r["task_id"] == task["task_id"])
+        group = task["algo"]["batch_prompts"] * task["algo"]["group_size"]
+        assert trained == {v: group for v in range(1, task["total_steps"] + 1)}
+    served = assignment_followed(run_dir)
+    assert len(served) == 2
+    # the tiny model's rank went to chat-mini once its work ended (a rank may also have lent chat-mini's turn
+    # to the tiny model while both had work): both ranks end on chat-mini
+    assert all(models[-1] == "chat" for models in served.values()), served
+    assert any("tiny" in models for models in served.values()), served
