@@ -201,6 +201,9 @@ def cmd_status(args) -> int:
     ranks = state.get("ranks")
     if ranks:  # a rank was lost, joined or left the live job
         print(f"ranks: rollout {ranks['rollout']} (joined {ranks['joined']}), env {ranks['env']}, lost {ranks['lost']}")
+    serving = state.get("rollout_models")
+    if serving:  # a job of several base models, live: the model rank 0 assigned each rollout rank
+        print("rollout ranks serve: " + ", ".join(f"{rank} {model}" for rank, model in serving.items()))
     print(f"{'task':<16} {'tenant':<10} {'model':<12} {'state':<10} {'step':>9} {'k':>2} {'reward':>7} {'TTFS_s':>7} "
           f"{'TPTS_s':>7}")
     for task_id, t in state["tasks"].items():

@@ -179,3 +179,26 @@ def test_the_awake_model_keeps_taking_requests_during_its_dwell(tiny_model_path,
     assert default._dwelling()
     now[0] = 2 * DWELL_SWITCHES * cost + 1e-9
     assert not default._dwelling()
+
+
+def test_following_rank_0_only_the_assigned_model_is_served_and_it_switches_when_idle(tiny_model_path, chat_path,
+                                                                                         prompts):
+    engine = engines(tiny_model_path, chat_path)
+    engine.assign("task-tiny", "tiny")
+    engine.assign("task-chat", "chat")
+    engine.follow("tiny")
+    engine.submit(requests("tiny", prompts, "a") + requests("chat", prompts))
+    order = []
+    while engine.has_unfinished():
+        order += [(engine.awake, gen.request_id) for gen in engine.step()]
+    assert [model for model, _ in order] == ["tiny", "tiny"], "chat's requests wait: rank 0 did not assign chat"
+    assert engine.pending["chat"] and engine.pop_switches() == []
+    engine.submit(requests("tiny", prompts, "b"))  # in flight when rank 0 assigns chat: the switch waits for them
+    engine.follow("chat")
+    while engine.has_unfinished():
+        order += [(engine.awake, gen.request_id) for gen in engine.step()]
+    assert [model for model, _ in order[2:]] == ["tiny", "tiny", "chat", "chat"]
+    assert [(s.from_model, s.to_model) for s in engine.pop_switches()] == [("tiny", "chat")]
+    engine.follow("tiny")  # idle: the switch is made at the next step, with no request waiting
+    assert engine.has_unfinished()
+    assert engine.step() == [] and engine.awake == "tiny" and not engine.has_unfinished()

@@ -184,3 +184,14 @@ def test_reopening_a_rank_lost_while_closed_is_skipped_and_an_unknown_rank_is_na
         sched.open_rollout_rank(7)
     with pytest.raises(ValueError, match="rank 7 is not a rollout rank of this scheduler"):
         sched.close_rollout_rank(7)
+
+
+def test_a_lost_rank_leaves_the_split_and_measured_switches_set_the_cost_and_dwell():
+    pool = ModelPool(3, ["a", "b"], switch_s=0.0, slots=4)  # a: ranks 0 and 2, b: rank 1
+    pool.lose(1)
+    # b waits with no rank: the lost rank 1 is not b's any more, so a live rank of a goes to b
+    assert pool.plan(10.0, {"a": demand(0, r0=0, r2=4), "b": demand(8)}) == [Switch(0, "a", "b", 10.0)]
+    assert pool.serving("b") == [] and pool.ranks[1].phase == "lost"
+    pool.measured(0.2)
+    pool.measured(0.4)
+    assert pool.switch_s == pytest.approx(0.3) and pool.min_dwell_s == pytest.approx(3.0)

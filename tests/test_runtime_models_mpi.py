@@ -1,8 +1,12 @@
 """A job of two base models end to end under mpirun (issue #28): configs/multi-model-demo.yaml (the tiny char
 model and chat-mini, two tasks each) with ONE rollout rank holding an engine per model and two trainer groups,
 one per model. Every task runs to its last step on a trainer group of its model, each model's adapters are
-trained on that model, the rollout rank switched engines (timeline notes, summary.json), and summary.json and
-`marlaas status` name each task's model."""
+trained on that model, the rollout rank switched engines when rank 0's model pool told it to and served only
+the model rank 0 assigned it (scheduler/rank_models.py: rank 0's timeline notes each Serve and Served, the
+rank's notes each switch and group), and summary.json and `marlaas status` name each task's model. With two
+rollout ranks, the rank of the model whose tasks end first goes to the other model."""
+import bisect
+import collections
 import json
 import subprocess
 import sys
@@ -10,10 +14,10 @@ import sys
 import pytest
 import yaml
 
-from test_runtime_mpi import ROOT, run_marlaas
+from test_runtime_mpi import ROOT, rank_timelines, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-MODEL_OF = {"add": "tiny", "sort": "tiny", "gsm8k-hash": "chat", "gsm8k-boxed": "chat"}
+MODEL_OF = {"sort-a": "tiny", "sort-b": "tiny", "gsm8k-hash": "chat", "gsm8k-boxed": "chat"}
 
 
 def test_two_models_share_one_rollout_rank_and_train_on_their_own_groups(tmp_path):
@@ -21,8 +25,8 @@ def test_two_models_share_one_rollout_rank_and_train_on_their_own_groups(tmp_pat
     from marlaas_hpc.tiny_model import ensure_tiny_model
 
     config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
-    for task in config["tasks"]:
-        task["total_steps"] = 2
+    for task in config["tasks"]:  # short: 2 steps of 4 prompts, 8 eval prompts
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = 2, 4, 8
     proc, run_dir = run_marlaas(config, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -39,12 +43,65 @@ def test_two_models_share_one_rollout_rank_and_train_on_their_own_groups(tmp_pat
         assert json.loads(adapter.read_text())["base_model_name_or_path"] == paths[MODEL_OF[task_id]]
     audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
     assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] for r in audit)
+    for task in config["tasks"]:  # every version trained exactly once, each from one full batch
+        trained = collections.Counter(r["trained_into"] for r in audit if r["task_id"] == task["task_id"])
+        assert trained == {v: task["algo"]["batch_prompts"] * task["algo"]["group_size"] for v in (1, 2)}
     (rank, switches), = summary["model_switches"].items()
     assert switches["switches"] >= 1
-    notes = [json.loads(line) for line in (run_dir / "timeline" / f"rank{rank}.jsonl").read_text().splitlines()]
-    moves = {(n["from_model"], n["to_model"]) for n in notes if n["stage"] == "switch"}
-    assert ("tiny", "chat") in moves or ("chat", "tiny") in moves
+    served = assignment_followed(run_dir)
+    assert set(served[int(rank)]) == {"tiny", "chat"}, "the rank served both models, one after the other"
     status = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "status", str(run_dir)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[2:]}
     assert {t: rows[t][2] for t in MODEL_OF} == MODEL_OF
+
+
+def assignment_followed(run_dir) -> dict[int, list[str]]:
+    """Checks that each rollout rank followed rank 0's model pool: its engine switches are the switches rank 0
+    ordered (Serve, answered Served with the switch's cost), in order, and every group it started (training and
+    eval) is of the model it served then. Returns each rank's models in the order it served them."""
+    timelines = rank_timelines(run_dir)
+    rank0 = timelines["rank0"]
+    out = {}
+    for name, notes in timelines.items():
+        if not notes or notes[0]["role"] != "rollout":
+            continue
+        rank = notes[0]["rank"]
+        answers = [n for n in rank0 if n["stage"] == "served" and n["rollout_rank"] == rank]
+        assert answers, f"rank 0 assigned rollout rank {rank} no model"
+        ordered = [n["model"] for n in answers if n["sleep_s"] or n["wake_s"]]
+        switches = [n for n in notes if n["stage"] == "switch"]
+        assert [n["to_model"] for n in switches] == ordered, "the rank switched exactly when rank 0 said"
+        ends = [n["end"] for n in switches]
+        models = [answers[0]["model"]] + [n["to_model"] for n in switches]
+        for group in (n for n in notes if n["stage"] == "group"):
+            serving = models[bisect.bisect_right(ends, group["start"])]
+            assert MODEL_OF[group["tasks"][0]] == serving, (group, serving)
+        out[rank] = models  # (the first twice when rank 0's first Serve made the rank switch)
+    return out
+
+
+def test_rank_0_hands_the_rank_of_a_model_with_no_work_left_to_the_other(tmp_path):
+    """Two rollout ranks, one per model at the start; the tiny model's tasks (one step each) end long before
+    chat-mini's, and rank 0 then switches the tiny model's rank to chat-mini (after its evals there are answered):
+    both ranks follow rank 0's assignment, and every version is trained exactly once."""
+    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    config["layout"]["rollout_ranks"] = 2
+    for task in config["tasks"]:
+        steps = 1 if MODEL_OF[task["task_id"]] == "tiny" else 3
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = steps, 4, 8
+    proc, run_dir = run_marlaas(config, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert all(s["status"] == "done" for s in summary["tasks"].values()), summary["tasks"]
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    for task in config["tasks"]:
+        trained = collections.Counter(r["trained_into"] for r in audit if r["task_id"] == task["task_id"])
+        group = task["algo"]["batch_prompts"] * task["algo"]["group_size"]
+        assert trained == {v: group for v in range(1, task["total_steps"] + 1)}
+    served = assignment_followed(run_dir)
+    assert len(served) == 2
+    # the tiny model's rank went to chat-mini once its work ended (a rank may also have lent chat-mini's turn
+    # to the tiny model while both had work): both ranks end on chat-mini
+    assert all(models[-1] == "chat" for models in served.values()), served
+    assert any("tiny" in models for models in served.values()), served

@@ -6,8 +6,10 @@ tasks run as one job per model, one after the other, on this machine.
 The shared job is the config as it is (one rollout rank holding an engine per model, one trainer group per model).
 Each dedicated job is the config cut to one model's tasks: `model:` that model, one trainer group, the same env and
 rollout ranks. Printed per run: the command's wall time (start-up included), summary.json's wall_time_s (from the
-moment every rank is ready), rollout engine switches, and per task the reward of its first and last step and
-its greedy eval accuracy before -> after.
+moment every rank is ready), rollout engine switches, and per task the reward of its first and last step, the
+mean reward of its first and last quarter of steps (metrics.jsonl: one step's reward is a few dozen samples, so
+single steps are noisy), its greedy eval accuracy before -> after, and whether each rose ('rose': reward = the
+last quarter's mean above the first's, eval = after above before).
 """
 from __future__ import annotations
 
@@ -51,7 +53,15 @@ def run(config: dict, out: Path, name: str) -> dict:
     if proc.returncode:
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"command_s": command_s, "summary": summary}
+    return {"command_s": command_s, "summary": summary, "run_dir": run_dir}
+
+
+def quarter_rewards(run_dir: Path, task: dict, task_id: str) -> tuple[float, float]:
+    """Mean reward of the task's first and last quarter of steps (at least one step each), from metrics.jsonl."""
+    path = run_dir / "tasks" / task["tenant"] / task_id / "metrics.jsonl"
+    rewards = [json.loads(line)["reward_mean"] for line in path.read_text().splitlines()]
+    n = max(1, len(rewards) // 4)
+    return sum(rewards[:n]) / n, sum(rewards[-n:]) / n
 
 
 def main(argv=None) -> int:
@@ -72,12 +82,17 @@ def main(argv=None) -> int:
     dedicated = [r for n, r in runs.items() if n != "shared"]
     print(f"{'one after other':<14} {sum(r['command_s'] for r in dedicated):>10.1f} "
           f"{sum(r['summary']['wall_time_s'] for r in dedicated):>12.1f}")
-    print(f"\n{'run':<14} {'task':<12} {'model':<6} {'reward first->last':>19} {'eval before->after':>19}")
+    print(f"\n{'run':<14} {'task':<12} {'model':<10} {'steps':>5} {'reward first->last':>19} "
+          f"{'quarter mean first->last':>25} {'eval before->after':>19} rose: reward eval")
     for name, result in runs.items():
         for task_id, task in result["summary"]["tasks"].items():
-            print(f"{name:<14} {task_id:<12} {task.get('base_model') or '-':<6} "
+            first, last = quarter_rewards(result["run_dir"], task, task_id)
+            print(f"{name:<14} {task_id:<12} {task.get('base_model') or '-':<10} {task['steps_done']:>5} "
                   f"{task['reward_first']:>9.3f}->{task['reward_last']:<9.3f} "
-                  f"{task['eval_accuracy_before']:>9.3f}->{task['eval_accuracy_after']:<9.3f}")
+                  f"{first:>12.3f}->{last:<12.3f} "
+                  f"{task['eval_accuracy_before']:>9.3f}->{task['eval_accuracy_after']:<9.3f} "
+                  f"{'yes' if last > first else 'NO':>12} "
+                  f"{'yes' if task['eval_accuracy_after'] > task['eval_accuracy_before'] else 'NO':>4}")
     return 0
 
 

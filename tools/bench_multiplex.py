@@ -13,7 +13,8 @@ jobs on one pool of each `--pool` size, trainers unchanged.
 GPU-hours to finish every task: a job's GPUs count until it ends (dedicated), the shared pool's until the last
 job ends. Slowdown: a job's end-to-end time against its dedicated run. 'idle roll': the GPU-time its rollout
 ranks had nothing to run (no sequence, no adapter install, no switch), as a share of all its GPU-time: on the
-dedicated row, about what time-slicing whole engines can save at most. Goal (issue #28): >= 30% fewer GPU-hours
+dedicated row, about what time-slicing whole engines can save at most. 'idle train': the same for the trainer
+GPUs (outside the pool: time-slicing rollout engines cannot take it). Goal (issue #28): >= 30% fewer GPU-hours
 at <= 10% slower per job.
 """
 from __future__ import annotations
@@ -57,7 +58,8 @@ def row(label: str, result, dedicated) -> str:
         cells.append(f"{job.end_time:>8.1f} {job.end_time / alone.end_time - 1:>+6.1%}{'' if done else ' !'}")
     violations = sum(job.staleness_violations for job in result.jobs)
     idle = result.rollout_idle_s / (3600 * result.gpu_hours)
-    cells += [f"{idle:>9.1%}", f"{result.switches:>8}", f"{violations:>5}"]
+    idle_train = result.trainer_idle_s / (3600 * result.gpu_hours)
+    cells += [f"{idle:>9.1%}", f"{idle_train:>10.1%}", f"{result.switches:>8}", f"{violations:>5}"]
     return " | ".join(cells)
 
 
@@ -82,7 +84,7 @@ def main() -> None:
     print(f"A: {args.gsm_tasks} GSM8K-like tasks, B: {args.search_tasks} search-like tasks; {args.steps} steps, "
           f"k={args.staleness}, {args.mode}; switch {switch.seconds:.2f} s (sleep {switch.sleep} + wake {switch.wake})")
     print(" | ".join([f"{'rollout':<18}", "GPUs", "  GPU-h", "  vs ded", "    A e2e s  slow", "    B e2e s  slow",
-                      "idle roll", "switches", "viol."]))
+                      "idle roll", "idle train", "switches", "viol."]))
     print(row(f"dedicated {args.ranks}+{args.ranks}", dedicated, dedicated))
     for size in pools:
         print(row(f"shared pool {size}", run_shared(pair, size, switch, args.seed), dedicated), flush=True)

@@ -21,9 +21,14 @@ on versions its engine holds, then each waiting version followed by the requests
 and no pin needs, superseded by a newer one waiting, is skipped and retired unread). Pins of a model that is not
 being served apply in that same order (a pin right after its version, unpins at the end).
 
-This is the rank's side only: rank 0 gives work to rollout ranks per model as it gives it per task (its
-schedulers are not split per model, and the model pool's policy, scheduler/multiplex.py, runs in the simulator
-only). `switches` keeps each switch's measured cost; the rank's timeline notes each one (runtime/rollout_rank.py).
+Following rank 0 (`follow`). In a job run by mpirun/srun, rank 0's model pool (scheduler/rank_models.py) decides
+which model each rollout rank serves and sends only that model's groups to it; `follow(model)` hands the
+decision to it for good: requests of other models wait (none should come but evals held back, and those rank 0
+sends only to a rank serving their model), the rank switches to the assigned model as soon as its awake engine
+holds nothing (rank 0 assigns it only once its groups there ended), and no dwell applies (rank 0's pool has
+its own, ten measured switch costs). The turns above are what a rank does when nobody assigns it (a rank that
+joined later, a driver without rank 0). `switches` keeps each switch's measured cost; the rank's timeline notes
+each one and rank 0 gets it with `Served` (runtime/rollout_rank.py).
 """
 from __future__ import annotations
 
@@ -62,6 +67,8 @@ class ModelEngines(RolloutEngine):
         """Deferred versions skipped unread (superseded before their turn, unused)."""
         self.switched: list[SwitchCost] = []
         """Switches not yet taken by `pop_switches` (the rank's timeline)."""
+        self.assigned: str | None = None
+        """The model rank 0 assigned this rank (`follow`); None: the rank decides by its waiting work."""
 
     @property
     def models(self) -> list[str]:
@@ -74,6 +81,13 @@ class ModelEngines(RolloutEngine):
     @property
     def switches(self) -> list[SwitchCost]:
         return self.engines.switches
+
+    def follow(self, model: str) -> None:
+        """Rank 0 assigns the rank `model`: from now on only its requests go in; the switch to it happens at the
+        next step once the awake engine holds nothing (KeyError if this rank has no engine of it)."""
+        if model not in self.pending:
+            raise KeyError(f"model {model!r} has no engine on this rank (models: {self.models})")
+        self.assigned = model
 
     def assign(self, adapter_key: str, model: str) -> None:
         """Names the model whose engine serves `adapter_key` (KeyError if this rank has no engine of it;
@@ -107,7 +121,11 @@ class ModelEngines(RolloutEngine):
         awake = self.awake
         for request in requests:
             model = self.model(request.task_id)
-            if self._served(model) and (not self._others_wait(model) or self._dwelling()):
+            if self.assigned is not None:
+                take = model == self.assigned and self._served(model)
+            else:
+                take = self._served(model) and (not self._others_wait(model) or self._dwelling())
+            if take:
                 now.append(request)
             else:
                 self._wait(model, request)
@@ -123,7 +141,11 @@ class ModelEngines(RolloutEngine):
 
     def has_unfinished(self) -> bool:
         awake = self.awake
-        return bool(self.turns) or (awake is not None and self.engines.engine(awake).has_unfinished())
+        busy = awake is not None and self.engines.engine(awake).has_unfinished()
+        model = self.assigned
+        if model is not None:  # a switch to make, or the assigned model's work waiting
+            return busy or model != awake or bool(self.pending[model] or self.deferred[model] or self.pins[model])
+        return bool(self.turns) or busy
 
     def pin(self, task_id: str, version: int) -> None:
         self._pin_op(task_id, version, "pin")
@@ -170,7 +192,10 @@ class ModelEngines(RolloutEngine):
 
     def _turn(self) -> None:
         """Once the awake engine is idle: the model that has waited longest wakes (a switch if it sleeps) and
-        its waiting versions, pins and requests go in (`_serve`)."""
+        its waiting versions, pins and requests go in (`_serve`). Assigned by rank 0: `_follow`."""
+        if self.assigned is not None:
+            self._follow()
+            return
         awake = self.awake
         if not self.turns or (awake is not None and self.engines.engine(awake).has_unfinished()):
             return
@@ -179,6 +204,19 @@ class ModelEngines(RolloutEngine):
             self.switched.append(self.engines.switch(model))
             self.woke_at = self.clock()
         self._serve(model)
+
+    def _follow(self) -> None:
+        """Rank 0's assignment: switch to it once the awake engine is idle, then its waiting work goes in."""
+        model, awake = self.assigned, self.awake
+        if model != awake:
+            if awake is not None and self.engines.engine(awake).has_unfinished():
+                return
+            self.switched.append(self.engines.switch(model))
+            self.woke_at = self.clock()
+        if self.pending[model] or self.deferred[model] or self.pins[model]:
+            self._serve(model)
+        if model in self.turns:
+            self.turns.remove(model)
 
     def _serve(self, model: str) -> None:
         """The model's waiting work into its (awake) engine, in an order that keeps every request's version:

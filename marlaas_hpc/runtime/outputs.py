@@ -97,8 +97,10 @@ class StatusBoard:
                 self.entries.pop(task_id, None)
         self.encoded += len(self.dirty)
         self.dirty.clear()
+        serving = self.scheduler.rank_models  # several models: which one each rollout rank serves now
         head = json.dumps({"mode": self.job.mode, "elapsed_s": now - self.start,
-                           "finished": self.scheduler.finished(), **({"ranks": self.ranks} if self.ranks else {})})
+                           "finished": self.scheduler.finished(), **({"ranks": self.ranks} if self.ranks else {}),
+                           **({"rollout_models": {str(r): m for r, m in serving.items()}} if serving else {})})
         body = ",\n".join(f"  {json.dumps(task_id)}: {entry}" for task_id, entry in self.entries.items())
         atomic_write_text(self.path, head[:-1] + ', "tasks": {\n' + body + "\n}}\n")
         self.written_at = now

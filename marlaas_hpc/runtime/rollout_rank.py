@@ -24,7 +24,9 @@ rank tells rank 0 (EngineRestarted), which logs it. Its groups go on as if nothi
 A rank of a job with several base models drives a `ModelEngines` (rollout/model_engines.py: one engine per model,
 one awake) through the same calls: each task's model comes with its work (GenerateWork.model) and its versions
 (DeltaAnnounce.model), and each switch of the awake engine is a `switch` note in the rank's timeline (which model
-it left and woke, and what it cost); summary.json's rollout extras count them.
+it left and woke, and what it cost); summary.json's rollout extras count them. Rank 0 decides which model the
+rank serves (scheduler/rank_models.py): its `Serve` makes the ModelEngines follow that model (`follow`), and
+once that model's engine is awake the rank answers `Served` with the switch's measured cost.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, Continue
                                           GenerateWork, GroupTurn, GroupEnded, PromptGroup, RanksChanged, RankStats,
                                           Shutdown)
 from marlaas_hpc.scheduler import Generated, Resumed
+from marlaas_hpc.scheduler.rank_models import Serve, Served
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class RolloutRank:
         self.outbox = Outbox(comm)
         self.models = engine if isinstance(engine, ModelEngines) else None
         """A job of several base models: the engine per model (None: one engine)."""
+        self.serve: tuple[str, float, float] | None = None
+        """Rank 0's last Serve not answered yet: (model, sleep s, wake s of the switch to it so far)."""
         if hasattr(engine, "on_restart"):  # a RestartingEngine
             engine.on_restart = self._engine_restarted
 
@@ -120,6 +125,9 @@ class RolloutRank:
                     self._ranks_changed(command)
                 elif isinstance(command, FeedWeights):
                     self._feed(command)
+                elif isinstance(command, Serve):
+                    self.models.follow(command.model)
+                    self.serve = (command.model, 0.0, 0.0)
             self._progress_feeds()
             self._submit_ready()
             from_env = self._drain_env()
@@ -133,6 +141,8 @@ class RolloutRank:
                 self._collect(finished)
             elif not commands and not from_env and not self.feeds:
                 time.sleep(0.002)
+            if self.serve is not None:
+                self._answer_serve()
             self._drop_retired()
         extra = {"engine_restarts": getattr(self.engine, "restarts", 0)}
         if self.models is not None:
@@ -160,6 +170,16 @@ class RolloutRank:
         for cost in self.models.pop_switches():
             self.clock.note("switch", (), now - cost.total_s, now, from_model=cost.from_model,
                             to_model=cost.to_model, sleep_s=cost.sleep_s, wake_s=cost.wake_s)
+            if self.serve is not None and cost.to_model == self.serve[0]:
+                self.serve = (cost.to_model, cost.sleep_s, cost.wake_s)
+
+    def _answer_serve(self) -> None:
+        """Rank 0's Serve is done once its model's engine is awake: Served, with what the switch cost."""
+        if self.serve is None or self.models.awake != self.serve[0]:
+            return
+        model, sleep_s, wake_s = self.serve
+        self.serve = None
+        self.outbox.send(Served(self.rank, model, sleep_s, wake_s), 0, TAG_EVENT)
 
     # ---- base weights for a joining rank (runtime/peer_weights.py) ----
     def _feed(self, command: FeedWeights) -> None:

@@ -33,6 +33,7 @@ from marlaas_hpc.runtime.outputs import QuietLog, RunBooks, write_summary
 from marlaas_hpc.runtime.recovery import crashed_run, rollback_outputs
 from marlaas_hpc.scheduler import (Admit, Cancel, Discard, Generate, Move, RankJoined, RankLeaving, RankLost,
                                    Scheduler, StepDone, Submit, TaskEnded, Train)
+from marlaas_hpc.scheduler.rank_models import RankModels, Serve, Served
 from marlaas_hpc.service import QueueIntake
 from marlaas_hpc.env import build_task_data
 from marlaas_hpc.tasks import SpecError
@@ -110,6 +111,10 @@ class SchedulerRank:
         """Rollout ranks joining, draining and wanted (runtime/scaling.py)."""
         self.ranks_joined: list[dict] = list(resume.get("ranks_joined", [])) if resume else []
         self.ranks_left: list[dict] = list(resume.get("ranks_left", [])) if resume else []
+        models = list(job.model_names())
+        self.rank_models = (RankModels(self.scheduler, models, multi_turn=lambda t: is_multi_turn(self.data[t]))
+                            if len(models) > 1 else None)
+        """A job of several base models: which model each rollout rank serves (scheduler/rank_models.py)."""
 
     @property
     def runs(self) -> list[dict]:
@@ -159,6 +164,8 @@ class SchedulerRank:
     def run(self) -> dict:
         """The loop: one start spec submitted (while any is left), one event handled, status.json when due."""
         self.starting = self._start_specs()
+        if self.rank_models is not None:
+            self._execute(self.rank_models.start())
         while self.starting or not (self.scheduler.finished() and not self.pending_evals) or self._serving():
             if self._preemption_done():
                 break
@@ -175,6 +182,8 @@ class SchedulerRank:
             if self.members.tolerant:
                 self._losses()
             self._scale()
+            if self.rank_models is not None and self.rank_models.due(time.time()):
+                self._plan_models()
             self.books.tick(self.busy)
             self.log.tick(self.scheduler)
             if event is None and not self.starting and not self.taken:
@@ -358,6 +367,9 @@ class SchedulerRank:
         if isinstance(event, TaskSaved):
             self.books.task_saved(event.task_id, event.version)
             return
+        if isinstance(event, Served):
+            self._served(event)
+            return
         if isinstance(event, EngineRestarted):
             self.log(f"[job] rollout rank {event.rank}: engine error ({event.cause}); engine restarted "
                      f"(restart {event.restarts}), {event.requests} requests re-issued")
@@ -401,6 +413,10 @@ class SchedulerRank:
                     self._eval(command.task_id, None)
             elif isinstance(command, Train):
                 self.outbox.send(command, self.leaders[command.trainer_group], TAG_CMD)
+            elif isinstance(command, Serve):  # before any Generate of its model to the rank (same tag: in order)
+                now = time.time()
+                self.busy.note("serve", (), now, now, rollout_rank=command.rollout_rank, model=command.model)
+                self.outbox.send(command, command.rollout_rank, TAG_CMD)
             elif isinstance(command, Discard):
                 self.outbox.send(command, self._leader_of(command.task_id), TAG_CMD)
             elif isinstance(command, Move):  # the old group hands the task over; env ranks send its data anew
@@ -451,9 +467,35 @@ class SchedulerRank:
                             **self._episodes(task_id),
                             adapter=task.adapter_key if task.rollbacks and version is not None else None,
                             model=spec.base_model)
+        if self.rank_models is not None:  # several models: a rank serving the task's model, or held back
+            rollout = self.rank_models.eval_rank(spec.base_model)
+            if rollout is None:
+                self.rank_models.hold_eval(spec.base_model, work, len(groups))
+                return
+        self._send_eval(work, rollout)
+
+    def _send_eval(self, work: GenerateWork, rollout: int) -> None:
         self.outbox.send(work, rollout, TAG_CMD)
-        for group in groups:
+        for group in work.groups:
             self.eval_out[group.group_id] = (dataclasses.replace(work, groups=[group]), rollout)
+
+    # ---- several base models: rank 0's model pool (scheduler/rank_models.py) ----
+    def _plan_models(self) -> None:
+        """The model pool's plan: ranks drained, reopened or told to switch (Serve)."""
+        with self.busy.track("models"):
+            evals = [(work.model, rank) for work, rank in self.eval_out.values()]
+            self._execute(self.rank_models.tick(time.time(), evals))
+
+    def _served(self, event: Served) -> None:
+        """A rank serves its assigned model now: it is filled, and that model's held-back evals go to it."""
+        now = time.time()
+        self.busy.note("served", (), now, now, rollout_rank=event.rollout_rank, model=event.model,
+                       sleep_s=event.sleep_s, wake_s=event.wake_s)
+        commands, evals = self.rank_models.served(event, now)
+        self._execute(commands)
+        for work in evals:
+            if (work.task_id, "before" if work.version is None else "after") in self.pending_evals:
+                self._send_eval(work, event.rollout_rank)
 
     def _eval_ranks(self) -> tuple[int, int]:
         """The next (rollout, env) pair of live ranks for an eval, in turn."""
@@ -499,6 +541,8 @@ class SchedulerRank:
         commands = self._handle(RankLost(rank, kind))
         if kind == "rollout":
             self.delta_epoch += 1
+            if self.rank_models is not None:
+                self.rank_models.lost(rank)
         notice = RanksChanged(self.delta_epoch, tuple(self.members.alive("rollout")), lost=(rank,))
         for worker in self._live_workers():  # before any command that depends on it
             self.outbox.send(notice, worker, TAG_CMD)
@@ -686,6 +730,12 @@ class SchedulerRank:
         for group_id, work in lost:
             rollout, env = self._eval_ranks()
             work = dataclasses.replace(work, env_rank=env)
+            if self.rank_models is not None:  # several models: to a rank serving its model, or held back
+                del self.eval_out[group_id]
+                rollout = self.rank_models.eval_rank(work.model)
+                if rollout is None:
+                    self.rank_models.hold_eval(work.model, work, 1)
+                    continue
             self.eval_out[group_id] = (work, rollout)
             self.outbox.send(work, rollout, TAG_CMD)
         return [group_id for group_id, _ in lost]

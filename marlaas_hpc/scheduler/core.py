@@ -346,6 +346,9 @@ class Scheduler:
         them in config order."""
         self._closed_ranks: set[int] = set()
         """Rollout ranks that take no new groups (a model pool gave them to another model: `close_rollout_rank`)."""
+        self.rank_models: dict[int, str] = {}
+        """Rollout rank -> the one base model whose tasks it takes (rank 0's model pool, scheduler/rank_models.py,
+        sets it); empty: every rank takes every task (a job of one model, and the simulator's per-model jobs)."""
 
     # ---------------------------------------------------------------- events
     def handle(self, event) -> list:
@@ -820,6 +823,8 @@ class Scheduler:
 
     def _generate(self) -> list:
         """Fills the rollout ranks' free slots (config order) with the issuable tasks' groups, in rollout order."""
+        if self.rank_models:
+            return self._generate_by_model()
         out = []
         while self._issuable and self._free_ranks:
             rank = self.rollout_ranks[self._free_ranks[0]]  # the first rank (config order) with room
@@ -840,6 +845,37 @@ class Scheduler:
                 free -= take
             if free > 0:
                 break  # nothing left to issue
+        return out
+
+    def _generate_by_model(self) -> list:
+        """`_generate` with `rank_models` set: each free rank takes only its model's tasks, in rollout order; the
+        other models' entries are set aside and filed back unchanged (same key and stamp) after the rank's pass."""
+        out = []
+        for index in list(self._free_ranks):
+            if not self._issuable:
+                break
+            rank = self.rollout_ranks[index]
+            model = self.rank_models.get(rank)
+            free = self.config.rollout_slots - self.rollout_load[rank]
+            aside = []
+            while free > 0 and self._issue_heap:
+                entry = heapq.heappop(self._issue_heap)
+                task_id = entry[2]
+                if self._issuable.get(task_id) != entry[1]:
+                    continue  # stale
+                task = self.tasks[task_id]
+                if model is not None and task.spec.base_model != model:
+                    aside.append(entry)
+                    continue
+                quota = self._quota(task)
+                take = min(free, quota)
+                if take <= 0:
+                    del self._issuable[task_id]
+                    continue
+                out.append(self._issue(task, rank, take, quota - take))
+                free -= take
+            for entry in aside:
+                heapq.heappush(self._issue_heap, entry)
         return out
 
     def _issue(self, task: TaskState, rank: int, count: int, quota_left: int) -> Generate:
@@ -909,12 +945,14 @@ class Scheduler:
             raise ValueError(f"rank {rank} is not a rollout rank of this scheduler "
                              f"(its rollout ranks: {sorted(self._rank_index)})")
 
-    def pending_rollout(self) -> int:
-        """Groups the running tasks may issue now but that no open rollout rank has room for: rollout work
-        waiting for an engine (what a model pool weighs against the other models' demand)."""
+    def pending_rollout(self, model: str | None = None) -> int:
+        """Groups the running tasks (of base model `model`, when given) may issue now but that no open rollout
+        rank has room for: rollout work waiting for an engine (what a model pool weighs against the other
+        models' demand)."""
         if self.draining:
             return 0
-        return sum(self._quota(self.tasks[task_id]) for task_id in self._issuable)
+        return sum(self._quota(self.tasks[task_id]) for task_id in self._issuable
+                   if model is None or self.tasks[task_id].spec.base_model == model)
 
     # ---------------------------------------------------------------- queries
     def settled(self) -> bool:

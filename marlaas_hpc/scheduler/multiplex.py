@@ -22,15 +22,17 @@ rollout work waits for an engine and this one's demand on the rank has ended:
   engine time it serves for the waiting model, one round of the rank's slots at the model's observed time per
   group (`observe`), exceeds `gain_margin` x `switch_s` (the margin pays for switching back later).
 
-The pool only decides; its driver (the simulator, sim/multiplex.py; the runtime once rollout ranks hold several
-engines) applies each `Switch` and closes / opens ranks on the models' schedulers. Every model's tasks keep
-their own scheduler, so the staleness rule and the audit are each scheduler's, unchanged.
+The pool only decides; its driver applies each `Switch` and closes / opens ranks on the schedulers: in the
+simulator (sim/multiplex.py) every model's tasks keep their own scheduler; on rank 0 of a job of several models
+(scheduler/rank_models.py `RankModels`) one scheduler holds every task and each rank takes only its model's
+tasks (`Scheduler.rank_models`), and the switch cost is the one the ranks measure (`measured`). Either way the
+staleness rule and the audit are the schedulers', unchanged.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-GENERATING, DRAINING, WAKING = "generating", "draining", "waking"
+GENERATING, DRAINING, WAKING, LOST = "generating", "draining", "waking", "lost"
 
 
 @dataclass(slots=True)
@@ -40,7 +42,8 @@ class RankState:
     awake: str
     """The model whose engine is awake (or waking) on the rank; the others sleep."""
     phase: str = GENERATING
-    """'generating' (serving `awake`), 'draining' (closed to `awake`'s new groups, for `to`), 'waking'."""
+    """'generating' (serving `awake`), 'draining' (closed to `awake`'s new groups, for `to`), 'waking', 'lost'
+    (the rank is gone: out of the split, never a donor)."""
     to: str | None = None
     """The model the rank is being handed to (draining)."""
     since: float = 0.0
@@ -106,6 +109,8 @@ class ModelPool:
         self.min_dwell_s = 10 * switch_s if min_dwell_s is None else min_dwell_s
         """A rank serves the model it woke for at least this long while that model wants it (default: ten
         switches, so rotating ranks spends at most ~10% of their time switching)."""
+        self._dwell_follows_cost = min_dwell_s is None
+        self._measured: list[float] = []
         self.ranks = [RankState(awake=self.models[i % len(self.models)]) for i in range(ranks)]
         """Rank i starts awake for model i mod K: every model starts with ranks (it has tasks to start)."""
         self.group_s = {model: 0.0 for model in self.models}
@@ -119,6 +124,18 @@ class ModelPool:
         tool calls included: the time the rank cannot be handed over because of it)."""
         self._observed[model] += 1
         self.group_s[model] += (seconds - self.group_s[model]) / self._observed[model]
+
+    def measured(self, seconds: float) -> None:
+        """A switch a rank measured (the runtime: rank 0's driver, scheduler/rank_models.py): the switch cost
+        becomes the mean of those measured so far, and a default dwell follows it (ten switches)."""
+        self._measured.append(seconds)
+        self.switch_s = sum(self._measured) / len(self._measured)
+        if self._dwell_follows_cost:
+            self.min_dwell_s = 10 * self.switch_s
+
+    def lose(self, rank: int) -> None:
+        """The rank is gone (the runtime lost it): it leaves the split and is never handed to a model again."""
+        self.ranks[rank].phase, self.ranks[rank].to = LOST, None
 
     def woken(self, rank: int, now: float) -> None:
         """The rank's switch is done: its awake model serves."""
@@ -166,10 +183,11 @@ class ModelPool:
         ranks its waiting and held groups fill, `slots` a rank); what a model does not need goes to the others.
         Rounded down, at least one for any demand, so a model keeps a rank it holds until it is clearly over."""
         need = {m: -(-demand[m].total() // self.slots) for m in self.models}
+        live = sum(1 for state in self.ranks if state.phase != LOST)
         if not any(need.values()):
-            return {model: len(self.ranks) for model in self.models}  # nobody wants anything: nobody moves
+            return {model: live for model in self.models}  # nobody wants anything: nobody moves
         share = {m: 0.0 for m in self.models}
-        left, active = float(len(self.ranks)), {m for m in self.models if need[m]}
+        left, active = float(live), {m for m in self.models if need[m]}
         while active and left > 1e-9:
             weight = sum(self.weights[m] for m in active)
             sated = {m for m in active if need[m] - share[m] <= left * self.weights[m] / weight}
@@ -189,13 +207,15 @@ class ModelPool:
         ranks than there are) it has served its turn, `min_dwell_s`: the ranks then rotate, one turn each."""
         if counts[model] > shares[model]:
             return True
-        return sum(1 for m in self.models if shares[m]) > len(self.ranks) and now - state.since >= self.min_dwell_s
+        live = sum(1 for s in self.ranks if s.phase != LOST)
+        return sum(1 for m in self.models if shares[m]) > live and now - state.since >= self.min_dwell_s
 
     def _counts(self) -> dict[str, int]:
         """Ranks per model, a draining rank counted for the model it goes to."""
         counts = {model: 0 for model in self.models}
         for state in self.ranks:
-            counts[state.to if state.phase == DRAINING else state.awake] += 1
+            if state.phase != LOST:
+                counts[state.to if state.phase == DRAINING else state.awake] += 1
         return counts
 
     def _worth(self, model: str, waiting: int, ranks: int) -> bool:

@@ -76,6 +76,9 @@ class JobResult:
     staleness_violations: int
     rollout_idle_s: float = 0.0
     """Dedicated: GPU-seconds its rollout ranks had nothing to do (no sequence, no install) before it ended."""
+    trainer_idle_s: float = 0.0
+    """GPU-seconds its trainer GPUs had no step, publish or admission to run before it ended (outside any pool:
+    what time-slicing rollout engines cannot take)."""
 
 
 @dataclass
@@ -96,8 +99,18 @@ class PoolResult:
         return self.pool_idle_s + sum(job.rollout_idle_s for job in self.jobs)
 
     @property
+    def trainer_idle_s(self) -> float:
+        return sum(job.trainer_idle_s for job in self.jobs)
+
+    @property
     def gpus(self) -> int:
         return self.pool_ranks + sum(job.gpus for job in self.jobs)
+
+
+def trainer_idle_s(sim: Simulation, end: float) -> float:
+    """GPU-seconds the job's trainer GPUs were idle until `end` (each group's TP x DP GPUs idle together)."""
+    gpus = sim.setup.trainer_tp * sim.setup.trainer_dp
+    return sum(gpus * (end - min(trainer.meter.busy, end)) for trainer in sim.trainers)
 
 
 def run_dedicated(jobs: list[PoolJob], seed: int = 0) -> PoolResult:
@@ -108,7 +121,7 @@ def run_dedicated(jobs: list[PoolJob], seed: int = 0) -> PoolResult:
         outcome = sim.run()
         idle = sum(outcome.end_time - min(rollout.meter.busy, outcome.end_time) for rollout in sim.rollout.values())
         results.append(JobResult(job.model, outcome.end_time, job.setup.gpus, outcome.ended,
-                                 len(staleness_violations(sim)), idle))
+                                 len(staleness_violations(sim)), idle, trainer_idle_s(sim, outcome.end_time)))
     hours = sum(r.gpus * r.end_time for r in results) / 3600
     return PoolResult(results, 0, hours)
 
@@ -119,9 +132,11 @@ def run_shared(jobs: list[PoolJob], ranks: int, switch: EngineSwitch | None = No
     pool plans; a job not done by `horizon_s` simulated seconds is reported unfinished, at that time)."""
     pool = SharedPool(jobs, ranks, switch or EngineSwitch(), seed, tick_s)
     pool.run(horizon_s)
-    results = [JobResult(job.model, horizon_s if sim.end_time is None else sim.end_time, job.trainer_gpus(),
-                         {t: s.status for t, s in sim.scheduler.tasks.items()}, len(staleness_violations(sim)))
-               for job, sim in zip(jobs, pool.sims)]
+    results = []
+    for job, sim in zip(jobs, pool.sims):
+        end = horizon_s if sim.end_time is None else sim.end_time
+        results.append(JobResult(job.model, end, job.trainer_gpus(), {t: s.status for t, s in sim.scheduler.tasks.items()},
+                                 len(staleness_violations(sim)), trainer_idle_s=trainer_idle_s(sim, end)))
     makespan = max(r.end_time for r in results)
     hours = (ranks * makespan + sum(r.gpus * r.end_time for r in results)) / 3600
     busy = sum(min(engine.meter.busy, makespan) for engines in pool.engines for engine in engines.values())

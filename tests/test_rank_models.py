@@ -1,0 +1,174 @@
+"""Rank 0's model pool (issue #28, item 4): one scheduler holding the tasks of two base models, each rollout rank
+taking only its model's tasks (Scheduler.rank_models), and RankModels (scheduler/rank_models.py) driving the
+ModelPool policy on it under a simulated clock, as rank 0 does under MPI."""
+import heapq
+
+from marlaas_hpc.scheduler import Generate, Generated, Scheduler, SchedulerConfig, StepDone, Submit
+from marlaas_hpc.scheduler.rank_models import RankModels, Serve, Served
+from marlaas_hpc.scheduler.simloop import SimLoop, _Worker
+from marlaas_hpc.scheduler.staleness import within_bound
+from marlaas_hpc.tasks import TaskSpec
+
+MODEL = {"a1": "a", "a2": "a", "b1": "b", "b2": "b"}
+
+
+def spec(task_id, steps=3, batch=2, k=1):
+    return TaskSpec.from_dict({"task_id": task_id, "max_staleness": k, "total_steps": steps,
+                               "base_model": MODEL[task_id], "algo": {"batch_prompts": batch, "group_size": 2}})
+
+
+def scheduler(ranks=(1, 2), slots=2):
+    return Scheduler(SchedulerConfig(rollout_ranks=ranks, env_ranks=(9,), rollout_slots=slots), clock=lambda: 0.0)
+
+
+def test_a_rank_takes_only_its_models_tasks_and_pending_is_per_model():
+    sched = scheduler()
+    sched.rank_models.update({1: "a", 2: "b"})
+    commands = []
+    for task_id in ("a1", "b1"):
+        sched.handle(Submit(spec(task_id)))
+        commands += sched.handle(StepDone(task_id, 0))
+    issued = {(c.rollout_rank, MODEL[c.task_id]) for c in commands if isinstance(c, Generate)}
+    assert issued == {(1, "a"), (2, "b")}
+    # (k+1)B = 4 groups each, one rank of 2 slots each: 2 of each model wait
+    assert sched.pending_rollout("a") == 2 and sched.pending_rollout("b") == 2 and sched.pending_rollout() == 4
+
+
+class _Tick:
+    pass
+
+
+class PoolLoop(SimLoop):
+    """SimLoop with rank 0's model pool: Serve makes the rank answer Served after `switch_s` (once it holds no
+    group, as ModelEngines does), a tick every 50 ms. Checks that each rank only ever generates its model's
+    groups and that no switch starts with groups of the old model on the rank."""
+
+    def __init__(self, sched, durations, models, switch_s=0.3):
+        super().__init__(sched, durations)
+        self.models = RankModels(sched, models, multi_turn=lambda task_id: False)
+        self.switch_s = switch_s
+        self.awake = {rank: None for rank in sched.rollout_ranks}
+        self.on_rank: dict[int, set] = {rank: set() for rank in sched.rollout_ranks}
+        self.wrong: list = []
+        self.serves: list[tuple[float, int, str]] = []
+
+    def run(self, max_events=200_000):
+        for serve in self.models.start():
+            self._execute(serve)
+        self.at(0.0, _Tick())
+        while self._queue and self.result.events < max_events and not (self.scheduler.finished() and self.now > 0):
+            self.now, _, event = heapq.heappop(self._queue)
+            if isinstance(event, _Worker):
+                event = event.event
+            self.result.events += 1
+            if isinstance(event, _Tick):
+                commands = self.models.tick(self.now)
+                self.at(self.models.tick_s, _Tick())
+            elif isinstance(event, Served):
+                self.awake[event.rollout_rank] = event.model
+                commands = self.models.served(event, self.now)[0]
+            else:
+                if isinstance(event, Generated):
+                    self.on_rank[event.rollout_rank] -= set(event.group_ids)
+                commands = self.scheduler.handle(event)
+            for command in commands:
+                self._execute(command)
+        self.result.end_time = self.now
+        return self.result
+
+    def _execute(self, command):
+        if isinstance(command, Serve):
+            rank = command.rollout_rank
+            if self.on_rank[rank] and self.awake[rank] != command.model:
+                self.wrong.append(("switch with groups on the rank", self.now, command))
+            self.serves.append((self.now, rank, command.model))
+            cost = 0.0 if self.awake[rank] in (None, command.model) else self.switch_s
+            self.awake[rank] = None  # switching: nothing generates
+            self.at(cost, Served(rank, command.model, 0.0, cost))
+            return
+        if isinstance(command, Generate):
+            if self.awake[command.rollout_rank] != MODEL[command.task_id]:
+                self.wrong.append(("group of another model", self.now, command.rollout_rank, command.task_id))
+            self.on_rank[command.rollout_rank] |= {g for g, _ in command.groups}
+        super()._execute(command)
+
+
+class Durations:
+    """Model a's groups generate in 1 s, b's in 3 s (a bigger model); scoring 0.1 s, a step 0.5 s."""
+
+    def generate(self, task_id, group_id):
+        return 1.0 if MODEL[task_id] == "a" else 3.0
+
+    def score(self, task_id, group_id):
+        return 0.1
+
+    def train(self, task_id, n_groups):
+        return 0.5
+
+    def publish(self, task_id):
+        return 0.1
+
+
+def _run(ranks, tasks, steps=3):
+    sched = scheduler(ranks=ranks, slots=2)
+    loop = PoolLoop(sched, Durations(), ["a", "b"])
+    for task_id in tasks:
+        loop.submit(spec(task_id, steps=steps))
+    return loop, loop.run()
+
+
+def _check(loop, result, tasks, steps=3):
+    assert loop.wrong == []
+    assert result.ended == {task_id: "done" for task_id in tasks}
+    for task_id, trains in result.trained_versions.items():
+        assert [start for _, start in trains] == list(range(steps)), "every version trained exactly once"
+        assert all(within_bound(v, start, 1) for versions, start in trains for v in versions)
+
+
+def test_one_rank_follows_rank_0_between_two_models_and_every_task_finishes():
+    tasks = ["a1", "a2", "b1", "b2"]
+    loop, result = _run((1,), tasks)
+    _check(loop, result, tasks)
+    models = [model for _, _, model in loop.serves]
+    assert models[0] == "a" and "b" in models, models
+    assert loop.models.policy.switch_s == 0.3, "the pool uses the switch cost the rank measured"
+
+
+def test_a_rank_whose_model_has_no_work_left_goes_to_the_other_model():
+    # a's one short task ends first: its rank goes to b, which then has both ranks
+    tasks = ["a1", "b1", "b2"]
+    sched = scheduler(ranks=(1, 2), slots=2)
+    loop = PoolLoop(sched, Durations(), ["a", "b"])
+    loop.submit(spec("a1", steps=1))
+    for task_id in ("b1", "b2"):
+        loop.submit(spec(task_id, steps=4))
+    result = loop.run()
+    assert loop.wrong == []
+    assert set(result.ended.values()) == {"done"} and set(result.ended) == set(tasks)
+    assert (1, "a") == loop.serves[0][1:] and (2, "b") == loop.serves[1][1:]
+    assert any(rank == 1 and model == "b" for _, rank, model in loop.serves[2:]), loop.serves
+
+
+def test_status_names_the_model_each_rollout_rank_serves(tmp_path, capsys):
+    import argparse
+    import json
+    from pathlib import Path
+
+    from marlaas_hpc.cli import cmd_status
+    from marlaas_hpc.config import JobConfig
+    from marlaas_hpc.runtime.outputs import StatusBoard
+
+    sched = scheduler()
+    models = RankModels(sched, ["a", "b"], multi_turn=lambda task_id: False)
+    sched.handle(Submit(spec("a1")))
+    job = JobConfig.load(Path(__file__).resolve().parents[1] / "configs" / "multi-model-demo.yaml")
+    board = StatusBoard(tmp_path, job, sched, 0.0)
+    board.changed("a1")
+    board.refresh()
+    assert json.loads((tmp_path / "status.json").read_text())["rollout_models"] == {"1": "a", "2": "b"}
+    sched.rank_models[2] = "a"  # as a Switch sets it
+    board.changed("a1")
+    board.refresh()
+    assert cmd_status(argparse.Namespace(run_dir=str(tmp_path))) == 0
+    assert "rollout ranks serve: 1 a, 2 a" in capsys.readouterr().out
+    assert models.model_of(2) == "a"
