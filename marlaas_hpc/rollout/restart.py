@@ -123,6 +123,9 @@ class RestartingEngine(RolloutEngine):
         out, self._retired = self._retired + self.engine.pop_retired(), []
         return out
 
+    def occupancy(self) -> dict:
+        return self.engine.occupancy()
+
     def close(self) -> None:
         self.engine.close()
 

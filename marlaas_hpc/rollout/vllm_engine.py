@@ -312,7 +312,8 @@ class VllmEngine(RolloutEngine):
                 params = SamplingParams(
                     n=len(run), temperature=first.temperature, top_p=1.0, top_k=0, min_p=0.0,
                     max_tokens=first.max_new_tokens, seed=None if first.temperature == 0 else first.seed, logprobs=0,
-                    detokenize=False, stop_token_ids=self.stop_ids, output_kind=RequestOutputKind.FINAL_ONLY)
+                    detokenize=False, stop_token_ids=[] if first.ignore_stop else self.stop_ids,
+                    ignore_eos=first.ignore_stop, output_kind=RequestOutputKind.FINAL_ONLY)
                 self.engine.add_request(first.request_id, TokensPrompt(prompt_token_ids=list(first.prompt_ids)),
                                         params, lora_request=lora)
                 self._samples[first.request_id] = run
@@ -412,8 +413,9 @@ def _samples_of_one_prompt(requests: list[GenerationRequest]) -> list[list[Gener
 
 def _next_sample_of(run: list[GenerationRequest], req: GenerationRequest) -> bool:
     first, last = run[0], run[-1]
-    same = (req.task_id, req.adapter_version, req.temperature, req.max_new_tokens, req.prompt_ids) == \
-        (first.task_id, first.adapter_version, first.temperature, first.max_new_tokens, first.prompt_ids)
+    same = (req.task_id, req.adapter_version, req.temperature, req.max_new_tokens, req.ignore_stop,
+            req.prompt_ids) == (first.task_id, first.adapter_version, first.temperature, first.max_new_tokens,
+                                first.ignore_stop, first.prompt_ids)
     if not same:
         return False
     if req.temperature == 0:

@@ -134,7 +134,7 @@ class RolloutRank:
             elif not commands and not from_env and not self.feeds:
                 time.sleep(0.002)
             self._drop_retired()
-        extra = {"engine_restarts": getattr(self.engine, "restarts", 0)}
+        extra = {"engine_restarts": getattr(self.engine, "restarts", 0), "occupancy": self.engine.occupancy()}
         if self.models is not None:
             switches = self.models.switches
             extra.update(models=self.models.models, model_switches=len(switches),
@@ -271,7 +271,8 @@ class RolloutRank:
             requests.append(GenerationRequest(
                 request_id=request_id, task_id=work.adapter_key,
                 adapter_version=entry.version, prompt_ids=context, temperature=work.temperature,
-                max_new_tokens=self._turn_cap(work, len(context)),
+                max_new_tokens=entry.group.completion_tokens or self._turn_cap(work, len(context)),
+                ignore_stop=entry.group.completion_tokens is not None,
                 seed=(self.seed * 1_000_003 + self.rank * 7919 + self.counter) % (2**31)))
         return requests
 
