@@ -97,8 +97,11 @@ def test_ignore_stop_samples_exactly_the_length(tiny_model_path, adapters, codec
 
 def test_decode_occupancy_counts_sparse_steps():
     occupancy = DecodeOccupancy()
-    occupancy.add_batch([1, 1, 1, 1, 1, 1, 1, 10])  # 8 rows; after step 1 one row runs: 9 sparse steps
-    assert occupancy.as_dict() == {"decode_steps": 10, "sparse_steps": 9, "row_steps": 80, "token_steps": 17}
+    occupancy.add_batch([1, 1, 1, 1, 1, 1, 1, 10])  # 8 rows; after step 1 one row runs for 9 steps
+    occupancy.add_batch([2, 3])
+    assert occupancy.as_dict() == {"running": {"1": 10, "2": 2, "8": 1}, "decode_steps": 13, "row_steps": 86,
+                                   "token_steps": 22}
+    assert occupancy.sparse_steps(8) == 10 and occupancy.sparse_steps(16) == 12 and occupancy.sparse_steps(4) == 0
 
 
 def test_long_tail_kind_lengths_are_heavy_tailed_and_reach_the_prompt_group():

@@ -88,26 +88,29 @@ class Generation:
 @dataclass
 class DecodeOccupancy:
     """How full an engine's decode steps ran (issue #29: what long tails cost). A decode step is one token for
-    every row still running; `sparse_steps` counts those with under a quarter of the batch's rows running."""
+    every row still running; `running` counts the steps by how many rows they ran."""
 
-    decode_steps: int = 0
-    sparse_steps: int = 0
+    running: dict[int, int] = field(default_factory=dict)
+    """Rows still running in a decode step -> decode steps that ran that many."""
     row_steps: int = 0
     """Rows x decode steps of the batches (what a batch that keeps its finished rows computes)."""
-    token_steps: int = 0
-    """Tokens sampled: the row-steps that were not a finished row's padding."""
 
     def add_batch(self, lengths: list[int]) -> None:
         """One batch that started `len(lengths)` rows together and decoded until the longest ended."""
-        rows, steps = len(lengths), max(lengths, default=0)
-        self.decode_steps += steps
-        self.sparse_steps += sum(1 for s in range(steps) if 4 * sum(1 for n in lengths if n > s) < rows)
-        self.row_steps += rows * steps
-        self.token_steps += sum(lengths)
+        steps = max(lengths, default=0)
+        for s in range(steps):
+            rows = sum(1 for n in lengths if n > s)
+            self.running[rows] = self.running.get(rows, 0) + 1
+        self.row_steps += len(lengths) * steps
+
+    def sparse_steps(self, slots: int) -> int:
+        """Decode steps that ran under a quarter of `slots` sequences (the rank's sequence slots)."""
+        return sum(steps for rows, steps in self.running.items() if 4 * rows < slots)
 
     def as_dict(self) -> dict:
-        return {"decode_steps": self.decode_steps, "sparse_steps": self.sparse_steps,
-                "row_steps": self.row_steps, "token_steps": self.token_steps}
+        return {"running": {str(rows): steps for rows, steps in sorted(self.running.items())},
+                "decode_steps": sum(self.running.values()), "row_steps": self.row_steps,
+                "token_steps": sum(rows * steps for rows, steps in self.running.items())}
 
 
 class RolloutEngine(ABC):

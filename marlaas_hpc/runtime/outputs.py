@@ -254,7 +254,7 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                # rollout engines rebuilt after an engine error (rollout/restart.py), per rollout rank
                "engine_restarts": {str(stat.rank): stat.extra.get("engine_restarts", 0)
                                    for stat in stats if stat.kind == "rollout"},
-               # per rollout rank: decode steps, those under a quarter full, row- and token-steps (hf engine only:
+               # per rollout rank: decode steps by rows running, row- and token-steps (hf engine only:
                # rollout/base.py DecodeOccupancy; {} for the others)
                "decode_occupancy": {str(stat.rank): stat.extra.get("occupancy", {})
                                     for stat in stats if stat.kind == "rollout"},
