@@ -110,11 +110,15 @@ def test_long_tail_kind_lengths_are_heavy_tailed_and_reach_the_prompt_group():
     from marlaas_hpc.tasks.synthetic import LONG_TAIL_MEDIAN
 
     data = build_task_data(DatasetSpec(kind="long_tail", eval_size=8))
-    lengths = sorted(data.completion_tokens(data.train_sample(i)) for i in range(4000))
+    lengths = sorted(n for i in range(1000) for n in data.completion_tokens(data.train_sample(i), 4))
     median, p99 = statistics.median(lengths), lengths[int(0.99 * len(lengths))]
     assert abs(median - LONG_TAIL_MEDIAN) <= 1 and 7 <= p99 / median <= 13, (median, p99)
-    assert data.train_sample(3).meta == data.train_sample(3).meta  # seeded: the same prompt, the same length
+    group = data.completion_tokens(data.train_sample(3), 4)
+    assert group == data.completion_tokens(data.train_sample(3), 4) and len(set(group)) > 1  # seeded, per sample
+    other_seed = build_task_data(DatasetSpec(kind="long_tail", eval_size=8, seed=1))
+    assert [other_seed.completion_tokens(other_seed.train_sample(i), 4) for i in range(5)] != \
+        [data.completion_tokens(data.train_sample(i), 4) for i in range(5)]
     sample = data.train_sample(0)
     assert data.score(sample, sample.answer) == 1.0 and not math.isnan(data.score(sample, "x"))
     plain = build_task_data(DatasetSpec(kind="addition", eval_size=8))
-    assert plain.completion_tokens(plain.train_sample(0)) is None
+    assert plain.completion_tokens(plain.train_sample(0), 4) is None

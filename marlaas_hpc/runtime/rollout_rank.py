@@ -271,7 +271,8 @@ class RolloutRank:
             requests.append(GenerationRequest(
                 request_id=request_id, task_id=work.adapter_key,
                 adapter_version=entry.version, prompt_ids=context, temperature=work.temperature,
-                max_new_tokens=entry.group.completion_tokens or self._turn_cap(work, len(context)),
+                max_new_tokens=self._turn_cap(work, len(context)) if entry.group.completion_tokens is None
+                else entry.group.completion_tokens[j],
                 ignore_stop=entry.group.completion_tokens is not None,
                 seed=(self.seed * 1_000_003 + self.rank * 7919 + self.counter) % (2**31)))
         return requests

@@ -427,9 +427,9 @@ class SchedulerRank:
         groups = []
         for gid, index in command.groups:
             sample = data.train_sample(index)
-            length = data.completion_tokens(sample)
+            lengths = data.completion_tokens(sample, algo.group_size)
             groups.append(PromptGroup(gid, index, codec.encode_prompt(first_prompt(data, sample)),
-                                      None if length is None else min(length, algo.max_new_tokens)))
+                                      None if lengths is None else [min(n, algo.max_new_tokens) for n in lengths]))
         task = self.scheduler.tasks[command.task_id]
         return GenerateWork(command.task_id, command.version, command.env_rank, groups, algo.group_size,
                             algo.temperature, algo.max_new_tokens, **self._episodes(command.task_id),

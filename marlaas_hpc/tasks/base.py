@@ -38,10 +38,10 @@ class TaskData(ABC):
     def score(self, sample: Sample, completion: str) -> float:
         """Raw reward of a completion (the text the model produced, without special tokens)."""
 
-    def completion_tokens(self, sample: Sample) -> int | None:
-        """The length a kind sets for this prompt's completions (tasks/synthetic.py `long_tail`: the engine then
-        samples exactly that many tokens, capped by `algo.max_new_tokens`, stop tokens included); None (every
-        other kind): up to `algo.max_new_tokens`, ending at a stop token."""
+    def completion_tokens(self, sample: Sample, samples: int) -> list[int] | None:
+        """The lengths a kind sets for the `samples` completions of this prompt (tasks/synthetic.py `long_tail`:
+        the engine then samples exactly that many tokens each, capped by `algo.max_new_tokens`, stop tokens
+        included); None (every other kind): up to `algo.max_new_tokens`, ending at a stop token."""
         return None
 
     def reward(self, sample: Sample, completion: str) -> float:

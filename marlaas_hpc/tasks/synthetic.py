@@ -104,27 +104,21 @@ def long_tail_length(rng: random.Random, median: float = LONG_TAIL_MEDIAN, sigma
     return max(1, round(rng.lognormvariate(math.log(median), sigma)))
 
 
-class _WithLength:
-    """The addition generator with a log-normal completion length in the sample's meta (a class: tasks pickle)."""
-
-    def __call__(self, rng: random.Random) -> tuple[str, str, dict]:
-        prompt, answer, mistake = _addition(rng)
-        return prompt, answer, {"mistake": mistake, "completion_tokens": long_tail_length(rng)}
-
-
 class LongTailTask(SyntheticTask):
-    """`long_tail`: the addition task whose prompts each set their completion's length, drawn from a seeded
-    log-normal (median LONG_TAIL_MEDIAN tokens, p99 10x that): the heavy-tailed length workload of the CPU twin
-    (issue #29). The engine samples exactly that many tokens from the policy, a stop token sampled like any other
-    (`GenerationRequest.ignore_stop`, vLLM's ignore_eos), so the tiny model really decodes a heavy-tailed
-    workload; the reward reads the text up to the first stop token (TextCodec.decode_completion), as for
-    `addition`. The length is capped by the task's `algo.max_new_tokens`."""
+    """`long_tail`: the addition task whose samples each have a set completion length, drawn from a seeded
+    log-normal (median LONG_TAIL_MEDIAN tokens, p99 10x that; one draw per sample of a group, seeded by the task's
+    seed and the prompt's index): the heavy-tailed length workload of the CPU twin (issue #29). The engine samples
+    exactly that many tokens from the policy, a stop token sampled like any other (`GenerationRequest.ignore_stop`,
+    vLLM's ignore_eos), so the tiny model really decodes a heavy-tailed workload; the reward reads the text up to
+    the first stop token (TextCodec.decode_completion), as for `addition`. Lengths are capped by the task's
+    `algo.max_new_tokens`."""
 
     def __init__(self, spec: DatasetSpec):
-        super().__init__(spec, _WithLength())
+        super().__init__(spec, _WithMistake("addition"))
 
-    def completion_tokens(self, sample: Sample) -> int | None:
-        return sample.meta["completion_tokens"]
+    def completion_tokens(self, sample: Sample, samples: int) -> list[int] | None:
+        rng = random.Random(f"long_tail-lengths-{self._seed}-{sample.index}")
+        return [long_tail_length(rng) for _ in range(samples)]
 
 
 STORIES = {"gsm8k_synth": synthetic_gsm8k, "gsm8k_easy": one_step_gsm8k}
