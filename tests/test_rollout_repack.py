@@ -122,3 +122,48 @@ def test_long_tail_kind_lengths_are_heavy_tailed_and_reach_the_prompt_group():
     assert data.score(sample, sample.answer) == 1.0 and not math.isnan(data.score(sample, "x"))
     plain = build_task_data(DatasetSpec(kind="addition", eval_size=8))
     assert plain.completion_tokens(plain.train_sample(0), 4) is None
+
+
+def test_repacker_hands_over_only_a_few_sequences_all_past_their_quantile():
+    from marlaas_hpc.config import RepackSettings
+    from marlaas_hpc.runtime.repack import Repacker
+
+    repacker = Repacker(RepackSettings(enabled=True, min_lengths=10), slots=16, tails=(7, 8))
+    for n in range(1, 11):
+        repacker.record("t", n)  # lengths 1..10: the 0.9 quantile is 10
+    assert repacker.quantile("t") == 10 and repacker.quantile("other") is None
+    assert repacker.held_by_tail({"r1": ("t", 11), "r2": ("t", 12)})
+    assert not repacker.held_by_tail({"r1": ("t", 11), "r2": ("t", 10)}), "one sequence not past the quantile"
+    assert not repacker.held_by_tail({f"r{i}": ("t", 20) for i in range(4)}), "a quarter of 16 slots is busy"
+    assert not repacker.held_by_tail({"r1": ("other", 99)}), "a task with too few lengths seen"
+    assert not repacker.held_by_tail({})
+    assert [repacker.next_tail() for _ in range(3)] == [7, 8, 7] and repacker.handed == 3
+
+
+def test_tail_versions_keep_the_newest_versions_pinned(tiny_model_path, adapters):
+    from marlaas_hpc.runtime.repack import TailVersions
+
+    engine = make_engine("hf", tiny_model_path)
+    tail = TailVersions(keep=2)
+    for version in range(4):
+        engine.add_adapter(AdapterRef("task", version, str(adapters[("t1", "t2")[version % 2]])))
+        tail.installed(engine, "task", version)
+    assert engine.versions.live("task") == [2, 3]  # without the pins only v3 would be live
+    assert tail.holds(engine, "task", 2) and not tail.holds(engine, "task", 1)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"engine": "vllm"}, "engine: hf"), ({"delta": {"transport": "relay"}}, "broadcast"),
+    ({"fault": {"on_rank_loss": "continue"}}, "on_rank_loss: stop"), ({"layout": {"rollout_ranks": 1}}, "leaves no"),
+    ({"repack": {"enabled": True, "busy_below": 1.5}}, "busy_below")])
+def test_repack_settings_refused_where_not_wired(change, message):
+    from marlaas_hpc.config import JobConfig
+    from marlaas_hpc.config_loader import SpecError, load_config
+
+    base = {"engine": "hf", "layout": {"rollout_ranks": 2}, "fault": {"on_rank_loss": "stop"},
+            "repack": {"enabled": True}}
+    with pytest.raises(SpecError, match=message):
+        load_config(JobConfig, {**base, **change}).validate()
+    job = load_config(JobConfig, base).validate()
+    assert job.scheduler_config([3, 4], [1]).rollout_ranks == (3,) and job.repack.tails([3, 4]) == (4,)
+    assert load_config(JobConfig, {}).validate().scheduler_config([3, 4], [1]).rollout_ranks == (3, 4)

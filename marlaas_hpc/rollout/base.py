@@ -169,6 +169,11 @@ class RolloutEngine(ABC):
         not in flight are ignored. Engines that cannot stop a request mid-way raise NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} cannot abort requests")
 
+    def progress(self) -> dict[str, int]:
+        """Tokens sampled so far by each request in flight, by request id (what `abort` would hand over).
+        Engines that cannot say raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} does not report requests' progress")
+
     def occupancy(self) -> dict:
         """The engine's DecodeOccupancy so far, as a dict; {} where the engine does not count it (only HfEngine
         does: each `step` is whole batches, so its decode steps are known exactly)."""

@@ -235,6 +235,9 @@ class HfEngine(RolloutEngine):
     def occupancy(self) -> dict:
         return self.decode.as_dict()
 
+    def progress(self) -> dict[str, int]:
+        return {req.request_id: len(req.partial_ids) for req, _ in self._queue}
+
     @torch.inference_mode()
     def _generate_batch(self, batch: list[tuple[GenerationRequest, torch.Generator]]
                         ) -> tuple[list[Generation], list[tuple[GenerationRequest, torch.Generator]]]:
