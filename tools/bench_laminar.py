@@ -5,6 +5,7 @@ cost, and Laminar's repack, on a heavy-tailed length workload at the paper's 32 
     python tools/bench_laminar.py [--scales 32:8 1024:256] [--steps 6] [--seeds 2] [--max-in-flight 16]
                                   [--push-bandwidth 25e9] [--relay-bandwidth 25e9] [--pull-bandwidth 25e9]
                                   [--fanout 2] [--ranks-per-tail 32] [--twin] [--twin-ranks 1 3]
+                                  [--tail-ranks 3] [--tail-steps 8] [--tail-runs 1] [--skip-sim] [--skip-delta-twin]
 
 Per scale and plane: the leader's blocked time per published version, the rollout ranks' decode-busy fraction
 and their share of time on the delta plane (waiting in broadcasts, transfers, installs), groups dropped at the
@@ -19,7 +20,12 @@ the trainer leader's blocked time per published version (seconds inside its delt
 sent), the seconds of its final flush (once, at the end: until every posted broadcast completed, or the root relay
 took every push), the median time from a version's publish to its install on the last rollout rank that
 installed it, and the rollout ranks' median install time; the last line then carries the relay/broadcast ratio
-of the leader's blocked time at each rank count.
+of the leader's blocked time at each rank count. It then runs jobs of the heavy-tailed `long_tail` kind (2 tasks,
+log-normal completion lengths, p99 10x the median) at each of --tail-ranks rollout ranks, without and with repack
+(`repack.enabled`, runtime/repack.py: the last rollout rank becomes the tail rank), and prints per job the groups
+handed over, groups dropped at the staleness bound, the rollout ranks' busy fraction, the share of decode steps
+under a quarter of a rank's sequence slots, the batches' padding and trained tokens per second; the last line's
+repack/none throughput is the twin's trained tokens per second with repack over without, at the largest count.
 
 Every cost is an assumption of configs/workloads/h100-heavy-tail.yaml (not measured on a GPU); bandwidths are
 the flags above. Tasks: sim-paper.yaml's GSM8K-like single-turn task copied, max_new_tokens 8192 so the tail is
@@ -107,7 +113,7 @@ def row(n_tasks, ranks, name, tail, r) -> str:
             f"{100 * r['sparse']:>8.1f} {r['groups_per_s']:>8.1f} {r['e2e_s']:>8.1f}")
 
 
-def twin_job(transport: str, rollout_ranks: int, steps: int, long_tail: bool = False) -> dict:
+def twin_job(transport: str, rollout_ranks: int, steps: int, long_tail: bool = False, repack: bool = False) -> dict:
     """The CPU twin's job: test-small's two single-turn tasks (bounds 0 and 2), `steps` steps each; `long_tail`:
     both tasks of the heavy-tailed `long_tail` kind instead (log-normal completion lengths, median 8 tokens, p99
     10x that, up to 128: tasks/synthetic.py), bounds 1 and 2."""
@@ -123,6 +129,8 @@ def twin_job(transport: str, rollout_ranks: int, steps: int, long_tail: bool = F
             task["dataset"].update(kind="long_tail", seed=index)
             task["algo"]["max_new_tokens"] = 128
             task["max_staleness"] = index + 1
+    if repack:  # the last rollout rank becomes the tail rank (runtime/repack.py), the other settings defaults
+        job["repack"] = {"enabled": True, "tail_ranks": 1}
     return job
 
 
@@ -187,11 +195,12 @@ def twin(ranks: list[int], steps: int) -> str:
     return f"CPU twin leader blocked per update relay/broadcast: {ratios} (2 single-turn tasks, not heavy-tailed)"
 
 
-def tail_run(rollout_ranks: int, steps: int, workdir: Path) -> dict:
-    """One heavy-tailed twin job (broadcast): what its long tails cost, from summary.json and metrics.jsonl."""
+def tail_run(rollout_ranks: int, steps: int, workdir: Path, repack: bool) -> dict:
+    """One heavy-tailed twin job (broadcast), with or without repack: what its long tails cost, from summary.json,
+    metrics.jsonl and the rollout ranks' timelines (groups handed over)."""
     import json
 
-    run_dir = run_twin_job(twin_job("broadcast", rollout_ranks, steps, long_tail=True), workdir)
+    run_dir = run_twin_job(twin_job("broadcast", rollout_ranks, steps, long_tail=True, repack=repack), workdir)
     summary = json.loads((run_dir / "summary.json").read_text())
     tasks = summary["tasks"].values()
     assert {task["status"] for task in tasks} == {"done"}, summary["tasks"]
@@ -207,31 +216,51 @@ def tail_run(rollout_ranks: int, steps: int, workdir: Path) -> dict:
             "sparse": sum(steps for o in occupancy for rows, steps in o["running"].items()
                           if 4 * int(rows) < slots) / max(decode, 1),
             "padding": 1 - sum(o["token_steps"] for o in occupancy) / max(sum(o["row_steps"] for o in occupancy), 1),
-            "tokens_per_s": tokens / summary["wall_time_s"], "wall_s": summary["wall_time_s"]}
+            "tokens_per_s": tokens / summary["wall_time_s"], "wall_s": summary["wall_time_s"],
+            "handed": sum(line.count('"stage": "repack_out"') for path in (run_dir / "timeline").glob("rank*.jsonl")
+                          for line in path.read_text().splitlines())}
 
 
-def tail_twin(ranks: list[int], steps: int, runs: int) -> str:
-    """The heavy-tailed twin's table (`runs` jobs per rank count); returns the last line's part."""
+def tail_twin(ranks: list[int], steps: int, runs: int) -> tuple[str, float | None]:
+    """The heavy-tailed twin's table (`runs` jobs per rank count, without and with repack, alternating); returns
+    the last line's part and the repack/none ratio of trained tokens per second at the largest rank count."""
     import tempfile
 
     print(f"\nCPU twin, heavy-tailed kind (long_tail: log-normal lengths, median 8 tokens, p99 10x; tiny model, HF "
           f"engine, broadcast; 2 tasks, bounds 1 and 2, B 4 x G 4, {steps} steps each; sparse: decode steps under a "
-          f"quarter of a rank's 16 sequence slots; padding: finished rows' share of the batches' row-steps):")
-    print(f"{'rollout':>7} {'repack':<6} {'dropped':>7} {'drop %':>6} {'rollout busy':>12} {'sparse %':>8} "
-          f"{'padding %':>9} {'tokens/s':>8} {'wall s':>7}", flush=True)
+          f"quarter of a rank's 16 sequence slots; padding: finished rows' share of the batches' row-steps; repack: "
+          f"the last rollout rank is the tail rank):")
+    print(f"{'rollout':>7} {'repack':<6} {'handed':>6} {'dropped':>7} {'drop %':>6} {'rollout busy':>12} "
+          f"{'sparse %':>8} {'padding %':>9} {'tokens/s':>8} {'wall s':>7}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_laminar_tail_") as tmp:
         for n in ranks:
             for i in range(runs):
-                r = tail_run(n, steps, Path(tmp) / f"tail{n}-{i}")
-                results.setdefault(n, []).append(r)
-                print(f"{n:>7} {'none':<6} {r['dropped']:>7} {100 * r['drop_share']:>6.1f} {r['busy']:>12.3f} "
-                      f"{100 * r['sparse']:>8.1f} {100 * r['padding']:>9.1f} {r['tokens_per_s']:>8.1f} "
-                      f"{r['wall_s']:>7.1f}", flush=True)
-    figures = ", ".join(f"{n} rollout: dropped {sum(r['dropped'] for r in rs) / len(rs):.1f} groups, "
-                        f"sparse {100 * sum(r['sparse'] for r in rs) / len(rs):.0f}% of decode steps"
-                        for n, rs in results.items())
-    return f"CPU twin heavy-tailed (no repack): {figures}"
+                for repack in (False, True) if n > 1 else (False,):
+                    r = tail_run(n, steps, Path(tmp) / f"tail{n}-{i}-{repack}", repack)
+                    results.setdefault((n, repack), []).append(r)
+                    print(f"{n:>7} {'on' if repack else 'none':<6} {r['handed']:>6} {r['dropped']:>7} "
+                          f"{100 * r['drop_share']:>6.1f} {r['busy']:>12.3f} {100 * r['sparse']:>8.1f} "
+                          f"{100 * r['padding']:>9.1f} {r['tokens_per_s']:>8.1f} {r['wall_s']:>7.1f}", flush=True)
+
+    def mean(n, repack, key):
+        rs = results[n, repack]
+        return sum(r[key] for r in rs) / len(rs)
+
+    parts = []
+    for n in ranks:
+        part = f"{n} rollout: dropped {mean(n, False, 'dropped'):.1f} groups, sparse {100 * mean(n, False, 'sparse'):.0f}%"
+        if (n, True) in results:
+            part += (f" (repack: dropped {mean(n, True, 'dropped'):.1f}, sparse {100 * mean(n, True, 'sparse'):.0f}%, "
+                     f"tokens/s {mean(n, True, 'tokens_per_s') / mean(n, False, 'tokens_per_s'):.2f}x)")
+        parts.append(part)
+    top = max(ranks)
+    ratio = (mean(top, True, "tokens_per_s") / mean(top, False, "tokens_per_s")) if (top, True) in results else None
+    if ratio is not None and runs > 1:  # runs alternate, so a pair shares the machine's load of the moment
+        pairs = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(results[top, True], results[top, False]))
+        print(f"repack/none trained tokens/s per pair of runs at {top} rollout ranks: "
+              + " ".join(f"{p:.2f}" for p in pairs), flush=True)
+    return f"CPU twin heavy-tailed ({runs} run(s) each): " + ", ".join(parts), ratio
 
 
 def main() -> None:
@@ -283,14 +312,17 @@ def main() -> None:
             repack_ratio = repack["groups_per_s"] / results["broadcast"]["groups_per_s"]
     blocked = (f"{ratio:.2f} (against a leader waiting for each broadcast: {ratio_wait:.2f})" if ratio is not None
                else "not measured (no 1024-task scale run)")
-    throughput = (f"{repack_ratio:.2f} (simulator, trained groups/s at 1024 tasks)" if ratio is not None
-                  else "not measured (no 1024-task scale run)")
-    twin_line = "CPU twin not run (--twin)"
+    throughput = (f"{repack_ratio:.2f} in the simulator (trained groups/s at 1024 tasks)" if ratio is not None
+                  else "not measured in the simulator (no 1024-task scale run)")
+    twin_line, twin_ratio = "CPU twin not run (--twin)", None
     if args.twin:
         parts = [] if args.skip_delta_twin else [twin(args.twin_ranks, args.twin_steps)]
-        twin_line = "; ".join(parts + [tail_twin(args.tail_ranks, args.tail_steps, args.tail_runs)])
-    print(f"relay/broadcast leader blocked {blocked}; repack/none throughput {throughput}, CPU twin not measured "
-          f"(repack in the runtime not built: engine-level continuation only); {twin_line}")
+        tail_line, twin_ratio = tail_twin(args.tail_ranks, args.tail_steps, args.tail_runs)
+        twin_line = "; ".join(parts + [tail_line])
+    twin_throughput = (f"{twin_ratio:.2f} (CPU twin, trained tokens/s at {max(args.tail_ranks)} rollout ranks)"
+                       if twin_ratio is not None else "not measured on the CPU twin (--twin)")
+    print(f"relay/broadcast leader blocked {blocked}; repack/none throughput {twin_throughput}, {throughput}; "
+          f"{twin_line}")
 
 
 if __name__ == "__main__":
