@@ -223,7 +223,9 @@ def tail_run(rollout_ranks: int, steps: int, workdir: Path, repack: bool) -> dic
 
 def tail_twin(ranks: list[int], steps: int, runs: int) -> tuple[str, float | None]:
     """The heavy-tailed twin's table (`runs` jobs per rank count, without and with repack, alternating); returns
-    the last line's part and the repack/none ratio of trained tokens per second at the largest rank count."""
+    the last line's part and the repack/none ratio of trained tokens per second at the largest rank count (the
+    median over pairs of runs when there are several)."""
+    import statistics
     import tempfile
 
     print(f"\nCPU twin, heavy-tailed kind (long_tail: log-normal lengths, median 8 tokens, p99 10x; tiny model, HF "
@@ -260,7 +262,8 @@ def tail_twin(ranks: list[int], steps: int, runs: int) -> tuple[str, float | Non
         pairs = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(results[top, True], results[top, False]))
         print(f"repack/none trained tokens/s per pair of runs at {top} rollout ranks: "
               + " ".join(f"{p:.2f}" for p in pairs), flush=True)
-    return f"CPU twin heavy-tailed ({runs} run(s) each): " + ", ".join(parts), ratio
+        ratio = statistics.median(pairs)  # a loaded machine's noise hits pairs alike
+    return f"CPU twin heavy-tailed ({runs} run(s) each, means): " + ", ".join(parts), ratio
 
 
 def main() -> None:
@@ -319,7 +322,8 @@ def main() -> None:
         parts = [] if args.skip_delta_twin else [twin(args.twin_ranks, args.twin_steps)]
         tail_line, twin_ratio = tail_twin(args.tail_ranks, args.tail_steps, args.tail_runs)
         twin_line = "; ".join(parts + [tail_line])
-    twin_throughput = (f"{twin_ratio:.2f} (CPU twin, trained tokens/s at {max(args.tail_ranks)} rollout ranks)"
+    twin_throughput = (f"{twin_ratio:.2f} (CPU twin, trained tokens/s at {max(args.tail_ranks)} rollout ranks, "
+                       f"median of {args.tail_runs} pair(s))"
                        if twin_ratio is not None else "not measured on the CPU twin (--twin)")
     print(f"relay/broadcast leader blocked {blocked}; repack/none throughput {twin_throughput}, {throughput}; "
           f"{twin_line}")
