@@ -107,6 +107,54 @@ class DeltaSettings:
 
 
 @dataclass(kw_only=True)
+class RepackSettings:
+    """Laminar's repack (issue #29, runtime/repack.py): a rollout rank held by a few long sequences hands them,
+    cut mid-way, to a tail rank, which continues them under their pinned versions, and refills with new groups.
+    Off by default: on the CPU twin it has not been shown to pay (docs/sim/laminar.md)."""
+
+    enabled: bool = False
+    """Hand long tails over to tail ranks. Needs the hf engine (the one that can cut a request mid-way:
+    `step_tokens`), the broadcast delta transport, one base model and `fault.on_rank_loss: stop`."""
+    tail_ranks: int = 1
+    """The last this many rollout ranks are tail ranks: rank 0 issues them no work; they continue what the others
+    hand over. At least one, and fewer than the rollout ranks."""
+    busy_below: float = 0.25
+    """A rank hands over when fewer than this share of its sequence slots (rollout_slots x the group size of the
+    work it holds) run..."""
+    past_quantile: float = 0.9
+    """...and every one of them has sampled more tokens than this quantile of its task's completion lengths (as
+    finished on that rank), and no work waits."""
+    min_lengths: int = 16
+    """Finished completions of a task a rank must have seen before its quantile counts (none: no handover)."""
+    step_tokens: int = 8
+    """Tokens an hf engine step decodes per request before the rank may cut it (HfEngine.step_tokens): a
+    request is prefilled again every this many tokens."""
+
+    def validate(self, prefix: str = "repack") -> "RepackSettings":
+        if not isinstance(self.enabled, bool):
+            raise SpecError(f"{prefix}.enabled", f"must be true or false, got {self.enabled!r}")
+        for name in ("tail_ranks", "min_lengths", "step_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(f"{prefix}.{name}", f"must be an integer >= 1, got {value!r}")
+        for name in ("busy_below", "past_quantile"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1:
+                raise SpecError(f"{prefix}.{name}", f"must be a number in (0, 1), got {value!r}")
+        return self
+
+    def issuing(self, rollout_ranks) -> tuple[int, ...]:
+        """The rollout ranks rank 0 issues work to: all but the tail ranks (the last `tail_ranks`) when enabled."""
+        ranks = tuple(rollout_ranks)
+        return ranks[:len(ranks) - self.tail_ranks] if self.enabled else ranks
+
+    def tails(self, rollout_ranks) -> tuple[int, ...]:
+        """The tail ranks (none unless enabled)."""
+        ranks = tuple(rollout_ranks)
+        return ranks[len(ranks) - self.tail_ranks:] if self.enabled else ()
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     model: str = "tiny"
     """Base model: a local HF checkpoint dir of a served family (Qwen3 dense, Qwen2 / Qwen2.5, Llama 3.x:
@@ -164,6 +212,9 @@ class JobConfig:
     """How adapter versions reach the rollout ranks: transport 'broadcast' (a collective the rollout ranks join
     between engine steps) or 'relay' (pushed into relays, pulled by each rollout rank), relay_fanout,
     relay_chunk_mb."""
+    repack: RepackSettings = field(default_factory=RepackSettings)
+    """Laminar's repack of long tails onto tail ranks (runtime/repack.py): enabled (default off), tail_ranks,
+    busy_below, past_quantile, min_lengths, step_tokens."""
     adapters: RetentionConfig = field(default_factory=RetentionConfig)
     """Which adapter versions each task's `adapters/` dir keeps: the last `keep_last`, every `keep_every`-th
     (1: all), always the final one, the versions a task pins (`keep_versions`) and any still in flight
@@ -214,6 +265,8 @@ class JobConfig:
             raise SpecError("delta.transport", "'relay' needs fault.on_rank_loss: stop (the relay tier is not "
                                                "remade when a rank is lost or joins; a lost rank stops the job, "
                                                "which resumes from its checkpoints)")
+        self.repack.validate("repack")
+        self._validate_repack()
         self.adapters.validate("adapters")
         self.env_pool.validate("env_pool")
         self._validate_models()
@@ -243,6 +296,21 @@ class JobConfig:
         if len(self.tasks) > self.max_adapters:
             raise SpecError("tasks", f"{len(self.tasks)} tasks but only {self.max_adapters} adapter slots "
                                      "(raise max_adapters)")
+
+    def _validate_repack(self) -> None:
+        if not self.repack.enabled:
+            return
+        refusals = [(self.engine != "hf", "needs engine: hf (only HfEngine cuts a request mid-way)"),
+                    (self.delta.transport != "broadcast", "needs delta.transport: broadcast (a tail rank keeps the "
+                                                          "versions it installs; relays are not wired for it)"),
+                    (len(self.model_names()) > 1, "serves one base model"),
+                    (self.fault.on_rank_loss != "stop", "needs fault.on_rank_loss: stop (tail ranks are not remade)"),
+                    (self.repack.tail_ranks >= self.layout.rollout_ranks,
+                     f"tail_ranks {self.repack.tail_ranks} leaves no rollout rank of {self.layout.rollout_ranks} "
+                     "to issue work to")]
+        for refused, why in refusals:
+            if refused:
+                raise SpecError("repack.enabled", why)
 
     def _validate_models(self) -> None:
         """`model`, or `models` (then `model` is left out, or is the first one's path, and becomes it)."""
@@ -287,7 +355,7 @@ class JobConfig:
 
     def scheduler_config(self, rollout_ranks, env_ranks) -> SchedulerConfig:
         """Rank 0's scheduler settings for this job, given the world ranks that generate and that score."""
-        return SchedulerConfig(mode=self.mode, order=self.order, rollout_ranks=tuple(rollout_ranks),
+        return SchedulerConfig(mode=self.mode, order=self.order, rollout_ranks=self.repack.issuing(rollout_ranks),
                                env_ranks=tuple(env_ranks), rollout_slots=self.rollout_slots,
                                max_adapters=self.max_adapters, trainer_slots=self.trainer_slots,
                                trainer_groups=self.layout.trainer_groups,

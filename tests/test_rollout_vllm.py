@@ -3,6 +3,8 @@
 One engine is shared by the module (start costs seconds)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -181,3 +183,25 @@ def test_vllm_in_memory_adapter_equals_its_directory_and_bad_tensors_are_refused
 def _held_ids(worker) -> list[int]:
     """Runs in the vLLM worker: the int ids of the in-memory adapters it holds."""
     return sorted(worker.model_runner.lora_manager.marlaas_memory)
+
+
+def test_vllm_continues_a_sequence_cut_on_another_engine(vllm_engine, tiny_model_path, adapters, codec):
+    """Issue #29's repack into a vLLM tail rank: a greedy sequence cut after 9 tokens on an HF engine (`abort`)
+    and continued here (prompt + partial prefilled, same adapter version) has the tokens and logprobs of the
+    sequence generated whole here; stop tokens are sampled through (`ignore_stop`: exactly the length asked)."""
+    request = GenerationRequest("cont-whole", "t1", 0, codec.encode_prompt(PROMPTS[0]), temperature=0.0,
+                                max_new_tokens=24, ignore_stop=True)
+    [whole] = vllm_engine.generate([request])
+    assert len(whole.completion_ids) == 24 and whole.finish_reason == "length"
+    source = make_engine("hf", tiny_model_path, step_tokens=9)
+    source.add_adapter(AdapterRef("t1", 0, str(adapters["t1"])))
+    source.submit([dataclasses.replace(request, request_id="cont-moved")])
+    assert source.step() == []
+    [partial] = source.abort(["cont-moved"])
+    assert len(partial.partial_ids) == 9
+    [moved] = vllm_engine.generate([partial])
+    assert moved.completion_ids == whole.completion_ids and moved.adapter_version == 0
+    np.testing.assert_allclose(moved.logprobs, whole.logprobs, atol=1e-4)
+    [dropped] = vllm_engine.generate([dataclasses.replace(partial, request_id="cont-dropped", partial_ids=[],
+                                                          partial_logprobs=[], max_new_tokens=15)])
+    assert dropped.completion_ids != whole.completion_ids[9:]  # the test can tell a lost partial

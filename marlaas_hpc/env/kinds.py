@@ -9,7 +9,7 @@ from marlaas_hpc.tasks.base import TaskData
 from marlaas_hpc.tasks.files import Gsm8kFileTask, MathFileTask
 from marlaas_hpc.tasks.registry import ENV_TASK_KINDS
 from marlaas_hpc.tasks.spec import DatasetSpec
-from marlaas_hpc.tasks.synthetic import GENERATORS, Gsm8kSyntheticTask, SyntheticTask
+from marlaas_hpc.tasks.synthetic import GENERATORS, Gsm8kSyntheticTask, LongTailTask, SyntheticTask
 
 
 def build_task_data(spec: DatasetSpec, prompt_format: str = "raw", sandbox=None) -> TaskData:
@@ -20,6 +20,8 @@ def build_task_data(spec: DatasetSpec, prompt_format: str = "raw", sandbox=None)
     spec.validate()
     if spec.kind in GENERATORS:
         return SyntheticTask(spec)
+    if spec.kind == "long_tail":
+        return LongTailTask(spec)
     if spec.kind in ENV_TASK_KINDS:
         return build_env_task(spec, prompt_format, sandbox)
     if spec.kind == "gsm8k":

@@ -11,7 +11,7 @@ ENGINE_KINDS = ("vllm", "hf")
 def make_engine(kind: str, model_path: str | Path, *, work_dir: str | Path | None = None, seed: int = 0,
                 **kwargs) -> RolloutEngine:
     """Builds a rollout engine. kind "vllm": VllmEngine (needs work_dir for its caches; kwargs such as
-    max_loras, max_lora_rank, dtype go to it); kind "hf": HfEngine (kwargs: device, dtype, max_batch_size).
+    max_loras, max_lora_rank, dtype go to it); kind "hf": HfEngine (kwargs: device, dtype, max_batch_size, step_tokens).
     The engine modules are imported lazily (vLLM import takes seconds and sets process-wide state)."""
     if kind == "vllm":
         from marlaas_hpc.rollout.vllm_engine import VllmEngine, import_vllm

@@ -54,6 +54,19 @@ class GenerationRequest:
     """Completion length cap."""
     seed: int | None = None
     """Per-request sampling seed (None: engine's generator)."""
+    ignore_stop: bool = False
+    """Sample exactly max_new_tokens tokens: a stop token is sampled like any other and does not end the request
+    (vLLM's ignore_eos; a kind that sets its completions' lengths, tasks/synthetic.py `long_tail`)."""
+    partial_ids: list[int] = field(default_factory=list)
+    """A continuation (issue #29's repack): completion tokens already sampled under `adapter_version`, by this
+    engine or another (`RolloutEngine.abort`). The engine prefills prompt + these and samples the rest, up to
+    max_new_tokens in all; the Generation's completion starts with them."""
+    partial_logprobs: list[float] = field(default_factory=list)
+    """The behaviour logprobs of `partial_ids`, as sampled: returned as they are, first in the Generation's."""
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_new_tokens - len(self.partial_ids)
 
 
 @dataclass
@@ -70,6 +83,34 @@ class Generation:
     finish_reason: str = "stop"
     """'stop' (eos) or 'length'."""
     meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class DecodeOccupancy:
+    """How full an engine's decode steps ran (issue #29: what long tails cost). A decode step is one token for
+    every row still running; `running` counts the steps by how many rows they ran."""
+
+    running: dict[int, int] = field(default_factory=dict)
+    """Rows still running in a decode step -> decode steps that ran that many."""
+    row_steps: int = 0
+    """Rows x decode steps of the batches (what a batch that keeps its finished rows computes)."""
+
+    def add_batch(self, lengths: list[int]) -> None:
+        """One batch that started `len(lengths)` rows together and decoded until the longest ended."""
+        steps = max(lengths, default=0)
+        for s in range(steps):
+            rows = sum(1 for n in lengths if n > s)
+            self.running[rows] = self.running.get(rows, 0) + 1
+        self.row_steps += len(lengths) * steps
+
+    def sparse_steps(self, slots: int) -> int:
+        """Decode steps that ran under a quarter of `slots` sequences (the rank's sequence slots)."""
+        return sum(steps for rows, steps in self.running.items() if 4 * rows < slots)
+
+    def as_dict(self) -> dict:
+        return {"running": {str(rows): steps for rows, steps in sorted(self.running.items())},
+                "decode_steps": sum(self.running.values()), "row_steps": self.row_steps,
+                "token_steps": sum(rows * steps for rows, steps in self.running.items())}
 
 
 class RolloutEngine(ABC):
@@ -119,6 +160,24 @@ class RolloutEngine(ABC):
         """Adapters retired since the last call: the engine never reads them again (a path-based one's files
         may be deleted; an in-memory one's tensors are freed). Engines that hold adapters override it."""
         return []
+
+    def abort(self, request_ids: list[str]) -> list[GenerationRequest]:
+        """Takes requests out of the engine before they finish (issue #29: a rollout rank held by a few long
+        sequences hands them to a tail rank) and releases their versions. Returns, for each one still in flight,
+        its continuation: the request with `partial_ids` / `partial_logprobs` holding what was sampled so far,
+        which an engine holding the same `adapter_version` continues (`submit`) as if it had never moved. Ids
+        not in flight are ignored. Engines that cannot stop a request mid-way raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} cannot abort requests")
+
+    def progress(self) -> dict[str, int]:
+        """Tokens sampled so far by each request in flight, by request id (what `abort` would hand over).
+        Engines that cannot say raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} does not report requests' progress")
+
+    def occupancy(self) -> dict:
+        """The engine's DecodeOccupancy so far, as a dict; {} where the engine does not count it (only HfEngine
+        does: each `step` is whole batches, so its decode steps are known exactly)."""
+        return {}
 
     def close(self) -> None:
         """Releases engine resources."""

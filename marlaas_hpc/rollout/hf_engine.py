@@ -13,13 +13,15 @@ it is in. Behaviour logprobs are log_softmax(logits / T) of the sampled tokens, 
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
 import torch
 
 from marlaas_hpc.model.checkpoint import stop_token_ids
-from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
+from marlaas_hpc.rollout.base import (AdapterRef, AdapterVersions, DecodeOccupancy, Generation, GenerationRequest,
+                                      RolloutEngine)
 
 BASE_ADAPTER = "__base__"
 
@@ -75,10 +77,13 @@ class HfEngine(RolloutEngine):
         dtype: model dtype.
         seed: seeds the engine generator (used by requests without a seed).
         max_batch_size: split a step's work into batches of at most this many rows (None: one batch).
+        step_tokens: a step decodes at most this many tokens per request; the unfinished ones stay queued as
+            continuations (prompt + what they sampled, prefilled again next step), so `abort` can cut them
+            mid-way (None: a step runs its requests to the end).
     """
 
     def __init__(self, model_path: str | Path, *, device: str | None = None, dtype: torch.dtype = torch.float32,
-                 seed: int = 0, max_batch_size: int | None = None):
+                 seed: int = 0, max_batch_size: int | None = None, step_tokens: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -99,6 +104,10 @@ class HfEngine(RolloutEngine):
         self._queue: list[tuple[GenerationRequest, torch.Generator]] = []
         self._generator = torch.Generator().manual_seed(seed)
         self.max_batch_size = max_batch_size
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens must be at least 1, not {step_tokens}")
+        self.step_tokens = step_tokens
+        self.decode = DecodeOccupancy()
 
     # ----------------------------------------------------------------- adapters
     def add_adapter(self, adapter: AdapterRef) -> None:
@@ -171,9 +180,10 @@ class HfEngine(RolloutEngine):
             for req in requests:
                 if req.request_id in ids:
                     raise ValueError(f"request id {req.request_id!r} is already in flight")
-                if req.temperature < 0 or req.max_new_tokens < 1 or not req.prompt_ids:
+                if req.temperature < 0 or req.remaining_tokens < 1 or not req.prompt_ids \
+                        or len(req.partial_logprobs) != len(req.partial_ids):
                     raise ValueError(f"request {req.request_id!r}: need temperature >= 0, max_new_tokens >= 1 "
-                                     "and a non-empty prompt")
+                                     "past its partial tokens (one logprob each) and a non-empty prompt")
                 ids.add(req.request_id)
                 if req.adapter_version is not None:
                     self.versions.acquire(req.task_id, req.adapter_version)
@@ -184,15 +194,36 @@ class HfEngine(RolloutEngine):
                     self.versions.release(req.task_id, req.adapter_version)
             raise
         for req in requests:
-            seed = req.seed if req.seed is not None else int(torch.randint(2**62, (), generator=self._generator))
-            self._queue.append((req, torch.Generator().manual_seed(seed)))
+            if req.seed is None:  # kept in the request: a continuation elsewhere draws the same stream
+                req = dataclasses.replace(req, seed=int(torch.randint(2**62, (), generator=self._generator)))
+            generator = torch.Generator().manual_seed(req.seed)
+            if req.partial_ids:  # one uniform per sampled token (_RowSampler): skip those the partial drew
+                torch.rand(len(req.partial_ids), generator=generator, dtype=torch.float64)
+            self._queue.append((req, generator))
+
+    def abort(self, request_ids: list[str]) -> list[GenerationRequest]:
+        """The queued requests among `request_ids`, taken out: each as its continuation (`partial_ids`: what
+        earlier steps sampled; with `step_tokens`, a step leaves unfinished requests queued so). A seeded one
+        continues its seed's stream on an HfEngine: the continuing engine skips the draws its partial took."""
+        wanted, kept, out = set(request_ids), [], []
+        for req, generator in self._queue:
+            (out if req.request_id in wanted else kept).append((req, generator))
+        self._queue = kept
+        for req, _ in out:
+            if req.adapter_version is not None:
+                self._retire(self.versions.release(req.task_id, req.adapter_version))
+        return [req for req, _ in out]
 
     def step(self) -> list[Generation]:
         queue, self._queue = self._queue, []
-        size = self.max_batch_size or max(len(queue), 1)
         done = []
-        for i in range(0, len(queue), size):
-            done += self._generate_batch(queue[i:i + size])
+        for ignore_stop in (False, True):  # a batch either ends rows at stop tokens or samples through them
+            part = [item for item in queue if item[0].ignore_stop == ignore_stop]
+            size = self.max_batch_size or max(len(part), 1)
+            for i in range(0, len(part), size):
+                finished, unfinished = self._generate_batch(part[i:i + size])
+                done += finished
+                self._queue += unfinished
         for gen in done:
             if gen.adapter_version is not None:
                 self._retire(self.versions.release(gen.task_id, gen.adapter_version))
@@ -201,28 +232,38 @@ class HfEngine(RolloutEngine):
     def has_unfinished(self) -> bool:
         return bool(self._queue)
 
+    def occupancy(self) -> dict:
+        return self.decode.as_dict()
+
+    def progress(self) -> dict[str, int]:
+        return {req.request_id: len(req.partial_ids) for req, _ in self._queue}
+
     @torch.inference_mode()
-    def _generate_batch(self, batch: list[tuple[GenerationRequest, torch.Generator]]) -> list[Generation]:
+    def _generate_batch(self, batch: list[tuple[GenerationRequest, torch.Generator]]
+                        ) -> tuple[list[Generation], list[tuple[GenerationRequest, torch.Generator]]]:
+        """Decodes one batch; returns the finished requests' Generations and, under `step_tokens`, the others
+        as continuations (each keeps its generator: every row cut here drew exactly this batch's decode steps)."""
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         reqs = [r for r, _ in batch]
-        width = max(len(r.prompt_ids) for r in reqs)
+        contexts = [list(r.prompt_ids) + list(r.partial_ids) for r in reqs]  # a continuation is prefilled again
+        limits = [min(r.remaining_tokens, self.step_tokens or r.remaining_tokens) for r in reqs]
+        width = max(len(c) for c in contexts)
         input_ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(reqs), width), dtype=torch.long)
-        for row, req in enumerate(reqs):
-            input_ids[row, width - len(req.prompt_ids):] = torch.tensor(req.prompt_ids)
-            attention_mask[row, width - len(req.prompt_ids):] = 1
-        max_new = max(r.max_new_tokens for r in reqs)
+        for row, context in enumerate(contexts):
+            input_ids[row, width - len(context):] = torch.tensor(context)
+            attention_mask[row, width - len(context):] = 1
+        max_new = max(limits)
         config = GenerationConfig(
             max_new_tokens=max_new, min_new_tokens=0, do_sample=False, num_beams=1, num_return_sequences=1,
-            eos_token_id=self.stop_ids, pad_token_id=self.pad_id, repetition_penalty=1.0, no_repeat_ngram_size=0,
+            eos_token_id=None if reqs[0].ignore_stop else self.stop_ids, pad_token_id=self.pad_id, repetition_penalty=1.0, no_repeat_ngram_size=0,
             output_logits=True, return_dict_in_generate=True, use_cache=True)
         kwargs = dict(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                       generation_config=config,
                       logits_processor=LogitsProcessorList([_RowSampler([r.temperature for r in reqs],
                                                                         [g for _, g in batch])]),
-                      stopping_criteria=StoppingCriteriaList([_RowMaxNewTokens(width, [r.max_new_tokens for r in reqs],
-                                                                               self.device)]))
+                      stopping_criteria=StoppingCriteriaList([_RowMaxNewTokens(width, limits, self.device)]))
         if self.model is not None:
             model = self.model
             kwargs["adapter_names"] = [self.adapter_name(r.task_id, r.adapter_version) for r in reqs]
@@ -231,18 +272,25 @@ class HfEngine(RolloutEngine):
         out = model.generate(**kwargs)
         new_tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()  # [batch, steps, vocab], unprocessed
-        gens = []
-        for row, req in enumerate(reqs):
-            toks = new_tokens[row, :req.max_new_tokens].tolist()
+        gens, unfinished, lengths = [], [], []
+        for row, (req, generator) in enumerate(batch):
+            toks = new_tokens[row, :limits[row]].tolist()
             finish = "length"
-            stop = next((i for i, t in enumerate(toks) if t in self.stop_ids), None)
+            stop = None if req.ignore_stop else next((i for i, t in enumerate(toks) if t in self.stop_ids), None)
             if stop is not None:
                 toks = toks[: stop + 1]
                 finish = "stop"
             temp = req.temperature if req.temperature > 0 else 1.0
             logp = torch.log_softmax(logits[row, :len(toks)] / temp, dim=-1)
             lps = logp.gather(1, torch.tensor(toks, dtype=torch.long)[:, None])[:, 0].tolist()
+            lengths.append(len(toks))
+            if stop is None and len(toks) < req.remaining_tokens:  # cut by step_tokens: queued again
+                unfinished.append((dataclasses.replace(req, partial_ids=list(req.partial_ids) + toks,
+                                                       partial_logprobs=list(req.partial_logprobs) + lps), generator))
+                continue
             gens.append(Generation(request_id=req.request_id, task_id=req.task_id,
                                    adapter_version=req.adapter_version, prompt_ids=list(req.prompt_ids),
-                                   completion_ids=toks, logprobs=lps, finish_reason=finish))
-        return gens
+                                   completion_ids=list(req.partial_ids) + toks,
+                                   logprobs=list(req.partial_logprobs) + lps, finish_reason=finish))
+        self.decode.add_batch(lengths)
+        return gens, unfinished

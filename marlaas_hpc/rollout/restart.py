@@ -123,6 +123,18 @@ class RestartingEngine(RolloutEngine):
         out, self._retired = self._retired + self.engine.pop_retired(), []
         return out
 
+    def occupancy(self) -> dict:
+        return self.engine.occupancy()
+
+    def progress(self) -> dict[str, int]:
+        return self.engine.progress()
+
+    def abort(self, request_ids: list[str]) -> list[GenerationRequest]:
+        out = self.engine.abort(request_ids)
+        for req in out:  # no longer re-issued on a restart
+            self._pending.pop(req.request_id, None)
+        return out
+
     def close(self) -> None:
         self.engine.close()
 

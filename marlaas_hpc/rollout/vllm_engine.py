@@ -312,9 +312,13 @@ class VllmEngine(RolloutEngine):
                     else self._lora_requests[(first.task_id, first.adapter_version)]
                 params = SamplingParams(
                     n=len(run), temperature=first.temperature, top_p=1.0, top_k=0, min_p=0.0,
-                    max_tokens=first.max_new_tokens, seed=None if first.temperature == 0 else first.seed, logprobs=0,
-                    detokenize=False, stop_token_ids=self.stop_ids, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(first.request_id, TokensPrompt(prompt_token_ids=list(first.prompt_ids)),
+                    max_tokens=first.remaining_tokens, seed=None if first.temperature == 0 else first.seed, logprobs=0,
+                    detokenize=False, stop_token_ids=[] if first.ignore_stop else self.stop_ids,
+                    ignore_eos=first.ignore_stop, output_kind=RequestOutputKind.FINAL_ONLY)
+                # a continuation (issue #29 repack) is prefilled with its partial tokens; seeded, it draws a new
+                # stream from its seed (vLLM's per-request generator cannot skip draws): other tokens, same policy
+                context = list(first.prompt_ids) + list(first.partial_ids)
+                self.engine.add_request(first.request_id, TokensPrompt(prompt_token_ids=context),
                                         params, lora_request=lora)
                 self._samples[first.request_id] = run
                 self._pending.update((req.request_id, req) for req in run)
@@ -334,9 +338,10 @@ class VllmEngine(RolloutEngine):
                 if req.request_id in self._pending or req.request_id in seen:
                     raise ValueError(f"request id {req.request_id!r} is already in flight")
                 seen.add(req.request_id)
-                if req.temperature < 0 or req.max_new_tokens < 1 or not req.prompt_ids:
+                if req.temperature < 0 or req.remaining_tokens < 1 or not req.prompt_ids \
+                        or len(req.partial_logprobs) != len(req.partial_ids):
                     raise ValueError(f"request {req.request_id!r}: need temperature >= 0, max_new_tokens >= 1 "
-                                     "and a non-empty prompt")
+                                     "past its partial tokens (one logprob each) and a non-empty prompt")
                 ids.append(None if req.adapter_version is None
                            else self.versions.acquire(req.task_id, req.adapter_version))
         except BaseException:
@@ -366,7 +371,8 @@ class VllmEngine(RolloutEngine):
             self._retire(self.versions.release(req.task_id, req.adapter_version))
         return Generation(
             request_id=req.request_id, task_id=req.task_id, adapter_version=req.adapter_version,
-            prompt_ids=list(req.prompt_ids), completion_ids=token_ids, logprobs=logprobs,
+            prompt_ids=list(req.prompt_ids), completion_ids=list(req.partial_ids) + token_ids,
+            logprobs=list(req.partial_logprobs) + logprobs,
             finish_reason="length" if comp.finish_reason == "length" else "stop",
             meta={} if comp.finish_reason in ("stop", "length") else {"vllm_finish_reason": comp.finish_reason})
 
@@ -413,8 +419,10 @@ def _samples_of_one_prompt(requests: list[GenerationRequest]) -> list[list[Gener
 
 def _next_sample_of(run: list[GenerationRequest], req: GenerationRequest) -> bool:
     first, last = run[0], run[-1]
-    same = (req.task_id, req.adapter_version, req.temperature, req.max_new_tokens, req.prompt_ids) == \
-        (first.task_id, first.adapter_version, first.temperature, first.max_new_tokens, first.prompt_ids)
+    same = (req.task_id, req.adapter_version, req.temperature, req.max_new_tokens, req.ignore_stop,
+            req.prompt_ids, req.partial_ids) == (first.task_id, first.adapter_version, first.temperature,
+                                                 first.max_new_tokens, first.ignore_stop, first.prompt_ids,
+                                                 first.partial_ids)
     if not same:
         return False
     if req.temperature == 0:

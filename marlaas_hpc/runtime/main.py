@@ -345,7 +345,8 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
             delta = DeltaFanIn(comm, [DeltaChannel(comm, leader_rank, roles["rollout"], device=binding.device,
                                                    tolerant=tolerant) for leader_rank in leaders],
                                device=binding.device, tolerant=tolerant)
-        worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir, model_dir=model_path)
+        worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir, model_dir=model_path,
+                             **repack_roles(job, rank, roles["rollout"]))
         worker.clock.note("start_engine", (), t0, engine_up)
         _ready(comm, rank, role.kind, start)
         comm.start_heartbeat(worker.clock)
@@ -400,6 +401,21 @@ def model_engines(job: JobConfig, model_paths: dict[str, Path], rank: int, seed:
         for name, path in model_paths.items()}))
 
 
+def repack_roles(job: JobConfig, rank: int, rollout_ranks: list[int]) -> dict:
+    """A rollout rank's part in repack (runtime/repack.py), as RolloutRank's keyword arguments: a tail rank keeps
+    the newest (largest max_staleness + 1) versions of every task; the others hand their long tails over."""
+    if not job.repack.enabled:
+        return {}
+    from marlaas_hpc.runtime.repack import Repacker, TailVersions
+    from marlaas_hpc.tasks.spec import AlgoSpec
+
+    tails = job.repack.tails(rollout_ranks)
+    if rank in tails:
+        return {"tail": TailVersions(keep=job.largest_staleness() + 1)}
+    group = max((task.algo.group_size for task in job.tasks), default=AlgoSpec().group_size)
+    return {"repacker": Repacker(job.repack, job.rollout_slots * group, tails)}
+
+
 def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, device: str, run_dir: Path,
                    model: str | None = None):
     """A rollout rank's engine, rebuilt in place if it fails (rollout/restart.py). `model`: its name, in a job
@@ -415,6 +431,8 @@ def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, devic
                   **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())}
     else:
         kwargs = {"device": device}
+        if job.repack.enabled:  # requests cut every step_tokens tokens, so that a tail can be handed over
+            kwargs["step_tokens"] = job.repack.step_tokens
     return RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))
 
 

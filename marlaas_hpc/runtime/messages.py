@@ -24,6 +24,10 @@ class PromptGroup:
     group_id: str
     prompt_index: int
     prompt_ids: list[int]
+    completion_tokens: list[int] | None = None
+    """The exact length of each of this prompt's completions, where its task's kind sets them
+    (TaskData.completion_tokens, capped by max_new_tokens: the engine samples that many tokens, stop tokens
+    included); None: up to the work's max_new_tokens, ending at a stop token."""
 
 
 @dataclass

@@ -256,6 +256,10 @@ def write_summary(run_dir: Path, job, scheduler, evals: dict, stats: list, wall_
                # rollout engines rebuilt after an engine error (rollout/restart.py), per rollout rank
                "engine_restarts": {str(stat.rank): stat.extra.get("engine_restarts", 0)
                                    for stat in stats if stat.kind == "rollout"},
+               # per rollout rank: decode steps by rows running, row- and token-steps (hf engine only:
+               # rollout/base.py DecodeOccupancy; {} for the others)
+               "decode_occupancy": {str(stat.rank): stat.extra.get("occupancy", {})
+                                    for stat in stats if stat.kind == "rollout"},
                # a job of several base models, per rollout rank: switches of its awake engine and their seconds
                "model_switches": {str(stat.rank): {"switches": stat.extra["model_switches"],
                                                    "seconds": stat.extra["model_switch_s"]}

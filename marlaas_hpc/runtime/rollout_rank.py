@@ -40,6 +40,7 @@ from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, FeedWeights,
                                           GenerateWork, GroupTurn, GroupEnded, PromptGroup, RanksChanged, RankStats,
                                           Shutdown)
+from marlaas_hpc.runtime.repack import RepackGroup
 from marlaas_hpc.scheduler import Generated, Resumed
 from marlaas_hpc.scheduler.rank_models import Serve, Served
 
@@ -72,12 +73,18 @@ class _SamplingGroup:
     rank's GroupEnded arrives, but samples nothing more)."""
     relay_pin: bool = False
     """Relay mode: its version is pinned at this rank's relay (released when the group completes)."""
+    repacked_from: int | None = None
+    """A tail rank: the rollout rank that handed the group over (runtime/repack.py); it sent the group's Generated."""
 
 
 class RolloutRank:
     def __init__(self, comm, engine, delta_channel, seed: int = 0, run_dir: Path | None = None,
-                 model_dir: Path | None = None):
+                 model_dir: Path | None = None, repacker=None, tail=None):
         self.comm, self.engine, self.delta = comm, engine, delta_channel
+        self.repacker = repacker
+        """Repack on, a regular rank (runtime/repack.py Repacker): hands long tails over to tail ranks."""
+        self.tail = tail
+        """Repack on, a tail rank (runtime/repack.py TailVersions): keeps the versions handed groups need."""
         self.pins = delta_channel if hasattr(delta_channel, "pin") else None
         """Relay mode (runtime/relay_plane.py RelayFeed): the relay that keeps each open group's version."""
         self.run_dir = run_dir
@@ -139,12 +146,14 @@ class RolloutRank:
                         tasks[:] = self._generating_tasks(self.models.awake)
                 self._note_switches()
                 self._collect(finished)
+                if self.repacker is not None:
+                    self._maybe_hand_over()
             elif not commands and not from_env and not self.feeds:
                 time.sleep(0.002)
             if self.serve is not None:
                 self._answer_serve()
             self._drop_retired()
-        extra = {"engine_restarts": getattr(self.engine, "restarts", 0)}
+        extra = {"engine_restarts": getattr(self.engine, "restarts", 0), "occupancy": self.engine.occupancy()}
         if self.models is not None:
             switches = self.models.switches
             extra.update(models=self.models.models, model_switches=len(switches),
@@ -240,6 +249,8 @@ class RolloutRank:
                     self.models.assign(announce.task_id, announce.model)
                 self.engine.add_adapter(AdapterRef(announce.task_id, announce.version, tensors=tensors,
                                                    lora=announce.lora))
+                if self.tail is not None:
+                    self.tail.installed(self.engine, announce.task_id, announce.version)
             self.versions[announce.task_id] = announce.version
 
     def _drop_retired(self) -> None:
@@ -291,7 +302,9 @@ class RolloutRank:
             requests.append(GenerationRequest(
                 request_id=request_id, task_id=work.adapter_key,
                 adapter_version=entry.version, prompt_ids=context, temperature=work.temperature,
-                max_new_tokens=self._turn_cap(work, len(context)),
+                max_new_tokens=self._turn_cap(work, len(context)) if entry.group.completion_tokens is None
+                else entry.group.completion_tokens[j],
+                ignore_stop=entry.group.completion_tokens is not None,
                 seed=(self.seed * 1_000_003 + self.rank * 7919 + self.counter) % (2**31)))
         return requests
 
@@ -311,6 +324,8 @@ class RolloutRank:
                 self._continue(message)
             elif isinstance(message, GroupEnded):
                 self._end(message.group_id)
+            elif isinstance(message, RepackGroup):
+                self._take_repacked(message)
         return bool(messages)
 
     def _continue(self, message: ContinueGroup) -> None:
@@ -345,6 +360,8 @@ class RolloutRank:
             entry.done[request.episode] = gen
             entry.waiting.discard(request.episode)
             entry.model_tokens[request.episode] = entry.model_tokens.get(request.episode, 0) + len(gen.completion_ids)
+            if self.repacker is not None and not entry.work.multi_turn and not entry.work.eval:
+                self.repacker.record(entry.work.task_id, len(gen.completion_ids))
             if not entry.waiting:
                 complete.append(entry)
         for entry in complete:
@@ -360,12 +377,75 @@ class RolloutRank:
                          turn=entry.turn, episodes=episodes, sampled_versions=[g.adapter_version for g in gens],
                          newest_version=entry.newest)
         self.outbox.send(data, work.env_rank, TAG_DATA)
-        if not work.eval:  # the turn left the engine: its slot is free
+        if not work.eval and entry.repacked_from is None:  # the turn left the engine: its slot is free
             self.outbox.send(Generated(self.rank, (group.group_id,), (entry.version,)), 0, TAG_EVENT)
         if work.multi_turn:
             return
         del self.open_groups[group.group_id]
         self._note_group(entry)
+
+    # ---- repack (runtime/repack.py) ----
+    def _maybe_hand_over(self) -> None:
+        """After a step: held by a tail (Repacker.held_by_tail), every group with a request running goes to a
+        tail rank. Only when nothing waits, and only single-turn training groups."""
+        if self.waiting or not self.engine.has_unfinished():
+            return
+        running = {}
+        for request_id, tokens in self.engine.progress().items():
+            entry = self.open_groups.get(self.requests[request_id].group_id)
+            if entry is None or entry.work.multi_turn or entry.work.eval or entry.version is None:
+                return
+            running[request_id] = (entry.work.task_id, tokens)
+        if self.repacker.held_by_tail(running):
+            for group_id in sorted({self.requests[request_id].group_id for request_id in running}):
+                self._hand_over(group_id)
+
+    def _hand_over(self, group_id: str) -> None:
+        """Cuts the group's running requests (engine.abort: their continuations) and sends it to a tail rank;
+        rank 0 hears its turn left this engine (Generated), so the slot takes new work."""
+        entry = self.open_groups.pop(group_id)
+        request_ids = [request_id for request_id, of in self.requests.items() if of.group_id == group_id]
+        continuations = {self.requests.pop(req.request_id).episode: req for req in self.engine.abort(request_ids)}
+        for request_id in request_ids:  # finished meanwhile: not in flight any more
+            self.requests.pop(request_id, None)
+        tail = self.repacker.next_tail()
+        work = entry.work
+        single = GenerateWork(work.task_id, work.version, work.env_rank, [entry.group], work.group_size,
+                              work.temperature, work.max_new_tokens, adapter=work.adapter, model=work.model)
+        self.outbox.send(RepackGroup(self.rank, single, entry.group, entry.version, dict(entry.done), continuations,
+                                     entry.newest, entry.t0), tail, TAG_DATA)
+        self.outbox.send(Generated(self.rank, (group_id,), (entry.version,)), 0, TAG_EVENT)
+        now = time.time()
+        self.clock.note("repack_out", (work.task_id,), now, now, group_id=group_id, to_rank=tail,
+                        version=entry.version, cut_tokens=[len(c.partial_ids) for c in continuations.values()])
+
+    def _take_repacked(self, message: RepackGroup) -> None:
+        """A group handed over by `message.source`: its continuations go into this engine under their version;
+        if this rank no longer holds it, the group is past its bound for good and goes on as cut (dropped at
+        rank 0)."""
+        group_id = message.group.group_id
+        entry = _SamplingGroup(message.work, message.group, message.version, message.t0,
+                               done=dict(message.done), newest=message.newest, repacked_from=message.source,
+                               waiting=set(message.continuations))
+        for j, gen in entry.done.items():
+            entry.model_tokens[j] = len(gen.completion_ids)
+        self.open_groups[group_id] = entry
+        key = message.work.adapter_key
+        held = self.tail.holds(self.engine, key, message.version)
+        now = time.time()
+        self.clock.note("repack_in", (message.work.task_id,), now, now, group_id=group_id, from_rank=message.source,
+                        version=message.version, held=held)
+        if not held:
+            for j, req in message.continuations.items():
+                entry.done[j] = Generation(req.request_id, req.task_id, req.adapter_version, list(req.prompt_ids),
+                                           list(req.partial_ids), list(req.partial_logprobs), "length",
+                                           meta={"repack": "version gone"})
+            entry.waiting.clear()
+            self._send_turn(entry)
+            return
+        for j, req in message.continuations.items():
+            self.requests[req.request_id] = _RequestOf(group_id, j, entry.turn)
+        self.engine.submit(list(message.continuations.values()))
 
     def _note_group(self, entry: _SamplingGroup) -> None:
         """The group's timeline record; it completed, so its relay pin (relay mode) is released here, after

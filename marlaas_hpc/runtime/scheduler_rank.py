@@ -440,8 +440,12 @@ class SchedulerRank:
     def _work(self, command: Generate) -> GenerateWork:
         data, algo = self.data[command.task_id], self.scheduler.tasks[command.task_id].spec.algo
         codec = self.codecs[command.task_id]
-        groups = [PromptGroup(gid, index, codec.encode_prompt(first_prompt(data, data.train_sample(index))))
-                  for gid, index in command.groups]
+        groups = []
+        for gid, index in command.groups:
+            sample = data.train_sample(index)
+            lengths = data.completion_tokens(sample, algo.group_size)
+            groups.append(PromptGroup(gid, index, codec.encode_prompt(first_prompt(data, sample)),
+                                      None if lengths is None else [min(n, algo.max_new_tokens) for n in lengths]))
         task = self.scheduler.tasks[command.task_id]
         return GenerateWork(command.task_id, command.version, command.env_rank, groups, algo.group_size,
                             algo.temperature, algo.max_new_tokens, **self._episodes(command.task_id),

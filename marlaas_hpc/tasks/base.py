@@ -38,6 +38,12 @@ class TaskData(ABC):
     def score(self, sample: Sample, completion: str) -> float:
         """Raw reward of a completion (the text the model produced, without special tokens)."""
 
+    def completion_tokens(self, sample: Sample, samples: int) -> list[int] | None:
+        """The lengths a kind sets for the `samples` completions of this prompt (tasks/synthetic.py `long_tail`:
+        the engine then samples exactly that many tokens each, capped by `algo.max_new_tokens`, stop tokens
+        included); None (every other kind): up to `algo.max_new_tokens`, ending at a stop token."""
+        return None
+
     def reward(self, sample: Sample, completion: str) -> float:
         """Checked reward in [0, 1]; anything else raises RewardError naming the task kind."""
         try:

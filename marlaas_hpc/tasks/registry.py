@@ -12,9 +12,11 @@ ENV_TASK_KINDS = ("gsm8k_tool", "gsm8k_plain", "hotpotqa", "lookup")
 """Tool / multi-turn workloads (env/workloads.py): episodes of several model turns with tool observations."""
 GSM8K_KINDS = ("gsm8k", "math", "gsm8k_synth", "gsm8k_easy", "gsm8k_tool", "gsm8k_plain")
 """Kinds whose prompts are worded for the prompt format and whose answers follow `dataset.answer_format`."""
-TASK_KINDS = (frozenset(SYNTHETIC_KINDS) | {"gsm8k", "math", "gsm8k_synth", "gsm8k_easy", "custom"}
+LENGTH_KINDS = ("long_tail",)
+"""Synthetic kinds whose prompts set their completions' lengths (tasks/synthetic.py LongTailTask)."""
+TASK_KINDS = (frozenset(SYNTHETIC_KINDS) | frozenset(LENGTH_KINDS) | {"gsm8k", "math", "gsm8k_synth", "gsm8k_easy", "custom"}
               | frozenset(ENV_TASK_KINDS))
-"""Every kind: the above, GSM8K from a file or generated (multi-step, or one-step: gsm8k_easy), a math dataset on
+"""Every kind: the above (heavy-tailed lengths: `long_tail`), GSM8K from a file or generated (multi-step, or one-step: gsm8k_easy), a math dataset on
 disk, and a tenant's own dataset (`custom`, env/custom.py)."""
 
 

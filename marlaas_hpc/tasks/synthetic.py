@@ -10,6 +10,7 @@ drawn from one seeded generator; eval prompts never appear in the train stream.
 """
 from __future__ import annotations
 
+import math
 import random
 import string
 
@@ -90,6 +91,34 @@ class SyntheticTask(TaskData):
 
     def score(self, sample: Sample, completion: str) -> float:
         return 1.0 if completion.strip() == sample.answer else 0.0
+
+
+LONG_TAIL_MEDIAN = 8
+"""Median completion length (tokens) of the `long_tail` kind."""
+LONG_TAIL_SIGMA = 0.99
+"""Log-normal sigma of the `long_tail` kind's lengths: p99 = exp(2.326 sigma) = 10x the median (p90 3.6x)."""
+
+
+def long_tail_length(rng: random.Random, median: float = LONG_TAIL_MEDIAN, sigma: float = LONG_TAIL_SIGMA) -> int:
+    """One completion length drawn log-normal (at least one token)."""
+    return max(1, round(rng.lognormvariate(math.log(median), sigma)))
+
+
+class LongTailTask(SyntheticTask):
+    """`long_tail`: the addition task whose samples each have a set completion length, drawn from a seeded
+    log-normal (median LONG_TAIL_MEDIAN tokens, p99 10x that; one draw per sample of a group, seeded by the task's
+    seed and the prompt's index): the heavy-tailed length workload of the CPU twin (issue #29). The engine samples
+    exactly that many tokens from the policy, a stop token sampled like any other (`GenerationRequest.ignore_stop`,
+    vLLM's ignore_eos), so the tiny model really decodes a heavy-tailed workload; the reward reads the text up to
+    the first stop token (TextCodec.decode_completion), as for `addition`. Lengths are capped by the task's
+    `algo.max_new_tokens`."""
+
+    def __init__(self, spec: DatasetSpec):
+        super().__init__(spec, _WithMistake("addition"))
+
+    def completion_tokens(self, sample: Sample, samples: int) -> list[int] | None:
+        rng = random.Random(f"long_tail-lengths-{self._seed}-{sample.index}")
+        return [long_tail_length(rng) for _ in range(samples)]
 
 
 STORIES = {"gsm8k_synth": synthetic_gsm8k, "gsm8k_easy": one_step_gsm8k}
