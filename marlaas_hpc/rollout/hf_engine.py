@@ -8,8 +8,10 @@ Sampling is done here, not by transformers' warpers: `generate` runs greedy over
 draws each row's token from softmax(logits / T) with the row's own torch.Generator (seeded by the request,
 or drawn from the engine's generator). So nothing truncates the distribution (transformers' global default
 top_k=50 never applies), per-row temperatures work, and a seeded row samples the same tokens whatever batch
-it is in. Behaviour logprobs are log_softmax(logits / T) of the sampled tokens, taken from the unprocessed
-`output_logits` (log_softmax(logits) at T = 0, like vLLM).
+it is in. Behaviour logprobs are log_softmax(logits / T) of the sampled tokens (log_softmax(logits) at T = 0, like
+vLLM), gathered by the sampler at each decode step on the model's device: a [batch] vector per step, not the
+[batch, steps, vocab] logits `output_logits` would keep (128 rows x 512 steps of a 151,936-word vocabulary: 40 GB
+in float32, copied to the host after every batch).
 """
 from __future__ import annotations
 
@@ -37,12 +39,18 @@ class _RowSampler:
     def __init__(self, temperatures: list[float], generators: list[torch.Generator]):
         self.temperatures = temperatures
         self.generators = generators
+        self.greedy = torch.tensor([t == 0 for t in temperatures])
+        self.temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures])
+        self.logprobs: list[torch.Tensor] = []
+        """Per decode step, each row's log_softmax(logits / T) at the token it sampled ([batch], on the device)."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logits = scores.detach().float()
-        greedy = torch.tensor([t == 0 for t in self.temperatures], device=logits.device)
-        temps = torch.tensor([t if t > 0 else 1.0 for t in self.temperatures], device=logits.device)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        logits = scores.detach().float()  # the unprocessed logits: this is the only processor
+        if self.temps.device != logits.device:
+            self.greedy, self.temps = self.greedy.to(logits.device), self.temps.to(logits.device)
+        greedy, temps = self.greedy, self.temps
+        scaled = logits / temps[:, None]
+        probs = torch.softmax(scaled, dim=-1)
         # a diverged adapter (inf/NaN logits) must not take the engine down with every other task: sample
         # anything; its NaN behaviour logprobs make the trainer fail that task alone
         broken = ~torch.isfinite(probs).all(dim=-1)
@@ -52,6 +60,7 @@ class _RowSampler:
         target = uniform.to(logits.device) * cdf[:, -1]
         sampled = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
         chosen = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        self.logprobs.append(torch.log_softmax(scaled, dim=-1).gather(1, chosen[:, None])[:, 0])
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(1, chosen[:, None], 0.0)
         return out
@@ -258,11 +267,10 @@ class HfEngine(RolloutEngine):
         config = GenerationConfig(
             max_new_tokens=max_new, min_new_tokens=0, do_sample=False, num_beams=1, num_return_sequences=1,
             eos_token_id=None if reqs[0].ignore_stop else self.stop_ids, pad_token_id=self.pad_id, repetition_penalty=1.0, no_repeat_ngram_size=0,
-            output_logits=True, return_dict_in_generate=True, use_cache=True)
+            return_dict_in_generate=True, use_cache=True)
+        sampler = _RowSampler([r.temperature for r in reqs], [g for _, g in batch])
         kwargs = dict(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                      generation_config=config,
-                      logits_processor=LogitsProcessorList([_RowSampler([r.temperature for r in reqs],
-                                                                        [g for _, g in batch])]),
+                      generation_config=config, logits_processor=LogitsProcessorList([sampler]),
                       stopping_criteria=StoppingCriteriaList([_RowMaxNewTokens(width, limits, self.device)]))
         if self.model is not None:
             model = self.model
@@ -271,7 +279,7 @@ class HfEngine(RolloutEngine):
             model = self.base
         out = model.generate(**kwargs)
         new_tokens = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # [batch, steps, vocab], unprocessed
+        logprobs = torch.stack(sampler.logprobs, dim=1).cpu()  # [batch, steps]: one copy to the host per batch
         gens, unfinished, lengths = [], [], []
         for row, (req, generator) in enumerate(batch):
             toks = new_tokens[row, :limits[row]].tolist()
@@ -280,9 +288,7 @@ class HfEngine(RolloutEngine):
             if stop is not None:
                 toks = toks[: stop + 1]
                 finish = "stop"
-            temp = req.temperature if req.temperature > 0 else 1.0
-            logp = torch.log_softmax(logits[row, :len(toks)] / temp, dim=-1)
-            lps = logp.gather(1, torch.tensor(toks, dtype=torch.long)[:, None])[:, 0].tolist()
+            lps = logprobs[row, :len(toks)].tolist()
             lengths.append(len(toks))
             if stop is None and len(toks) < req.remaining_tokens:  # cut by step_tokens: queued again
                 unfinished.append((dataclasses.replace(req, partial_ids=list(req.partial_ids) + toks,
