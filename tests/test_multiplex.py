@@ -162,11 +162,14 @@ def test_bench_prints_the_dedicated_and_shared_rows():
     import subprocess
     import sys
 
-    args = ["--gsm-tasks", "1", "--search-tasks", "1", "--steps", "2", "--ranks", "1", "--pool", "2", "1"]
+    args = ["--gsm-tasks", "1", "--search-tasks", "1", "--steps", "2", "--ranks", "1", "--pool", "2", "1",
+            "--gap-steps", "2", "--gap-pool", "1"]
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_multiplex.py"), *args], capture_output=True,
                          text=True, timeout=300, check=True).stdout
-    rows = [line for line in out.splitlines() if line.startswith(("dedicated", "shared"))]
-    assert [row.split("|")[0].strip() for row in rows] == ["dedicated 1+1", "shared pool 2", "shared pool 1"]
+    rows = [line for line in out.splitlines() if line.startswith(("dedicated", "shared", "+"))]
+    assert [row.split("|")[0].strip() for row in rows] == [
+        "dedicated 1+1", "shared pool 2", "shared pool 1",  # the first workload
+        "dedicated 1+1", "shared pool 1", "+release pool 1", "+gaps+release pool 1"]  # the gap workload
     assert all(row.split("|")[-1].strip() == "0" for row in rows), "no staleness violation"
     assert not any(" !" in row for row in rows), "every job finished"
 
@@ -195,3 +198,79 @@ def test_a_lost_rank_leaves_the_split_and_measured_switches_set_the_cost_and_dwe
     pool.measured(0.2)
     pool.measured(0.4)
     assert pool.switch_s == pytest.approx(0.3) and pool.min_dwell_s == pytest.approx(3.0)
+
+
+# ---------------------------------------------------------------- gaps inside episodes, and releasing ranks
+def gap_demand(waiting=0, ready=None, **held_engine):
+    """held_engine: r<rank>=(held, in engine)."""
+    held = {int(r[1:]): n for r, (n, _) in held_engine.items()}
+    engine = {int(r[1:]): e for r, (_, e) in held_engine.items()}
+    return ModelDemand(waiting, held, engine, {int(r[1:]): n for r, n in (ready or {}).items()})
+
+
+def test_fill_gaps_a_rank_whose_groups_all_wait_on_tools_serves_another_model_and_comes_back():
+    demand_now = {"a": gap_demand(0, r0=(3, 0)), "b": gap_demand(8)}
+    plain = ModelPool(1, ["a", "b"], switch_s=0.5, slots=4)
+    assert plain.plan(1.0, demand_now) == [], "without fill_gaps: a holds groups (in tools) and is in its dwell"
+    pool = ModelPool(1, ["a", "b"], switch_s=0.5, slots=4, fill_gaps=True)
+    assert pool.plan(1.0, demand_now) == [Switch(0, "a", "b", 1.5)]
+    pool.woken(0, 1.5)
+    # a's sequences come back from their tools while b decodes: a waits for b's engine to empty
+    busy_b = {"a": gap_demand(0, {"r0": 2}, r0=(3, 0)), "b": gap_demand(4, r0=(4, 4))}
+    assert pool.plan(2.0, busy_b) == []
+    # b's groups on the rank now all wait on their own tools: a's parked sequences get the rank back at once
+    tools_b = {"a": gap_demand(0, {"r0": 2}, r0=(3, 0)), "b": gap_demand(4, r0=(4, 0))}
+    assert pool.plan(2.5, tools_b) == [Switch(0, "b", "a", 3.0)]
+
+
+def test_fill_gaps_leaves_a_rank_with_a_sequence_in_the_engine_and_a_drain_ends_once_the_engine_is_empty():
+    pool = ModelPool(2, ["a", "b"], switch_s=0.5, slots=4, fill_gaps=True)  # a: rank 0, b: rank 1
+    assert pool.plan(1.0, {"a": gap_demand(0, r0=(3, 1)), "b": gap_demand(8, r1=(4, 4))}) == []
+    pool.ranks[0].phase, pool.ranks[0].to = "draining", "b"  # (a was over its share: the shares drained it)
+    assert pool.plan(10.0, {"a": gap_demand(0, r0=(1, 1)), "b": gap_demand(8, r1=(4, 4))}) == []
+    assert pool.plan(10.1, {"a": gap_demand(0, r0=(1, 0)), "b": gap_demand(8, r1=(4, 4))}) == [
+        Switch(0, "a", "b", 10.6)], "a's last group waits on a tool: the drain ends without waiting for it"
+
+
+def test_a_pool_releases_the_ranks_an_ended_job_would_have_had():
+    pool = ModelPool(4, ["a", "b"], switch_s=0.5, slots=4, weights={"a": 2.0, "b": 2.0})  # a: 0, 2; b: 1, 3
+    assert pool.release("a") == [0, 2]
+    assert [s.phase for s in pool.ranks] == ["released", "generating", "released", "generating"]
+    assert pool.plan(10.0, {"a": demand(0), "b": demand(100, r1=4, r3=4)}) == [], "released ranks serve no one"
+    assert pool.release("b") == [], "the last job keeps its ranks until it ends"
+
+
+def _gap_jobs(steps=3, tool_latency_s=2.0):
+    """The bench's gap workload (tools/bench_multiplex.py gap_jobs): on-policy GSM8K and web-search jobs."""
+    from marlaas_hpc.sim.workload import Distribution
+
+    job = JobConfig.load(ROOT / "configs" / "sim-paper.yaml")
+    workload = load_workload(ROOT / "configs" / "workloads" / "h100-qwen3-0.6b.yaml")
+    profile = dataclasses.replace(workload.profiles["hotpotqa"],
+                                  tool_latency=Distribution(dist="lognormal", median=tool_latency_s, sigma=0.8))
+    web = dataclasses.replace(workload, profiles={**workload.profiles, "hotpotqa": profile})
+    gsm, search = job.tasks
+
+    def setup(task):
+        return setup_from_job(job, mode="sync", tasks=[dataclasses.replace(task, total_steps=steps, max_staleness=0)],
+                              rollout_ranks=1, env_ranks=2, trainer_tp=1, rollout_slots=32, max_adapters=1)
+
+    return [PoolJob(model="gsm8k", setup=setup(gsm), workload=workload),
+            PoolJob(model="websearch", setup=setup(search), workload=web)]
+
+
+def test_under_the_simulator_filling_tool_gaps_serves_the_other_job_sooner_and_reprefills_the_parked():
+    jobs = _gap_jobs()
+    plain, gaps = run_shared(jobs, ranks=1), run_shared(jobs, ranks=1, fill_gaps=True)
+    _audited(gaps, jobs)
+    assert plain.reprefill_tokens == 0 and gaps.reprefill_tokens > 0, "parked contexts are prefilled again"
+    assert gaps.jobs[0].end_time < plain.jobs[0].end_time, "the GSM8K job runs in the search job's tool waits"
+
+
+def test_under_the_simulator_a_released_rank_stops_counting_when_its_job_ends():
+    jobs = _gap_jobs()
+    dedicated = run_dedicated(jobs)
+    kept, released = run_shared(jobs, ranks=2), run_shared(jobs, ranks=2, release=True)
+    _audited(released, jobs)
+    assert released.gpu_hours < kept.gpu_hours
+    assert released.gpu_hours == pytest.approx(dedicated.gpu_hours, rel=0.02), "no sharing needed: as dedicated"

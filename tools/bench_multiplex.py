@@ -14,8 +14,28 @@ GPU-hours to finish every task: a job's GPUs count until it ends (dedicated), th
 job ends. Slowdown: a job's end-to-end time against its dedicated run. 'idle roll': the GPU-time its rollout
 ranks had nothing to run (no sequence, no adapter install, no switch), as a share of all its GPU-time: on the
 dedicated row, about what time-slicing whole engines can save at most. 'idle train': the same for the trainer
-GPUs (outside the pool: time-slicing rollout engines cannot take it). Goal (issue #28): >= 30% fewer GPU-hours
-at <= 10% slower per job.
+GPUs (outside the pool: time-slicing rollout engines cannot take it). 're-pf': context tokens prefilled again
+after a sleep freed them (gap switches). Goal (issue #28): >= 30% fewer GPU-hours at <= 10% slower per job.
+
+The second table is the workload the issue describes (PlexRL, arXiv 2605.20863: RLVR jobs whose rollout GPUs
+idle through their own trainer phases and tool waits), every figure stated:
+- both jobs on-policy: `--mode sync` rounds, max_staleness 0, `--gap-tasks` tasks each (default 1: one tenant's
+  RLVR run); their rollout GPUs idle while their trainer steps, their trainer while they roll out.
+- job A: GSM8K (configs/sim-paper.yaml's gsm8k task: 16 prompts x 8 samples a step, answers up to 1024
+  tokens, lognormal median 250); compute-bound, single turn, no tool.
+- job B: a live web-search agent (the sim-paper search task: 4 turns, 3 search calls, 200-400 tokens of passages
+  per call as Search-R1's top-3 passages) whose search goes to a web API instead of a local index: each call
+  lognormal, median `--tool-latency` (default 2.0 s), sigma 0.8 (a tail to ~7 s at p95). Figures for such a
+  call: ~1.5 s for a reranked retrieval alone (contextual.ai "Making search agents faster and smarter"), SERP
+  APIs "several seconds" and 5-10 s with a page fetch (codeables.dev "Why is web browsing so slow inside my agent
+  tool-calling loop"); a code sandbox call (SandboxFusion-style execution) is of the same order.
+- costs for both: configs/workloads/h100-qwen3-0.6b.yaml (assumed H100 costs, not measured), both priced as
+  Qwen3-0.6B; each job `--gap-ranks` dedicated rollout GPUs (default 1: a round of 16 groups fills half of one
+  rank's 32 slots) and one TP=1 trainer GPU.
+Rows: the pool as in the first table ('shared'); '+release' (ModelPool.release: when a job ends the pool gives
+back the ranks the other job would not have had alone, and a given-back GPU counts only until then); and
+'+gaps+release' (also ModelPool `fill_gaps`: a rank whose model's groups all wait on tool calls switches to the
+other model; the parked contexts are prefilled again on return, column 're-pf').
 """
 from __future__ import annotations
 
@@ -32,7 +52,7 @@ from marlaas_hpc.config import JobConfig  # noqa: E402
 from marlaas_hpc.scheduler import MODES  # noqa: E402
 from marlaas_hpc.sim.multiplex import EngineSwitch, PoolJob, run_dedicated, run_shared  # noqa: E402
 from marlaas_hpc.sim.setup import copies_to, setup_from_job  # noqa: E402
-from marlaas_hpc.sim.workload import load_workload  # noqa: E402
+from marlaas_hpc.sim.workload import Distribution, load_workload  # noqa: E402
 
 
 def jobs(gsm_tasks: int, search_tasks: int, ranks: int, staleness: int, steps: int, mode: str = "async"
@@ -50,8 +70,48 @@ def jobs(gsm_tasks: int, search_tasks: int, ranks: int, staleness: int, steps: i
             PoolJob(model="B-search", setup=setup(search, search_tasks), workload=workload)]
 
 
+def gap_jobs(tasks: int, ranks: int, steps: int, tool_latency_s: float) -> list[PoolJob]:
+    """The issue's workload: two on-policy (sync, k=0) jobs of `tasks` tasks each, a compute-bound GSM8K job
+    and a web-search agent whose search calls take `tool_latency_s` (median; see the module doc)."""
+    job = JobConfig.load(ROOT / "configs" / "sim-paper.yaml")
+    workload = load_workload(ROOT / "configs" / "workloads" / "h100-qwen3-0.6b.yaml")
+    search_profile = dataclasses.replace(workload.profiles["hotpotqa"],
+                                         tool_latency=Distribution(dist="lognormal", median=tool_latency_s, sigma=0.8))
+    web = dataclasses.replace(workload, profiles={**workload.profiles, "hotpotqa": search_profile})
+    gsm, search = job.tasks
+
+    def setup(task, count):
+        specs = [dataclasses.replace(t, total_steps=steps, max_staleness=0) for t in copies_to([task], count)]
+        return setup_from_job(job, mode="sync", tasks=specs, rollout_ranks=ranks, env_ranks=2, trainer_tp=1,
+                              rollout_slots=32, max_adapters=count)
+
+    return [PoolJob(model="A-gsm8k", setup=setup(gsm, tasks), workload=workload),
+            PoolJob(model="B-websearch", setup=setup(search, tasks), workload=web)]
+
+
+HEADER = " | ".join([f"{'rollout':<20}", "GPUs", "  GPU-h", "  vs ded", "    A e2e s  slow", "    B e2e s  slow",
+                     "idle roll", "idle train", "switches", "  re-pf", "viol."])
+
+
+POLICIES = {"shared": {}, "+release": {"release": True}, "+gaps+release": {"fill_gaps": True, "release": True}}
+"""Row label -> run_shared's policy options: the pool as before, releasing ranks when a job ends, and also
+switching ranks in tool-call gaps."""
+
+
+def table(pair: list[PoolJob], ranks: int, pools: list[int], switch: EngineSwitch, seed: int,
+          policies: tuple[str, ...]) -> None:
+    """The dedicated row, then a shared row per policy and pool size."""
+    dedicated = run_dedicated(pair, seed)
+    print(HEADER)
+    print(row(f"dedicated {ranks}+{ranks}", dedicated, dedicated), flush=True)
+    for policy in policies:
+        for size in pools:
+            result = run_shared(pair, size, switch, seed, **POLICIES[policy])
+            print(row(f"{policy} pool {size}", result, dedicated), flush=True)
+
+
 def row(label: str, result, dedicated) -> str:
-    cells = [f"{label:<18}", f"{result.gpus:>5}", f"{result.gpu_hours:>7.3f}",
+    cells = [f"{label:<20}", f"{result.gpus:>5}", f"{result.gpu_hours:>7.3f}",
              f"{result.gpu_hours / dedicated.gpu_hours - 1:>+7.1%}"]
     for job, alone in zip(result.jobs, dedicated.jobs):
         done = set(job.statuses.values()) == {"done"}
@@ -59,7 +119,8 @@ def row(label: str, result, dedicated) -> str:
     violations = sum(job.staleness_violations for job in result.jobs)
     idle = result.rollout_idle_s / (3600 * result.gpu_hours)
     idle_train = result.trainer_idle_s / (3600 * result.gpu_hours)
-    cells += [f"{idle:>9.1%}", f"{idle_train:>10.1%}", f"{result.switches:>8}", f"{violations:>5}"]
+    cells += [f"{idle:>9.1%}", f"{idle_train:>10.1%}", f"{result.switches:>8}", f"{result.reprefill_tokens:>7}",
+              f"{violations:>5}"]
     return " | ".join(cells)
 
 
@@ -75,19 +136,30 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=EngineSwitch().sleep, help="engine sleep, seconds")
     parser.add_argument("--wake", type=float, default=EngineSwitch().wake, help="engine wake + warm-up, seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fill-gaps", action="store_true", help="first table: also the new policies' rows")
+    parser.add_argument("--gap-tasks", type=int, default=1, help="second table: tasks per job")
+    parser.add_argument("--gap-ranks", type=int, default=1, help="second table: dedicated rollout GPUs per job")
+    parser.add_argument("--gap-steps", type=int, default=10, help="second table: steps per task")
+    parser.add_argument("--tool-latency", type=float, default=2.0, help="second table: median web-search call, s")
+    parser.add_argument("--gap-pool", type=int, nargs="+", help="second table's pool sizes (default 2 x down to 1 x)")
+    parser.add_argument("--table", choices=("both", "first", "gaps"), default="both")
     args = parser.parse_args()
-    pair = jobs(args.gsm_tasks, args.search_tasks, args.ranks, args.staleness, args.steps, args.mode)
     switch = EngineSwitch(sleep=args.sleep, wake=args.wake)
-    pools = args.pool or list(range(2 * args.ranks, args.ranks - 1, -1))
     start = time.perf_counter()
-    dedicated = run_dedicated(pair, args.seed)
-    print(f"A: {args.gsm_tasks} GSM8K-like tasks, B: {args.search_tasks} search-like tasks; {args.steps} steps, "
-          f"k={args.staleness}, {args.mode}; switch {switch.seconds:.2f} s (sleep {switch.sleep} + wake {switch.wake})")
-    print(" | ".join([f"{'rollout':<18}", "GPUs", "  GPU-h", "  vs ded", "    A e2e s  slow", "    B e2e s  slow",
-                      "idle roll", "idle train", "switches", "viol."]))
-    print(row(f"dedicated {args.ranks}+{args.ranks}", dedicated, dedicated))
-    for size in pools:
-        print(row(f"shared pool {size}", run_shared(pair, size, switch, args.seed), dedicated), flush=True)
+    if args.table in ("both", "first"):
+        pair = jobs(args.gsm_tasks, args.search_tasks, args.ranks, args.staleness, args.steps, args.mode)
+        print(f"A: {args.gsm_tasks} GSM8K-like tasks, B: {args.search_tasks} search-like tasks; {args.steps} steps, "
+              f"k={args.staleness}, {args.mode}; switch {switch.seconds:.2f} s (sleep {switch.sleep} + wake "
+              f"{switch.wake})")
+        table(pair, args.ranks, args.pool or list(range(2 * args.ranks, args.ranks - 1, -1)), switch, args.seed,
+              tuple(POLICIES) if args.fill_gaps else ("shared",))
+    if args.table in ("both", "gaps"):
+        pair = gap_jobs(args.gap_tasks, args.gap_ranks, args.gap_steps, args.tool_latency)
+        print(f"\ngap workload: A: {args.gap_tasks} GSM8K task(s), B: {args.gap_tasks} web-search agent task(s) "
+              f"(3 calls, median {args.tool_latency} s); {args.gap_steps} steps, k=0, sync; switch "
+              f"{switch.seconds:.2f} s")
+        table(pair, args.gap_ranks, args.gap_pool or list(range(2 * args.gap_ranks, args.gap_ranks - 1, -1)), switch,
+              args.seed, tuple(POLICIES))
     print(f"({time.perf_counter() - start:.1f} s wall; '!' marks a job that did not finish)")
 
 

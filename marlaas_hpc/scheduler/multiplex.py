@@ -21,6 +21,14 @@ rollout work waits for an engine and this one's demand on the rank has ended:
 - **Gain against cost.** A switch pays `switch_s` (sleep one engine, wake the other); it is worth it only if the
   engine time it serves for the waiting model, one round of the rank's slots at the model's observed time per
   group (`observe`), exceeds `gain_margin` x `switch_s` (the margin pays for switching back later).
+- **Gaps inside episodes (`fill_gaps`).** A rank whose model has no sequence in its engine, only groups whose
+  every sequence waits on a tool call (`ModelDemand.engine` 0 there), is idle although it holds groups. With
+  `fill_gaps` it may switch at once, not waiting for those groups to end: (1) back to a sleeping model whose
+  parked sequences came back from their tool calls on this rank (`ModelDemand.ready`: mid-episode, they can run
+  nowhere else), else (2) to a model with waiting groups when the gain is worth the switch. The parked groups
+  keep their rank; their engine sleeps with them, and each sequence's context is prefilled again when it
+  continues (its KV cache was freed by the sleep: the driver charges that). A drain then also ends as soon as
+  its model has nothing in the engine. Off, a rank changes model only once its model holds no group on it.
 
 The pool only decides; its driver applies each `Switch` and closes / opens ranks on the schedulers: in the
 simulator (sim/multiplex.py) every model's tasks keep their own scheduler; on rank 0 of a job of several models
@@ -32,7 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-GENERATING, DRAINING, WAKING, LOST = "generating", "draining", "waking", "lost"
+GENERATING, DRAINING, WAKING, LOST, RELEASED = "generating", "draining", "waking", "lost", "released"
+GONE = (LOST, RELEASED)
 
 
 @dataclass(slots=True)
@@ -43,7 +52,8 @@ class RankState:
     """The model whose engine is awake (or waking) on the rank; the others sleep."""
     phase: str = GENERATING
     """'generating' (serving `awake`), 'draining' (closed to `awake`'s new groups, for `to`), 'waking', 'lost'
-    (the rank is gone: out of the split, never a donor)."""
+    (the rank is gone: out of the split, never a donor), 'released' (given back when a model's job ended: the
+    same, and its GPU is no longer paid for)."""
     to: str | None = None
     """The model the rank is being handed to (draining)."""
     since: float = 0.0
@@ -60,6 +70,16 @@ class ModelDemand:
     """Groups the model's scheduler would issue but no open rank has room for."""
     held: dict[int, int] = field(default_factory=dict)
     """Per pool rank: the model's groups on it (in the engine, or between turns in a tool call)."""
+    engine: dict[int, int] | None = None
+    """Per pool rank: of `held`, the groups with a sequence in the engine (running, queued, waiting for their
+    adapter version, or on their way); the others wait on tool calls. None: not known, every held group counts
+    as in the engine (no gap is seen)."""
+    ready: dict[int, int] = field(default_factory=dict)
+    """Per pool rank where the model sleeps: its parked groups with a sequence back from its tool call, waiting
+    for the engine to wake."""
+
+    def in_engine(self, rank: int) -> int:
+        return (self.held if self.engine is None else self.engine).get(rank, 0)
 
     def total(self) -> int:
         return self.waiting + sum(self.held.values())
@@ -95,7 +115,7 @@ class ModelPool:
     """The rollout ranks' model states and the policy that moves them (pure: no clock, no I/O)."""
 
     def __init__(self, ranks: int, models: list[str], switch_s: float, slots: int, gain_margin: float = 2.0,
-                 min_dwell_s: float | None = None, weights: dict[str, float] | None = None):
+                 min_dwell_s: float | None = None, weights: dict[str, float] | None = None, fill_gaps: bool = False):
         if ranks < 1 or not models:
             raise ValueError("a model pool needs at least one rank and one model")
         self.models = list(models)
@@ -106,6 +126,9 @@ class ModelPool:
         self.slots = slots
         """Groups a rank generates at once (the schedulers' rollout_slots)."""
         self.gain_margin = gain_margin
+        self.fill_gaps = fill_gaps
+        """Switch a rank whose model's groups all wait on tool calls (see the module doc); off: only a rank whose
+        model holds nothing on it switches."""
         self.min_dwell_s = 10 * switch_s if min_dwell_s is None else min_dwell_s
         """A rank serves the model it woke for at least this long while that model wants it (default: ten
         switches, so rotating ranks spends at most ~10% of their time switching)."""
@@ -137,6 +160,22 @@ class ModelPool:
         """The rank is gone (the runtime lost it): it leaves the split and is never handed to a model again."""
         self.ranks[rank].phase, self.ranks[rank].to = LOST, None
 
+    def release(self, model: str) -> list[int]:
+        """`model`'s job ended: the pool keeps the ranks the remaining models would have had alone (their
+        weights, at least one) and releases the others among the ranks awake for `model` (it holds nothing
+        there any more), which leave the split. Returns the released ranks."""
+        self.weights[model] = 0.0
+        remaining = [m for m in self.models if self.weights[m] > 0]
+        live = [i for i, s in enumerate(self.ranks) if s.phase not in GONE]
+        if not remaining:
+            return []
+        keep = max(1, round(sum(self.weights[m] for m in remaining)))
+        idle = [i for i in live if self.ranks[i].awake == model and self.ranks[i].phase == GENERATING]
+        released = idle[:max(0, len(live) - keep)]
+        for rank in released:
+            self.ranks[rank].phase, self.ranks[rank].to = RELEASED, None
+        return released
+
     def woken(self, rank: int, now: float) -> None:
         """The rank's switch is done: its awake model serves."""
         state = self.ranks[rank]
@@ -155,6 +194,8 @@ class ModelPool:
         for rank, state in enumerate(self.ranks):
             if state.phase == DRAINING:
                 out += self._settle_drain(rank, state, now, demand)
+        if self.fill_gaps:
+            out += self._fill_gaps(now, demand)
         shares = self._shares(demand)
         counts = self._counts()
         for model in sorted(self.models, key=lambda m: -demand[m].waiting):
@@ -170,8 +211,36 @@ class ModelPool:
                 want -= self.slots
         return out
 
+    def _fill_gaps(self, now: float, demand: dict[str, ModelDemand]) -> list:
+        """Ranks whose awake model has nothing in the engine (its groups there, if any, wait on tools) switch to
+        a model whose parked sequences are back on the rank, else to one with waiting groups worth a switch."""
+        out: list = []
+        counts = self._counts()
+        for rank, state in enumerate(self.ranks):
+            if state.phase != GENERATING or demand[state.awake].in_engine(rank):
+                continue
+            back = [m for m in self.models if m != state.awake and demand[m].ready.get(rank, 0)]
+            if not back and not demand[state.awake].held.get(rank):
+                continue  # an idle rank with nobody parked on it: the shares below decide, as without gaps
+            waiting = [m for m in self.models if m != state.awake and demand[m].waiting
+                       and self._worth(m, demand[m].waiting, counts[m])]
+            target = (back or sorted(waiting, key=lambda m: -demand[m].waiting) or [None])[0]
+            if target is None:
+                continue
+            counts[state.awake] -= 1
+            counts[target] += 1
+            out.append(self._switch(rank, state, target, now))
+        return out
+
+    def _idle_for(self, model: str, rank: int, demand: dict[str, ModelDemand]) -> bool:
+        """Whether `model`'s engine on `rank` may sleep now: it holds nothing there (with `fill_gaps`: nothing in
+        the engine, its groups there wait on tools)."""
+        if self.fill_gaps:
+            return demand[model].in_engine(rank) == 0
+        return demand[model].held.get(rank, 0) == 0
+
     def _settle_drain(self, rank: int, state: RankState, now: float, demand: dict[str, ModelDemand]) -> list:
-        if demand[state.awake].held.get(rank, 0) == 0:
+        if self._idle_for(state.awake, rank, demand):
             return [self._switch(rank, state, state.to, now)]
         if demand[state.to].waiting == 0:  # the model it was drained for wants nothing now: keep serving
             state.phase, state.to = GENERATING, None
@@ -183,7 +252,7 @@ class ModelPool:
         ranks its waiting and held groups fill, `slots` a rank); what a model does not need goes to the others.
         Rounded down, at least one for any demand, so a model keeps a rank it holds until it is clearly over."""
         need = {m: -(-demand[m].total() // self.slots) for m in self.models}
-        live = sum(1 for state in self.ranks if state.phase != LOST)
+        live = sum(1 for state in self.ranks if state.phase not in GONE)
         if not any(need.values()):
             return {model: live for model in self.models}  # nobody wants anything: nobody moves
         share = {m: 0.0 for m in self.models}
@@ -207,14 +276,14 @@ class ModelPool:
         ranks than there are) it has served its turn, `min_dwell_s`: the ranks then rotate, one turn each."""
         if counts[model] > shares[model]:
             return True
-        live = sum(1 for s in self.ranks if s.phase != LOST)
+        live = sum(1 for s in self.ranks if s.phase not in GONE)
         return sum(1 for m in self.models if shares[m]) > live and now - state.since >= self.min_dwell_s
 
     def _counts(self) -> dict[str, int]:
         """Ranks per model, a draining rank counted for the model it goes to."""
         counts = {model: 0 for model in self.models}
         for state in self.ranks:
-            if state.phase != LOST:
+            if state.phase not in GONE:
                 counts[state.to if state.phase == DRAINING else state.awake] += 1
         return counts
 
@@ -246,7 +315,7 @@ class ModelPool:
 
     def _take(self, rank: int, model: str, now: float, demand: dict[str, ModelDemand]):
         state = self.ranks[rank]
-        if demand[state.awake].held.get(rank, 0) == 0:
+        if self._idle_for(state.awake, rank, demand):
             return self._switch(rank, state, model, now)
         state.phase, state.to = DRAINING, model
         return Drain(rank, state.awake)

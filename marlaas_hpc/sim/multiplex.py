@@ -92,6 +92,8 @@ class PoolResult:
     """Shared: GPU-seconds the pool's ranks were awake (or waking) for each model."""
     pool_idle_s: float = 0.0
     """Shared: GPU-seconds the pool's ranks had nothing to do (no sequence, no install, no switch)."""
+    reprefill_tokens: int = 0
+    """Shared: context tokens prefilled again for sequences whose KV cache a sleep freed in a tool call."""
 
     @property
     def rollout_idle_s(self) -> float:
@@ -127,10 +129,14 @@ def run_dedicated(jobs: list[PoolJob], seed: int = 0) -> PoolResult:
 
 
 def run_shared(jobs: list[PoolJob], ranks: int, switch: EngineSwitch | None = None, seed: int = 0,
-               tick_s: float = 0.05, horizon_s: float = 1e6) -> PoolResult:
+               tick_s: float = 0.05, horizon_s: float = 1e6, fill_gaps: bool = False,
+               release: bool = False) -> PoolResult:
     """Every job on one pool of `ranks` rollout ranks, time-sliced by the ModelPool (`tick_s`: how often the
-    pool plans; a job not done by `horizon_s` simulated seconds is reported unfinished, at that time)."""
-    pool = SharedPool(jobs, ranks, switch or EngineSwitch(), seed, tick_s)
+    pool plans; a job not done by `horizon_s` simulated seconds is reported unfinished, at that time;
+    `fill_gaps`: the pool also switches ranks whose model's groups all wait on tool calls; `release`: when a
+    job ends the pool gives back the ranks the remaining jobs would not have had alone, `ModelPool.release`,
+    and a released rank's GPU counts only until then)."""
+    pool = SharedPool(jobs, ranks, switch or EngineSwitch(), seed, tick_s, fill_gaps, release)
     pool.run(horizon_s)
     results = []
     for job, sim in zip(jobs, pool.sims):
@@ -138,10 +144,13 @@ def run_shared(jobs: list[PoolJob], ranks: int, switch: EngineSwitch | None = No
         results.append(JobResult(job.model, end, job.trainer_gpus(), {t: s.status for t, s in sim.scheduler.tasks.items()},
                                  len(staleness_violations(sim)), trainer_idle_s=trainer_idle_s(sim, end)))
     makespan = max(r.end_time for r in results)
-    hours = (ranks * makespan + sum(r.gpus * r.end_time for r in results)) / 3600
-    busy = sum(min(engine.meter.busy, makespan) for engines in pool.engines for engine in engines.values())
+    held = [min(makespan, pool.released_at.get(rank, makespan)) for rank in range(ranks)]
+    hours = (sum(held) + sum(r.gpus * r.end_time for r in results)) / 3600
+    busy = sum(min(engine.meter.busy, held[rank]) for rank, engines in enumerate(pool.engines)
+               for engine in engines.values())
     return PoolResult(results, ranks, hours, pool.policy.switches, pool.served_s(makespan),
-                      max(0.0, ranks * makespan - busy))
+                      max(0.0, sum(held) - busy),
+                      sum(engine.reprefill_tokens for engines in pool.engines for engine in engines.values()))
 
 
 class PooledSimulation(Simulation):
@@ -161,7 +170,12 @@ class PooledSimulation(Simulation):
 
 class PooledRolloutSim(RolloutSim):
     """One model's engine on a shared rollout rank: awake or asleep (frozen), and what the pool needs to know:
-    the groups it holds and how long each held the rank."""
+    the groups it holds, those with a sequence in the engine, and how long each held the rank.
+
+    An engine may sleep while groups of it wait on tool calls (the pool's `fill_gaps`): their KV caches are
+    freed with the sleep, so each of those sequences, when its tool call returns, waits for the engine to wake
+    (parked: `ready_groups`) and is prefilled again, its whole context so far (the group's tokens over its
+    sequences), before its next turn; `reprefill_tokens` counts that extra prefill."""
 
     def __init__(self, sim: Simulation, rank: int, on_group_done):
         super().__init__(sim, rank)
@@ -170,36 +184,83 @@ class PooledRolloutSim(RolloutSim):
         """Groups issued to this engine and not yet generated: on their way, waiting for their version,
         decoding, or in a tool call between turns."""
         self._arrived: dict[str, float] = {}
+        self._groups: dict[str, object] = {}
+        """Arrived groups not generated yet, by id."""
+        self._size: dict[str, int] = {}
+        """Sequences of each arrived group (its context is shared out over them for a re-prefill)."""
+        self._in_tools: set = set()
+        """Sequences in a tool call now."""
+        self._evicted: set = set()
+        """Sequences whose KV cache a sleep freed while they were in a tool call."""
+        self._parked: list = []
+        """(sequence, tool tokens) back from a tool call while the engine sleeps."""
+        self.reprefill_tokens = 0
         self._on_group_done = on_group_done
 
     def receive(self, group, asked) -> None:
         if not group.eval and group.group_id not in self._arrived:
             self._arrived[group.group_id] = self.sim.queue.now
+            self._groups[group.group_id] = group
+            self._size[group.group_id] = group.sequences_left
         super().receive(group, asked)
+
+    def engine_groups(self) -> int:
+        """Held groups with a sequence in the engine or on their way (not every sequence in a tool call)."""
+        waiting = {id(group) for group, _ in self.waiting}
+        tooling = sum(1 for group in self._groups.values() if group.in_engine == 0 and id(group) not in waiting)
+        return self.held - tooling
+
+    def ready_groups(self) -> int:
+        """Groups with a parked sequence back from its tool call, waiting for this engine to wake."""
+        return len({id(sequence.group) for sequence, _ in self._parked})
 
     def _turn_done(self, sequence) -> None:
         super()._turn_done(sequence)
         group = sequence.group
+        if sequence.turns_left > 0:
+            self._in_tools.add(sequence)
         if group.sequences_left == 0 and group.group_id in self._arrived:
             self.held -= 1
+            del self._groups[group.group_id], self._size[group.group_id]
             self._on_group_done(self.sim.queue.now - self._arrived.pop(group.group_id))
 
+    def _tool_returns(self, sequence, tool_tokens: int) -> None:
+        if self.dead:
+            return
+        self._in_tools.discard(sequence)
+        if self.asleep:
+            self._parked.append((sequence, tool_tokens))
+            return
+        if sequence in self._evicted:  # its KV cache went with a sleep: prefill its context again
+            self._evicted.discard(sequence)
+            group = sequence.group
+            context = round(group.tokens / max(1, self._size.get(group.group_id, 1)))
+            self.reprefill_tokens += context
+            self._prefill(context)
+        super()._tool_returns(sequence, tool_tokens)
+
     def sleep(self) -> None:
-        if self.held:
-            raise RuntimeError(f"rollout rank {self.rank}: an engine holding {self.held} groups was put to sleep")
+        if self.engine_groups() or self.running or self.queue:
+            raise RuntimeError(f"rollout rank {self.rank}: an engine with {self.engine_groups()} groups in it was put "
+                               f"to sleep")
         self._advance()
+        self._evicted |= self._in_tools
         self.asleep, self.stall_until = True, math.inf  # frozen: no decoding, no wake-up, installs are free
 
     def wake(self, seconds: float) -> None:
         now = self.sim.queue.now
         self.asleep, self.stall_until, self.last = False, now, now
         self._stall(seconds, "wake")
+        parked, self._parked = self._parked, []
+        for sequence, tool_tokens in parked:
+            self._tool_returns(sequence, tool_tokens)
 
 
 class SharedPool:
     """The driver: K job simulations on one event queue, their rollout ranks replaced by the pool's engines."""
 
-    def __init__(self, jobs: list[PoolJob], ranks: int, switch: EngineSwitch, seed: int, tick_s: float):
+    def __init__(self, jobs: list[PoolJob], ranks: int, switch: EngineSwitch, seed: int, tick_s: float,
+                 fill_gaps: bool = False, release: bool = False):
         models = [job.model for job in jobs]
         if len(set(models)) != len(models):
             raise SpecError("jobs", f"each job of a shared pool needs its own model, got {models}")
@@ -217,9 +278,14 @@ class SharedPool:
         slots = {job.setup.rollout_slots for job in jobs}
         # each job weighs what it would have had alone: its dedicated rollout ranks
         self.policy = ModelPool(ranks, models, switch.seconds, max(slots),
-                                weights={job.model: float(job.setup.rollout_ranks) for job in jobs})
+                                weights={job.model: float(job.setup.rollout_ranks) for job in jobs},
+                                fill_gaps=fill_gaps)
         for index, job in enumerate(jobs):
             self.sims.append(self._job(job, ranks, seed + index))
+        self.release = release
+        self.released_at: dict[int, float] = {}
+        """Pool rank -> when it was given back (`release`)."""
+        self._ended: set[str] = set()
         self._awake_since = [0.0] * ranks
         self._served = {model: 0.0 for model in models}
 
@@ -245,8 +311,16 @@ class SharedPool:
                        or all(sim.end_time is not None for sim in self.sims))
 
     def _tick(self) -> None:
+        if self.release:
+            for model, sim in zip(self.models, self.sims):
+                if sim.end_time is not None and model not in self._ended:
+                    self._ended.add(model)
+                    for rank in self.policy.release(model):
+                        self.released_at[rank] = self.queue.now
         demand = {model: ModelDemand(sim.scheduler.pending_rollout(),
-                                     {i: engines[model].held for i, engines in enumerate(self.engines)})
+                                     {i: engines[model].held for i, engines in enumerate(self.engines)},
+                                     {i: engines[model].engine_groups() for i, engines in enumerate(self.engines)},
+                                     {i: engines[model].ready_groups() for i, engines in enumerate(self.engines)})
                   for model, sim in zip(self.models, self.sims)}
         for command in self.policy.plan(self.queue.now, demand):
             self._apply(command)
