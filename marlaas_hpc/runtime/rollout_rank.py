@@ -101,6 +101,8 @@ class RolloutRank:
         """Engine request id -> the group, episode and turn it samples (until it finishes)."""
         self.counter = 0
         self.clock = BusyClock()
+        if self.pins is not None:  # relay mode: each re-forming of the tier goes on this rank's timeline
+            self.pins.clock = self.clock
         self.outbox = Outbox(comm)
         self.models = engine if isinstance(engine, ModelEngines) else None
         """A job of several base models: the engine per model (None: one engine)."""

@@ -1,0 +1,79 @@
+"""Relays in a fault-tolerant job (`delta.transport: relay` with the default `fault.on_rank_loss: continue`,
+runtime/relay_plane.py; issue #29 follow-up of issue #25), a real `marlaas run` on the ULFM Open MPI local mode:
+
+- the first rollout rank of three, the root of the relay chain (every leader pushes into it; it forwards to the
+  next), is SIGKILLed mid-run. The job finishes by itself (exit 0), its groups are issued again, every version of
+  every task is trained exactly once, and the tier is re-formed over the two live ranks: both keep installing new
+  versions of both tasks from their relays after the loss, each version newer than the last.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from marlaas_hpc.launch.mpi import ulfm_prefix
+from test_fault_matrix import Job
+from test_fault_tolerance import STEPS, _check_every_version_once
+from test_runtime_mpi import rank_timelines, small_config
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow,
+              pytest.mark.skipif(ulfm_prefix() is None, reason="needs the ULFM Open MPI (tools/setup_env.sh)")]
+
+
+def _relay_config(tmp_path: Path, rollout_ranks: int) -> Path:
+    config = small_config(layout={"env_ranks": 1, "rollout_ranks": rollout_ranks, "trainer_tp": 1},
+                          checkpoint={"every_steps": 5, "every_minutes": 0}, delta={"transport": "relay"})
+    assert "fault" not in config or config["fault"].get("on_rank_loss", "continue") == "continue"
+    for task in config["tasks"]:
+        task["total_steps"] = STEPS
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _rollout_ranks(run_dir: Path) -> list[dict]:
+    records = (json.loads(p.read_text()) for p in (run_dir / "ranks").glob("rank*.json"))
+    return sorted((r for r in records if r["role"] == "rollout"), key=lambda r: r["rank"])
+
+
+def test_sigkill_of_the_root_relay_s_rank_re_forms_the_tier_and_stops_no_task(tmp_path):
+    run_dir = tmp_path / "run"
+    job = Job([str(_relay_config(tmp_path, 3)), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_steps(4)
+    victim = _rollout_ranks(run_dir)[0]  # the chain's root: every push goes through it
+    os.kill(victim["pid"], signal.SIGSTOP)  # held a moment first, so that it holds groups when it dies
+    time.sleep(1.0)
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert job.finish() == 0, job.output()
+    assert "job stopped" not in job.err and not (run_dir / "crash.json").exists()
+    assert "Exception in thread" not in job.err and "Traceback" not in job.err, job.err[-3000:]
+    lines = [line for line in job.lines if line.startswith("[fault]")]
+    assert len(lines) == 1 and lines[0].startswith(f"[fault] rank {victim['rank']} (rollout) lost"), job.output()
+    summary = _check_every_version_once(run_dir)  # exact audit: each version trained once, from B groups
+    (loss,) = summary["ranks_lost"]
+    assert loss["rank"] == victim["rank"] and loss["role"] == "rollout"
+    assert sum(t["reissued_groups"] for t in summary["tasks"].values()) == len(loss["groups_reissued"]) > 0
+    (group,) = summary["trainer_groups"].values()
+    assert group["delta"]["sent"] > 2 * (STEPS + 1), "every task's newest version was pushed again"
+    timeline = rank_timelines(run_dir)
+    survivors = [r["rank"] for r in _rollout_ranks(run_dir) if r["rank"] != victim["rank"]]
+    tasks = [task["task_id"] for task in yaml.safe_load((run_dir / "job.yaml").read_text())["tasks"]]
+    for rank in survivors:
+        reforms = [r for r in timeline[f"rank{rank}"] if r["stage"] == "relay_reform"]
+        assert [(r["epoch"], r["relays"]) for r in reforms] == [(1, survivors)], reforms  # the chain over the live
+        for task_id in tasks:
+            installed = [(r["start"], r["version"]) for r in timeline[f"rank{rank}"]
+                         if r["stage"] == "load_delta" and r["tasks"] == [task_id]]
+            versions = [v for _, v in installed]
+            assert versions == sorted(set(versions)), (rank, task_id, versions)  # never older, never twice
+            after = [v for t, v in installed if t >= reforms[0]["end"]]
+            assert len(after) >= 3, (rank, task_id, "installed after the loss:", after)
+        late = [r for r in timeline[f"rank{rank}"] if r["stage"] == "group" and r["start"] > loss["at"] and not r["eval"]]
+        assert late, f"rank {rank} generated groups after the loss"
+
