@@ -4,7 +4,10 @@ runtime/relay_plane.py; issue #29 follow-up of issue #25), a real `marlaas run` 
 - the first rollout rank of three, the root of the relay chain (every leader pushes into it; it forwards to the
   next), is SIGKILLed mid-run. The job finishes by itself (exit 0), its groups are issued again, every version of
   every task is trained exactly once, and the tier is re-formed over the two live ranks: both keep installing new
-  versions of both tasks from their relays after the loss, each version newer than the last.
+  versions of both tasks from their relays after the loss, each version newer than the last;
+- `marlaas scale` 1 -> 2 -> 1 with relays: the joined rank gets a relay with the re-formed tier (the chain over both
+  ranks), installs every task's version from it before its first group of that task, generates groups that are
+  trained; its drain re-forms the tier over the first rank alone, which goes on installing; the audit is exact.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import yaml
 
 from marlaas_hpc.launch.mpi import ulfm_prefix
 from test_fault_matrix import Job
-from test_fault_tolerance import STEPS, _check_every_version_once
+from test_fault_tolerance import STEPS, _check_every_version_once, _scale
 from test_runtime_mpi import rank_timelines, small_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow,
@@ -77,3 +80,39 @@ def test_sigkill_of_the_root_relay_s_rank_re_forms_the_tier_and_stops_no_task(tm
         late = [r for r in timeline[f"rank{rank}"] if r["stage"] == "group" and r["start"] > loss["at"] and not r["eval"]]
         assert late, f"rank {rank} generated groups after the loss"
 
+
+def _installs_and_groups(records: list[dict], task_id: str) -> tuple[list[tuple[float, int]], list[float]]:
+    installs = [(r["start"], r["version"]) for r in records if r["stage"] == "load_delta" and r["tasks"] == [task_id]]
+    groups = [r["start"] for r in records if r["stage"] == "group" and r["tasks"] == [task_id]]
+    return installs, groups
+
+
+def test_a_rank_joined_by_marlaas_scale_gets_a_relay_and_every_version_then_drains(tmp_path):
+    run_dir = tmp_path / "run"
+    job = Job([str(_relay_config(tmp_path, 1)), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_steps(3)
+    _scale(run_dir, 2)
+    job.wait_lines("[scale] rollout rank 4 joined")
+    job.wait_steps(job.steps() + 6)
+    _scale(run_dir, 1)
+    job.wait_lines("[scale] rollout rank 4 drained and left")
+    assert job.finish() == 0, job.output()
+    assert "Exception in thread" not in job.err and "Traceback" not in job.err, job.err[-3000:]
+    summary = _check_every_version_once(run_dir)
+    assert [r["rank"] for r in summary["ranks_joined"]] == [4] and [r["rank"] for r in summary["ranks_left"]] == [4]
+    timeline = rank_timelines(run_dir)
+    first, joined = timeline["rank2"], timeline["rank4"]
+    reforms = lambda records: [(r["epoch"], r["relays"]) for r in records if r["stage"] == "relay_reform"]
+    assert reforms(joined) == [(1, [2, 4])] and reforms(first) == [(1, [2, 4]), (2, [2])]
+    drained_at = [r["end"] for r in first if r["stage"] == "relay_reform"][-1]
+    tasks = [task["task_id"] for task in yaml.safe_load((run_dir / "job.yaml").read_text())["tasks"]]
+    for task_id in tasks:
+        installs, groups = _installs_and_groups(joined, task_id)
+        assert installs and groups, (task_id, "the joined rank installed versions and generated groups")
+        assert installs[0][0] <= min(groups), (task_id, "a group started before its task's version was here")
+        versions = [v for _, v in installs]
+        assert versions == sorted(set(versions)), versions
+        installs, _ = _installs_and_groups(first, task_id)
+        assert [v for t, v in installs if t >= drained_at], (task_id, "rank 2 installed nothing after the drain")
+    trained = {r["group_id"] for r in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
+    assert {r["group_id"] for r in joined if r["stage"] == "group" and not r["eval"]} & trained
