@@ -7,7 +7,9 @@ runtime/relay_plane.py; issue #29 follow-up of issue #25), a real `marlaas run` 
   versions of both tasks from their relays after the loss, each version newer than the last;
 - `marlaas scale` 1 -> 2 -> 1 with relays: the joined rank gets a relay with the re-formed tier (the chain over both
   ranks), installs every task's version from it before its first group of that task, generates groups that are
-  trained; its drain re-forms the tier over the first rank alone, which goes on installing; the audit is exact.
+  trained; its drain re-forms the tier over the first rank alone, which goes on installing; the audit is exact;
+- `layout.rollout_replace` with relays: the only rollout rank SIGKILLed, so no relay is left (the leader pushes
+  nothing meanwhile); its replacement gets the tier of the next epoch and every task's version, and the job ends.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow,
               pytest.mark.skipif(ulfm_prefix() is None, reason="needs the ULFM Open MPI (tools/setup_env.sh)")]
 
 
-def _relay_config(tmp_path: Path, rollout_ranks: int) -> Path:
-    config = small_config(layout={"env_ranks": 1, "rollout_ranks": rollout_ranks, "trainer_tp": 1},
+def _relay_config(tmp_path: Path, rollout_ranks: int, **layout) -> Path:
+    config = small_config(layout={"env_ranks": 1, "rollout_ranks": rollout_ranks, "trainer_tp": 1, **layout},
                           checkpoint={"every_steps": 5, "every_minutes": 0}, delta={"transport": "relay"})
     assert "fault" not in config or config["fault"].get("on_rank_loss", "continue") == "continue"
     for task in config["tasks"]:
@@ -116,3 +118,23 @@ def test_a_rank_joined_by_marlaas_scale_gets_a_relay_and_every_version_then_drai
         assert [v for t, v in installs if t >= drained_at], (task_id, "rank 2 installed nothing after the drain")
     trained = {r["group_id"] for r in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
     assert {r["group_id"] for r in joined if r["stage"] == "group" and not r["eval"]} & trained
+
+
+def test_a_replacement_for_the_only_rollout_rank_gets_the_next_tier_and_every_version(tmp_path):
+    run_dir = tmp_path / "run"
+    job = Job([str(_relay_config(tmp_path, 1, rollout_replace=True)), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_steps(3)
+    victim = _rollout_ranks(run_dir)[0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    job.wait_lines("[scale] rollout rank 4 joined")
+    assert job.finish() == 0, job.output()
+    assert "Exception in thread" not in job.err and "Traceback" not in job.err, job.err[-3000:]
+    summary = _check_every_version_once(run_dir)
+    assert summary["ranks_lost"][0]["rank"] == victim["rank"] and summary["ranks_joined"][0]["rank"] == 4
+    replacement = rank_timelines(run_dir)["rank4"]
+    assert [(r["epoch"], r["relays"]) for r in replacement if r["stage"] == "relay_reform"] == [(2, [4])]
+    for task in yaml.safe_load((run_dir / "job.yaml").read_text())["tasks"]:
+        installs, groups = _installs_and_groups(replacement, task["task_id"])
+        assert installs and groups and installs[0][0] <= min(groups), task["task_id"]
+        # it sampled the last step's groups: it installed a version within the bound of the last one trained
+        assert installs[-1][1] >= STEPS - 1 - task["max_staleness"], (task["task_id"], installs[-3:])

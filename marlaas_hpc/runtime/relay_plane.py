@@ -35,6 +35,8 @@
   threads left blocked, daemons), with the pins taken there: a group in flight on a surviving rank keeps its
   version in its engine and its pin at the relay it pinned it at; a group re-issued from the lost rank samples
   the newest version (or its eval version), which every live relay gets again.
+- No rollout rank live (the only one lost, its `layout.rollout_replace` replacement on its way): no tier for
+  that epoch; the leader's sends are counted (`unsent`), and the next tier gets every task's newest version.
 - A lost trainer leader is not dropped from the tier: under `continue` the config refuses relays with several
   trainer groups (a group's loss is survivable only with several).
 """
@@ -72,14 +74,21 @@ class RelayPublisher:
 
     def __init__(self, tier: RelayTier, leader: int, comm=None, tolerant: bool = False, timeout_s: float = 600.0):
         self.leader, self.comm, self.tolerant, self.timeout_s = leader, comm, tolerant, timeout_s
-        self.pusher = RelayPusher(tier, leader, tolerant=tolerant)
+        self.pusher: RelayPusher | None = RelayPusher(tier, leader, tolerant=tolerant)
+        """None while no rollout rank is live (the last one lost, its replacement not joined yet)."""
+        self.layout = tier.layout
         self.epoch = 0
         """The tier's epoch (rank 0's delta_epoch when it was last re-formed)."""
         self.retired: list[RelayPusher] = []
         """Pushers of earlier epochs, with what was posted on them: abandoned, never waited for (module doc)."""
         self.blocked_s, self.flush_s, self.sent = 0.0, 0.0, 0
+        self.unsent = 0
+        """Versions not pushed because no rollout rank was live (the next tier gets every task's newest)."""
 
     def send(self, task_id: str, version: int, tensors: dict[str, torch.Tensor], lora) -> None:
+        if self.pusher is None:
+            self.unsent += 1
+            return
         t0 = time.perf_counter()
         self.pusher.push(task_id, version, tensors, lora)
         self.blocked_s += time.perf_counter() - t0
@@ -88,21 +97,29 @@ class RelayPublisher:
     def flush(self) -> None:
         """Waits until the root relay has taken every push."""
         t0 = time.perf_counter()
-        self.pusher.flush()
+        if self.pusher is not None:
+            self.pusher.flush()
         self.flush_s += time.perf_counter() - t0
 
     def close(self) -> None:
         """Flushes, then tells the relays this leader pushes no more (their threads end once every leader has)."""
         t0 = time.perf_counter()
-        self.pusher.close()
+        if self.pusher is not None:
+            self.pusher.close()
         self.flush_s += time.perf_counter() - t0
 
     def remake(self, rollout_ranks: list[int], epoch: int) -> None:
         """The tier of `epoch` over `rollout_ranks` (module doc): the first leader hosts its store and tells every
         other member; blocks until this leader's link to the new root relay is set up. The caller pushes every
-        task again."""
-        old = self.pusher.tier.layout
-        layout = job_relay_layout(rollout_ranks, old.leaders, old.fanout, old.chunk_elems)
+        task again. No rollout rank (the last one lost, a replacement on its way): no tier until the next epoch."""
+        if self.pusher is not None:
+            self.retired.append(self.pusher)
+            self.pusher = None
+        self.epoch = epoch
+        if not rollout_ranks:
+            return
+        old = self.layout
+        self.layout = layout = job_relay_layout(rollout_ranks, old.leaders, old.fanout, old.chunk_elems)
         members = sorted(set(layout.leaders) | set(layout.relays))
         host = layout.leaders[0]
         if self.leader == host:
@@ -115,10 +132,8 @@ class RelayPublisher:
             while message.epoch < epoch:  # (an epoch this leader skipped: never, rank 0 tells each in order)
                 message = recv_wait(self.comm, TAG_DELTA, source=host)[0]
             store = join_store(message.address, len(members), self.timeout_s)
-        self.retired.append(self.pusher)
         self.pusher = RelayPusher(RelayTier.remade(store, layout, self.leader, self.timeout_s), self.leader,
                                   tolerant=self.tolerant)
-        self.epoch = epoch
 
 
 class RelayFeed:
