@@ -2,7 +2,7 @@
 runtime/relay_plane.py; issue #29 follow-up of issue #25), a real `marlaas run` on the ULFM Open MPI local mode:
 
 - the first rollout rank of three, the root of the relay chain (every leader pushes into it; it forwards to the
-  next), is SIGKILLed mid-run. The job finishes by itself (exit 0), its groups are issued again, every version of
+  next), or the middle one, is SIGKILLed mid-run. The job finishes by itself (exit 0), its groups are issued again, every version of
   every task is trained exactly once, and the tier is re-formed over the two live ranks: both keep installing new
   versions of both tasks from their relays after the loss, each version newer than the last;
 - `marlaas scale` 1 -> 2 -> 1 with relays: the joined rank gets a relay with the re-formed tier (the chain over both
@@ -47,11 +47,14 @@ def _rollout_ranks(run_dir: Path) -> list[dict]:
     return sorted((r for r in records if r["role"] == "rollout"), key=lambda r: r["rank"])
 
 
-def test_sigkill_of_the_root_relay_s_rank_re_forms_the_tier_and_stops_no_task(tmp_path):
+@pytest.mark.parametrize("place", [0, 1], ids=["root", "middle"])
+def test_sigkill_of_a_relay_s_rank_re_forms_the_tier_and_stops_no_task(tmp_path, place):
+    """`root`: every push goes through the victim (the leader's sends to it fail, the next relay loses its parent);
+    `middle`: the root loses a child it forwards to, the last relay its parent."""
     run_dir = tmp_path / "run"
     job = Job([str(_relay_config(tmp_path, 3)), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(4)
-    victim = _rollout_ranks(run_dir)[0]  # the chain's root: every push goes through it
+    victim = _rollout_ranks(run_dir)[place]
     os.kill(victim["pid"], signal.SIGSTOP)  # held a moment first, so that it holds groups when it dies
     time.sleep(1.0)
     os.kill(victim["pid"], signal.SIGKILL)
