@@ -69,6 +69,7 @@ def test_sigkill_of_a_relay_s_rank_re_forms_the_tier_and_stops_no_task(tmp_path,
     assert sum(t["reissued_groups"] for t in summary["tasks"].values()) == len(loss["groups_reissued"]) > 0
     (group,) = summary["trainer_groups"].values()
     assert group["delta"]["sent"] > 2 * (STEPS + 1), "every task's newest version was pushed again"
+    assert group["delta"]["relay_epoch"] == 1 and group["delta"]["tiers_retired"] == 1, group["delta"]
     timeline = rank_timelines(run_dir)
     survivors = [r["rank"] for r in _rollout_ranks(run_dir) if r["rank"] != victim["rank"]]
     tasks = [task["task_id"] for task in yaml.safe_load((run_dir / "job.yaml").read_text())["tasks"]]
@@ -82,6 +83,9 @@ def test_sigkill_of_a_relay_s_rank_re_forms_the_tier_and_stops_no_task(tmp_path,
             assert versions == sorted(set(versions)), (rank, task_id, versions)  # never older, never twice
             after = [v for t, v in installed if t >= reforms[0]["end"]]
             assert len(after) >= 3, (rank, task_id, "installed after the loss:", after)
+        print(f"\n[relay-fault] {place=} rank {rank}: re-formed in {reforms[0]['end'] - reforms[0]['start']:.3f} s, "
+              f"{reforms[0]['start'] - loss['at']:.2f} s after rank 0 handled the loss; leader pushes dropped "
+              f"{group['delta']['pushes_dropped']}")
         late = [r for r in timeline[f"rank{rank}"] if r["stage"] == "group" and r["start"] > loss["at"] and not r["eval"]]
         assert late, f"rank {rank} generated groups after the loss"
 

@@ -85,6 +85,13 @@ class RelayPublisher:
         self.unsent = 0
         """Versions not pushed because no rollout rank was live (the next tier gets every task's newest)."""
 
+    def losses(self) -> dict:
+        """What the tier's changes cost this leader (summary.json `trainer_groups.<g>.delta`): tiers it took part
+        in after the first, pushes a dead root relay did not take, versions not pushed for want of a relay."""
+        pushers = self.retired + ([self.pusher] if self.pusher is not None else [])
+        return {"relay_epoch": self.epoch, "tiers_retired": len(self.retired),
+                "pushes_dropped": sum(p.dropped for p in pushers), "unsent": self.unsent}
+
     def send(self, task_id: str, version: int, tensors: dict[str, torch.Tensor], lora) -> None:
         if self.pusher is None:
             self.unsent += 1
