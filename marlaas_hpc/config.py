@@ -82,8 +82,9 @@ class DeltaSettings:
     (runtime/delta.py), which each rollout rank joins between its engine steps. 'relay': the leader pushes each
     version once into a chain (or tree) of relays, one thread per rollout rank, and returns; each rollout rank
     installs the newest version of every task from its own relay between engine steps, and its relay keeps the
-    versions its in-flight groups use (runtime/relay_plane.py). Relays need `fault.on_rank_loss: stop`: the tier
-    is not remade when a rank is lost or joins."""
+    versions its in-flight groups use (runtime/relay_plane.py). The tier is re-formed over the live rollout ranks
+    when one is lost, joins or drains; with several trainer groups relays need `fault.on_rank_loss: stop` (a lost
+    trainer leader is not dropped from the tier)."""
     relay_fanout: int = 1
     """Relay mode: relays each relay forwards to (1: a chain through the rollout ranks, pipelined chunk by chunk;
     2+: a tree, fewer hops, each relay's egress shared)."""
@@ -261,10 +262,10 @@ class JobConfig:
         self.checkpoint.validate("checkpoint")
         self.fault.validate("fault")
         self.delta.validate("delta")
-        if self.delta.transport == "relay" and self.fault.on_rank_loss != "stop":
-            raise SpecError("delta.transport", "'relay' needs fault.on_rank_loss: stop (the relay tier is not "
-                                               "remade when a rank is lost or joins; a lost rank stops the job, "
-                                               "which resumes from its checkpoints)")
+        if self.delta.transport == "relay" and self.fault.on_rank_loss != "stop" and self.layout.trainer_groups > 1:
+            raise SpecError("delta.transport", "'relay' with several trainer groups needs fault.on_rank_loss: stop "
+                                               "(the relay tier is re-formed when a rollout rank is lost, joins or "
+                                               "drains, but a lost trainer leader is not dropped from it)")
         self.repack.validate("repack")
         self._validate_repack()
         self.adapters.validate("adapters")

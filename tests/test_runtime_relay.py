@@ -125,8 +125,9 @@ def test_a_push_returns_before_the_chain_completes_and_every_relay_holds_identic
 
 
 def test_the_delta_transport_is_broadcast_by_default_and_relay_is_chosen_and_checked_in_the_job_config():
-    """`delta.transport` (config.DeltaSettings): relays need fault.on_rank_loss 'stop' (the tier is not remade when a
-    rank is lost or joins); a bad transport, fan-out or chunk size is refused naming its field."""
+    """`delta.transport` (config.DeltaSettings): relays go with the default fault.on_rank_loss 'continue' (the tier
+    is re-formed when a rollout rank is lost, joins or drains) but need 'stop' with several trainer groups (a lost
+    leader is not dropped from the tier); a bad transport, fan-out or chunk size is refused naming its field."""
     from marlaas_hpc.config import JobConfig
 
     def job(**fields):
@@ -137,7 +138,10 @@ def test_the_delta_transport_is_broadcast_by_default_and_relay_is_chosen_and_che
     assert relays.delta.transport == "relay" and relays.delta.chunk_elems == 1 << 18
     layout = job_relay_layout([3, 4, 5], [6], relays.delta.relay_fanout, relays.delta.chunk_elems).validate()
     assert layout.parent(3) == [6] and layout.children(3) == [4, 5] and layout.clients == {}
-    for fields, field in ((dict(delta={"transport": "relay"}), "delta.transport"),
+    assert job(delta={"transport": "relay"}).fault.on_rank_loss == "continue"
+    several = {"layout": {"rollout_ranks": 1, "trainer_groups": 2}}
+    assert job(delta={"transport": "relay"}, fault={"on_rank_loss": "stop"}, **several).delta.transport == "relay"
+    for fields, field in ((dict(delta={"transport": "relay"}, **several), "delta.transport"),
                           (dict(delta={"transport": "nccl"}), "delta.transport"),
                           (dict(delta={"relay_fanout": 0}), "delta.relay_fanout"),
                           (dict(delta={"relay_chunk_mb": 0}), "delta.relay_chunk_mb")):

@@ -340,7 +340,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
         if tier is not None:
             from marlaas_hpc.runtime.relay_plane import RelayFeed
 
-            delta = RelayFeed(tier, rank, leaders)
+            delta = RelayFeed(tier, rank, leaders, comm=comm)
         else:
             delta = DeltaFanIn(comm, [DeltaChannel(comm, leader_rank, roles["rollout"], device=binding.device,
                                                    tolerant=tolerant) for leader_rank in leaders],
@@ -368,7 +368,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
             if tier is not None:
                 from marlaas_hpc.runtime.relay_plane import RelayPublisher
 
-                delta = RelayPublisher(tier, rank)
+                delta = RelayPublisher(tier, rank, comm=comm, tolerant=comm.members.tolerant)
             else:
                 order = DeltaOrder(comm, leaders) if len(leaders) > 1 else None
                 delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order,
@@ -491,9 +491,15 @@ def join_main(run_dir: str, rank: int) -> None:
         for peer, link in accept_links(ports).items():
             live.add_link(peer, link)
         leaders = [peer for peer in peers if live.members.kind_of.get(peer) == "trainer"]
-        for leader in leaders:  # as every rollout rank does at start: the leader picks the backend
-            live.send(gpu_key(torch.device(device)), leader, TAG_DELTA)
-        worker = RolloutRank(live, engine, DeltaFanIn(live, [], leaders=leaders, device=device, tolerant=True),
+        if job.delta.transport == "relay":  # its relay comes with the tier re-formed with it (runtime/relay_plane.py)
+            from marlaas_hpc.runtime.relay_plane import RelayFeed
+
+            delta = RelayFeed(None, rank, leaders, comm=live)
+        else:
+            for leader in leaders:  # as every rollout rank does at start: the leader picks the backend
+                live.send(gpu_key(torch.device(device)), leader, TAG_DELTA)
+            delta = DeltaFanIn(live, [], leaders=leaders, device=device, tolerant=True)
+        worker = RolloutRank(live, engine, delta,
                              seed=job.seed + 7919 * rank, run_dir=run_path, model_dir=model_dir)
         if job.layout.join_weights == "peer":  # waiting for the plan (every joiner of its batch asked), then the copy
             worker.clock.note("weights_plan", (), t0, planned)

@@ -229,6 +229,17 @@ class ChannelAddress:
     members: tuple[int, ...]
 
 
+@dataclass
+class RelayAddress:
+    """the first trainer leader -> every other leader and every rollout rank of a re-formed relay tier (TAG_DELTA;
+    runtime/relay_plane.py): where the tier of `epoch` rendezvouses (its TCPStore) and who is who in it (a
+    runtime/relay.py RelayTierLayout over the live rollout ranks)."""
+
+    epoch: int
+    address: tuple
+    layout: object
+
+
 # ---- trainer operations: a group's leader -> every rank of the group (TAG_TRAINER), run by all in one order ----
 class TrainerOp:
     """The same trainer call on every rank of a trainer group. `stage` names its timeline span; a `durable` op

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.runtime.comm import recv_wait
 from marlaas_hpc.runtime.delta import _process_group, complete, flat_buffer, gpu_key, host_store, join_store, unflatten
+from marlaas_hpc.runtime.faults import is_peer_lost
 from marlaas_hpc.runtime.messages import TAG_DELTA, DeltaAnnounce
 
 STOP = -1
@@ -181,24 +182,41 @@ class _Link:
 
 class RelayTier:
     """The tier's store and this rank's links. Collective over `comm`: every rank of it makes one (a rank outside
-    `layout` gets no links); `device` is the rank's own (its binding), for choosing NCCL or gloo per link."""
+    `layout` gets no links); `device` is the rank's own (its binding), for choosing NCCL or gloo per link. The
+    store is hosted by the first trainer leader (not by a relay: it outlives any rollout rank's loss)."""
 
     def __init__(self, comm, layout: RelayTierLayout, device: torch.device | str = "cpu",
                  host: str | None = None, timeout_s: float = 600.0):
         self.layout = layout.validate()
         me = comm.Get_rank()
         members = sorted(set(layout.leaders) | set(layout.relays) | set(layout.clients))
-        root = members[0]
+        root = layout.leaders[0]
         keys = comm.allgather(gpu_key(torch.device(device)) if me in members else None)
         if me == root:
             self.store, address = host_store(len(members), host, timeout_s)
-            for rank in members[1:]:
-                comm.send(address, dest=rank, tag=TAG_DELTA)
+            for rank in members:
+                if rank != root:
+                    comm.send(address, dest=rank, tag=TAG_DELTA)
         elif me in members:
             self.store = join_store(recv_wait(comm, TAG_DELTA, source=root)[0], len(members), timeout_s)
+        self._connect(me, keys, timeout_s)
+
+    @classmethod
+    def remade(cls, store, layout: RelayTierLayout, me: int, timeout_s: float = 600.0) -> "RelayTier":
+        """A tier re-formed over a new member list while the job runs (runtime/relay_plane.py): `store` is the
+        new epoch's (hosted by the first leader), every link gloo. Blocks until this rank's links are set up (each
+        a rendezvous of its two ends, in the one order of `links()`)."""
+        tier = cls.__new__(cls)
+        tier.layout, tier.store = layout.validate(), store
+        tier._connect(me, {}, timeout_s)
+        return tier
+
+    def _connect(self, me: int, keys, timeout_s: float) -> None:
         timeout = timedelta(seconds=timeout_s)
+        key = (lambda rank: keys[rank] if isinstance(keys, list) else keys.get(rank))
         self.links: dict[tuple[int, int], _Link] = {
-            (a, b): _Link(self.store, a, b, me, keys[a], keys[b], timeout) for a, b in layout.links() if me in (a, b)}
+            (a, b): _Link(self.store, a, b, me, key(a), key(b), timeout)
+            for a, b in self.layout.links() if me in (a, b)}
 
 
 class RelayPusher:
@@ -207,11 +225,15 @@ class RelayPusher:
     MAX_IN_FLIGHT = 16
     """Pushes posted and not yet taken by the root relay before `push` waits (bounds the buffers kept alive)."""
 
-    def __init__(self, tier: RelayTier, leader: int):
-        self.tier = tier
+    def __init__(self, tier: RelayTier, leader: int, tolerant: bool = False):
+        self.tier, self.tolerant = tier, tolerant
+        """`tolerant`: a push that fails because a relay died is dropped, not raised (the tier is re-formed over
+        the live ranks and the version pushed again: runtime/relay_plane.py)."""
         self.link = tier.links[leader, tier.layout.relays[0]]
         self.in_flight: deque = deque()
         """(works, buffer) of posted pushes, oldest first."""
+        self.dropped = 0
+        """Pushes dropped after their root relay died (tolerant)."""
 
     def push(self, task_id: str, version: int, tensors: dict[str, torch.Tensor], lora) -> int:
         """Posts `version` of `task_id` into the tier and returns its number in the tier's order of pushes."""
@@ -223,7 +245,11 @@ class RelayPusher:
         flat = flat_buffer(tensors, names, self.link.device)
         header = torch.tensor([seq, flat.numel()], dtype=torch.int64)
         chunks = _chunks(flat, self.tier.layout.chunk_elems)
-        works = [self.link.send(header)] + [self.link.send(chunk) for chunk in chunks]
+        try:
+            works = [self.link.send(header)] + [self.link.send(chunk) for chunk in chunks]
+        except Exception as exc:
+            self._failed(exc)
+            return seq
         self.in_flight.append((works, flat))  # the buffer lives until the root relay has read it
         return seq
 
@@ -231,7 +257,16 @@ class RelayPusher:
         link = self.link
         while self.in_flight and (len(self.in_flight) > keep or all(map(link.finished, self.in_flight[0][0]))):
             for work in self.in_flight.popleft()[0]:
-                link.done(work)
+                try:
+                    link.done(work)
+                except Exception as exc:
+                    self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        """A send to the root relay failed: dropped if the relay died in a tolerant job, else raised."""
+        if not (self.tolerant and is_peer_lost(exc)):
+            raise exc
+        self.dropped += 1
 
     def flush(self) -> None:
         """Waits until the root relay has taken every posted push."""
@@ -240,7 +275,10 @@ class RelayPusher:
     def close(self) -> None:
         """Tells the relays this leader pushes no more (the tier's threads end once every leader has closed)."""
         self.flush()
-        self.link.done(self.link.send(torch.tensor([STOP, 0], dtype=torch.int64)))
+        try:
+            self.link.done(self.link.send(torch.tensor([STOP, 0], dtype=torch.int64)))
+        except Exception as exc:
+            self._failed(exc)
 
 
 def _chunks(flat: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -261,6 +299,9 @@ class Relay:
         self.clients = [link for (a, _), link in tier.links.items() if a == rank and link.peer not in layout.relays]
         self.forward_lock = threading.Lock()
         """Held while one push is forwarded: the children receive pushes whole, one after another."""
+        self.lost_peers: list[int] = []
+        """Ranks whose link failed (a child or a parent that died): a lost child is no longer forwarded to; a lost
+        parent's thread ends. The tier is re-formed over the live ranks (runtime/relay_plane.py)."""
         self.open_upstream = len(self.upstream)
         self.threads = [threading.Thread(target=self._take_pushes, args=(link,), daemon=True) for link in self.upstream]
         self.threads += [threading.Thread(target=self._answer_pulls, args=(link,), daemon=True)
@@ -276,28 +317,58 @@ class Relay:
             thread.join()
 
     def _take_pushes(self, link: _Link) -> None:
-        while True:
-            header = link.recv(torch.empty(2, dtype=torch.int64, device=link.device)).cpu()
-            with self.forward_lock:
-                if int(header[0]) == STOP:
-                    self.open_upstream -= 1
-                    if self.open_upstream == 0:  # the last leader closed: the children may end too
-                        for child in self.children:
-                            child.done(child.send(header))
-                    return
-                self._take_one(link, header)
+        try:
+            while True:
+                header = link.recv(torch.empty(2, dtype=torch.int64, device=link.device)).cpu()
+                with self.forward_lock:
+                    if int(header[0]) == STOP:
+                        self.open_upstream -= 1
+                        if self.open_upstream == 0:  # the last leader closed: the children may end too
+                            self._wait_children(self._to_children(header))
+                        return
+                    self._take_one(link, header)
+        except Exception as exc:  # the parent (or the tier's store) is gone: this relay takes no more pushes
+            if not is_peer_lost(exc):
+                raise
+            self.lost_peers.append(link.peer)
 
     def _take_one(self, link: _Link, header: torch.Tensor) -> None:
         seq, total = int(header[0]), int(header[1])
         flat = torch.empty(total, dtype=torch.float32, device=link.device)
-        works = [(child, child.send(header)) for child in self.children]
+        works = self._to_children(header)
         for chunk in _chunks(flat, self.tier.layout.chunk_elems):
             link.recv(chunk)
-            works += [(child, child.send(chunk)) for child in self.children]  # forwarded as soon as it is here
+            works += self._to_children(chunk)  # forwarded as soon as it is here
         announce = pickle.loads(self.tier.store.get(f"announce/{seq}"))
         self.store.put(announce, flat.cpu())
-        for child, work in works:  # the children take it while this relay already holds it for its clients
-            child.done(work)
+        self._wait_children(works)  # the children take it while this relay already holds it for its clients
+
+    def _to_children(self, tensor: torch.Tensor) -> list:
+        """Posts `tensor` to every live child; a child whose link fails (it died) is dropped, not raised."""
+        works = []
+        for child in list(self.children):
+            try:
+                works.append((child, child.send(tensor)))
+            except Exception as exc:
+                self._lose_child(child, exc)
+        return works
+
+    def _wait_children(self, works: list) -> None:
+        for child, work in works:
+            if child not in self.children:
+                continue
+            try:
+                child.done(work)
+            except Exception as exc:
+                self._lose_child(child, exc)
+
+    def _lose_child(self, child: _Link, exc: Exception) -> None:
+        """A child relay died: nothing more is forwarded to it (a send to a dead peer fails, it never hangs: the
+        link's socket is closed), and this relay goes on serving its own rank and its other children."""
+        if not is_peer_lost(exc):
+            raise exc
+        self.children.remove(child)
+        self.lost_peers.append(child.peer)
 
     def _answer_pulls(self, link: _Link) -> None:
         while True:

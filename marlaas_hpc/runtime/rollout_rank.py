@@ -101,6 +101,8 @@ class RolloutRank:
         """Engine request id -> the group, episode and turn it samples (until it finishes)."""
         self.counter = 0
         self.clock = BusyClock()
+        if self.pins is not None:  # relay mode: each re-forming of the tier goes on this rank's timeline
+            self.pins.clock = self.clock
         self.outbox = Outbox(comm)
         self.models = engine if isinstance(engine, ModelEngines) else None
         """A job of several base models: the engine per model (None: one engine)."""
@@ -218,7 +220,8 @@ class RolloutRank:
         """An env rank lost: the groups bound for it were issued again elsewhere; each is closed here (its version
         unpinned) and its slot freed at rank 0 (Generated). A trainer leader lost: its delta channel is left
         behind (its tasks come back under new adapter names: GenerateWork.adapter). A changed set of rollout ranks
-        needs nothing here: each leader sends the address of its remade delta channel (runtime/delta_fanin.py)."""
+        needs nothing here: each leader sends the address of its remade delta channel (runtime/delta_fanin.py), or the
+        first leader that of the re-formed relay tier (runtime/relay_plane.py), taken by the next `delta.poll`."""
         members = self.comm.members
         self.comm.apply(change)
         for rank in change.lost:

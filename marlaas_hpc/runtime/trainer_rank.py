@@ -291,7 +291,8 @@ class TrainerRank:
         self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall(),
                                    {"trainer_group": self.group, "ranks": self.groups[self.group],
                                     "delta": {"sent": self.delta.sent, "blocked_s": self.delta.blocked_s,
-                                              "flush_s": self.delta.flush_s}}),
+                                              "flush_s": self.delta.flush_s,
+                                              **getattr(self.delta, "losses", lambda: {})()}}),
                          0, TAG_EVENT)
         self.outbox.flush()
         write_timeline(self.run_dir, self.rank, "trainer", self.clock)
