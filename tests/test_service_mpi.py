@@ -36,9 +36,12 @@ def added(task_id, tenant, kind, steps, tokens):
 
 
 def diverging(task_id, tenant):
-    """A legal spec whose adapter blows up (inf/NaN logits after a step or two): it must fail alone."""
-    spec = added(task_id, tenant, "addition", 4, 6)
-    spec["algo"].update(lr=1e30, grad_clip=0.0)
+    """A legal spec whose adapter blows up (inf/NaN logits after a step or two): it must fail alone. The KL term
+    makes every row count in the trainer, so the first step after the blow-up fails whatever the rewards: without
+    it, rows whose group got one reward are skipped (trainer `_contributes`), and a garbage adapter's groups all
+    score 0, so the task could end 'done' by chance."""
+    spec = added(task_id, tenant, "addition", 6, 6)
+    spec["algo"].update(lr=1e30, grad_clip=0.0, kl_beta=0.05)
     return spec
 
 
