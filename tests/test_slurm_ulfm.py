@@ -37,18 +37,11 @@ def test_a_killed_rollout_rank_stops_no_task_under_ulfm(cluster, tmp_path):  # n
     faults = [line for line in (run_dir / "slurm" / f"{job_id}_0_log.out").read_text().splitlines()
               if line.startswith("[fault]")]
     assert len(faults) == 1 and faults[0].startswith("[fault] rank 2 (rollout) lost: died"), faults
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = _check_audit(config, run_dir, steps)
     (loss,) = summary["ranks_lost"]
     assert loss["rank"] == 2 and loss["role"] == "rollout" and loss["cause"].startswith("died")
     audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
-    for task in config["tasks"]:
-        task_id, algo = task["task_id"], task["algo"]
-        assert summary["tasks"][task_id]["status"] == "done", summary["tasks"][task_id]
-        rows = [r for r in audit if r["task_id"] == task_id]
-        per_version = collections.Counter(r["trained_into"] for r in rows)
-        assert per_version == {v: algo["batch_prompts"] * algo["group_size"] for v in range(1, steps + 1)}
-        assert len({(r["group_id"], r["sample"]) for r in rows}) == len(rows), "no sample trained twice"
-        assert not any(r["group_id"] in loss["groups_reissued"] for r in rows), "a lost group is never trained"
+    assert not any(r["group_id"] in loss["groups_reissued"] for r in audit), "a lost group is never trained"
 
 
 def _rank0_log(run_dir, job_id: str) -> list[str]:
