@@ -241,22 +241,13 @@ def test_a_pool_releases_the_ranks_an_ended_job_would_have_had():
 
 
 def _gap_jobs(steps=3, tool_latency_s=2.0):
-    """The bench's gap workload (tools/bench_multiplex.py gap_jobs): on-policy GSM8K and web-search jobs."""
-    from marlaas_hpc.sim.workload import Distribution
+    """The bench's gap workload, one task and one rollout rank per job: on-policy GSM8K and web-search jobs."""
+    import sys
 
-    job = JobConfig.load(ROOT / "configs" / "sim-paper.yaml")
-    workload = load_workload(ROOT / "configs" / "workloads" / "h100-qwen3-0.6b.yaml")
-    profile = dataclasses.replace(workload.profiles["hotpotqa"],
-                                  tool_latency=Distribution(dist="lognormal", median=tool_latency_s, sigma=0.8))
-    web = dataclasses.replace(workload, profiles={**workload.profiles, "hotpotqa": profile})
-    gsm, search = job.tasks
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_multiplex import gap_jobs
 
-    def setup(task):
-        return setup_from_job(job, mode="sync", tasks=[dataclasses.replace(task, total_steps=steps, max_staleness=0)],
-                              rollout_ranks=1, env_ranks=2, trainer_tp=1, rollout_slots=32, max_adapters=1)
-
-    return [PoolJob(model="gsm8k", setup=setup(gsm), workload=workload),
-            PoolJob(model="websearch", setup=setup(search), workload=web)]
+    return gap_jobs(tasks=1, ranks=1, steps=steps, tool_latency_s=tool_latency_s)
 
 
 def test_under_the_simulator_filling_tool_gaps_serves_the_other_job_sooner_and_reprefills_the_parked():
