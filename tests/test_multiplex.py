@@ -8,10 +8,11 @@ import pytest
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.scheduler import Generate, Generated, Scheduler, SchedulerConfig, StepDone, Submit
 from marlaas_hpc.scheduler.multiplex import Drain, ModelDemand, ModelPool, Reopen, Switch
-from marlaas_hpc.sim.multiplex import EngineSwitch, PoolJob, run_dedicated, run_shared
+from marlaas_hpc.sim.multiplex import EngineSwitch, PoolJob, SharedPool, run_colocated, run_dedicated, run_shared
 from marlaas_hpc.sim.setup import copies_to, setup_from_job
 from marlaas_hpc.sim.workload import load_workload
 from marlaas_hpc.tasks import TaskSpec
+from marlaas_hpc.tasks.spec import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,15 +164,21 @@ def test_bench_prints_the_dedicated_and_shared_rows():
     import sys
 
     args = ["--gsm-tasks", "1", "--search-tasks", "1", "--steps", "2", "--ranks", "1", "--pool", "2", "1",
-            "--gap-steps", "2", "--gap-pool", "1"]
+            "--gap-steps", "2", "--gap-pool", "2", "1"]
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_multiplex.py"), *args], capture_output=True,
                          text=True, timeout=300, check=True).stdout
-    rows = [line for line in out.splitlines() if line.startswith(("dedicated", "shared", "+"))]
+    lines = [line for line in out.splitlines() if line.startswith(("dedicated", "shared", "+"))]
+    rows = [line for line in lines if line.count("|") > 2]
     assert [row.split("|")[0].strip() for row in rows] == [
-        "dedicated 1+1", "shared pool 2", "shared pool 1",  # the first workload
-        "dedicated 1+1", "shared pool 1", "+release pool 1", "+gaps+release pool 1"]  # the gap workload
-    assert all(row.split("|")[-1].strip() == "0" for row in rows), "no staleness violation"
+        "dedicated 1+1", "dedicated coloc 1", "shared pool 2", "shared pool 1",  # the first workload
+        "dedicated 1+1", "dedicated coloc 1"] + [  # the gap workload
+        f"{policy} pool {size}" for policy in ("shared", "+release", "+gaps+release") for size in (2, 1)] + [
+        "+trainers+release pool 2", "+trainers+gaps+rel pool 2"]  # pool 1: no room for both trainer ranks
+    assert all(row.split("|")[-2].strip() == "0" for row in rows), "no staleness violation"
     assert not any(" !" in row for row in rows), "every job finished"
+    refused = [line for line in lines if line.count("|") == 1]
+    assert [line.split("|")[0].strip() for line in refused] == ["+trainers+release pool 1", "+trainers+gaps+rel pool 1"]
+    assert all("one GPU per trainer rank" in line for line in refused)
 
 
 def test_reopening_a_rank_lost_while_closed_is_skipped_and_an_unknown_rank_is_named():
@@ -265,3 +272,40 @@ def test_under_the_simulator_a_released_rank_stops_counting_when_its_job_ends():
     _audited(released, jobs)
     assert released.gpu_hours < kept.gpu_hours
     assert released.gpu_hours == pytest.approx(dedicated.gpu_hours, rel=0.02), "no sharing needed: as dedicated"
+
+
+# ---------------------------------------------------------------- trainers in the pool (layout.share_gpus)
+def test_pooled_trainer_work_takes_its_gpu_in_turn_and_a_switch_waits_for_it():
+    pool = SharedPool(_gap_jobs(), 2, EngineSwitch(sleep=0.2, wake=0.5), seed=0, tick_s=0.05, trainers_in_pool=True)
+    assert pool.trainer_gpus == {"A-gsm8k": [(0,)], "B-websearch": [(1,)]}, "one trainer rank per GPU, from the front"
+    assert pool.occupy(0, 5.0, "train") == 5.0
+    assert pool.occupy(0, 2.0, "train") == 7.0, "the second step waits for the first"
+    assert pool.occupy(1, 1.0, "train") == 1.0, "another GPU is free"
+    pool._apply(Switch(0, "A-gsm8k", "B-websearch", 0.7))
+    assert pool.engines[0]["B-websearch"].stall_until == pytest.approx(7.7), "the wake starts after the steps"
+
+
+def test_trainers_in_the_pool_count_no_gpu_of_their_own_and_pause_the_engines_they_share():
+    jobs = _jobs(ranks=1, staleness=1)  # async: the engines decode while a step trains
+    apart, pooled = run_shared(jobs, ranks=2), run_shared(jobs, ranks=2, trainers_in_pool=True)
+    _audited(pooled, jobs)
+    assert (apart.gpus, pooled.gpus) == (4, 2)
+    assert all(p.end_time > a.end_time for p, a in zip(pooled.jobs, apart.jobs)), "each step pauses decoding"
+
+
+def test_trainers_need_a_gpu_each_and_a_rank_whose_trainer_still_runs_is_never_released():
+    with pytest.raises(SpecError, match="one GPU per trainer rank"):
+        run_shared(_gap_jobs(), ranks=1, trainers_in_pool=True)
+    assert ModelPool(2, ["a", "b"], switch_s=0.5, slots=4).release("a") == [0]
+    assert ModelPool(2, ["a", "b"], switch_s=0.5, slots=4).release("a", pinned={0}) == []
+
+
+def test_on_policy_jobs_with_trainers_in_the_pool_meet_the_goal_and_colocation_is_where_it_comes_from():
+    jobs = _gap_jobs()
+    dedicated, colocated = run_dedicated(jobs), run_colocated(jobs)
+    pooled = run_shared(jobs, ranks=2, release=True, trainers_in_pool=True)
+    _audited(pooled, jobs)
+    for alone, together in zip(dedicated.jobs, pooled.jobs):
+        assert together.end_time <= 1.10 * alone.end_time
+    assert pooled.gpu_hours <= 0.7 * dedicated.gpu_hours, "the issue's goal: 30% fewer GPU-hours, <= 10% slower"
+    assert pooled.gpu_hours == pytest.approx(colocated.gpu_hours, rel=0.02), "each job alone on its GPU does as well"

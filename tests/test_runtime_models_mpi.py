@@ -84,9 +84,12 @@ def assignment_followed(run_dir) -> dict[int, list[str]]:
 def test_rank_0_hands_the_rank_of_a_model_with_no_work_left_to_the_other(tmp_path):
     """Two rollout ranks, one per model at the start; the tiny model's tasks (one step each) end long before
     chat-mini's, and rank 0 then switches the tiny model's rank to chat-mini (after its evals there are answered):
-    both ranks follow rank 0's assignment, and every version is trained exactly once."""
+    both ranks follow rank 0's assignment, and every version is trained exactly once. Under layout.share_gpus:
+    the layout of the simulator's 'trainers in the pool' rows (tools/bench_multiplex.py: each model's trainer
+    rank on a GPU of the rollout pool), whose trainers build their models only once every engine is up."""
     config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
     config["layout"]["rollout_ranks"] = 2
+    config["layout"]["share_gpus"] = True
     for task in config["tasks"]:
         steps = 1 if MODEL_OF[task["task_id"]] == "tiny" else 3
         task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = steps, 4, 8
@@ -105,3 +108,7 @@ def test_rank_0_hands_the_rank_of_a_model_with_no_work_left_to_the_other(tmp_pat
     # to the tiny model while both had work): both ranks end on chat-mini
     assert all(models[-1] == "chat" for models in served.values()), served
     assert any("tiny" in models for models in served.values()), served
+    spans = [note for notes in rank_timelines(run_dir).values() for note in notes]
+    engines_up = max(n["end"] for n in spans if n["stage"] == "start_engine")
+    builds = [n for n in spans if n["stage"] == "build_model"]
+    assert len(builds) == 2 and all(n["start"] >= engines_up for n in builds), "share_gpus: trainers after engines"

@@ -36,6 +36,12 @@ Rows: the pool as in the first table ('shared'); '+release' (ModelPool.release: 
 back the ranks the other job would not have had alone, and a given-back GPU counts only until then); and
 '+gaps+release' (also ModelPool `fill_gaps`: a rank whose model's groups all wait on tool calls switches to the
 other model; the parked contexts are prefilled again on return, column 're-pf').
+
+Both tables also show 'dedicated coloc' (each job alone, its trainer rank on its own rollout GPU as
+layout.share_gpus places it: sim/multiplex.py `run_colocated`) and the rows '+trainers...' (the same policies
+with every job's trainer ranks on the pool's GPUs, one per GPU from the front, `trainers_in_pool`; a pool with
+fewer GPUs than trainer ranks is refused, and the row says so); the last column 'vs coloc' compares each row's
+GPU-hours with the colocated jobs': what time-slicing across models adds to colocating each job's trainer.
 """
 from __future__ import annotations
 
@@ -50,9 +56,10 @@ sys.path.insert(0, str(ROOT))
 
 from marlaas_hpc.config import JobConfig  # noqa: E402
 from marlaas_hpc.scheduler import MODES  # noqa: E402
-from marlaas_hpc.sim.multiplex import EngineSwitch, PoolJob, run_dedicated, run_shared  # noqa: E402
+from marlaas_hpc.sim.multiplex import EngineSwitch, PoolJob, run_colocated, run_dedicated, run_shared  # noqa: E402
 from marlaas_hpc.sim.setup import copies_to, setup_from_job  # noqa: E402
 from marlaas_hpc.sim.workload import Distribution, load_workload  # noqa: E402
+from marlaas_hpc.tasks.spec import SpecError  # noqa: E402
 
 
 def jobs(gsm_tasks: int, search_tasks: int, ranks: int, staleness: int, steps: int, mode: str = "async"
@@ -89,29 +96,38 @@ def gap_jobs(tasks: int, ranks: int, steps: int, tool_latency_s: float) -> list[
             PoolJob(model="B-websearch", setup=setup(search, tasks), workload=web)]
 
 
-HEADER = " | ".join([f"{'rollout':<20}", "GPUs", "  GPU-h", "  vs ded", "    A e2e s  slow", "    B e2e s  slow",
-                     "idle roll", "idle train", "switches", "  re-pf", "viol."])
+HEADER = " | ".join([f"{'rollout':<25}", "GPUs", "  GPU-h", "  vs ded", "    A e2e s  slow", "    B e2e s  slow",
+                     "idle roll", "idle train", "switches", "  re-pf", "viol.", "vs coloc"])
 
 
-POLICIES = {"shared": {}, "+release": {"release": True}, "+gaps+release": {"fill_gaps": True, "release": True}}
-"""Row label -> run_shared's policy options: the pool as before, releasing ranks when a job ends, and also
-switching ranks in tool-call gaps."""
+POLICIES = {"shared": {}, "+release": {"release": True}, "+gaps+release": {"fill_gaps": True, "release": True},
+            "+trainers+release": {"release": True, "trainers_in_pool": True},
+            "+trainers+gaps+rel": {"fill_gaps": True, "release": True, "trainers_in_pool": True}}
+"""Row label -> run_shared's policy options: the pool as before, releasing ranks when a job ends, also
+switching ranks in tool-call gaps, and the same two with every job's trainer ranks on the pool's GPUs
+(layout.share_gpus) instead of GPUs of their own."""
 
 
 def table(pair: list[PoolJob], ranks: int, pools: list[int], switch: EngineSwitch, seed: int,
           policies: tuple[str, ...]) -> None:
     """The dedicated row, then a shared row per policy and pool size."""
     dedicated = run_dedicated(pair, seed)
+    colocated = run_colocated(pair, seed, switch)
     print(HEADER)
-    print(row(f"dedicated {ranks}+{ranks}", dedicated, dedicated), flush=True)
+    print(row(f"dedicated {ranks}+{ranks}", dedicated, dedicated, colocated), flush=True)
+    print(row(f"dedicated coloc {ranks}", colocated, dedicated, colocated), flush=True)
     for policy in policies:
         for size in pools:
-            result = run_shared(pair, size, switch, seed, **POLICIES[policy])
-            print(row(f"{policy} pool {size}", result, dedicated), flush=True)
+            try:
+                result = run_shared(pair, size, switch, seed, **POLICIES[policy])
+            except SpecError as error:  # trainers in a pool smaller than their ranks
+                print(f"{policy + ' pool ' + str(size):<25} | {error}")
+                continue
+            print(row(f"{policy} pool {size}", result, dedicated, colocated), flush=True)
 
 
-def row(label: str, result, dedicated) -> str:
-    cells = [f"{label:<20}", f"{result.gpus:>5}", f"{result.gpu_hours:>7.3f}",
+def row(label: str, result, dedicated, colocated) -> str:
+    cells = [f"{label:<25}", f"{result.gpus:>5}", f"{result.gpu_hours:>7.3f}",
              f"{result.gpu_hours / dedicated.gpu_hours - 1:>+7.1%}"]
     for job, alone in zip(result.jobs, dedicated.jobs):
         done = set(job.statuses.values()) == {"done"}
@@ -120,7 +136,7 @@ def row(label: str, result, dedicated) -> str:
     idle = result.rollout_idle_s / (3600 * result.gpu_hours)
     idle_train = result.trainer_idle_s / (3600 * result.gpu_hours)
     cells += [f"{idle:>9.1%}", f"{idle_train:>10.1%}", f"{result.switches:>8}", f"{result.reprefill_tokens:>7}",
-              f"{violations:>5}"]
+              f"{violations:>5}", f"{result.gpu_hours / colocated.gpu_hours - 1:>+8.1%}"]
     return " | ".join(cells)
 
 

@@ -160,17 +160,19 @@ class ModelPool:
         """The rank is gone (the runtime lost it): it leaves the split and is never handed to a model again."""
         self.ranks[rank].phase, self.ranks[rank].to = LOST, None
 
-    def release(self, model: str) -> list[int]:
+    def release(self, model: str, pinned: set[int] = frozenset()) -> list[int]:
         """`model`'s job ended: the pool keeps the ranks the remaining models would have had alone (their
         weights, at least one) and releases the others among the ranks awake for `model` (it holds nothing
-        there any more), which leave the split. Returns the released ranks."""
+        there any more), which leave the split; a `pinned` rank (it hosts something still running, e.g. a
+        trainer on a shared GPU) is never released. Returns the released ranks."""
         self.weights[model] = 0.0
         remaining = [m for m in self.models if self.weights[m] > 0]
         live = [i for i, s in enumerate(self.ranks) if s.phase not in GONE]
         if not remaining:
             return []
         keep = max(1, round(sum(self.weights[m] for m in remaining)))
-        idle = [i for i in live if self.ranks[i].awake == model and self.ranks[i].phase == GENERATING]
+        idle = [i for i in live if self.ranks[i].awake == model and self.ranks[i].phase == GENERATING
+                and i not in pinned]
         released = idle[:max(0, len(live) - keep)]
         for rank in released:
             self.ranks[rank].phase, self.ranks[rank].to = RELEASED, None

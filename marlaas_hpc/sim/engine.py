@@ -404,7 +404,7 @@ class TrainerSim:
 
     def _admit(self, admit: Admit) -> None:
         now = self.sim.queue.now
-        created = now + self._speed(self.model.admit)
+        created = self._on_gpu(self._speed(self.model.admit), "admit")
         done = created + self.sim.publish(admit.spec.task_id, 0, created, self)
         self._busy(now, done, "admit")
         self.sim.queue.at(done + self.sim.latency, self.sim.scheduler_event, StepDone(admit.spec.task_id, 0))
@@ -437,7 +437,7 @@ class TrainerSim:
         decoding = sum(1 for r in self.sim.rollout.values() if r.busy_now()) / len(self.sim.rollout)
         compute = self._speed(self.model.step_fixed + self.model.per_token * tokens / self.dp
                               + self.model.per_task * len(ready) + self.model.overlap_cost * decoding)
-        end = now + compute + self._all_reduce(ready)
+        end = self._on_gpu(compute, "train") + self._all_reduce(ready)
         for order in ready:
             end += self.sim.publish(order.task_id, order.from_version + 1, end, self)
         self._busy(now, end, "train")
@@ -445,6 +445,11 @@ class TrainerSim:
         for order, order_tokens in zip(ready, step_tokens):
             self.sim.queue.at(end + self.sim.latency, self.sim.scheduler_event,
                               StepDone(order.task_id, order.from_version + 1, {"step_tokens": order_tokens}))
+
+    def _on_gpu(self, seconds: float, stage: str) -> float:
+        """Runs `seconds` of the group's GPU work (an admission, a step's compute) from now; returns when it ends.
+        The group's own GPUs are free whenever it works; sim/multiplex.py's pooled trainers share theirs."""
+        return self.sim.queue.now + seconds
 
     def _all_reduce(self, ready: list[Train]) -> float:
         """DP > 1: the fused tasks' LoRA gradients (each rank's shard) all-reduced over the DP replicas, a ring

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from marlaas_hpc.scheduler import Generate, Submit
 from marlaas_hpc.scheduler.multiplex import Drain, ModelDemand, ModelPool, Reopen, Switch
-from marlaas_hpc.sim.engine import EventQueue, RolloutSim, Simulation
+from marlaas_hpc.sim.engine import EventQueue, RolloutSim, Simulation, TrainerSim
 from marlaas_hpc.sim.report import staleness_violations
 from marlaas_hpc.sim.setup import SimSetup
 from marlaas_hpc.sim.workload import Workload
@@ -128,21 +128,38 @@ def run_dedicated(jobs: list[PoolJob], seed: int = 0) -> PoolResult:
     return PoolResult(results, 0, hours)
 
 
+def run_colocated(jobs: list[PoolJob], seed: int = 0, switch: EngineSwitch | None = None) -> PoolResult:
+    """Each job alone with its trainer on its own rollout GPUs (the runtime's layout.share_gpus), no other
+    model: the job-local colocation that `trainers_in_pool` also does, without the time-slicing across models.
+    A job's GPUs are its rollout ranks, counted until it ends."""
+    results = []
+    for index, job in enumerate(jobs):
+        alone = run_shared([job], job.setup.rollout_ranks, switch, seed + index, trainers_in_pool=True)
+        result = alone.jobs[0]
+        result.gpus, result.rollout_idle_s = alone.pool_ranks, alone.pool_idle_s
+        results.append(result)
+    return PoolResult(results, 0, sum(r.gpus * r.end_time for r in results) / 3600)
+
+
 def run_shared(jobs: list[PoolJob], ranks: int, switch: EngineSwitch | None = None, seed: int = 0,
                tick_s: float = 0.05, horizon_s: float = 1e6, fill_gaps: bool = False,
-               release: bool = False) -> PoolResult:
+               release: bool = False, trainers_in_pool: bool = False) -> PoolResult:
     """Every job on one pool of `ranks` rollout ranks, time-sliced by the ModelPool (`tick_s`: how often the
     pool plans; a job not done by `horizon_s` simulated seconds is reported unfinished, at that time;
     `fill_gaps`: the pool also switches ranks whose model's groups all wait on tool calls; `release`: when a
     job ends the pool gives back the ranks the remaining jobs would not have had alone, `ModelPool.release`,
-    and a released rank's GPU counts only until then)."""
-    pool = SharedPool(jobs, ranks, switch or EngineSwitch(), seed, tick_s, fill_gaps, release)
+    and a released rank's GPU counts only until then; `trainers_in_pool`: every job's trainer ranks run on the
+    pool's GPUs too, one trainer rank per GPU from the front, as layout.share_gpus places them, and no trainer
+    GPU is counted apart: `PooledTrainerSim`)."""
+    pool = SharedPool(jobs, ranks, switch or EngineSwitch(), seed, tick_s, fill_gaps, release, trainers_in_pool)
     pool.run(horizon_s)
     results = []
     for job, sim in zip(jobs, pool.sims):
         end = horizon_s if sim.end_time is None else sim.end_time
-        results.append(JobResult(job.model, end, job.trainer_gpus(), {t: s.status for t, s in sim.scheduler.tasks.items()},
-                                 len(staleness_violations(sim)), trainer_idle_s=trainer_idle_s(sim, end)))
+        results.append(JobResult(job.model, end, 0 if trainers_in_pool else job.trainer_gpus(),
+                                 {t: s.status for t, s in sim.scheduler.tasks.items()},
+                                 len(staleness_violations(sim)),
+                                 trainer_idle_s=0.0 if trainers_in_pool else trainer_idle_s(sim, end)))
     makespan = max(r.end_time for r in results)
     held = [min(makespan, pool.released_at.get(rank, makespan)) for rank in range(ranks)]
     hours = (sum(held) + sum(r.gpus * r.end_time for r in results)) / 3600
@@ -166,6 +183,22 @@ class PooledSimulation(Simulation):
         """Commands a scheduler gave outside an event (a rank opened to it)."""
         for command in commands:
             self._execute(command)
+
+
+class PooledTrainerSim(TrainerSim):
+    """One trainer group whose ranks run on pool GPUs (`trainers_in_pool`; the runtime's layout.share_gpus puts a
+    trainer rank and rollout engines on one GPU). Its GPU work (an admission, a step's compute) takes each of its
+    GPUs whole, after what holds it already (a wake, an install, a step): the engine awake there pauses for it.
+    The runtime's two processes share the GPU concurrently instead; pausing the engine is the costlier side of
+    that, and no memory is modelled (two 0.6B models' engines and trainers fit one H100's 80 GB many times)."""
+
+    def __init__(self, sim: Simulation, index: int, pool: "SharedPool", gpus: tuple[int, ...]):
+        super().__init__(sim, index)
+        self.pool, self.gpus = pool, gpus
+        """The pool ranks its TP x DP ranks run on."""
+
+    def _on_gpu(self, seconds: float, stage: str) -> float:
+        return max(self.pool.occupy(rank, seconds, stage) for rank in self.gpus)
 
 
 class PooledRolloutSim(RolloutSim):
@@ -239,6 +272,12 @@ class PooledRolloutSim(RolloutSim):
             self._prefill(context)
         super()._tool_returns(sequence, tool_tokens)
 
+    def pause(self, seconds: float, stage: str) -> float:
+        """The GPU runs something else (a pooled trainer's step) for `seconds` once it is free: decoding waits.
+        Returns when the GPU is free again."""
+        self._stall(seconds, stage)
+        return self.stall_until
+
     def sleep(self) -> None:
         if self.engine_groups() or self.running or self.queue:
             raise RuntimeError(f"rollout rank {self.rank}: an engine with {self.engine_groups()} groups in it was put "
@@ -256,11 +295,27 @@ class PooledRolloutSim(RolloutSim):
             self._tool_returns(sequence, tool_tokens)
 
 
+def trainer_placement(jobs: list[PoolJob], ranks: int) -> dict[str, list[tuple[int, ...]]]:
+    """Trainers in the pool: every job's trainer groups, in job order, take the pool's GPUs from the front, one
+    trainer rank (TP x DP of a group) per GPU, as layout.share_gpus places trainer ranks beside the engines; two
+    trainer ranks never share a GPU (devices.py keeps them distinct). SpecError when the pool is too small."""
+    placement, front = {}, 0
+    for job in jobs:
+        size = job.setup.trainer_tp * job.setup.trainer_dp
+        placement[job.model] = [tuple(range(front + g * size, front + (g + 1) * size))
+                                for g in range(job.setup.trainer_groups)]
+        front += size * job.setup.trainer_groups
+    if front > ranks:
+        raise SpecError("ranks", f"trainers in the pool need one GPU per trainer rank, {front} here; the pool has "
+                                 f"{ranks}")
+    return placement
+
+
 class SharedPool:
     """The driver: K job simulations on one event queue, their rollout ranks replaced by the pool's engines."""
 
     def __init__(self, jobs: list[PoolJob], ranks: int, switch: EngineSwitch, seed: int, tick_s: float,
-                 fill_gaps: bool = False, release: bool = False):
+                 fill_gaps: bool = False, release: bool = False, trainers_in_pool: bool = False):
         models = [job.model for job in jobs]
         if len(set(models)) != len(models):
             raise SpecError("jobs", f"each job of a shared pool needs its own model, got {models}")
@@ -273,6 +328,10 @@ class SharedPool:
         self.sims: list[PooledSimulation] = []
         self.engines: list[dict[str, PooledRolloutSim]] = [{} for _ in range(ranks)]
         """Per pool rank: each model's engine."""
+        self.trainer_gpus = trainer_placement(jobs, ranks) if trainers_in_pool else {}
+        """trainers_in_pool: per model, the pool ranks of each of its trainer groups."""
+        self.gpu_free_at = [0.0] * ranks
+        """Per pool rank: when the pooled trainer work given to it so far ends (a switch waits for it)."""
         self.world: dict[str, tuple[int, ...]] = {}
         """Per model: the world rank of each pool rank in its job's numbering."""
         slots = {job.setup.rollout_slots for job in jobs}
@@ -282,6 +341,10 @@ class SharedPool:
                                 fill_gaps=fill_gaps)
         for index, job in enumerate(jobs):
             self.sims.append(self._job(job, ranks, seed + index))
+            if trainers_in_pool:
+                sim = self.sims[-1]
+                sim.trainers = [PooledTrainerSim(sim, i, self, gpus) for i, gpus in
+                                enumerate(self.trainer_gpus[job.model])]
         self.release = release
         self.released_at: dict[int, float] = {}
         """Pool rank -> when it was given back (`release`)."""
@@ -315,7 +378,7 @@ class SharedPool:
             for model, sim in zip(self.models, self.sims):
                 if sim.end_time is not None and model not in self._ended:
                     self._ended.add(model)
-                    for rank in self.policy.release(model):
+                    for rank in self.policy.release(model, pinned=self._live_trainer_gpus()):
                         self.released_at[rank] = self.queue.now
         demand = {model: ModelDemand(sim.scheduler.pending_rollout(),
                                      {i: engines[model].held for i, engines in enumerate(self.engines)},
@@ -337,7 +400,8 @@ class SharedPool:
             self._awake_since[command.rank] = now
             self._sim(command.from_model).scheduler.close_rollout_rank(self.world[command.from_model][command.rank])
             self.engines[command.rank][command.from_model].sleep()
-            self.engines[command.rank][command.to_model].wake(self.switch.seconds)
+            held = max(0.0, self.gpu_free_at[command.rank] - now)  # a pooled trainer's step runs there first
+            self.engines[command.rank][command.to_model].wake(self.switch.seconds + held)
             self.queue.at(command.ready_at, self._woken, command)
 
     def _woken(self, command: Switch) -> None:
@@ -347,6 +411,18 @@ class SharedPool:
     def _open(self, rank: int, model: str) -> None:
         sim = self._sim(model)
         sim.execute(sim.scheduler.open_rollout_rank(self.world[model][rank]))
+
+    def occupy(self, rank: int, seconds: float, stage: str) -> float:
+        """A pooled trainer's GPU work on pool rank `rank`: the engine awake (or waking) there pauses for it.
+        Returns when it ends."""
+        engine = next(engine for engine in self.engines[rank].values() if not engine.asleep)
+        self.gpu_free_at[rank] = engine.pause(seconds, stage)
+        return self.gpu_free_at[rank]
+
+    def _live_trainer_gpus(self) -> set[int]:
+        """Pool ranks that host a trainer of a job still running: never released."""
+        return {rank for model, sim in zip(self.models, self.sims) if sim.end_time is None
+                for gpus in self.trainer_gpus.get(model, ()) for rank in gpus}
 
     def _sim(self, model: str) -> PooledSimulation:
         return self.sims[self.models.index(model)]
