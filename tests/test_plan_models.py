@@ -9,7 +9,7 @@ import yaml
 from marlaas_hpc.cli import main as marlaas
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
-from marlaas_hpc.plan.command import check_fits, job_plan
+from marlaas_hpc.plan.command import check_fits, job_model_dims, job_plan, trainer_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "qwen3-0.6b-gsm8k.yaml"
@@ -128,3 +128,13 @@ def test_an_unknown_model_name_or_a_bare_path_for_several_models_is_refused(tmp_
     assert code == 2 and "--model: unknown model 'chat'" in stderr and "['big', 'small']" in stderr, stderr
     code, _, stderr = plan(capsys, path, "--model", "random:qwen3-0.6b")
     assert code == 2 and "--model: the job has 2 models" in stderr and "NAME=PATH" in stderr, stderr
+
+
+def test_a_whole_fused_step_is_sized_by_the_tasks_of_the_group_s_model(tmp_path):
+    """trainer.micro_batch_tokens 0: one pass over a fused step of the tasks that group's model trains."""
+    job = JobConfig.load(two_models(tmp_path, **{"trainer.micro_batch_tokens": 0})).validate()
+    job.tasks[-1].algo.batch_prompts = 64  # a task of `big`; the tasks of `small` keep 16 prompts x 8
+    dims = job_model_dims(job)
+    width = job.vllm.max_model_len
+    assert trainer_inputs(job, dims["small"], model="small").micro_batch_tokens == job.trainer_slots * 16 * 8 * width
+    assert trainer_inputs(job, dims["big"], model="big").micro_batch_tokens == job.trainer_slots * 64 * 8 * width
