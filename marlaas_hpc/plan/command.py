@@ -4,10 +4,14 @@ rollout rank), the device memory estimate.py gives from the model's config.json 
 and `marlaas submit` run the same check (`check_fits`) before any rank starts.
 
     marlaas plan configs/qwen3-0.6b-gsm8k.yaml --model random:qwen3-0.6b [--row-tokens 2048] [--dry-run]
+    marlaas plan configs/multi-model-demo.yaml --model chat=random:qwen3-0.6b [--model tiny=...]
 
 `--model` points at any directory holding a config.json, or names a shape of model/random_checkpoints.py
-(`random:qwen3-0.6b`, `random:qwen3-8b`): the shipped config's `model:` is a placeholder path. `--dry-run` also
-runs the GPU dry run (dry_run.py) of one trainer rank and prints what it measured next to the estimate.
+(`random:qwen3-0.6b`, `random:qwen3-8b`): the shipped config's `model:` is a placeholder path. A job of several
+`models` takes `--model NAME=PATH` per model to override (repeatable). Each model gets the trainer plan of the
+trainer groups that load it; the rollout rank is planned for the model whose engine needs the most of vLLM's share
+(the others sleep, their weights in host memory). `--dry-run` also runs the GPU dry run (dry_run.py) of one
+trainer rank per model and prints what it measured next to the estimate.
 """
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from marlaas_hpc.config_loader import SpecError
-from marlaas_hpc.plan.estimate import (DTYPE_BYTES, GIB, ModelDims, RolloutInputs, TrainerInputs, TrainerMemory,
-                                       logits_chunk_tokens, rollout_memory, trainer_memory)
+from marlaas_hpc.plan.estimate import (DTYPE_BYTES, GIB, ModelDims, RolloutInputs, RolloutMemory, TrainerInputs,
+                                       TrainerMemory, logits_chunk_tokens, rollout_memory, trainer_memory)
 
 CUDA_CONTEXT_BYTES = GIB
 """Per GPU process, outside what PyTorch allocates: the CUDA context, cuBLAS workspaces, NCCL's buffers (an
@@ -43,6 +47,8 @@ class RankPlan:
     advice: tuple[str, str] | None = None
     """(field, message) when total > limit."""
     notes: list[str] = field(default_factory=list)
+    model: str | None = None
+    """The model's name in `JobConfig.model_names` (a job of several models), else None."""
 
     @property
     def fits(self) -> bool:
@@ -85,16 +91,65 @@ def model_config_dir(name: str) -> Path:
     return Path(name)
 
 
+def model_field(job, name: str) -> str:
+    """The config field giving model `name`'s path: `models.<name>`, or `model` in a job of a single `model:`."""
+    return f"models.{name}" if job.models else "model"
+
+
+def job_model_dims(job) -> dict[str, ModelDims]:
+    """Every base model's dims by its name in `JobConfig.model_names` (the default first), from config.json
+    alone; SpecError naming the model's field (`models.<name>` or `model`) if one has none."""
+    dims = {}
+    for name, path in job.model_names().items():
+        try:
+            dims[name] = model_dims(job, path)[0]
+        except SpecError as exc:
+            raise SpecError(model_field(job, name), exc.reason) from None
+    return dims
+
+
+def model_overrides(job, values: list[str]) -> dict[str, str]:
+    """`--model` values as model name -> path: each `NAME=PATH` (NAME one of the job's models; split at the first
+    '='), or one bare PATH in a job of one model. SpecError naming `--model` otherwise."""
+    names = job.model_names()
+    overrides = {}
+    for value in values:
+        name, equals, path = value.partition("=")
+        if not equals:
+            if len(names) > 1:
+                raise SpecError("--model", f"the job has {len(names)} models {sorted(names)}: override one with "
+                                           f"--model NAME=PATH (e.g. --model {next(iter(names))}={value})")
+            name, path = next(iter(names)), value
+        elif name not in names:
+            raise SpecError("--model", f"unknown model {name!r} in {value!r}; the job's models: {sorted(names)}")
+        if not path:
+            raise SpecError("--model", f"{value!r} gives no path")
+        overrides[name] = path
+    return overrides
+
+
+def with_model_paths(job, paths: dict[str, str]):
+    """The job with each model of `paths` (name -> path, `model_overrides`) at its path."""
+    if not paths:
+        return job
+    if not job.models:  # a single `model:`, named by its path
+        return replace(job, model=next(iter(paths.values())))
+    models = {name: paths.get(name, path) for name, path in job.models.items()}
+    return replace(job, models=models, model=next(iter(models.values())))
+
+
 # ---------------------------------------------------------------------------------------------- trainer
 def trainer_inputs(job, dims: ModelDims, row_tokens: int | None = None,
-                   prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> TrainerInputs:
+                   prompt_tokens: int = DEFAULT_PROMPT_TOKENS, model: str | None = None) -> TrainerInputs:
     """A trainer rank of the job on a GPU: the base in bf16 unless trainer.dtype says float32, 'auto' attention
     is FlexAttention, micro-batches of trainer.micro_batch_tokens in rows of `row_tokens` (default: the longest
-    sequence the rollout can return, vllm.max_model_len, else the model's context)."""
+    sequence the rollout can return, vllm.max_model_len, else the model's context). `model`: a rank of a group
+    loading that model (its tasks make the fused step when trainer.micro_batch_tokens is 0); None: any."""
     width = row_tokens or job.vllm.max_model_len or dims.max_position_embeddings
     budget = job.trainer.micro_batch_tokens
     if budget == 0:  # one pass over a whole fused step: its longest batch of every fused task
-        longest = max((task.algo.batch_prompts * task.algo.group_size for task in job.tasks), default=1)
+        tasks = [task for task in job.tasks if model is None or task_model(job, task) == model]
+        longest = max((task.algo.batch_prompts * task.algo.group_size for task in tasks), default=1)
         budget = job.trainer_slots * longest * width
     return TrainerInputs(dims=dims, tensor_parallel=job.layout.trainer_tp,
                          dtype_bytes=4 if job.trainer.dtype == "float32" else 2, micro_batch_tokens=budget,
@@ -102,6 +157,13 @@ def trainer_inputs(job, dims: ModelDims, row_tokens: int | None = None,
                          lora_rank=job.max_lora_rank, max_adapters=job.max_adapters, fused_tasks=job.trainer_slots,
                          recompute=job.trainer.recompute,
                          attention="dense" if job.trainer.attention == "dense" else "flex")
+
+
+def task_model(job, task) -> str:
+    """The name (in `JobConfig.model_names`) of the model a task trains."""
+    from marlaas_hpc.tasks.spec import check_base_model
+
+    return check_base_model(task.base_model, job.model_names())
 
 
 def trainer_lines(memory: TrainerMemory) -> list[tuple[str, int]]:
@@ -128,8 +190,9 @@ def trainer_total(inputs: TrainerInputs) -> int:
 
 
 def trainer_plan(job, dims: ModelDims, row_tokens: int | None = None,
-                 prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> RankPlan:
-    inputs = trainer_inputs(job, dims, row_tokens, prompt_tokens)
+                 prompt_tokens: int = DEFAULT_PROMPT_TOKENS, model: str | None = None) -> RankPlan:
+    """A trainer rank; `model`: of the groups loading that model (a job of several models), None: of every group."""
+    inputs = trainer_inputs(job, dims, row_tokens, prompt_tokens, model)
     memory = trainer_memory(inputs)
     gpu = int(job.layout.trainer.gpu_memory_gib * GIB)
     limit, label = gpu, f"{job.layout.trainer.gpu_memory_gib:g} GiB GPU (layout.trainer.gpu_memory_gib)"
@@ -138,11 +201,12 @@ def trainer_plan(job, dims: ModelDims, row_tokens: int | None = None,
         label += f", less vLLM's {job.vllm.gpu_memory_utilization:g} of it (layout.share_gpus)"
     total = memory.total + CUDA_CONTEXT_BYTES
     layout = job.layout
-    title = (f"trainer rank x{layout.trainer_ranks} (layout.trainer_tp {layout.trainer_tp}, "
-             f"{layout.trainer_groups} group(s) x {layout.trainer_dp} DP)")
+    groups = layout.trainer_groups if model is None else job.group_models().count(model)
+    title = (f"{'' if model is None else f'model {model}: '}trainer rank x{groups * layout.trainer_group_size} "
+             f"(layout.trainer_tp {layout.trainer_tp}, {groups} group(s) x {layout.trainer_dp} DP)")
     advice = None if total <= limit else trainer_advice(job, inputs, total, limit)
     return RankPlan(kind="trainer", title=title, lines=trainer_lines(memory), total=total, limit=limit,
-                    limit_label=label, advice=advice)
+                    limit_label=label, advice=advice, model=model)
 
 
 def trainer_advice(job, inputs: TrainerInputs, total: int, limit: int) -> tuple[str, str]:
@@ -199,7 +263,15 @@ def rollout_inputs(job, dims: ModelDims, model_dtype: str = "bfloat16") -> Rollo
                          max_num_seqs=vllm.max_num_seqs or VLLM_MAX_NUM_SEQS)
 
 
-def rollout_plan(job, dims: ModelDims) -> RankPlan:
+def rollout_need(memory: RolloutMemory) -> int:
+    """What an engine needs of its GPU to start: weights, LoRA slots, profiling, context and the KV cache of one
+    sequence of max_model_len (vLLM refuses to start with less)."""
+    fixed = memory.weights + memory.lora_slots + memory.activations + CUDA_CONTEXT_BYTES
+    return fixed + memory.inputs.max_model_len * memory.kv_bytes_per_token
+
+
+def rollout_plan(job, dims: ModelDims, model: str | None = None) -> RankPlan:
+    """A rollout rank's engine of one model (`model`: its name in a job of several, else None)."""
     inputs = rollout_inputs(job, dims)
     memory = rollout_memory(inputs)
     kv = memory.kv_cache - CUDA_CONTEXT_BYTES
@@ -216,7 +288,9 @@ def rollout_plan(job, dims: ModelDims) -> RankPlan:
     label = (f"vllm.gpu_memory_utilization {inputs.gpu_memory_utilization:g} of a {gpu_gib:g} GiB GPU "
              "(layout.rollout.gpu_memory_gib)")
     title = f"rollout rank x{job.layout.rollout_ranks} (vllm.tensor_parallel_size {inputs.tensor_parallel})"
-    needed = memory.budget - kv + inputs.max_model_len * memory.kv_bytes_per_token  # one longest sequence's KV
+    if model is not None:
+        title += f", awake: model {model}"
+    needed = rollout_need(memory)
     advice = None
     if sequences < 1:
         utilization = needed / inputs.gpu_bytes
@@ -226,7 +300,24 @@ def rollout_plan(job, dims: ModelDims) -> RankPlan:
                   f"a rollout rank's KV cache holds {max(0, tokens)} tokens, less than one sequence of "
                   f"vllm.max_model_len {inputs.max_model_len} (vLLM refuses to start): {fix}")
     return RankPlan(kind="rollout", title=title, lines=lines, total=needed if sequences < 1 else memory.budget,
-                    limit=memory.budget, limit_label=label, advice=advice)
+                    limit=memory.budget, limit_label=label, advice=advice, model=model)
+
+
+def models_rollout_plan(job, dims: dict[str, ModelDims]) -> RankPlan:
+    """The rollout rank of a job of several models: one engine per model, one awake. vLLM takes
+    gpu_memory_utilization of the GPU whatever the model, so the rank is planned for the engine that needs the
+    most of it (`rollout_need`: it fails first); the others' needs are noted, and their weights, asleep (vLLM
+    sleep level 1), are host memory of the rank, not GPU memory."""
+    memories = {name: rollout_memory(rollout_inputs(job, model_dims_)) for name, model_dims_ in dims.items()}
+    awake = max(memories, key=lambda name: rollout_need(memories[name]))
+    asleep = [name for name in memories if name != awake]
+    notes = [f"engine of model {name} when awake: needs {_gib(rollout_need(memories[name]))} with one sequence's "
+             f"KV cache, of {_gib(memories[name].budget)}" for name in asleep]
+    host = sum(memories[name].weights * memories[name].inputs.tensor_parallel for name in asleep)
+    notes.append(f"sleeping engines (model {', '.join(asleep)}): {_gib(host)} of weights in host memory per rank "
+                 "(vLLM sleep level 1): host RAM (layout.rollout.mem), not GPU")
+    plan = rollout_plan(job, dims[awake], awake)
+    return replace(plan, title=f"{plan.title} (the largest engine of {len(dims)})", notes=notes)
 
 
 # ---------------------------------------------------------------------------------------------- job
@@ -244,29 +335,44 @@ def gpu_kinds(job, gpus_visible: bool | None = None) -> list[str]:
     return kinds
 
 
-def job_plan(job, dims: ModelDims, kinds=("trainer", "rollout"), row_tokens: int | None = None,
-             prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> list[RankPlan]:
+def job_plan(job, dims: dict[str, ModelDims] | None = None, kinds=("trainer", "rollout"),
+             row_tokens: int | None = None, prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> list[RankPlan]:
+    """The plans of the job's GPU rank kinds: a trainer rank per model some trainer group loads, then the rollout
+    rank (vllm engine). `dims`: `job_model_dims(job)`, read when None."""
+    dims = job_model_dims(job) if dims is None else dims
+    several = len(dims) > 1
     plans = []
     if "trainer" in kinds:
-        plans.append(trainer_plan(job, dims, row_tokens, prompt_tokens))
+        loaded = job.group_models()
+        plans += [trainer_plan(job, model_dims_, row_tokens, prompt_tokens, name if several else None)
+                  for name, model_dims_ in dims.items() if name in loaded]
     if "rollout" in kinds and job.engine == "vllm":
-        plans.append(rollout_plan(job, dims))
+        plans.append(models_rollout_plan(job, dims) if several else rollout_plan(job, next(iter(dims.values()))))
     return plans
 
 
+def refusal(job, plan: RankPlan) -> tuple[str, str]:
+    """The field to change and why, for a plan that does not fit; the model named in a job of several."""
+    field_name, message = plan.advice
+    if plan.model is not None:
+        message = f"model {plan.model} ({model_field(job, plan.model)}): {message}"
+    return field_name, message
+
+
 def check_fits(job, gpus_visible: bool | None = None) -> None:
-    """`marlaas run` / `submit`: SpecError naming the field to change when a GPU rank would not fit its GPU."""
+    """`marlaas run` / `submit`: SpecError naming the field to change (and the model, in a job of several) when a
+    GPU rank would not fit its GPU."""
     from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX
 
     kinds = gpu_kinds(job, gpus_visible)
     if not kinds:
         return
-    if not job.model.startswith(RANDOM_PREFIX):  # a missing checkpoint is refused as `marlaas run` refuses it
-        job.model_path()
-    dims, _ = model_dims(job)
-    for plan in job_plan(job, dims, kinds):
+    for name, path in job.model_names().items():
+        if not path.startswith(RANDOM_PREFIX):  # a missing checkpoint is refused as `marlaas run` refuses it
+            job.model_path(name)
+    for plan in job_plan(job, kinds=kinds):
         if not plan.fits:
-            field_name, message = plan.advice
+            field_name, message = refusal(job, plan)
             raise SpecError(field_name, f"{message} (marlaas plan shows every rank's memory)")
 
 
@@ -275,14 +381,15 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="device memory of every GPU rank from the model's config.json; exit 1 if "
                                     "one would not fit its GPU")
     p.add_argument("config", help="job config YAML")
-    p.add_argument("--model", help="a directory holding the model's config.json, or random:<shape> "
-                                    "(default: the config's model)")
+    p.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
+                   help="a directory holding the model's config.json, or random:<shape> (default: the config's "
+                        "model); in a job of several `models`, NAME=PATH overrides model NAME (repeatable)")
     p.add_argument("--row-tokens", type=int, help="width of a trainer row: the longest sequence (default: "
                                                   "vllm.max_model_len, else the model's context)")
     p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS,
                    help="prompt of each row; the rest is trained (default: %(default)s)")
-    p.add_argument("--dry-run", action="store_true", help="also run one trainer rank's GPU path on fake CUDA "
-                                                          "tensors and print its measured memory")
+    p.add_argument("--dry-run", action="store_true", help="also run one trainer rank's GPU path (per model) on "
+                                                          "fake CUDA tensors and print its measured memory")
     p.set_defaults(func=cmd_plan)
 
 
@@ -291,20 +398,28 @@ def cmd_plan(args) -> int:
 
     try:
         job = JobConfig.load(args.config).validate()
-        dims, name = model_dims(job, args.model)
+        job = with_model_paths(job, model_overrides(job, args.model))
+        dims = job_model_dims(job)
     except (SpecError, OSError) as exc:
         print(f"marlaas: invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
     plans = job_plan(job, dims, row_tokens=args.row_tokens, prompt_tokens=args.prompt_tokens)
-    print(f"{args.config}: model {name}: {dims.describe()}")
+    paths = job.model_names()
+    for name, model_dims_ in dims.items():
+        print(f"{args.config}: model {name}: {model_dims_.describe()}" if len(dims) == 1 else
+              f"{args.config}: model {name}: {paths[name]}: {model_dims_.describe()}")
     for plan in plans:
         print_plan(plan)
     print("control and env ranks: CPU only")
     if args.dry_run:
-        print_dry_run(job, name, trainer_inputs(job, dims, args.row_tokens, args.prompt_tokens))
+        for plan in plans:
+            if plan.kind == "trainer":
+                name = plan.model or next(iter(dims))
+                print_dry_run(job, paths[name], trainer_inputs(job, dims[name], args.row_tokens,
+                                                                args.prompt_tokens, plan.model), plan.model)
     failed = [plan for plan in plans if not plan.fits]
     for plan in failed:
-        field_name, message = plan.advice
+        field_name, message = refusal(job, plan)
         print(f"marlaas: {field_name}: {message}", file=sys.stderr)
     return 1 if failed else 0
 
@@ -318,9 +433,12 @@ def print_plan(plan: RankPlan) -> None:
         print(f"  {'total':<96} {plan.total / GIB:8.2f} GiB  {verdict} in {_gib(plan.limit)}")
     else:
         print(f"  {'vLLM takes':<96} {plan.limit / GIB:8.2f} GiB  {verdict}")
+    for note in plan.notes:
+        print(f"  note: {note}")
 
 
-def print_dry_run(job, model_name: str, inputs: TrainerInputs) -> None:
+def print_dry_run(job, model_name: str, inputs: TrainerInputs, model: str | None = None) -> None:
+    """`model_name`: the model's path; `model`: its name in a job of several models."""
     from marlaas_hpc.model.cache import default_cache_dir
     from marlaas_hpc.plan.dry_run import DryRunShape, run_in_subprocess
 
@@ -332,8 +450,9 @@ def print_dry_run(job, model_name: str, inputs: TrainerInputs) -> None:
                         attention=inputs.attention)
     result = run_in_subprocess(shape, default_cache_dir())
     memory = trainer_memory(inputs)
-    print(f"GPU dry run of trainer rank {result.tp_rank} of TP {inputs.tensor_parallel} ({result.seconds:.0f} s, "
-          f"fake CUDA tensors; estimate / measured, without the CUDA context):")
+    print(f"{'' if model is None else f'model {model}: '}GPU dry run of trainer rank {result.tp_rank} of TP "
+          f"{inputs.tensor_parallel} ({result.seconds:.0f} s, fake CUDA tensors; estimate / measured, without the "
+          "CUDA context):")
     for label, estimate, measured in (("base weights", memory.base_weights, result.base_bytes),
                                       ("steady (weights, adapters, optimizer)", memory.steady, result.steady_bytes),
                                       ("a step adds (activations, logits)", memory.activations + memory.logits,
