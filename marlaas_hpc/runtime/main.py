@@ -427,8 +427,14 @@ def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, devic
     # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
     if job.engine == "vllm":  # vLLM finds its GPUs through CUDA_VISIBLE_DEVICES (all of them: its TP size)
         work_dir = run_dir / "rollout" / f"rank{rank}" / (model or "")
+        on_gpu, models = device.startswith("cuda"), len(job.model_names())
         kwargs = {"work_dir": work_dir, "cache_dir": default_cache_dir() / "vllm",
-                  **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())}
+                  **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness()),
+                  "own_process": job.vllm.own_process(models, on_gpu)}
+        if models > 1 and on_gpu:  # an EngineSet's engines sleep and wake (vLLM's sleep mode, cumem allocator)
+            from marlaas_hpc.rollout.engine_set import SLEEP_MODE_KWARGS
+
+            kwargs.update(SLEEP_MODE_KWARGS)
     else:
         kwargs = {"device": device}
         if job.repack.enabled:  # requests cut every step_tokens tokens, so that a tail can be handed over
