@@ -4,7 +4,8 @@ one per model. Every task runs to its last step on a trainer group of its model,
 trained on that model, the rollout rank switched engines when rank 0's model pool told it to and served only
 the model rank 0 assigned it (scheduler/rank_models.py: rank 0's timeline notes each Serve and Served, the
 rank's notes each switch and group), and summary.json and `marlaas status` name each task's model. With two
-rollout ranks, the rank of the model whose tasks end first goes to the other model."""
+rollout ranks, the rank of the model whose tasks end first goes to the other model. A rank that joins by
+`marlaas scale` 1 -> 2 (ULFM local mode) enters rank 0's pool and follows it like the first."""
 import bisect
 import collections
 import json
@@ -105,3 +106,60 @@ def test_rank_0_hands_the_rank_of_a_model_with_no_work_left_to_the_other(tmp_pat
     # to the tiny model while both had work): both ranks end on chat-mini
     assert all(models[-1] == "chat" for models in served.values()), served
     assert any("tiny" in models for models in served.values()), served
+
+
+def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns(tmp_path):
+    """`marlaas scale` 1 -> 2 in a job of two models (ULFM local mode): the joined rank (world rank 5) enters rank
+    0's model pool, which sends it Serve for a model before its first group; it follows rank 0 as the first rank
+    does (every switch one rank 0 ordered, every group of the model it served then), status.json names its
+    model, and every version of every task is trained exactly once."""
+    import time
+
+    from marlaas_hpc.launch.mpi import ulfm_prefix
+    from test_fault_matrix import Job
+    from test_fault_tolerance import _scale
+
+    if ulfm_prefix() is None:
+        pytest.skip("needs the ULFM Open MPI (tools/setup_env.sh)")
+    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    for task in config["tasks"]:  # long enough that the job still runs once the joiner's engines are up
+        tiny = MODEL_OF[task["task_id"]] == "tiny"
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = (40 if tiny else 8), 4, 8
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "run"
+    job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_lines("[gsm8k-hash] v1", "[sort-a] v1")
+    _scale(run_dir, 2)
+    job.wait_lines("[scale] rollout rank 5 joined")
+    serving = {}
+    while "5" not in serving and job.proc.poll() is None:  # status.json names its model (written ~1 s apart)
+        status = run_dir / "status.json"
+        serving = json.loads(status.read_text()).get("rollout_models", {}) if status.exists() else {}
+        time.sleep(0.2)
+    assert job.finish() == 0, job.output()
+    assert "Traceback" not in job.err, job.err[-3000:]
+    assert set(serving) == {"2", "5"} and set(serving.values()) <= {"tiny", "chat"}, serving
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["rank"] for r in summary["ranks_joined"]] == [5]
+    assert all(s["status"] == "done" for s in summary["tasks"].values()), summary["tasks"]
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] for r in audit)
+    for task in config["tasks"]:  # every version trained exactly once, each from one full batch
+        rows = [r for r in audit if r["task_id"] == task["task_id"]]
+        trained = collections.Counter(r["trained_into"] for r in rows)
+        group = task["algo"]["batch_prompts"] * task["algo"]["group_size"]
+        assert trained == {v: group for v in range(1, task["total_steps"] + 1)}, task["task_id"]
+        assert len({(r["group_id"], r["sample"]) for r in rows}) == len(rows), "no sample trained twice"
+    served = assignment_followed(run_dir)
+    assert set(served) == {2, 5}, served
+    timelines = rank_timelines(run_dir)
+    serves = [n for n in timelines["rank0"] if n["stage"] == "serve" and n["rollout_rank"] == 5]
+    joined_at = summary["ranks_joined"][0]["at"]
+    groups = [n for n in timelines["rank5"] if n["stage"] == "group"]
+    assert serves and serves[0]["start"] >= joined_at and serves[0]["model"] == served[5][0], (serves, served)
+    assert groups and min(n["start"] for n in groups) >= serves[0]["start"], "rank 0's Serve came first"
+    trained = {r["group_id"] for r in audit}
+    assert {n["group_id"] for n in groups if not n["eval"]} & trained, "groups it generated were trained"
+    print(f"\n[joiner] rank 5 served {served[5]}; rank 2 served {served[2]}; "
+          f"switches {summary['model_switches']}")
