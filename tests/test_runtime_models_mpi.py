@@ -108,11 +108,12 @@ def test_rank_0_hands_the_rank_of_a_model_with_no_work_left_to_the_other(tmp_pat
     assert any("tiny" in models for models in served.values()), served
 
 
-def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns(tmp_path):
-    """`marlaas scale` 1 -> 2 in a job of two models (ULFM local mode): the joined rank (world rank 5) enters rank
-    0's model pool, which sends it Serve for a model before its first group; it follows rank 0 as the first rank
-    does (every switch one rank 0 ordered, every group of the model it served then), status.json names its
-    model, and every version of every task is trained exactly once."""
+def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns_then_drains(tmp_path):
+    """`marlaas scale` 1 -> 2 -> 1 in a job of two models (ULFM local mode): the joined rank (world rank 5) enters
+    rank 0's model pool, which sends it Serve for a model before its first group; it follows rank 0 as the first
+    rank does (every switch one rank 0 ordered, every group of the model it served then) and status.json names
+    its model; scaled back, it drains, leaves the pool and status.json, and the first rank serves on. Every
+    version of every task is trained exactly once."""
     import time
 
     from marlaas_hpc.launch.mpi import ulfm_prefix
@@ -124,7 +125,7 @@ def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns(tmp_path
     config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
     for task in config["tasks"]:  # long enough that the job still runs once the joiner's engines are up
         tiny = MODEL_OF[task["task_id"]] == "tiny"
-        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = (40 if tiny else 8), 4, 8
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = (60 if tiny else 10), 4, 8
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
@@ -137,11 +138,20 @@ def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns(tmp_path
         status = run_dir / "status.json"
         serving = json.loads(status.read_text()).get("rollout_models", {}) if status.exists() else {}
         time.sleep(0.2)
+    assert set(serving) == {"2", "5"} and set(serving.values()) <= {"tiny", "chat"}, serving
+    step = sum(1 for line in list(job.lines) if line.startswith("[gsm8k-hash] v"))
+    job.wait_lines(f"[gsm8k-hash] v{step + 2}/")  # it generates a while, then drains
+    _scale(run_dir, 1)
+    job.wait_lines("[scale] rollout rank 5 drained and left")
+    left = {}
+    while set(left) != {"2"} and job.proc.poll() is None:  # gone from status.json once it left
+        left = json.loads((run_dir / "status.json").read_text()).get("rollout_models", {})
+        time.sleep(0.2)
     assert job.finish() == 0, job.output()
     assert "Traceback" not in job.err, job.err[-3000:]
-    assert set(serving) == {"2", "5"} and set(serving.values()) <= {"tiny", "chat"}, serving
+    assert set(left) == {"2"}, left
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert [r["rank"] for r in summary["ranks_joined"]] == [5]
+    assert [r["rank"] for r in summary["ranks_joined"]] == [5] and [r["rank"] for r in summary["ranks_left"]] == [5]
     assert all(s["status"] == "done" for s in summary["tasks"].values()), summary["tasks"]
     audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
     assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] for r in audit)
@@ -161,5 +171,8 @@ def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns(tmp_path
     assert groups and min(n["start"] for n in groups) >= serves[0]["start"], "rank 0's Serve came first"
     trained = {r["group_id"] for r in audit}
     assert {n["group_id"] for n in groups if not n["eval"]} & trained, "groups it generated were trained"
+    left_at = summary["ranks_left"][0]["at"]
+    assert [n for n in timelines["rank2"] if n["stage"] == "group" and n["start"] > left_at], "rank 2 serves on"
+    assert not [n for n in serves if n["start"] > left_at], "no Serve to a rank that left"
     print(f"\n[joiner] rank 5 served {served[5]}; rank 2 served {served[2]}; "
           f"switches {summary['model_switches']}")
