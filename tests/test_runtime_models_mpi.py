@@ -5,7 +5,8 @@ trained on that model, the rollout rank switched engines when rank 0's model poo
 the model rank 0 assigned it (scheduler/rank_models.py: rank 0's timeline notes each Serve and Served, the
 rank's notes each switch and group), and summary.json and `marlaas status` name each task's model. With two
 rollout ranks, the rank of the model whose tasks end first goes to the other model. A rank that joins by
-`marlaas scale` 1 -> 2 (ULFM local mode) enters rank 0's pool and follows it like the first."""
+`marlaas scale` 1 -> 2 (ULFM local mode), or as the replacement of a killed one, enters rank 0's pool and
+follows it like the first."""
 import bisect
 import collections
 import json
@@ -176,3 +177,55 @@ def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns_then_dra
     assert not [n for n in serves if n["start"] > left_at], "no Serve to a rank that left"
     print(f"\n[joiner] rank 5 served {served[5]}; rank 2 served {served[2]}; "
           f"switches {summary['model_switches']}")
+
+
+def test_a_replacement_for_a_lost_rank_enters_the_pool(tmp_path):
+    """`layout.rollout_replace` in a job of two models, two rollout ranks: one is SIGKILLed mid-run; it leaves rank
+    0's pool, and its replacement (world rank 6) enters it under a new index and follows rank 0 from its first
+    group, as the survivor does. The job ends by itself and every version is trained exactly once."""
+    import os
+    import signal
+    import time
+
+    from marlaas_hpc.launch.mpi import ulfm_prefix
+    from test_fault_matrix import Job
+
+    if ulfm_prefix() is None:
+        pytest.skip("needs the ULFM Open MPI (tools/setup_env.sh)")
+    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    config["layout"].update(rollout_ranks=2, rollout_replace=True)
+    for task in config["tasks"]:
+        tiny = MODEL_OF[task["task_id"]] == "tiny"
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = (40 if tiny else 8), 4, 8
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "run"
+    job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_lines("[gsm8k-hash] v1", "[sort-a] v1")
+    victim = json.loads((run_dir / "ranks" / "rank2.json").read_text())
+    os.kill(victim["pid"], signal.SIGSTOP)  # held a moment first, so that it holds groups when it dies
+    time.sleep(1.0)
+    os.kill(victim["pid"], signal.SIGKILL)
+    job.wait_lines("[scale] rollout rank 6 joined")
+    assert job.finish() == 0, job.output()
+    assert "Traceback" not in job.err, job.err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["rank"] for r in summary["ranks_lost"]] == [2] and [r["rank"] for r in summary["ranks_joined"]] == [6]
+    assert all(s["status"] == "done" for s in summary["tasks"].values()), summary["tasks"]
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] for r in audit)
+    for task in config["tasks"]:  # every version once, from one full batch; no prompt trained twice
+        rows = [r for r in audit if r["task_id"] == task["task_id"]]
+        group = task["algo"]["batch_prompts"] * task["algo"]["group_size"]
+        assert collections.Counter(r["trained_into"] for r in rows) == {v: group for v in range(1, task["total_steps"] + 1)}
+        prompts = collections.Counter(r["group_id"].split("/g")[1].split(".r")[0] for r in rows)
+        assert set(prompts.values()) == {task["algo"]["group_size"]}, "no prompt trained twice"
+    served = assignment_followed(run_dir)  # the killed rank wrote no timeline
+    assert set(served) == {3, 6}, served
+    timelines = rank_timelines(run_dir)
+    serves = [n for n in timelines["rank0"] if n["stage"] == "serve" and n["rollout_rank"] == 6]
+    groups = [n for n in timelines["rank6"] if n["stage"] == "group"]
+    assert serves and groups and min(n["start"] for n in groups) >= serves[0]["start"], "rank 0's Serve came first"
+    assert not [n for n in timelines["rank0"] if n["stage"] == "serve" and n["rollout_rank"] == 2
+                and n["start"] > summary["ranks_lost"][0]["at"]], "no Serve to the lost rank"
+    print(f"\n[replacement] rank 6 served {served[6]}; rank 3 served {served[3]}")
