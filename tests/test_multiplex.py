@@ -7,7 +7,8 @@ import pytest
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.scheduler import Generate, Generated, Scheduler, SchedulerConfig, StepDone, Submit
-from marlaas_hpc.scheduler.multiplex import Drain, ModelDemand, ModelPool, Reopen, Switch
+from marlaas_hpc.scheduler.multiplex import (GENERATING, LOST, RELEASED, WAKING, Drain, ModelDemand, ModelPool,
+                                              Reopen, Switch)
 from marlaas_hpc.sim.multiplex import EngineSwitch, PoolJob, SharedPool, run_colocated, run_dedicated, run_shared
 from marlaas_hpc.sim.setup import copies_to, setup_from_job
 from marlaas_hpc.sim.workload import load_workload
@@ -309,3 +310,31 @@ def test_on_policy_jobs_with_trainers_in_the_pool_meet_the_goal_and_colocation_i
         assert together.end_time <= 1.10 * alone.end_time
     assert pooled.gpu_hours <= 0.7 * dedicated.gpu_hours, "the issue's goal: 30% fewer GPU-hours, <= 10% slower"
     assert pooled.gpu_hours == pytest.approx(colocated.gpu_hours, rel=0.02), "each job alone on its GPU does as well"
+
+
+def test_a_rank_that_joins_serves_the_model_most_in_need_then_is_a_donor_like_the_others():
+    """ModelPool.join (a rank added to a running job, issue #28 with `marlaas scale`): it enters the split under a
+    new index, for the model with the most waiting groups, switching first when the engine awake on it is
+    another's; later, over its model's share, it is the rank handed to the model that waits."""
+    pool = ModelPool(1, ["a", "b"], switch_s=0.5, slots=4, min_dwell_s=2.0)
+    assert pool.ranks[0].awake == "a"
+    # t=10: rank 0 is full of a's groups, b waits for 8: the joiner (a awake, as a joiner comes up) goes to b
+    joined = pool.join(10.0, {"a": demand(2, r0=4), "b": demand(8)}, awake="a")
+    assert joined == 1 and (pool.ranks[1].awake, pool.ranks[1].phase, pool.ranks[1].until) == ("b", WAKING, 10.5)
+    assert pool.switches == 1 and pool.serving("b") == []
+    pool.woken(1, 10.5)
+    assert pool.serving("b") == [1] and pool._counts() == {"a": 1, "b": 1}
+    # within its dwell, b's work on it goes on: nothing moves
+    assert pool.plan(11.0, {"a": demand(6, r0=4), "b": demand(0, r1=4)}) == []
+    # t=13: b's work ended, a waits for 6 groups: the joiner is the donor (it holds nothing: a switch at once)
+    assert pool.plan(13.0, {"a": demand(6, r0=4), "b": demand(0, r1=0)}) == [Switch(1, "b", "a", 13.5)]
+    # a second joiner while nobody waits serves its awake engine's model at once (no switch)
+    assert pool.join(14.0, {"a": demand(0, r0=4), "b": demand(0)}, awake="a") == 2
+    assert (pool.ranks[2].awake, pool.ranks[2].phase, pool.switches) == ("a", GENERATING, 2)
+    # a rank given back (scale down) leaves the split like a lost one; a lost rank's index is never reused
+    pool.leave(2)
+    pool.lose(0)
+    assert [s.phase for s in pool.ranks] == [LOST, WAKING, RELEASED]
+    assert pool.join(15.0, {"a": demand(0), "b": demand(3)}, awake="a") == 3 and pool.ranks[3].awake == "b"
+    pool.woken(1, 15.0)
+    assert pool._counts() == {"a": 1, "b": 1}

@@ -4,7 +4,9 @@ one per model. Every task runs to its last step on a trainer group of its model,
 trained on that model, the rollout rank switched engines when rank 0's model pool told it to and served only
 the model rank 0 assigned it (scheduler/rank_models.py: rank 0's timeline notes each Serve and Served, the
 rank's notes each switch and group), and summary.json and `marlaas status` name each task's model. With two
-rollout ranks, the rank of the model whose tasks end first goes to the other model."""
+rollout ranks, the rank of the model whose tasks end first goes to the other model. A rank that joins by
+`marlaas scale` 1 -> 2 (ULFM local mode), or as the replacement of a killed one, enters rank 0's pool and
+follows it like the first."""
 import bisect
 import collections
 import json
@@ -112,3 +114,125 @@ def test_rank_0_hands_the_rank_of_a_model_with_no_work_left_to_the_other(tmp_pat
     engines_up = max(n["end"] for n in spans if n["stage"] == "start_engine")
     builds = [n for n in spans if n["stage"] == "build_model"]
     assert len(builds) == 2 and all(n["start"] >= engines_up for n in builds), "share_gpus: trainers after engines"
+
+
+def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns_then_drains(tmp_path):
+    """`marlaas scale` 1 -> 2 -> 1 in a job of two models (ULFM local mode): the joined rank (world rank 5) enters
+    rank 0's model pool, which sends it Serve for a model before its first group; it follows rank 0 as the first
+    rank does (every switch one rank 0 ordered, every group of the model it served then) and status.json names
+    its model; scaled back, it drains, leaves the pool and status.json, and the first rank serves on. Every
+    version of every task is trained exactly once."""
+    import time
+
+    from marlaas_hpc.launch.mpi import ulfm_prefix
+    from test_fault_matrix import Job
+    from test_fault_tolerance import _scale
+
+    if ulfm_prefix() is None:
+        pytest.skip("needs the ULFM Open MPI (tools/setup_env.sh)")
+    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    for task in config["tasks"]:  # long enough that the job still runs once the joiner's engines are up
+        tiny = MODEL_OF[task["task_id"]] == "tiny"
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = (60 if tiny else 10), 4, 8
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "run"
+    job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_lines("[gsm8k-hash] v1", "[sort-a] v1")
+    _scale(run_dir, 2)
+    job.wait_lines("[scale] rollout rank 5 joined")
+    serving = {}
+    while "5" not in serving and job.proc.poll() is None:  # status.json names its model (written ~1 s apart)
+        status = run_dir / "status.json"
+        serving = json.loads(status.read_text()).get("rollout_models", {}) if status.exists() else {}
+        time.sleep(0.2)
+    assert set(serving) == {"2", "5"} and set(serving.values()) <= {"tiny", "chat"}, serving
+    step = sum(1 for line in list(job.lines) if line.startswith("[gsm8k-hash] v"))
+    job.wait_lines(f"[gsm8k-hash] v{step + 2}/")  # it generates a while, then drains
+    _scale(run_dir, 1)
+    job.wait_lines("[scale] rollout rank 5 drained and left")
+    left = {}
+    while set(left) != {"2"} and job.proc.poll() is None:  # gone from status.json once it left
+        left = json.loads((run_dir / "status.json").read_text()).get("rollout_models", {})
+        time.sleep(0.2)
+    assert job.finish() == 0, job.output()
+    assert "Traceback" not in job.err, job.err[-3000:]
+    assert set(left) == {"2"}, left
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["rank"] for r in summary["ranks_joined"]] == [5] and [r["rank"] for r in summary["ranks_left"]] == [5]
+    assert all(s["status"] == "done" for s in summary["tasks"].values()), summary["tasks"]
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] for r in audit)
+    for task in config["tasks"]:  # every version trained exactly once, each from one full batch
+        rows = [r for r in audit if r["task_id"] == task["task_id"]]
+        trained = collections.Counter(r["trained_into"] for r in rows)
+        group = task["algo"]["batch_prompts"] * task["algo"]["group_size"]
+        assert trained == {v: group for v in range(1, task["total_steps"] + 1)}, task["task_id"]
+        assert len({(r["group_id"], r["sample"]) for r in rows}) == len(rows), "no sample trained twice"
+    served = assignment_followed(run_dir)
+    assert set(served) == {2, 5}, served
+    timelines = rank_timelines(run_dir)
+    serves = [n for n in timelines["rank0"] if n["stage"] == "serve" and n["rollout_rank"] == 5]
+    joined_at = summary["ranks_joined"][0]["at"]
+    groups = [n for n in timelines["rank5"] if n["stage"] == "group"]
+    assert serves and serves[0]["start"] >= joined_at and serves[0]["model"] == served[5][0], (serves, served)
+    assert groups and min(n["start"] for n in groups) >= serves[0]["start"], "rank 0's Serve came first"
+    trained = {r["group_id"] for r in audit}
+    assert {n["group_id"] for n in groups if not n["eval"]} & trained, "groups it generated were trained"
+    left_at = summary["ranks_left"][0]["at"]
+    assert [n for n in timelines["rank2"] if n["stage"] == "group" and n["start"] > left_at], "rank 2 serves on"
+    assert not [n for n in serves if n["start"] > left_at], "no Serve to a rank that left"
+    print(f"\n[joiner] rank 5 served {served[5]}; rank 2 served {served[2]}; "
+          f"switches {summary['model_switches']}")
+
+
+def test_a_replacement_for_a_lost_rank_enters_the_pool(tmp_path):
+    """`layout.rollout_replace` in a job of two models, two rollout ranks: one is SIGKILLed mid-run; it leaves rank
+    0's pool, and its replacement (world rank 6) enters it under a new index and follows rank 0 from its first
+    group, as the survivor does. The job ends by itself and every version is trained exactly once."""
+    import os
+    import signal
+    import time
+
+    from marlaas_hpc.launch.mpi import ulfm_prefix
+    from test_fault_matrix import Job
+
+    if ulfm_prefix() is None:
+        pytest.skip("needs the ULFM Open MPI (tools/setup_env.sh)")
+    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    config["layout"].update(rollout_ranks=2, rollout_replace=True)
+    for task in config["tasks"]:
+        tiny = MODEL_OF[task["task_id"]] == "tiny"
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = (40 if tiny else 8), 4, 8
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "run"
+    job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_lines("[gsm8k-hash] v1", "[sort-a] v1")
+    victim = json.loads((run_dir / "ranks" / "rank2.json").read_text())
+    os.kill(victim["pid"], signal.SIGSTOP)  # held a moment first, so that it holds groups when it dies
+    time.sleep(1.0)
+    os.kill(victim["pid"], signal.SIGKILL)
+    job.wait_lines("[scale] rollout rank 6 joined")
+    assert job.finish() == 0, job.output()
+    assert "Traceback" not in job.err, job.err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["rank"] for r in summary["ranks_lost"]] == [2] and [r["rank"] for r in summary["ranks_joined"]] == [6]
+    assert all(s["status"] == "done" for s in summary["tasks"].values()), summary["tasks"]
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] for r in audit)
+    for task in config["tasks"]:  # every version once, from one full batch; no prompt trained twice
+        rows = [r for r in audit if r["task_id"] == task["task_id"]]
+        group = task["algo"]["batch_prompts"] * task["algo"]["group_size"]
+        assert collections.Counter(r["trained_into"] for r in rows) == {v: group for v in range(1, task["total_steps"] + 1)}
+        prompts = collections.Counter(r["group_id"].split("/g")[1].split(".r")[0] for r in rows)
+        assert set(prompts.values()) == {task["algo"]["group_size"]}, "no prompt trained twice"
+    served = assignment_followed(run_dir)  # the killed rank wrote no timeline
+    assert set(served) == {3, 6}, served
+    timelines = rank_timelines(run_dir)
+    serves = [n for n in timelines["rank0"] if n["stage"] == "serve" and n["rollout_rank"] == 6]
+    groups = [n for n in timelines["rank6"] if n["stage"] == "group"]
+    assert serves and groups and min(n["start"] for n in groups) >= serves[0]["start"], "rank 0's Serve came first"
+    assert not [n for n in timelines["rank0"] if n["stage"] == "serve" and n["rollout_rank"] == 2
+                and n["start"] > summary["ranks_lost"][0]["at"]], "no Serve to the lost rank"
+    print(f"\n[replacement] rank 6 served {served[6]}; rank 3 served {served[3]}")

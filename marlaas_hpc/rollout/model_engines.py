@@ -26,8 +26,8 @@ which model each rollout rank serves and sends only that model's groups to it; `
 decision to it for good: requests of other models wait (none should come but evals held back, and those rank 0
 sends only to a rank serving their model), the rank switches to the assigned model as soon as its awake engine
 holds nothing (rank 0 assigns it only once its groups there ended), and no dwell applies (rank 0's pool has
-its own, ten measured switch costs). The turns above are what a rank does when nobody assigns it (a rank that
-joined later, a driver without rank 0). `switches` keeps each switch's measured cost; the rank's timeline notes
+its own, ten measured switch costs). The turns above are what a rank does when nobody assigns it (a driver
+without rank 0; a rank that joins a running job is assigned like the others, from its first group). `switches` keeps each switch's measured cost; the rank's timeline notes
 each one and rank 0 gets it with `Served` (runtime/rollout_rank.py).
 """
 from __future__ import annotations

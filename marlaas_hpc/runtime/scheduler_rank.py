@@ -627,6 +627,8 @@ class SchedulerRank:
             self._spawn("", free[i] if self.scaler.in_allocation else None)
         for rank in sorted(drainable, reverse=True)[:max(len(live) - wanted, 0)]:
             self.scaler.draining.add(rank)
+            if self.rank_models is not None:  # several models: it leaves the model pool's split now
+                self.rank_models.leaving(rank)
             self._execute(self._handle(RankLeaving(rank)))
             self.log(f"[scale] rollout rank {rank} drains: no new group; it leaves once its groups are done")
 
@@ -663,6 +665,8 @@ class SchedulerRank:
         self.members.mark_lost(rank)
         self.scaler.release(rank)
         commands = self._handle(RankLost(rank, "rollout"))
+        if self.rank_models is not None:
+            self.rank_models.lost(rank)
         self.delta_epoch += 1
         notice = RanksChanged(self.delta_epoch, tuple(self.members.alive("rollout")), lost=(rank,), left=(rank,))
         for worker in self._live_workers():
@@ -696,6 +700,9 @@ class SchedulerRank:
         self.books.status.ranks = self._ranks_view()
         self.log(f"[scale] rollout rank {rank} joined {record['start_s']:.1f} s after it was started; rollout ranks "
                  f"{self.members.alive('rollout')}")
+        if self.rank_models is not None:  # several models: it enters the pool; its Serve goes before its groups
+            evals = [(work.model, out) for work, out in self.eval_out.values()]
+            self._execute(self.rank_models.joined(rank, time.time(), evals))
         self._execute(self._handle(RankJoined(rank)))
 
     def _weights_wanted(self, event: WeightsWanted) -> None:

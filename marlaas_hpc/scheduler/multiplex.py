@@ -29,6 +29,10 @@ rollout work waits for an engine and this one's demand on the rank has ended:
   keep their rank; their engine sleeps with them, and each sequence's context is prefilled again when it
   continues (its KV cache was freed by the sleep: the driver charges that). A drain then also ends as soon as
   its model has nothing in the engine. Off, a rank changes model only once its model holds no group on it.
+- **Ranks that come and go.** A rank lost (`lose`) or given back (`leave`: a scale-down; `release`: a model's
+  job ended) leaves the split and is never a donor nor a target again. A rank that joins (`join`: a scale-up, a
+  replacement) enters it under a new index, for the model with the most waiting groups (switching first if
+  that is not the engine awake on it), and is then a rank like the others.
 
 The pool only decides; its driver applies each `Switch` and closes / opens ranks on the schedulers: in the
 simulator (sim/multiplex.py) every model's tasks keep their own scheduler; on rank 0 of a job of several models
@@ -52,8 +56,8 @@ class RankState:
     """The model whose engine is awake (or waking) on the rank; the others sleep."""
     phase: str = GENERATING
     """'generating' (serving `awake`), 'draining' (closed to `awake`'s new groups, for `to`), 'waking', 'lost'
-    (the rank is gone: out of the split, never a donor), 'released' (given back when a model's job ended: the
-    same, and its GPU is no longer paid for)."""
+    (the rank is gone: out of the split, never a donor), 'released' (given back when a model's job ended, or the
+    job scaled down, `leave`: the same, and its GPU is no longer paid for)."""
     to: str | None = None
     """The model the rank is being handed to (draining)."""
     since: float = 0.0
@@ -159,6 +163,29 @@ class ModelPool:
     def lose(self, rank: int) -> None:
         """The rank is gone (the runtime lost it): it leaves the split and is never handed to a model again."""
         self.ranks[rank].phase, self.ranks[rank].to = LOST, None
+
+    def leave(self, rank: int) -> None:
+        """The rank is given back (the job scaled down: it drains, then leaves): it leaves the split at once, as a
+        lost rank, phase 'released'; the groups it holds finish there (its driver closed it to new ones)."""
+        if self.ranks[rank].phase not in GONE:
+            self.ranks[rank].phase, self.ranks[rank].to = RELEASED, None
+
+    def join(self, now: float, demand: dict[str, ModelDemand], awake: str | None = None) -> int:
+        """A rank joins the pool (the job scaled up, or a replacement for a lost rank): it enters the split under a
+        new pool index (a gone rank's index is never reused), for the model with the most unmet demand now
+        (`ModelDemand.waiting`: groups no open rank has room for), else for `awake`, else the first model.
+        `awake`: the model whose engine is awake on the joiner as it comes up (a joiner builds every engine and
+        wakes the first, runtime/main.py `model_engines`); it serves at once if that is the model chosen, else
+        it switches first ('waking', `switch_s`, a switch). From then on it is a donor and a target like any
+        other rank. Returns its pool index."""
+        order = {model: i for i, model in enumerate(self.models)}
+        model = max(self.models, key=lambda m: (demand[m].waiting if m in demand else 0, m == awake, -order[m]))
+        state = RankState(awake=model, since=now)
+        if awake is not None and awake != model:
+            state.phase, state.until = WAKING, now + self.switch_s
+            self.switches += 1
+        self.ranks.append(state)
+        return len(self.ranks) - 1
 
     def release(self, model: str, pinned: set[int] = frozenset()) -> list[int]:
         """`model`'s job ended: the pool keeps the ranks the remaining models would have had alone (their

@@ -16,8 +16,15 @@ another model), waking (told to switch, its answer not in yet). Every `tick_s`:
 The one hook in the scheduler's core is `Scheduler.rank_models` (a rank takes only its model's tasks) and
 `pending_rollout(model)`; everything else is here. The rollout rank's `ModelEngines` follows `Serve`
 (rollout/model_engines.py `follow`): it switches once its awake engine is idle, never deciding alone. Every
-task's staleness bound and audit are the scheduler's, unchanged. A rank lost leaves the pool (`lost`); a rank
-that joins later is in no pool (it takes any task and its ModelEngines decides locally).
+task's staleness bound and audit are the scheduler's, unchanged.
+
+Ranks that come and go. A rank that joins the running job (`marlaas scale` up, or a replacement for a lost rank,
+runtime/scaling.py) enters the pool (`joined`, before the scheduler's RankJoined fills it): a new pool index, for
+the model with the most waiting groups (`ModelPool.join`), `rank_models[rank]` set so its first groups are of
+that model, and a `Serve` sent ahead of them, so its ModelEngines follows rank 0 from its first group (it comes
+up with the first model's engine awake: for another model it is 'waking' until its Served, its groups waiting
+in its ModelEngines meanwhile). A rank that drains to leave (`marlaas scale` down: `leaving`) leaves the split at
+once (phase 'released'; its groups finish there), and a rank lost or gone (`lost`) leaves it and `rank_models`.
 
 Pure like the scheduler: no clock (the caller passes `now`), no MPI (runtime/scheduler_rank.py sends `Serve` and
 hands `Served` back).
@@ -27,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from marlaas_hpc.scheduler.multiplex import WAKING, Drain, ModelDemand, ModelPool, Reopen, Switch
+from marlaas_hpc.scheduler.multiplex import GONE, WAKING, Drain, ModelDemand, ModelPool, Reopen, Switch
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +125,8 @@ class RankModels:
         filled) and the evals held back for that model (payloads, to send to this rank)."""
         i = self.index.get(event.rollout_rank)
         state = None if i is None else self.policy.ranks[i]
-        if state is None or state.awake != event.model:
-            return [], []  # not (or no longer) the pool's assignment
+        if state is None or state.awake != event.model or state.phase in GONE:
+            return [], []  # not (or no longer) the pool's assignment, or a rank that left the pool
         if event.sleep_s or event.wake_s:
             self.policy.measured(event.sleep_s + event.wake_s)
         if state.phase == WAKING:
@@ -129,10 +136,36 @@ class RankModels:
         return commands, evals
 
     def lost(self, rank: int) -> None:
-        """A rollout rank lost: it leaves the pool (never a donor nor a target again)."""
+        """A rollout rank lost, or gone after its drain: it leaves the pool (never a donor nor a target again) and
+        the assignment (`rank_models`, status.json's `rollout_models`)."""
+        i = self.index.get(rank)
+        if i is not None and self.policy.ranks[i].phase not in GONE:
+            self.policy.lose(i)
+        self.scheduler.rank_models.pop(rank, None)
+
+    def leaving(self, rank: int) -> None:
+        """A rollout rank drains to leave (`marlaas scale` down, the scheduler's RankLeaving): it leaves the split
+        now (never a donor nor a target again); its groups there finish, and it keeps its model until it is gone
+        (`lost`)."""
         i = self.index.get(rank)
         if i is not None:
-            self.policy.lose(i)
+            self.policy.leave(i)
+
+    def joined(self, rank: int, now: float, evals_out: Iterable[tuple[str, int]] = (),
+               awake: str | None = None) -> list[Serve]:
+        """A rollout rank joined the job: it enters the pool for the model with the most waiting groups now
+        (`ModelPool.join`), takes only that model's tasks from its first group (`rank_models`), and is told so:
+        returns its `Serve`, to send before any command to it that the scheduler's RankJoined makes (call this
+        first). `awake`: the model whose engine is awake on it as it comes up (None: the first, as
+        runtime/main.py `model_engines` builds them); another model is switched to ('waking' until its Served;
+        its groups wait in its ModelEngines). ValueError for a rank the pool has already had."""
+        if rank in self.index:
+            raise ValueError(f"rollout rank {rank} is already in the model pool")
+        i = self.policy.join(now, self._demand(now, evals_out), self.policy.models[0] if awake is None else awake)
+        self.ranks.append(rank)
+        self.index[rank] = i
+        model = self.scheduler.rank_models[rank] = self.policy.ranks[i].awake
+        return [Serve(rank, model)]
 
     # ---- demand ----
     def _demand(self, now: float, evals_out: Iterable[tuple[str, int]]) -> dict[str, ModelDemand]:
@@ -149,12 +182,13 @@ class RankModels:
                 i = self.index.get(group.rollout_rank)
                 if i is None:
                     continue
-                held[i] = held.get(i, 0) + 1
                 seen.add(group.group_id)
                 self._since.setdefault(group.group_id, (model, now))
+                if self.policy.ranks[i].phase not in GONE:  # a draining rank's groups need no rank of the pool
+                    held[i] = held.get(i, 0) + 1
         for model, rank in evals_out:
             i = self.index.get(rank)
-            if i is not None and model in demand:
+            if i is not None and model in demand and self.policy.ranks[i].phase not in GONE:
                 demand[model].held[i] = demand[model].held.get(i, 0) + 1
         for group_id in [g for g in self._since if g not in seen]:
             model, since = self._since.pop(group_id)
