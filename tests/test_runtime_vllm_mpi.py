@@ -57,3 +57,33 @@ def test_vllm_settings_reach_the_rollout_engine(tmp_path, tiny_model_path, monke
     assert "max_seq_len=96" in log and "enable_prefix_caching=False" in log, log[-4000:]
     # quiet logs (runtime/quiet.py, the engine's use_tqdm_on_load): no weight-loading bar, no C++ NUMA notice
     assert "Loading safetensors" not in log and "NUMA binding" not in log, log[-4000:]
+
+
+def test_a_rank_of_two_models_runs_each_vllm_engine_in_a_process_of_its_own(tmp_path):
+    """vllm.engine_process 'own' (what 'auto' picks on a GPU rank of several models, vLLM's sleep mode acting on a
+    whole process): the demo's two models on one rollout rank, each vLLM engine core spawned by vLLM from the MPI
+    rank. The rank switches between them as rank 0 says, every task trains to its last step, every version once,
+    and the job's output stays quiet (no traceback, no library notice from the spawned processes)."""
+    import collections
+
+    import yaml
+
+    from test_runtime_models_mpi import MODEL_OF, ROOT, assignment_followed
+
+    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    config["engine"], config["vllm"] = "vllm", {"engine_process": "own", "cpu_kv_cache_gib": 0.25}
+    for task in config["tasks"]:  # short: 2 steps of 4 prompts, 8 eval prompts
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = 2, 4, 8
+    proc, run_dir = run_marlaas(config, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert all(s["status"] == "done" and s["steps_done"] == 2 for s in summary["tasks"].values()), summary["tasks"]
+    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    for task in config["tasks"]:
+        trained = collections.Counter(r["trained_into"] for r in audit if r["task_id"] == task["task_id"])
+        assert trained == {v: task["algo"]["batch_prompts"] * task["algo"]["group_size"] for v in (1, 2)}
+    (rank, switches), = summary["model_switches"].items()
+    assert switches["switches"] >= 1
+    assert set(assignment_followed(run_dir)[int(rank)]) == set(MODEL_OF.values())
+    log = proc.stdout + proc.stderr
+    assert "Traceback" not in log and "Triton" not in log and "NUMA binding" not in log, log[-4000:]

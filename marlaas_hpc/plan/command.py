@@ -316,6 +316,9 @@ def models_rollout_plan(job, dims: dict[str, ModelDims]) -> RankPlan:
     host = sum(memories[name].weights * memories[name].inputs.tensor_parallel for name in asleep)
     notes.append(f"sleeping engines (model {', '.join(asleep)}): {_gib(host)} of weights in host memory per rank "
                  "(vLLM sleep level 1): host RAM (layout.rollout.mem), not GPU")
+    if job.vllm.own_process(len(dims), on_gpu=True):  # vLLM starts only if the GPU's free memory covers its share
+        notes.append(f"each sleeping engine's core runs in a process of its own (vllm.engine_process), whose CUDA "
+                     f"context stays on the GPU: ~{_gib(len(asleep) * CUDA_CONTEXT_BYTES)} beside vLLM's share")
     plan = rollout_plan(job, dims[awake], awake)
     return replace(plan, title=f"{plan.title} (the largest engine of {len(dims)})", notes=notes)
 

@@ -92,18 +92,24 @@ def start_llm(LLM, model: str, own_process: bool, **kwargs):
     (the in-memory adapters, the KV scrub) pickled to the core over its local ZMQ socket:
     VLLM_ALLOW_INSECURE_SERIALIZATION=1, process-wide (vLLM refuses a function otherwise). The core process loads
     vLLM's general plugins, where this package's (rollout/vllm_plugin.py, a pyproject.toml entry point) installs
-    the CPU LoRA wrapper: an `install()` in this process would not reach it."""
+    the CPU LoRA wrapper (an `install()` in this process would not reach it) and makes the process die with its
+    parent (MARLAAS_ENGINE_PARENT names this process while vLLM spawns). Adapter tensors go to the core packed
+    (`_hold`): vLLM's msgpack utility calls would turn them into lists."""
     if not own_process:
         return LLM(model, **kwargs)
     from vllm import envs
 
+    from marlaas_hpc.rollout.vllm_plugin import PARENT_ENV
+
     envs.disable_envs_cache()  # an in-process engine core froze vLLM's environment when it started
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ[PARENT_ENV] = str(os.getpid())
     try:
         return LLM(model, **kwargs)
     finally:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        del os.environ[PARENT_ENV]
 
 
 def _zero_non_finite_kv(worker) -> int:
@@ -134,8 +140,24 @@ def _install_memory_loader(worker) -> None:
     manager._load_adapter = load_adapter  # vLLM offers no hook for tensors: wrap its one loader, per instance
 
 
-def _hold_in_memory(worker, int_id: int, tensors: dict, config: dict) -> None:
+def _hold_in_memory(worker, int_id: int, tensors: dict | bytes, config: dict) -> None:
+    """`tensors`: name -> tensor, or the same packed (`pack_tensors`: an engine core in a process of its own)."""
+    if isinstance(tensors, bytes):
+        tensors = unpack_tensors(tensors)
     worker.model_runner.lora_manager.marlaas_memory[int_id] = (tensors, config)
+
+
+def pack_tensors(tensors: dict) -> bytes:
+    """Tensors as bytes (safetensors), for a `collective_rpc` to a core in another process."""
+    from safetensors.torch import save
+
+    return save({name: t.contiguous() for name, t in tensors.items()})
+
+
+def unpack_tensors(packed: bytes) -> dict:
+    from safetensors.torch import load
+
+    return load(packed)
 
 
 def _release_from_memory(worker, int_id: int) -> None:
@@ -296,7 +318,8 @@ class VllmEngine(RolloutEngine):
         from marlaas_hpc.trainer.peft_io import peft_config_dict
 
         tensors = {name: t.detach().to("cpu") for name, t in adapter.tensors.items()}
-        self.llm.collective_rpc(_hold_in_memory, args=(int_id, tensors, peft_config_dict(adapter.lora)))
+        sent = pack_tensors(tensors) if self.own_process else tensors
+        self.llm.collective_rpc(_hold_in_memory, args=(int_id, sent, peft_config_dict(adapter.lora)))
         return replace(adapter, tensors=tensors)  # the same tensors: a restarted engine registers them again
 
     def loaded_adapters(self) -> set[tuple[str, int]]:

@@ -1,18 +1,47 @@
 """This package's vLLM general plugin (pyproject.toml, entry point group `vllm.general_plugins`).
 
 vLLM runs its general plugins in every process of an engine, the engine core and worker processes it spawns
-included. A rollout engine whose core runs in a process of its own (rollout/vllm_engine.py `start_llm`) needs
-the CPU LoRA wrapper installed there, where the rank's own `vllm_cpu_lora.install()` cannot reach. Light on
-purpose: a GPU platform imports nothing more and changes nothing.
+included. A rollout engine whose core runs in a process of its own (rollout/vllm_engine.py `start_llm`) needs two
+things there that the rank's own process cannot do for it:
+- the CPU LoRA wrapper (rollout/vllm_cpu_lora.py), on the CPU platform only;
+- to die with its parent. A rank that crashes is killed by mpirun (SIGTERM, then SIGKILL): vLLM's processes would
+  outlive it, orphaned, holding the job's output pipes open (the job then never ends). `start_llm` names the rank
+  in MARLAAS_ENGINE_PARENT while vLLM spawns; each process spawned under it asks the kernel for SIGKILL when its
+  parent dies (prctl PR_SET_PDEATHSIG): the core when the rank dies, the core's workers when the core does.
+Light on purpose: elsewhere (no such variable, a GPU platform) it imports nothing more and changes nothing.
 """
 from __future__ import annotations
 
+import os
+import signal
+import sys
 
-def install_cpu_lora() -> None:
-    """On the CPU platform, vLLM builds rollout/vllm_cpu_lora.py's grouped LoRA wrapper; elsewhere a no-op."""
+PARENT_ENV = "MARLAAS_ENGINE_PARENT"
+"""Set by `start_llm` while vLLM spawns an engine's processes: the pid of the rank that owns them."""
+PR_SET_PDEATHSIG = 1
+
+
+def setup_engine_process() -> None:
+    """The plugin: die with the parent in a spawned engine process; the CPU LoRA wrapper on the CPU platform."""
+    die_with_parent()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         from marlaas_hpc.rollout import vllm_cpu_lora
 
         vllm_cpu_lora.install()
+
+
+def die_with_parent() -> bool:
+    """In a process spawned under a rank's engine (MARLAAS_ENGINE_PARENT set, not the rank itself), on Linux:
+    SIGKILL when the parent dies. Returns whether it was set."""
+    owner = os.environ.get(PARENT_ENV)
+    if owner is None or int(owner) == os.getpid() or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        return False
+    if os.getppid() == 1:  # the parent died before the request: nobody would send the signal
+        os._exit(1)
+    return True

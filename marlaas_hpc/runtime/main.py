@@ -788,5 +788,8 @@ def _finalize_deadline() -> None:
     signal.alarm(FINALIZE_DEADLINE_S)
 
 
+if __name__ == "__mp_main__":  # a process vLLM spawned from a rank (an engine core of its own): as quiet as the
+    silence_library_notices()  # rank, from before it imports vLLM (multiprocessing imports this module first)
+
 if __name__ == "__main__":
     end_rank(main())

@@ -18,6 +18,24 @@ NOTICES = (
 QUIET_LOGGERS = (
     "vllm.triton_utils.importing",  # "Triton is installed, but doesn't include CPU backend": the CPU twin
 )
+QUIET_MESSAGES = (
+    # math-verify off the main thread (an env pool's worker): its SIGALRM timeouts cannot run there, so the env
+    # pool's per-call timeout bounds the call instead (tasks/gsm8k.py); the library says so once per process
+    ("math_verify.grader", "Timeout is disabled as timeout_seconds is None"),
+)
+PYTHON_WARNINGS = "ignore::UserWarning:multiprocessing.resource_tracker"
+"""PYTHONWARNINGS for the processes a rank starts (read by each new interpreter): an engine core in a process of
+its own (rollout/vllm_engine.py `start_llm`) leaves its shared-memory queues and semaphores to Python's resource
+tracker when it is shut down; the tracker unlinks them and says "There appear to be N leaked ..." as the job ends."""
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
 
 
 def silence_library_notices() -> None:
@@ -28,7 +46,12 @@ def silence_library_notices() -> None:
     # CPU worker prints "NUMA binding: Using MEMBIND policy ..." from init_cpu_memory_env as every CPU-twin rollout
     # rank starts. C++ errors still show; a site that wants the warnings sets TORCH_CPP_LOG_LEVEL=WARNING
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("PYTHONWARNINGS", PYTHON_WARNINGS)
     for category, message in NOTICES:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    for name, start in QUIET_MESSAGES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropMessage(start))
