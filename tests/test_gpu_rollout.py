@@ -84,3 +84,54 @@ def test_gpu_vllm_multi_lora_logprobs_match_the_trainer(gpu_pair):
         if adapter is not None:  # the same tokens under the base model disagree clearly: the check can fail
             base = torch.tensor([lp for row in trainer.logprobs(None, trajs, 0.7) for lp in row], dtype=torch.float64)
             assert (base - behaviour).abs().mean() > 10 * log_ratio.abs().mean() + 1e-3, task_id
+
+
+def test_gpu_engines_of_two_models_sleep_apart_each_in_a_process_of_its_own(tiny_model_path, tmp_path):
+    """What a GPU rollout rank of several models runs (vllm.engine_process 'auto'): two vLLM engines, each core in
+    a process of its own with sleep mode (cumem allocator), in an EngineSet. A sleeping engine gives its KV cache
+    and weights back to the GPU, and each model's greedy logprobs are the same after switches as before."""
+    import shutil
+
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    from marlaas_hpc.model import TextCodec
+    from marlaas_hpc.rollout import GenerationRequest, make_engine
+    from marlaas_hpc.rollout.engine_set import SLEEP_MODE_KWARGS, EngineSet
+    from marlaas_hpc.rollout.vllm_settings import VllmSettings
+
+    other = tmp_path / "other"  # the tiny model with every matrix perturbed: another model of the same shape
+    shutil.copytree(tiny_model_path, other)
+    generator = torch.Generator().manual_seed(7)
+    weights = load_file(str(other / "model.safetensors"))
+    save_file({n: w + 0.3 * w.std() * torch.randn(w.shape, generator=generator) if w.dim() == 2 else w
+               for n, w in weights.items()}, str(other / "model.safetensors"), metadata={"format": "pt"})
+    settings = VllmSettings(gpu_memory_utilization=0.3).validate()
+    kwargs = {**settings.engine_kwargs(max_adapters=2, max_lora_rank=8, max_staleness=1), **SLEEP_MODE_KWARGS,
+              "own_process": settings.own_process(2, on_gpu=True)}
+    engines = EngineSet({name: (lambda path=path, name=name: make_engine("vllm", path, work_dir=tmp_path / name,
+                                                                          seed=0, **kwargs))
+                         for name, path in (("tiny", tiny_model_path), ("other", other))})
+    codec = TextCodec.from_pretrained(tiny_model_path)
+    prompts = ["12+7=", "rev abcd=", "srt 5312="]
+
+    def greedy(model, tag):
+        if engines.awake != model:
+            engines.switch(model)
+        return engines.engine(model).generate([GenerationRequest(f"{tag}-{i}", "base", None, codec.encode_prompt(p),
+                                                                 0.0, 8) for i, p in enumerate(prompts)])
+    try:
+        first = {model: greedy(model, f"first-{model}") for model in ("tiny", "other")}
+        awake_free = torch.cuda.mem_get_info()[0]
+        engines.sleep("other")
+        asleep_free, total = torch.cuda.mem_get_info()
+        assert asleep_free - awake_free > 0.2 * total, "a sleeping engine gives its share of the GPU back"
+        for model in ("tiny", "other", "tiny", "other"):
+            for again, ref in zip(greedy(model, f"again-{model}-{len(engines.switches)}"), first[model]):
+                assert again.completion_ids == ref.completion_ids
+                np.testing.assert_allclose(again.logprobs, ref.logprobs, atol=1e-5)
+        assert any(a.completion_ids != b.completion_ids or abs(a.logprobs[0] - b.logprobs[0]) > 1e-3
+                   for a, b in zip(first["tiny"], first["other"])), "two models, two outputs"
+        print(f"switches (sleep + wake, s): {[round(s.total_s, 3) for s in engines.switches]}")
+    finally:
+        engines.close()
