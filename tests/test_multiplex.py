@@ -301,14 +301,14 @@ def test_trainers_need_a_gpu_each_and_a_rank_whose_trainer_still_runs_is_never_r
     assert ModelPool(2, ["a", "b"], switch_s=0.5, slots=4).release("a", pinned={0}) == []
 
 
-def test_on_policy_jobs_with_trainers_in_the_pool_meet_the_goal_and_colocation_is_where_it_comes_from():
+def test_on_policy_jobs_with_trainers_in_the_pool_halve_the_gpu_hours_as_colocated_jobs_do():
     jobs = _gap_jobs()
     dedicated, colocated = run_dedicated(jobs), run_colocated(jobs)
     pooled = run_shared(jobs, ranks=2, release=True, trainers_in_pool=True)
     _audited(pooled, jobs)
     for alone, together in zip(dedicated.jobs, pooled.jobs):
         assert together.end_time <= 1.10 * alone.end_time
-    assert pooled.gpu_hours <= 0.7 * dedicated.gpu_hours, "the issue's goal: 30% fewer GPU-hours, <= 10% slower"
+    assert pooled.gpu_hours <= 0.55 * dedicated.gpu_hours, "the trainer GPUs' idle time is gone"
     assert pooled.gpu_hours == pytest.approx(colocated.gpu_hours, rel=0.02), "each job alone on its GPU does as well"
 
 

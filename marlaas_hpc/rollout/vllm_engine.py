@@ -88,7 +88,7 @@ def start_llm(LLM, model: str, own_process: bool, **kwargs):
     frees every allocation of the process whichever engine made it, so engines of several models on one GPU can
     sleep apart only in processes of their own (rollout/engine_set.py). What that costs: vLLM starts the core by
     spawning a process that imports the rank's main module (runtime/main.py starts no MPI at import), a slower
-    start (measured ~39 s against ~10 s on the CPU twin under load), and every `collective_rpc` of a function
+    start (two tiny-model engines: 32-43 s against 9-13 s in process, CPU twin), and every `collective_rpc` of a function
     (the in-memory adapters, the KV scrub) pickled to the core over its local ZMQ socket:
     VLLM_ALLOW_INSECURE_SERIALIZATION=1, process-wide (vLLM refuses a function otherwise). The core process loads
     vLLM's general plugins, where this package's (rollout/vllm_plugin.py, a pyproject.toml entry point) installs
