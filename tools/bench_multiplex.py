@@ -37,6 +37,9 @@ back the ranks the other job would not have had alone, and a given-back GPU coun
 '+gaps+release' (also ModelPool `fill_gaps`: a rank whose model's groups all wait on tool calls switches to the
 other model; the parked contexts are prefilled again on return, column 're-pf').
 
+`--trainer-scale K` multiplies every trainer step's cost by K in both tables (rollout costs unchanged): longer
+LoRA steps, as a larger model's, against the same generation; sync rounds then leave the rollout GPUs idle longer.
+
 Both tables also show 'dedicated coloc' (each job alone, its trainer rank on its own rollout GPU as
 layout.share_gpus places it: sim/multiplex.py `run_colocated`) and the rows '+trainers...' (the same policies
 with every job's trainer ranks on the pool's GPUs, one per GPU from the front, `trainers_in_pool`; a pool with
@@ -108,6 +111,18 @@ switching ranks in tool-call gaps, and the same two with every job's trainer ran
 (layout.share_gpus) instead of GPUs of their own."""
 
 
+def heavier_training(pair: list[PoolJob], scale: float) -> list[PoolJob]:
+    """Each job's trainer step costs (fixed, per token, per task) times `scale`, rollout costs unchanged: the
+    longer LoRA steps of a larger model, or of more tokens per step, against the same generation."""
+    def heavier(job: PoolJob) -> PoolJob:
+        t = job.workload.trainer
+        trainer = dataclasses.replace(t, step_fixed=t.step_fixed * scale, per_token=t.per_token * scale,
+                                      per_task=t.per_task * scale)
+        return dataclasses.replace(job, workload=dataclasses.replace(job.workload, trainer=trainer))
+
+    return [heavier(job) for job in pair]
+
+
 def table(pair: list[PoolJob], ranks: int, pools: list[int], switch: EngineSwitch, seed: int,
           policies: tuple[str, ...]) -> None:
     """The dedicated row, then a shared row per policy and pool size."""
@@ -159,18 +174,22 @@ def main() -> None:
     parser.add_argument("--tool-latency", type=float, default=2.0, help="second table: median web-search call, s")
     parser.add_argument("--gap-pool", type=int, nargs="+", help="second table's pool sizes (default 2 x down to 1 x)")
     parser.add_argument("--table", choices=("both", "first", "gaps"), default="both")
+    parser.add_argument("--trainer-scale", type=float, default=1.0,
+                        help="both tables: every trainer step's cost times this (rollout costs unchanged)")
     args = parser.parse_args()
     switch = EngineSwitch(sleep=args.sleep, wake=args.wake)
     start = time.perf_counter()
     if args.table in ("both", "first"):
-        pair = jobs(args.gsm_tasks, args.search_tasks, args.ranks, args.staleness, args.steps, args.mode)
+        pair = heavier_training(jobs(args.gsm_tasks, args.search_tasks, args.ranks, args.staleness, args.steps,
+                                     args.mode), args.trainer_scale)
         print(f"A: {args.gsm_tasks} GSM8K-like tasks, B: {args.search_tasks} search-like tasks; {args.steps} steps, "
               f"k={args.staleness}, {args.mode}; switch {switch.seconds:.2f} s (sleep {switch.sleep} + wake "
-              f"{switch.wake})")
+              f"{switch.wake}); trainer steps x{args.trainer_scale:g}")
         table(pair, args.ranks, args.pool or list(range(2 * args.ranks, args.ranks - 1, -1)), switch, args.seed,
               tuple(POLICIES) if args.fill_gaps else ("shared",))
     if args.table in ("both", "gaps"):
-        pair = gap_jobs(args.gap_tasks, args.gap_ranks, args.gap_steps, args.tool_latency)
+        pair = heavier_training(gap_jobs(args.gap_tasks, args.gap_ranks, args.gap_steps, args.tool_latency),
+                                args.trainer_scale)
         print(f"\ngap workload: A: {args.gap_tasks} GSM8K task(s), B: {args.gap_tasks} web-search agent task(s) "
               f"(3 calls, median {args.tool_latency} s); {args.gap_steps} steps, k=0, sync; switch "
               f"{switch.seconds:.2f} s")
