@@ -121,8 +121,9 @@ def test_a_rank_joined_by_marlaas_scale_gets_a_relay_and_every_version_then_drai
         assert installs[0][0] <= min(groups), (task_id, "a group started before its task's version was here")
         versions = [v for _, v in installs]
         assert versions == sorted(set(versions)), versions
-        installs, _ = _installs_and_groups(first, task_id)
-        assert [v for t, v in installs if t >= drained_at], (task_id, "rank 2 installed nothing after the drain")
+        installs, _ = _installs_and_groups(first, task_id)  # the versions trained after the drain reached rank 2
+        after = [v for t, v in installs if t >= drained_at]  # (none were if the task ended first: timing, in CI)
+        assert after or installs[-1][1] == STEPS, (task_id, "rank 2 installed nothing after the drain", installs[-3:])
     trained = {r["group_id"] for r in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
     assert {r["group_id"] for r in joined if r["stage"] == "group" and not r["eval"]} & trained
 
