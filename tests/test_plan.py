@@ -31,15 +31,20 @@ def shipped(tmp_path, **changes) -> Path:
     """The shipped GPU config with `changes` (dotted keys) and a random shape as its model."""
     data = yaml.safe_load(SHIPPED.read_text())
     data["model"] = "random:qwen3-0.6b"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(with_changes(data, changes)))
+    return path
+
+
+def with_changes(data: dict, changes: dict) -> dict:
+    """`data` (a loaded config) with each `changes` value set at its dotted key ("layout.trainer_tp")."""
     for dotted, value in changes.items():
         *parents, last = dotted.split(".")
         node = data
         for key in parents:
             node = node[key]
         node[last] = value
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return data
 
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "qwen3-8b-mini"])

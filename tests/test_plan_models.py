@@ -10,6 +10,7 @@ from marlaas_hpc.cli import main as marlaas
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.plan.command import check_fits, job_model_dims, job_plan, trainer_inputs
+from test_plan import with_changes
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "qwen3-0.6b-gsm8k.yaml"
@@ -26,14 +27,8 @@ def two_models(tmp_path, models=None, **changes) -> Path:
     data["layout"].update(trainer_tp=1, trainer_groups=2, trainer_group_models=["small", "big"])
     for i, task in enumerate(data["tasks"]):
         task["base_model"] = "small" if i < 4 else "big"
-    for dotted, value in changes.items():
-        *parents, last = dotted.split(".")
-        node = data
-        for key in parents:
-            node = node[key]
-        node[last] = value
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.write_text(yaml.safe_dump(with_changes(data, changes), sort_keys=False))
     return path
 
 
