@@ -116,6 +116,25 @@ def test_rank_0_hands_the_rank_of_a_model_with_no_work_left_to_the_other(tmp_pat
     assert len(builds) == 2 and all(n["start"] >= engines_up for n in builds), "share_gpus: trainers after engines"
 
 
+def _started_demo(tmp_path, tiny_steps: int, chat_steps: int, **layout):
+    """The demo job of two models (ULFM local mode: it may gain and lose ranks) with `layout` changes, tiny_steps /
+    chat_steps steps of 4 prompts per task, started and past each model's first version. Returns its config (as
+    written), run dir and `Job`."""
+    from test_fault_matrix import Job
+
+    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    config["layout"].update(layout)
+    for task in config["tasks"]:
+        steps = tiny_steps if MODEL_OF[task["task_id"]] == "tiny" else chat_steps
+        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = steps, 4, 8
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "run"
+    job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
+    job.wait_lines("[gsm8k-hash] v1", "[sort-a] v1")
+    return config, run_dir, job
+
+
 def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns_then_drains(tmp_path):
     """`marlaas scale` 1 -> 2 -> 1 in a job of two models (ULFM local mode): the joined rank (world rank 5) enters
     rank 0's model pool, which sends it Serve for a model before its first group; it follows rank 0 as the first
@@ -125,20 +144,12 @@ def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns_then_dra
     import time
 
     from marlaas_hpc.launch.mpi import ulfm_prefix
-    from test_fault_matrix import Job
     from test_fault_tolerance import _scale
 
     if ulfm_prefix() is None:
         pytest.skip("needs the ULFM Open MPI (tools/setup_env.sh)")
-    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
-    for task in config["tasks"]:  # long enough that the job still runs once the joiner's engines are up
-        tiny = MODEL_OF[task["task_id"]] == "tiny"
-        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = (60 if tiny else 10), 4, 8
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run_dir = tmp_path / "run"
-    job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
-    job.wait_lines("[gsm8k-hash] v1", "[sort-a] v1")
+    # long enough that the job still runs once the joiner's engines are up
+    config, run_dir, job = _started_demo(tmp_path, tiny_steps=60, chat_steps=10)
     _scale(run_dir, 2)
     job.wait_lines("[scale] rollout rank 5 joined")
     serving = {}
@@ -195,20 +206,11 @@ def test_a_replacement_for_a_lost_rank_enters_the_pool(tmp_path):
     import time
 
     from marlaas_hpc.launch.mpi import ulfm_prefix
-    from test_fault_matrix import Job
 
     if ulfm_prefix() is None:
         pytest.skip("needs the ULFM Open MPI (tools/setup_env.sh)")
-    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
-    config["layout"].update(rollout_ranks=2, rollout_replace=True)
-    for task in config["tasks"]:
-        tiny = MODEL_OF[task["task_id"]] == "tiny"
-        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = (40 if tiny else 8), 4, 8
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run_dir = tmp_path / "run"
-    job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
-    job.wait_lines("[gsm8k-hash] v1", "[sort-a] v1")
+    config, run_dir, job = _started_demo(tmp_path, tiny_steps=40, chat_steps=8, rollout_ranks=2,
+                                         rollout_replace=True)
     victim = json.loads((run_dir / "ranks" / "rank2.json").read_text())
     os.kill(victim["pid"], signal.SIGSTOP)  # held a moment first, so that it holds groups when it dies
     time.sleep(1.0)
