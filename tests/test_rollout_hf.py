@@ -1,6 +1,8 @@
 """transformers + PEFT rollout engine: left padding, mixed-adapter batches, behaviour logprobs, version pinning."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -184,3 +186,21 @@ def test_hf_engine_ignores_the_checkpoints_sampling_defaults_quietly(capfd):
     assert [len(g.completion_ids) for g in gens] == [4, 4]
     err = capfd.readouterr().err
     assert "generation flags are not valid" not in err, err
+
+
+def test_hf_sampled_rows_decode_bit_identically_whether_or_not_greedy_rows_share_the_step(hf_engine, codec):
+    """Evals (greedy rows) reach a rollout rank at timing-dependent moments; a step decodes them apart from the
+    sampled (training) rows, so a training group's logprobs, and a job's adapters after them, do not depend on
+    whether an eval arrived in the same step (an fp32 row's logprobs change in their last bits with the batch's
+    make-up: another padded width, other matmul shapes)."""
+    sampled = [GenerationRequest(f"alone-{i}", "t1", 0, codec.encode_prompt(text), 1.0, 8, seed=i)
+               for i, text in enumerate(PROMPTS[:3])]
+    alone = hf_engine.generate(sampled)
+    evals = [GenerationRequest(f"eval-{i}", "base", None, codec.encode_prompt(text * 3), 0.0, 8)
+             for i, text in enumerate(PROMPTS)]
+    together = hf_engine.generate([dataclasses.replace(r, request_id="with-" + r.request_id) for r in sampled]
+                                  + evals)
+    together = {g.request_id: g for g in together}
+    for gen in alone:
+        mixed = together["with-" + gen.request_id]
+        assert (mixed.completion_ids, mixed.logprobs) == (gen.completion_ids, gen.logprobs), gen.request_id

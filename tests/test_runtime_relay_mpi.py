@@ -10,7 +10,10 @@ item 1), whole local jobs under mpirun (HF engine, tiny model, CPU, gloo links):
 - a sync job of one task gives bit-identical adapters at every version, and the same rewards and losses, under
   relays as under the broadcast (the rollouts at each version sampled the same tokens with the same logprobs, or
   the next version would differ). One task: with two, which task's version lands first between two engine steps
-  decides an engine batch's make-up, and the HF engine's float rounding with it, in either transport.
+  decides an engine batch's make-up, and the HF engine's float rounding with it, in either transport. The task's
+  evals reach the rank at timing-dependent moments too: the HF engine decodes them apart from training rows
+  (rollout/hf_engine.py `step`), and a step's groups reach the trainer in sampling order (scheduler `_train`);
+  before both, a loaded CI machine gave adapters differing in their last bits from v0001 on.
 """
 import json
 from collections import Counter

@@ -109,6 +109,20 @@ def test_late_generated_with_a_newer_version_keeps_the_oldest_groups_first():
     assert {r.group_id: r.behaviour_version for r in sched.audit if r.trained_into == 2}[gids[3]] == 1
 
 
+def test_a_step_s_groups_go_to_the_trainer_in_sampling_order_whatever_order_they_were_scored_in():
+    """Env ranks score a version's groups in any order; the Train lists them by version, then prompt: the
+    trainer's float sums (and the adapter bytes) do not depend on which env rank answered first."""
+    trains = []
+    for order in ((0, 1, 2), (2, 0, 1)):
+        sched = Scheduler(SchedulerConfig(rollout_ranks=(1,), env_ranks=(2,), rollout_slots=50), clock=lambda: 0.0)
+        sched.handle(Submit(spec("a", 0, steps=2, batch=3)))
+        gids = [g for c in sched.handle(StepDone("a", 0)) if isinstance(c, Generate) for g, _ in c.groups]
+        sched.handle(Generated(1, tuple(gids)))
+        commands = [c for i in order for c in sched.handle(Scored(gids[i], float(i)))]
+        trains += [c.group_ids for c in commands if isinstance(c, Train)]
+    assert trains == [tuple(gids)] * 2
+
+
 def test_a_slot_is_held_for_a_turn_in_the_engine_not_through_tool_waits():
     """A multi-turn group's Generated (its turn left the engine) frees its rollout slot for another task's groups;
     its Resumed (next turn entered the batch) takes one again, past rollout_slots if need be, and no new group is

@@ -16,6 +16,7 @@ in float32, copied to the host after every batch).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from pathlib import Path
 
@@ -226,8 +227,13 @@ class HfEngine(RolloutEngine):
     def step(self) -> list[Generation]:
         queue, self._queue = self._queue, []
         done = []
-        for ignore_stop in (False, True):  # a batch either ends rows at stop tokens or samples through them
-            part = [item for item in queue if item[0].ignore_stop == ignore_stop]
+        # a batch either ends rows at stop tokens or samples through them; greedy rows (evals) decode apart from
+        # sampled (training) rows: a row's fp32 logprobs change in their last bits with its batch's make-up, and
+        # an eval reaches the rank at a timing-dependent moment, so sharing its step would make a training
+        # group's logprobs (and the adapters trained on them) differ between two runs of one job
+        for ignore_stop, greedy in itertools.product((False, True), (False, True)):
+            part = [(req, generator) for req, generator in queue
+                    if req.ignore_stop == ignore_stop and (req.temperature == 0) == greedy]
             size = self.max_batch_size or max(len(part), 1)
             for i in range(0, len(part), size):
                 finished, unfinished = self._generate_batch(part[i:i + size])

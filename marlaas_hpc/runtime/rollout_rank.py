@@ -30,6 +30,7 @@ once that model's engine is awake the rank answers `Served` with the switch's me
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,15 @@ from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, Continue
 from marlaas_hpc.runtime.repack import RepackGroup
 from marlaas_hpc.scheduler import Generated, Resumed
 from marlaas_hpc.scheduler.rank_models import Serve, Served
+
+
+def turn_seed(job_seed: int, group_id: str, turn: int) -> int:
+    """The sampling seed of a group's turn, from the job's seed and the turn's identity only; episode j samples
+    with seed + j (consecutive seeds: VllmEngine sends the G requests as one vLLM request of G samples). A counter
+    of submissions gave a group other tokens when an eval (or another task's group) happened to reach the rank
+    before it, so two runs of one job diverged at a timing-dependent moment."""
+    digest = hashlib.blake2b(f"{job_seed}:{group_id}@{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 2**20)  # room for seed + j (G < 2**20)
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,6 @@ class RolloutRank:
         self.open_groups: dict[str, _SamplingGroup] = {}
         self.requests: dict[str, _RequestOf] = {}
         """Engine request id -> the group, episode and turn it samples (until it finishes)."""
-        self.counter = 0
         self.clock = BusyClock()
         if self.pins is not None:  # relay mode: each re-forming of the tier goes on this rank's timeline
             self.pins.clock = self.clock
@@ -298,8 +307,8 @@ class RolloutRank:
         entry.waiting, entry.done = set(episodes), {}
         entry.newest = self.versions.get(work.adapter_key)
         requests = []
+        seed = turn_seed(self.seed, entry.group.group_id, entry.turn)
         for j, context in zip(episodes, contexts):
-            self.counter += 1
             request_id = f"{entry.group.group_id}#{j}@{entry.turn}"  # unique and readable; never parsed back
             self.requests[request_id] = _RequestOf(entry.group.group_id, j, entry.turn)
             requests.append(GenerationRequest(
@@ -308,7 +317,7 @@ class RolloutRank:
                 max_new_tokens=self._turn_cap(work, len(context)) if entry.group.completion_tokens is None
                 else entry.group.completion_tokens[j],
                 ignore_stop=entry.group.completion_tokens is not None,
-                seed=(self.seed * 1_000_003 + self.rank * 7919 + self.counter) % (2**31)))
+                seed=seed + j))
         return requests
 
     @staticmethod

@@ -734,6 +734,9 @@ class Scheduler:
                 continue
             # oldest versions first (ready is in version order): they are closest to the bound
             batch, task.ready = task.ready[: task.batch], task.ready[task.batch:]
+            # the step's rows in sampling order, not scoring order: which env rank scored first then does not
+            # change the trainer's float sums (a job replays bit for bit)
+            batch.sort(key=lambda g: (g.version, g.prompt_index, g.group_id))
             task.training = batch
             self.training.add(task.task_id)
             busy[group] += 1
