@@ -168,17 +168,19 @@ def test_bench_prints_the_dedicated_and_shared_rows():
             "--gap-steps", "2", "--gap-pool", "2", "1"]
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_multiplex.py"), *args], capture_output=True,
                          text=True, timeout=300, check=True).stdout
-    lines = [line for line in out.splitlines() if line.startswith(("dedicated", "shared", "+"))]
+    lines = [line for line in out.splitlines() if line.startswith(("dedicated", "shared", "+", "cores"))]
     rows = [line for line in lines if line.count("|") > 2]
     assert [row.split("|")[0].strip() for row in rows] == [
         "dedicated 1+1", "dedicated coloc 1", "shared pool 2", "shared pool 1",  # the first workload
         "dedicated 1+1", "dedicated coloc 1"] + [  # the gap workload
         f"{policy} pool {size}" for policy in ("shared", "+release", "+gaps+release") for size in (2, 1)] + [
-        "+trainers+release pool 2", "+trainers+gaps+rel pool 2"]  # pool 1: no room for both trainer ranks
+        "+trainers+release pool 2", "+trainers+gaps+rel pool 2",  # pool 1: no room for both trainer ranks
+        "cores s=1 pool 2", "cores s=1 pool 1", "+trainers cores s=1 pool 2"]  # engines side by side
     assert all(row.split("|")[-2].strip() == "0" for row in rows), "no staleness violation"
     assert not any(" !" in row for row in rows), "every job finished"
     refused = [line for line in lines if line.count("|") == 1]
-    assert [line.split("|")[0].strip() for line in refused] == ["+trainers+release pool 1", "+trainers+gaps+rel pool 1"]
+    assert [line.split("|")[0].strip() for line in refused] == ["+trainers+release pool 1", "+trainers+gaps+rel pool 1",
+                                                               "+trainers cores s=1 pool 1"]
     assert all("one GPU per trainer rank" in line for line in refused)
 
 

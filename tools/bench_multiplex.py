@@ -45,11 +45,17 @@ layout.share_gpus places it: sim/multiplex.py `run_colocated`) and the rows '+tr
 with every job's trainer ranks on the pool's GPUs, one per GPU from the front, `trainers_in_pool`; a pool with
 fewer GPUs than trainer ranks is refused, and the row says so); the last column 'vs coloc' compares each row's
 GPU-hours with the colocated jobs': what time-slicing across models adds to colocating each job's trainer.
+
+Rows 'cores s=S' (the gap table always, the first with `--fill-gaps`): every model's engine resident and awake on
+every pool GPU, decoding side by side (sim/coresident.py `run_coresident`, ranks given back as jobs end), each
+engine step also waiting for S x the other engines' steps on its GPU (`--interference`, default 1: no overlap;
+not measured); '+trainers cores' puts the trainer ranks in the pool as above.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -59,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 from marlaas_hpc.config import JobConfig  # noqa: E402
 from marlaas_hpc.scheduler import MODES  # noqa: E402
+from marlaas_hpc.sim.coresident import run_coresident  # noqa: E402
 from marlaas_hpc.sim.multiplex import EngineSwitch, PoolJob, run_colocated, run_dedicated, run_shared  # noqa: E402
 from marlaas_hpc.sim.setup import copies_to, setup_from_job  # noqa: E402
 from marlaas_hpc.sim.workload import Distribution, load_workload  # noqa: E402
@@ -99,7 +106,7 @@ def gap_jobs(tasks: int, ranks: int, steps: int, tool_latency_s: float) -> list[
             PoolJob(model="B-websearch", setup=setup(search, tasks), workload=web)]
 
 
-HEADER = " | ".join([f"{'rollout':<25}", "GPUs", "  GPU-h", "  vs ded", "    A e2e s  slow", "    B e2e s  slow",
+HEADER = " | ".join([f"{'rollout':<28}", "GPUs", "  GPU-h", "  vs ded", "    A e2e s  slow", "    B e2e s  slow",
                      "idle roll", "idle train", "switches", "  re-pf", "viol.", "vs coloc"])
 
 
@@ -109,6 +116,10 @@ POLICIES = {"shared": {}, "+release": {"release": True}, "+gaps+release": {"fill
 """Row label -> run_shared's policy options: the pool as before, releasing ranks when a job ends, also
 switching ranks in tool-call gaps, and the same two with every job's trainer ranks on the pool's GPUs
 (layout.share_gpus) instead of GPUs of their own."""
+
+CORESIDENT = {"coresident": {"release": True}, "+trainers coresident": {"release": True, "trainers_in_pool": True}}
+"""Row label -> run_coresident's options: every model's engine awake on every pool GPU (sim/coresident.py),
+ranks given back as jobs end, trainers on GPUs of their own or in the pool."""
 
 
 def heavier_training(pair: list[PoolJob], scale: float) -> list[PoolJob]:
@@ -124,7 +135,7 @@ def heavier_training(pair: list[PoolJob], scale: float) -> list[PoolJob]:
 
 
 def table(pair: list[PoolJob], ranks: int, pools: list[int], switch: EngineSwitch, seed: int,
-          policies: tuple[str, ...]) -> None:
+          policies: tuple[str, ...], interferences: tuple[float, ...] = ()) -> None:
     """The dedicated row, then a shared row per policy and pool size."""
     dedicated = run_dedicated(pair, seed)
     colocated = run_colocated(pair, seed, switch)
@@ -136,13 +147,22 @@ def table(pair: list[PoolJob], ranks: int, pools: list[int], switch: EngineSwitc
             try:
                 result = run_shared(pair, size, switch, seed, **POLICIES[policy])
             except SpecError as error:  # trainers in a pool smaller than their ranks
-                print(f"{policy + ' pool ' + str(size):<25} | {error}")
+                print(f"{policy + ' pool ' + str(size):<28} | {error}")
                 continue
             print(row(f"{policy} pool {size}", result, dedicated, colocated), flush=True)
+    for policy, interference in itertools.product(CORESIDENT, interferences):
+        for size in pools:
+            label = f"{policy.replace('coresident', 'cores')} s={interference:g} pool {size}"
+            try:
+                result = run_coresident(pair, size, seed, interference, **CORESIDENT[policy])
+            except SpecError as error:
+                print(f"{label:<28} | {error}")
+                continue
+            print(row(label, result, dedicated, colocated), flush=True)
 
 
 def row(label: str, result, dedicated, colocated) -> str:
-    cells = [f"{label:<25}", f"{result.gpus:>5}", f"{result.gpu_hours:>7.3f}",
+    cells = [f"{label:<28}", f"{result.gpus:>5}", f"{result.gpu_hours:>7.3f}",
              f"{result.gpu_hours / dedicated.gpu_hours - 1:>+7.1%}"]
     for job, alone in zip(result.jobs, dedicated.jobs):
         done = set(job.statuses.values()) == {"done"}
@@ -167,7 +187,11 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=EngineSwitch().sleep, help="engine sleep, seconds")
     parser.add_argument("--wake", type=float, default=EngineSwitch().wake, help="engine wake + warm-up, seconds")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fill-gaps", action="store_true", help="first table: also the new policies' rows")
+    parser.add_argument("--fill-gaps", action="store_true",
+                        help="first table: also the other policies' rows (gaps, release, trainers, co-resident)")
+    parser.add_argument("--interference", type=float, nargs="*", default=[1.0],
+                        help="co-resident rows (sim/coresident.py), one set per value: how much of the other "
+                             "engines' decode step an engine step waits for on a shared GPU (1: none overlaps)")
     parser.add_argument("--gap-tasks", type=int, default=1, help="second table: tasks per job")
     parser.add_argument("--gap-ranks", type=int, default=1, help="second table: dedicated rollout GPUs per job")
     parser.add_argument("--gap-steps", type=int, default=10, help="second table: steps per task")
@@ -186,7 +210,7 @@ def main() -> None:
               f"k={args.staleness}, {args.mode}; switch {switch.seconds:.2f} s (sleep {switch.sleep} + wake "
               f"{switch.wake}); trainer steps x{args.trainer_scale:g}")
         table(pair, args.ranks, args.pool or list(range(2 * args.ranks, args.ranks - 1, -1)), switch, args.seed,
-              tuple(POLICIES) if args.fill_gaps else ("shared",))
+              tuple(POLICIES) if args.fill_gaps else ("shared",), tuple(args.interference) if args.fill_gaps else ())
     if args.table in ("both", "gaps"):
         pair = heavier_training(gap_jobs(args.gap_tasks, args.gap_ranks, args.gap_steps, args.tool_latency),
                                 args.trainer_scale)
@@ -194,7 +218,7 @@ def main() -> None:
               f"(3 calls, median {args.tool_latency} s); {args.gap_steps} steps, k=0, sync; switch "
               f"{switch.seconds:.2f} s")
         table(pair, args.gap_ranks, args.gap_pool or list(range(2 * args.gap_ranks, args.gap_ranks - 1, -1)), switch,
-              args.seed, tuple(POLICIES))
+              args.seed, tuple(POLICIES), tuple(args.interference))
     print(f"({time.perf_counter() - start:.1f} s wall; '!' marks a job that did not finish)")
 
 
