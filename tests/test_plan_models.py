@@ -133,3 +133,20 @@ def test_a_whole_fused_step_is_sized_by_the_tasks_of_the_group_s_model(tmp_path)
     width = job.vllm.max_model_len
     assert trainer_inputs(job, dims["small"], model="small").micro_batch_tokens == job.trainer_slots * 16 * 8 * width
     assert trainer_inputs(job, dims["big"], model="big").micro_batch_tokens == job.trainer_slots * 64 * 8 * width
+
+
+def test_sleeping_weights_over_the_rollout_node_s_memory_are_refused_naming_layout_rollout_mem(tmp_path, capsys):
+    """Two rollout ranks on one node, each holding Qwen3-0.6B's 1.11 GiB asleep: 2.22 GiB of host RAM, over a
+    2 GiB `layout.rollout.mem` and within 3G (or within 2G once the ranks are on two nodes)."""
+    tight = two_models(tmp_path, **{"layout.trainer_tp": 2, "layout.rollout_ranks": 2, "layout.rollout.mem": "2G"})
+    code, stdout, stderr = plan(capsys, tight)
+    assert code == 1
+    assert "host RAM per node: sleeping engines weights" in stdout and "2.22 GiB  DOES NOT FIT in 2.00 GiB" in stdout
+    assert stderr.startswith("marlaas: layout.rollout.mem: the sleeping engines' weights (model small) take "
+                             "2.22 GiB"), stderr
+    with pytest.raises(SpecError) as caught:
+        check_fits(JobConfig.load(tight).validate(), gpus_visible=True)
+    assert caught.value.field == "layout.rollout.mem"
+    for changes in ({"layout.rollout.mem": "3G"}, {"layout.rollout.mem": "2048", "layout.rollout.nodes": 2}):
+        roomy = two_models(tmp_path, **{"layout.trainer_tp": 2, "layout.rollout_ranks": 2, **changes})
+        assert plan(capsys, roomy)[0] == 0

@@ -15,6 +15,7 @@ trainer rank per model and prints what it measured next to the estimate.
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,10 +50,13 @@ class RankPlan:
     notes: list[str] = field(default_factory=list)
     model: str | None = None
     """The model's name in `JobConfig.model_names` (a job of several models), else None."""
+    host: tuple[int, int] | None = None
+    """(bytes, limit): host RAM per node this rank kind needs beyond its process, against the component's
+    `mem` (sleeping engines' weights, a rollout rank of several models); None when not checked."""
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.limit
+        return self.total <= self.limit and (self.host is None or self.host[0] <= self.host[1])
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -320,7 +324,36 @@ def models_rollout_plan(job, dims: dict[str, ModelDims]) -> RankPlan:
         notes.append(f"each sleeping engine's core runs in a process of its own (vllm.engine_process), whose CUDA "
                      f"context stays on the GPU: ~{_gib(len(asleep) * CUDA_CONTEXT_BYTES)} beside vLLM's share")
     plan = rollout_plan(job, dims[awake], awake)
-    return replace(plan, title=f"{plan.title} (the largest engine of {len(dims)})", notes=notes)
+    plan = replace(plan, title=f"{plan.title} (the largest engine of {len(dims)})", notes=notes)
+    return with_host_check(job, plan, host, asleep)
+
+
+def with_host_check(job, plan: RankPlan, host_per_rank: int, asleep: list[str]) -> RankPlan:
+    """The rollout plan checked for host RAM when `layout.rollout.mem` is set: each node holds its share of the
+    rollout ranks, each with the sleeping engines' weights (`host_per_rank`) on top of its own process."""
+    limit = slurm_mem_bytes(job.layout.rollout.mem)
+    if limit is None:
+        return plan
+    ranks = math.ceil(job.layout.rollout_ranks / job.layout.rollout.nodes)
+    needed = ranks * host_per_rank
+    advice, model = plan.advice, plan.model
+    if needed > limit and plan.total <= plan.limit:  # the refusal names the sleeping models, not the awake one
+        model = None
+        advice = ("layout.rollout.mem",
+                  f"the sleeping engines' weights (model {', '.join(asleep)}) take {_gib(needed)} of host RAM per "
+                  f"node ({ranks} rollout rank(s) x {_gib(host_per_rank)}), more than layout.rollout.mem "
+                  f"{job.layout.rollout.mem}: raise it, or spread the rollout ranks over more nodes "
+                  "(layout.rollout.nodes)")
+    return replace(plan, advice=advice, model=model, host=(needed, limit), limit_label=f"{plan.limit_label}, "
+                   f"{ranks} rollout rank(s) per node in layout.rollout.mem {job.layout.rollout.mem}")
+
+
+def slurm_mem_bytes(mem: str | None) -> int | None:
+    """sbatch --mem as bytes: a number with an optional K/M/G/T suffix, megabytes without one (Slurm's unit)."""
+    if mem is None:
+        return None
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    return int(mem[:-1]) * scale[mem[-1]] if mem[-1] in scale else int(mem) * 2**20
 
 
 # ---------------------------------------------------------------------------------------------- job
@@ -431,11 +464,16 @@ def print_plan(plan: RankPlan) -> None:
     print(f"{plan.title}, {plan.limit_label}:")
     for label, size in plan.lines:
         print(f"  {label:<96} {size / GIB:8.2f} GiB")
-    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    verdict = "fits" if plan.total <= plan.limit else "DOES NOT FIT"
     if plan.kind == "trainer":
         print(f"  {'total':<96} {plan.total / GIB:8.2f} GiB  {verdict} in {_gib(plan.limit)}")
     else:
         print(f"  {'vLLM takes':<96} {plan.limit / GIB:8.2f} GiB  {verdict}")
+    if plan.host is not None:
+        needed, limit = plan.host
+        verdict = "fits" if needed <= limit else "DOES NOT FIT"
+        print(f"  {'host RAM per node: sleeping engines weights':<96} {needed / GIB:8.2f} GiB  {verdict} in "
+              f"{_gib(limit)}")
     for note in plan.notes:
         print(f"  note: {note}")
 
