@@ -77,6 +77,17 @@ def _check_audit(config: dict, run_dir, steps: int) -> dict:
     return summary
 
 
+def _join_config(steps: int) -> dict:
+    """The small job for the replacement test, whose new rank must get training groups: `add` at k=1, so that
+    either task alone has (k+1) x B = 8 groups outstanding, more than one rank's 4 slots (rank 0 fills ranks in
+    order, so a joiner gets groups only when the first rank is full). With k=0 a CI run saw `sort` end before the
+    replacement was up, and `add`'s 4 groups all went to the surviving rank. (The scale test keeps k=0: with k=1 its
+    job's end hung once here, its components CANCELLED at the test's timeout; not looked into.)"""
+    config = _config(steps)
+    next(task for task in config["tasks"] if task["task_id"] == "add")["max_staleness"] = 1
+    return config
+
+
 def _joined_groups(run_dir, rank: int) -> list[dict]:
     path = run_dir / "timeline" / f"rank{rank}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if '"stage": "group"' in line]
@@ -87,7 +98,7 @@ def test_rollout_replace_starts_the_new_rank_on_the_dead_ranks_node_under_ulfm(c
     rank's node, in its slot (its SLURM_* variables, so launch/devices.py gives it that rank's GPU), generates groups
     that are trained, and the job finishes by itself with every version trained exactly once."""
     steps = 40
-    config = _config(steps)
+    config = _join_config(steps)
     config["layout"].update(mpi="ulfm", rollout_ranks=2, rollout_replace=True)
     job_id, run_dir, _ = _submit(config, tmp_path)
     assert _preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
