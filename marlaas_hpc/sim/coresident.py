@@ -26,9 +26,8 @@ import dataclasses
 
 from marlaas_hpc.scheduler import Submit
 from marlaas_hpc.sim.engine import EventQueue, RolloutSim, Simulation
-from marlaas_hpc.sim.multiplex import (JobResult, PooledRolloutSim, PooledSimulation, PooledTrainerSim, PoolJob,
-                                       PoolResult, trainer_idle_s, trainer_placement)
-from marlaas_hpc.sim.report import staleness_violations
+from marlaas_hpc.sim.multiplex import (PooledRolloutSim, PooledSimulation, PooledTrainerSim, PoolJob, PoolResult,
+                                       pooled_results, trainer_placement)
 from marlaas_hpc.tasks.spec import SpecError
 
 
@@ -82,16 +81,7 @@ def run_coresident(jobs: list[PoolJob], ranks: int, seed: int = 0, interference:
     trainer GPUs outside the pool until it ends."""
     pool = CoresidentPool(jobs, ranks, seed, interference, trainers_in_pool, release, tick_s)
     pool.run(horizon_s)
-    results = []
-    for job, sim in zip(jobs, pool.sims):
-        end = horizon_s if sim.end_time is None else sim.end_time
-        results.append(JobResult(job.model, end, 0 if trainers_in_pool else job.trainer_gpus(),
-                                 {t: s.status for t, s in sim.scheduler.tasks.items()},
-                                 len(staleness_violations(sim)),
-                                 trainer_idle_s=0.0 if trainers_in_pool else trainer_idle_s(sim, end)))
-    makespan = max(r.end_time for r in results)
-    held = [min(makespan, pool.released_at.get(rank, makespan)) for rank in range(ranks)]
-    hours = (sum(held) + sum(r.gpus * r.end_time for r in results)) / 3600
+    results, held, hours = pooled_results(jobs, pool.sims, pool.released_at, ranks, horizon_s, trainers_in_pool)
     # engines on one GPU overlap in time: a rank's busy time is capped at its held time (idle: a lower bound)
     busy = sum(min(held[rank], sum(engine.meter.busy for engine in engines.values()))
                for rank, engines in enumerate(pool.engines))

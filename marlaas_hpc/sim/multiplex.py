@@ -153,21 +153,29 @@ def run_shared(jobs: list[PoolJob], ranks: int, switch: EngineSwitch | None = No
     GPU is counted apart: `PooledTrainerSim`)."""
     pool = SharedPool(jobs, ranks, switch or EngineSwitch(), seed, tick_s, fill_gaps, release, trainers_in_pool)
     pool.run(horizon_s)
+    results, held, hours = pooled_results(jobs, pool.sims, pool.released_at, ranks, horizon_s, trainers_in_pool)
+    makespan = max(r.end_time for r in results)
+    busy = sum(min(engine.meter.busy, held[rank]) for rank, engines in enumerate(pool.engines)
+               for engine in engines.values())
+    return PoolResult(results, ranks, hours, pool.policy.switches, pool.served_s(makespan),
+                      max(0.0, sum(held) - busy),
+                      sum(engine.reprefill_tokens for engines in pool.engines for engine in engines.values()))
+
+
+def pooled_results(jobs: list[PoolJob], sims: list[Simulation], released_at: dict[int, float], ranks: int,
+                   horizon_s: float, trainers_in_pool: bool) -> tuple[list[JobResult], list[float], float]:
+    """Each job's result on a shared pool, each pool rank's held seconds (until the last job ends or the rank was
+    given back) and the GPU-hours: the pool's held GPUs plus each job's trainer GPUs outside it until it ends."""
     results = []
-    for job, sim in zip(jobs, pool.sims):
+    for job, sim in zip(jobs, sims):
         end = horizon_s if sim.end_time is None else sim.end_time
         results.append(JobResult(job.model, end, 0 if trainers_in_pool else job.trainer_gpus(),
                                  {t: s.status for t, s in sim.scheduler.tasks.items()},
                                  len(staleness_violations(sim)),
                                  trainer_idle_s=0.0 if trainers_in_pool else trainer_idle_s(sim, end)))
     makespan = max(r.end_time for r in results)
-    held = [min(makespan, pool.released_at.get(rank, makespan)) for rank in range(ranks)]
-    hours = (sum(held) + sum(r.gpus * r.end_time for r in results)) / 3600
-    busy = sum(min(engine.meter.busy, held[rank]) for rank, engines in enumerate(pool.engines)
-               for engine in engines.values())
-    return PoolResult(results, ranks, hours, pool.policy.switches, pool.served_s(makespan),
-                      max(0.0, sum(held) - busy),
-                      sum(engine.reprefill_tokens for engines in pool.engines for engine in engines.values()))
+    held = [min(makespan, released_at.get(rank, makespan)) for rank in range(ranks)]
+    return results, held, (sum(held) + sum(r.gpus * r.end_time for r in results)) / 3600
 
 
 class PooledSimulation(Simulation):
