@@ -47,7 +47,7 @@ def mpirun_command(job, config: str | None, run_dir: str, mode: str, resume: boo
 def cmd_run(args) -> int:
     from marlaas_hpc.plan.command import check_fits
     from marlaas_hpc.runtime import main as runtime_main
-    from marlaas_hpc.runtime.main import check_run_dir, load_job
+    from marlaas_hpc.runtime.process import check_run_dir, load_job
 
     if _under_mpi():
         argv = ([args.config] if args.config else []) + (["--run-dir", args.run_dir] if args.run_dir else []) + \
@@ -112,7 +112,7 @@ def cmd_sbatch(args) -> int:
     from pathlib import Path
 
     from marlaas_hpc.launch.sbatch import render_sbatch
-    from marlaas_hpc.runtime.main import load_job
+    from marlaas_hpc.runtime.process import load_job
 
     try:
         job = load_job(args.config, args.run_dir, None)
@@ -132,7 +132,7 @@ def cmd_submit(args) -> int:
     """Submits the job as one Slurm heterogeneous job (control, env, rollout, trainer components)."""
     from marlaas_hpc.launch.layout import LayoutError
     from marlaas_hpc.plan.command import check_fits
-    from marlaas_hpc.runtime.main import load_job
+    from marlaas_hpc.runtime.process import load_job
     from marlaas_hpc.submit import submit
 
     try:

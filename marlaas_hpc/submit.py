@@ -37,7 +37,8 @@ class MarlaasJob:
         any progress would otherwise loop forever)."""
 
     def __call__(self, config: str, run_dir: str) -> dict | None:
-        from marlaas_hpc.runtime.main import PREEMPTED_EXIT, main
+        from marlaas_hpc.runtime.main import main
+        from marlaas_hpc.runtime.process import PREEMPTED_EXIT
 
         code = main([config, "--run-dir", run_dir, "--auto-resume"])  # binds the rank's device, then starts MPI
         from mpi4py import MPI
@@ -72,7 +73,7 @@ def rank_main(folder: str) -> None:
     from submitit.core.submission import process_job
 
     from marlaas_hpc.launch.hetjob_task import redirect_output
-    from marlaas_hpc.runtime.main import end_rank
+    from marlaas_hpc.runtime.process import end_rank
 
     redirect_output(folder)
     try:
@@ -97,7 +98,7 @@ def submit(job, config_path: str, job_name: str = "marlaas", max_requeues: int =
     """Submits a validated JobConfig as one het job; returns submitit's Job handle. Refuses what Slurm would
     only refuse later (or never): partitions the cluster lacks, a run dir holding another job's checkpoint."""
     from marlaas_hpc.launch.sbatch import check_partitions
-    from marlaas_hpc.runtime.main import check_run_dir, save_job_file
+    from marlaas_hpc.runtime.process import check_run_dir, save_job_file
 
     job.layout.validate()
     if check_cluster:

@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from marlaas_hpc.launch.monitor import RankReporter
-from marlaas_hpc.runtime.main import report_crash
+from marlaas_hpc.runtime.process import report_crash
 
 ROLES = ["scheduler", "env", "rollout"]
 

@@ -202,7 +202,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.local_task:
         return local_task(*args.local_task)
-    from marlaas_hpc.runtime.main import load_job
+    from marlaas_hpc.runtime.process import load_job
 
     out, config = Path(args.out).resolve(), Path(args.config).resolve()
     job = load_job(str(config), None, None)
