@@ -79,10 +79,10 @@ class DeltaSettings:
 
     transport: str = "broadcast"
     """'broadcast': each trainer leader broadcasts every version to every rollout rank over its delta channel
-    (runtime/delta.py), which each rollout rank joins between its engine steps. 'relay': the leader pushes each
+    (runtime/delta/broadcast.py), which each rollout rank joins between its engine steps. 'relay': the leader pushes each
     version once into a chain (or tree) of relays, one thread per rollout rank, and returns; each rollout rank
     installs the newest version of every task from its own relay between engine steps, and its relay keeps the
-    versions its in-flight groups use (runtime/relay_plane.py). The tier is re-formed over the live rollout ranks
+    versions its in-flight groups use (runtime/delta/relay_plane.py). The tier is re-formed over the live rollout ranks
     when one is lost, joins or drains; with several trainer groups relays need `fault.on_rank_loss: stop` (a lost
     trainer leader is not dropped from the tier)."""
     relay_fanout: int = 1

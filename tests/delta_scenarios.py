@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from marlaas_hpc.runtime.comm import recv_wait  # noqa: E402
-from marlaas_hpc.runtime.delta import DeltaChannel, DeltaOrder  # noqa: E402
-from marlaas_hpc.runtime.delta_fanin import DeltaFanIn  # noqa: E402
+from marlaas_hpc.runtime.delta.broadcast import DeltaChannel, DeltaOrder  # noqa: E402
+from marlaas_hpc.runtime.delta.fanin import DeltaFanIn  # noqa: E402
 from marlaas_hpc.runtime.messages import TAG_DELTA  # noqa: E402
 from marlaas_hpc.tasks.spec import LoraSpec  # noqa: E402
 
@@ -107,6 +107,9 @@ class _Later:
 
     def wait(self):
         return self.request.wait()
+
+    def Test(self) -> bool:  # noqa: N802 (MPI's name): not sent yet is not done
+        return self.request is not None and self.request.Test()
 
 
 class Recorded:

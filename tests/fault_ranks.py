@@ -25,7 +25,7 @@ def gloo_pair(comm, rank):
     """Ranks 1 and 2 share a gloo group, as the trainer leader and a rollout rank share the delta broadcast."""
     import torch.distributed as dist
 
-    from marlaas_hpc.runtime.delta import host_store, join_store
+    from marlaas_hpc.runtime.delta.groups import host_store, join_store
 
     store, address = host_store(2, "127.0.0.1", 60) if rank == 1 else (None, None)
     address = comm.bcast(address, root=1)

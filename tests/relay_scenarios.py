@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from marlaas_hpc.runtime.delta import DeltaChannel  # noqa: E402
+from marlaas_hpc.runtime.delta.broadcast import DeltaChannel  # noqa: E402
 from marlaas_hpc.runtime.messages import TAG_DELTA  # noqa: E402
-from marlaas_hpc.runtime.relay import Relay, RelayClient, RelayPusher, RelayTier, RelayTierLayout  # noqa: E402
+from marlaas_hpc.runtime.delta.relay import Relay, RelayClient, RelayPusher, RelayTier, RelayTierLayout  # noqa: E402
 from marlaas_hpc.tasks.spec import LoraSpec  # noqa: E402
 
 LEADER, RELAYS, CLIENT = 0, [1, 2, 3], 4
@@ -172,7 +172,7 @@ def chain_scenario(comm) -> None:
 
 
 def _pulled(relay: Relay, version: int) -> dict:
-    from marlaas_hpc.runtime.delta import unflatten
+    from marlaas_hpc.runtime.delta.plane import unflatten
     announce, flat = relay.store.get("task", version)
     return unflatten(announce, flat)
 

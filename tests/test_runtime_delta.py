@@ -95,7 +95,7 @@ def test_the_in_flight_bound_and_flush_wait_on_the_host_for_device_broadcasts():
     wait; past it, it returns only once the oldest broadcast has run; `flush` only once every one has."""
     from mpi4py import MPI
 
-    from marlaas_hpc.runtime.delta import DeltaChannel
+    from marlaas_hpc.runtime.delta.broadcast import DeltaChannel
     from marlaas_hpc.tasks.spec import LoraSpec
 
     channel = DeltaChannel(MPI.COMM_SELF, 0, [])

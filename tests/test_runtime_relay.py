@@ -16,9 +16,9 @@ import torch
 
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.runtime.messages import DeltaAnnounce
-from marlaas_hpc.runtime.delta import flat_buffer
-from marlaas_hpc.runtime.relay import LocalRelayClient, RelayStore, RelayTierLayout
-from marlaas_hpc.runtime.relay_plane import job_relay_layout
+from marlaas_hpc.runtime.delta.plane import flat_buffer
+from marlaas_hpc.runtime.delta.relay import LocalRelayClient, RelayStore, RelayTierLayout
+from marlaas_hpc.runtime.delta.relay_plane import job_relay_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ It runs the trainer's own code (MultiLoraTrainer, build_gpt_model, MultiLora, pa
 `load_weights=False` (DIR needs config.json only) in bfloat16 on device 'cuda': the model build, `max_adapters`
 tasks' adapters, then fused multi-task steps (forward, backward, AdamW) of `fused_tasks` tasks each until every
 task has stepped once (so the last step runs with every other task's gradients and AdamW moments live, as in a
-long job), then the delta flatten of one task's adapter (`adapter_tensors` + runtime/delta.py `flat_buffer`).
+long job), then the delta flatten of one task's adapter (`adapter_tensors` + runtime/delta/broadcast.py `flat_buffer`).
 Each step is one micro-batch of exactly `micro_batch_tokens`: rows of `row_tokens` tokens, one sequence each (a
 prompt of `prompt_tokens` and its completion) with an advantage of +-1 (every row trains). Other TP ranks are a fake process group (`init_process_group("fake")`: collectives return at
 once); TP ranks are SPMD, so one rank's figures are every rank's (the simulated one is the last: it also holds
@@ -215,7 +215,7 @@ def _flatten_delta(trainer, task_id: str) -> None:
     one flat float32 buffer a DeltaChannel sends (on the GPU under NCCL)."""
     import torch
 
-    from marlaas_hpc.runtime.delta import flat_buffer
+    from marlaas_hpc.runtime.delta.plane import flat_buffer
 
     tensors = trainer.adapter_tensors(task_id)
     flat_buffer(tensors, sorted(tensors), torch.device("cuda", 0))

@@ -130,6 +130,13 @@ def write_timeline(run_dir, rank: int, role: str, clock: BusyClock) -> None:
             sink.write(json.dumps({"rank": rank, "role": role, **record}) + "\n")
 
 
+def send_settled(comm, request, dest: int) -> bool:
+    """Whether a posted send to `dest` is done. Through a LiveComm (runtime/membership.py `test_send`) a send that
+    failed because `dest` died counts as done: it is dropped; a plain MPI communicator has no lost ranks."""
+    test = getattr(comm, "test_send", None)
+    return test(request, dest) if test is not None else request.Test()
+
+
 class Outbox:
     """Non-blocking sends. A blocking send of a large pickle waits for its receiver; with the data plane
     rollout -> env -> trainer and the delta broadcast trainer -> rollout, blocking sends could deadlock in
@@ -156,10 +163,8 @@ class Outbox:
             self._settle(dest, queue)
 
     def _settle(self, dest: int, queue: deque) -> None:
-        """Frees the oldest sends to `dest` that are done (a LiveComm's `test_send` counts a send to a rank that
-        died as done: it is dropped)."""
-        test = getattr(self.comm, "test_send", None)
-        while queue and (test(queue[0], dest) if test is not None else queue[0].Test()):
+        """Frees the oldest sends to `dest` that are done (a send to a rank that died is dropped)."""
+        while queue and send_settled(self.comm, queue[0], dest):
             queue.popleft()
 
     def flush(self) -> None:

@@ -74,7 +74,13 @@ def _serve(live, job, rank: int, run_path: Path, binding) -> None:
               rollout_engine(job, model_dir, rank, job.seed + 7919 * rank, device, run_path))
     engine_up = time.time()
     leaders = _link_up(live, rank)
-    delta = _delta_of_joiner(live, job, rank, leaders, device)
+    from marlaas_hpc.launch.layout import trainer_group_ranks
+    from marlaas_hpc.runtime.delta import delta_plane
+
+    # its end of the delta plane comes with the next remade channels (or tier)
+    plane = delta_plane(job.delta, live.members.alive("rollout"),
+                        [ranks[0] for ranks in trainer_group_ranks(job.layout)])
+    delta = plane.for_joiner(live, rank, leaders, device)
     worker = RolloutRank(live, engine, delta,
                          seed=job.seed + 7919 * rank, run_dir=run_path, model_dir=model_dir)
     if job.layout.join_weights == "peer":  # waiting for the plan (every joiner of its batch asked), then the copy
@@ -100,23 +106,6 @@ def _link_up(live, rank: int) -> list[int]:
     for peer, link in accept_links(ports).items():
         live.add_link(peer, link)
     return [peer for peer in peers if live.members.kind_of.get(peer) == "trainer"]
-
-
-def _delta_of_joiner(live, job, rank: int, leaders: list[int], device: str):
-    """The joined rank's end of the delta plane: it gets its channels (or relay) with the next remade ones."""
-    import torch
-
-    from marlaas_hpc.runtime.delta import gpu_key
-    from marlaas_hpc.runtime.delta_fanin import DeltaFanIn
-    from marlaas_hpc.runtime.messages import TAG_DELTA
-
-    if job.delta.transport == "relay":  # its relay comes with the tier re-formed with it (runtime/relay_plane.py)
-        from marlaas_hpc.runtime.relay_plane import RelayFeed
-
-        return RelayFeed(None, rank, leaders, comm=live)
-    for leader in leaders:  # as every rollout rank does at start: the leader picks the backend
-        live.send(gpu_key(torch.device(device)), leader, TAG_DELTA)
-    return DeltaFanIn(live, [], leaders=leaders, device=device, tolerant=True)
 
 
 def _bind_joiner(run_dir: str, slot: int):

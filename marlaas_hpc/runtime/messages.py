@@ -138,7 +138,7 @@ class DeltaAnnounce:
     """The task's LoraSpec (rank, alpha, targets) for the PEFT config."""
     seq: int | None = None
     """With several trainer groups: the broadcast's place in the job's one order of delta broadcasts
-    (runtime/delta.py DeltaOrder), which every rollout rank posts them in. None with one group."""
+    (runtime/delta/broadcast.py DeltaOrder), which every rollout rank posts them in. None with one group."""
     epoch: int = 0
     """The channel it is broadcast on (a channel is remade when the rollout ranks change: a lost or joined rank)."""
     model: str | None = None
@@ -158,7 +158,7 @@ class Shutdown:
 class RanksChanged:
     """rank 0 -> every live worker (TAG_CMD), before any command that depends on it: ranks lost or joined
     (runtime/membership.py), and the delta plane's rollout members from now on. Each trainer leader and rollout
-    rank remakes its delta channels when `delta_epoch` moves on (runtime/delta.py)."""
+    rank remakes its delta channels when `delta_epoch` moves on (runtime/delta/broadcast.py)."""
 
     delta_epoch: int
     rollout_ranks: tuple[int, ...]
@@ -232,8 +232,8 @@ class ChannelAddress:
 @dataclass
 class RelayAddress:
     """the first trainer leader -> every other leader and every rollout rank of a re-formed relay tier (TAG_DELTA;
-    runtime/relay_plane.py): where the tier of `epoch` rendezvouses (its TCPStore) and who is who in it (a
-    runtime/relay.py RelayTierLayout over the live rollout ranks)."""
+    runtime/delta/relay_plane.py): where the tier of `epoch` rendezvouses (its TCPStore) and who is who in it (a
+    runtime/delta/relay.py RelayTierLayout over the live rollout ranks)."""
 
     epoch: int
     address: tuple

@@ -5,9 +5,9 @@
                                                                                     ├─ run_rollout
                                                                                     └─ run_trainer    (leader, follower)
 
-Every role reaches the same collectives in the same order: the delta plane's set-up (`_relay_tier` under
-`delta.transport: relay`, collective over the world; the broadcast's DeltaOrder and channels) and then the ready
-barrier (`_ready`): TTFS and busy fractions measure the job, not engine start-up. The order of communicator
+Every role reaches the same collectives in the same order: its part of the delta plane's set-up
+(runtime/delta/plane.py `DeltaPlane`: under `delta.transport: relay` a collective over the world; the broadcast's
+DeltaOrder and channels) and then the ready barrier (`_ready`): TTFS and busy fractions measure the job, not engine start-up. The order of communicator
 creation is part of the protocol: keep the statements' order where collectives are set up.
 """
 from __future__ import annotations
@@ -76,6 +76,12 @@ class RankSetup:
     def model_path(self) -> Path:
         return next(iter(self.model_paths.values()))
 
+    def delta_plane(self):
+        """The job's delta plane (runtime/delta): every role calls its part once, just before the ready barrier."""
+        from marlaas_hpc.runtime.delta import delta_plane
+
+        return delta_plane(self.job.delta, self.roles["rollout"], self.leaders)
+
 
 def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dict | None = None) -> dict | None:
     """Sets up this rank's role on its device (`binding`, from bind_rank_device), waits until every rank is ready,
@@ -97,20 +103,14 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
 def run_scheduler(setup: RankSetup, preempt) -> dict:
     from marlaas_hpc.runtime.scheduler_rank import SchedulerRank
 
-    comm, job, leaders = setup.comm, setup.job, setup.leaders
+    comm = setup.comm
     setup.run_dir.mkdir(parents=True, exist_ok=True)
-    order = None
-    relays = job.delta.transport == "relay"
-    if len(leaders) > 1 and not relays:  # the job's order of delta broadcasts: it outlives any trainer group
-        from marlaas_hpc.runtime.delta import DeltaOrder
-
-        order = DeltaOrder(comm, leaders)
-    _relay_tier(comm, job, setup.roles, leaders)
+    order = setup.delta_plane().for_scheduler(comm)
     quiet_barrier(comm)
     readiness = comm.gather(None, root=0)[1:]
     setup.log(f"[job] all {comm.Get_size()} ranks ready after {time.time() - setup.start:.1f} s "
               f"({describe_readiness(readiness)})")
-    scheduler = SchedulerRank(comm, job, setup.roles, setup.codec, setup.run_dir, log=setup.log,
+    scheduler = SchedulerRank(comm, setup.job, setup.roles, setup.codec, setup.run_dir, log=setup.log,
                               startup_s=time.time() - setup.start, preempt=preempt, resume=setup.resume,
                               model_codecs=setup.model_codecs)
     scheduler.delta_order = order
@@ -124,18 +124,16 @@ def run_env(setup: RankSetup) -> None:
     comm, job = setup.comm, setup.job
     worker = EnvRank(comm, setup.codec, setup.leaders[0], run_dir=setup.run_dir, pool_config=job.env_pool,
                      sandbox=job.sandbox, group_leaders=setup.leaders, model_codecs=setup.model_codecs)
-    _relay_tier(comm, job, setup.roles, setup.leaders)
+    setup.delta_plane().for_bystander(comm)
     _ready(comm, comm.Get_rank(), "env", setup.start)
     comm.start_heartbeat(worker.clock)
     worker.run()
 
 
 def run_rollout(setup: RankSetup, binding) -> None:
-    from marlaas_hpc.runtime.delta import DeltaChannel
-    from marlaas_hpc.runtime.delta_fanin import DeltaFanIn
     from marlaas_hpc.runtime.rollout_rank import RolloutRank
 
-    comm, job, roles, leaders = setup.comm, setup.job, setup.roles, setup.leaders
+    comm, job, roles = setup.comm, setup.job, setup.roles
     rank, run_dir, seed = comm.Get_rank(), setup.run_dir, setup.seed
     t0 = time.time()
     engine = (model_engines(job, setup.model_paths, rank, seed, binding.device, run_dir)
@@ -144,18 +142,7 @@ def run_rollout(setup: RankSetup, binding) -> None:
     engine_up = time.time()
     if job.layout.share_gpus:
         _engine_is_up(comm, roles["trainer"])
-    # one delta channel per trainer group leader, made in the leaders' order on every rollout rank (each leader
-    # waits for its own): each channel's NCCL communicator is set up as it is made, in that one order
-    tolerant = comm.members.tolerant
-    tier = _relay_tier(comm, job, roles, leaders)
-    if tier is not None:
-        from marlaas_hpc.runtime.relay_plane import RelayFeed
-
-        delta = RelayFeed(tier, rank, leaders, comm=comm)
-    else:
-        delta = DeltaFanIn(comm, [DeltaChannel(comm, leader_rank, roles["rollout"], device=binding.device,
-                                               tolerant=tolerant) for leader_rank in leaders],
-                           device=binding.device, tolerant=tolerant)
+    delta = setup.delta_plane().for_rollout(comm, binding.device)
     worker = RolloutRank(comm, engine, delta, seed=seed, run_dir=run_dir, model_dir=setup.model_path,
                          **repack_roles(job, rank, roles["rollout"]))
     worker.clock.note("start_engine", (), t0, engine_up)
@@ -168,7 +155,7 @@ def run_trainer(setup: RankSetup, binding) -> None:
     from marlaas_hpc.runtime.trainer_rank import TrainerRank
 
     comm, job, roles, role = setup.comm, setup.job, setup.roles, setup.role
-    rank, leaders = comm.Get_rank(), setup.leaders
+    rank = comm.Get_rank()
     mine = setup.groups[role.group]
     if job.layout.share_gpus:
         _wait_for_engines(comm, roles["rollout"])
@@ -177,17 +164,8 @@ def run_trainer(setup: RankSetup, binding) -> None:
     built = time.time()
     if rank == mine[0]:
         from marlaas_hpc.runtime.checkpoint import CheckpointPolicy
-        from marlaas_hpc.runtime.delta import DeltaChannel, DeltaOrder
 
-        tier = _relay_tier(comm, job, roles, leaders)
-        if tier is not None:
-            from marlaas_hpc.runtime.relay_plane import RelayPublisher
-
-            delta = RelayPublisher(tier, rank, comm=comm, tolerant=comm.members.tolerant)
-        else:
-            order = DeltaOrder(comm, leaders) if len(leaders) > 1 else None
-            delta = DeltaChannel(comm, rank, roles["rollout"], device=binding.device, order=order,
-                                 tolerant=comm.members.tolerant, model=job.group_models()[role.group])
+        delta = setup.delta_plane().for_leader(comm, binding.device, job.group_models()[role.group])
         worker = TrainerRank(comm, trainer, setup.run_dir, rank, mine[1:], delta, groups=setup.groups,
                              group=role.group, policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
         worker.clock.note("build_model", (), t0, built)
@@ -198,7 +176,7 @@ def run_trainer(setup: RankSetup, binding) -> None:
         worker = TrainerRank(comm, trainer, setup.run_dir, mine[0], [], groups=setup.groups, group=role.group,
                              retention=job.adapters)
         worker.clock.note("build_model", (), t0, built)
-        _relay_tier(comm, job, roles, leaders)
+        setup.delta_plane().for_bystander(comm)
         _ready(comm, rank, "trainer", setup.start)
         comm.start_heartbeat(worker.clock)
         worker.run_follower()
@@ -208,7 +186,7 @@ def build_trainer(comm, job, trainers: list[int], model_path: Path, device: str)
     """Sets up one trainer group's own torch.distributed world (its TP x DP ranks `trainers`, leader first) from
     MPI, then the trainer on `device` (the rank's binding: its GPU is cuda:0 once CUDA_VISIBLE_DEVICES is
     narrowed)."""
-    from marlaas_hpc.runtime.delta import host_store, join_store
+    from marlaas_hpc.runtime.delta.groups import host_store, join_store
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 
     leader = trainers[0]
@@ -241,17 +219,6 @@ def _restore_rng(run_dir: Path, tp_rank: int, group: int = 0, dp_rank: int = 0) 
     path = trainer_rng_path(run_dir, tp_rank, group, dp_rank)
     if path.is_file():
         torch.set_rng_state(torch.load(path))
-
-
-def _relay_tier(comm, job: JobConfig, roles: dict, leaders: list[int]):
-    """`delta.transport: relay`: the relay tier, collective over the whole job (every rank calls this just before
-    the ready barrier; ranks outside the tier get no links); None under the broadcast."""
-    if job.delta.transport != "relay":
-        return None
-    from marlaas_hpc.runtime.relay_plane import job_relay_layout, join_relay_tier
-
-    return join_relay_tier(comm, job_relay_layout(roles["rollout"], leaders, job.delta.relay_fanout,
-                                                  job.delta.chunk_elems))
 
 
 def _ready(comm, rank: int, kind: str, start: float) -> None:

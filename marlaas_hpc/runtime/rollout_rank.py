@@ -1,6 +1,6 @@
 """Rollout rank: serves every task's generation requests from one engine (continuous batch), receives LoRA
-deltas from the trainer group leaders (runtime/delta_fanin.py) or, under `delta.transport: relay`, from its own
-relay (runtime/relay_plane.py: it then pins each open group's version there until the group completes), and sends
+deltas from the trainer group leaders (runtime/delta/fanin.py) or, under `delta.transport: relay`, from its own
+relay (runtime/delta/relay_plane.py: it then pins each open group's version there until the group completes), and sends
 finished turns straight to their env rank.
 
 A prompt group's first turn comes from rank 0 (GenerateWork). Training work asked for a superseded version
@@ -95,8 +95,8 @@ class RolloutRank:
         """Repack on, a regular rank (runtime/repack.py Repacker): hands long tails over to tail ranks."""
         self.tail = tail
         """Repack on, a tail rank (runtime/repack.py TailVersions): keeps the versions handed groups need."""
-        self.pins = delta_channel if hasattr(delta_channel, "pin") else None
-        """Relay mode (runtime/relay_plane.py RelayFeed): the relay that keeps each open group's version."""
+        self.pins = delta_channel if delta_channel.pins_versions else None
+        """Relay mode (runtime/delta/relay_plane.py RelayFeed): the relay that keeps each open group's version."""
         self.run_dir = run_dir
         self.model_dir = model_dir
         """The base model's files its engine started from: what it sends a joining rank (FeedWeights)."""
@@ -110,8 +110,7 @@ class RolloutRank:
         self.requests: dict[str, _RequestOf] = {}
         """Engine request id -> the group, episode and turn it samples (until it finishes)."""
         self.clock = BusyClock()
-        if self.pins is not None:  # relay mode: each re-forming of the tier goes on this rank's timeline
-            self.pins.clock = self.clock
+        self.delta.clock = self.clock  # the transport's own work (a relay tier re-formed) on this rank's timeline
         self.outbox = Outbox(comm)
         self.models = engine if isinstance(engine, ModelEngines) else None
         """A job of several base models: the engine per model (None: one engine)."""
@@ -229,8 +228,8 @@ class RolloutRank:
         """An env rank lost: the groups bound for it were issued again elsewhere; each is closed here (its version
         unpinned) and its slot freed at rank 0 (Generated). A trainer leader lost: its delta channel is left
         behind (its tasks come back under new adapter names: GenerateWork.adapter). A changed set of rollout ranks
-        needs nothing here: each leader sends the address of its remade delta channel (runtime/delta_fanin.py), or the
-        first leader that of the re-formed relay tier (runtime/relay_plane.py), taken by the next `delta.poll`."""
+        needs nothing here: each leader sends the address of its remade delta channel (runtime/delta/fanin.py), or the
+        first leader that of the re-formed relay tier (runtime/delta/relay_plane.py), taken by the next `delta.poll`."""
         members = self.comm.members
         self.comm.apply(change)
         for rank in change.lost:

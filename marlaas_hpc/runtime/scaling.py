@@ -7,7 +7,7 @@ side (runtime/scheduler_rank.py runs a `Scaler`; runtime/membership.py makes the
                                          starts its engine, opens a port ─► Joining(N, port) to rank 0
                            rank 0: RanksChanged(joined, ports) to every worker ─► env ranks and trainer leaders
                                    connect to the port; leaders remake their delta channels (or re-form the
-                                   relay tier, runtime/relay_plane.py) with N and publish every task again; the scheduler's RankJoined: N takes groups
+                                   relay tier, runtime/delta/relay_plane.py) with N and publish every task again; the scheduler's RankJoined: N takes groups
     fewer:                 the newest rollout rank drains (scheduler RankLeaving: no new group); once none of its
                            groups is left (Scheduler.rank_idle) it gets Shutdown('drained'), sends its RankStats,
                            leaves (its process ends), and the others remake their channels without it

@@ -106,7 +106,7 @@ class SchedulerRank:
         self.parting: list = []
         """Sends to the ranks of a lost trainer group that still live (they end themselves on it)."""
         self.delta_order = None
-        """With several trainer groups: the job's order of delta broadcasts, hosted here (runtime/delta.py)."""
+        """With several trainer groups: the job's order of delta broadcasts, hosted here (runtime/delta/broadcast.py)."""
         self.scaler = Scaler(comm, job, self.run_dir, self.log)
         """Rollout ranks joining, draining and wanted (runtime/scaling.py)."""
         self.ranks_joined: list[dict] = list(resume.get("ranks_joined", [])) if resume else []

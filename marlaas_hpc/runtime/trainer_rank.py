@@ -290,9 +290,7 @@ class TrainerRank:
         self.delta.close()  # the last versions' broadcasts (or pushes), before this rank leaves
         self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall(),
                                    {"trainer_group": self.group, "ranks": self.groups[self.group],
-                                    "delta": {"sent": self.delta.sent, "blocked_s": self.delta.blocked_s,
-                                              "flush_s": self.delta.flush_s,
-                                              **getattr(self.delta, "losses", lambda: {})()}}),
+                                    "delta": self.delta.stats()}),
                          0, TAG_EVENT)
         self.outbox.flush()
         write_timeline(self.run_dir, self.rank, "trainer", self.clock)
@@ -341,7 +339,7 @@ class TrainerRank:
     def _ranks_changed(self, change: RanksChanged) -> None:
         """Ranks lost. This group itself: it ends (rank 0 gave its tasks to another). Another trainer group: the
         tasks it owned are rolled back, and any of them here (handed over from it) is dropped. The delta channel is
-        remade among the rollout ranks (blocking until they all joined: runtime/delta.py), then every task of this
+        remade among the rollout ranks (blocking until they all joined: runtime/delta/broadcast.py), then every task of this
         group is broadcast again on it."""
         if self.rank in change.lost:
             raise RankLostError(self.rank, "trainer: its trainer group was lost")

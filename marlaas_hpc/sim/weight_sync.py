@@ -2,7 +2,7 @@
 costs the trainer leader and the engines (issue #29). `Simulation(..., delta_plane=...)` hands every publish to
 one of these; without one the simulator keeps its older, averaged model (`Simulation.publish`).
 
-    LockstepBroadcast  today's runtime (runtime/delta.py, delta_fanin.py): one job-wide order of broadcasts, each
+    LockstepBroadcast  today's runtime (runtime/delta/broadcast.py, delta_fanin.py): one job-wide order of broadcasts, each
                        over every rollout rank. A rank joins between engine steps: at its next step boundary, or
                        at once while it is still in the previous broadcast (its `_drain_deltas` loop). The
                        broadcast starts when the LAST rank joins; every rank waits in it, engine stalled, until

@@ -12,7 +12,7 @@ With several trainer groups a rollout rank is a member of several channels, and 
 communicators that share a GPU launched in the same order on every rank (a communicator's set-up, its first
 use, is a blocking collective of its own): each channel sets its communicator up when it is made, in the
 leaders' order on every rollout rank, and every broadcast carries its place in one job-wide order
-(`DeltaOrder`), which rollout ranks post in (runtime/delta_fanin.py).
+(`DeltaOrder`), which rollout ranks post in (runtime/delta/fanin.py).
 
 A process group with a dead member cannot be used again, so when the rollout ranks change (one lost, one joined:
 rank 0's RanksChanged, runtime/membership.py) each leader remakes its channel among the rollout ranks of the new
@@ -25,57 +25,16 @@ fails (its group had a member die) is dropped, not raised: the remade channel se
 """
 from __future__ import annotations
 
-import socket
 import time
 from collections import deque
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from marlaas_hpc.runtime.comm import recv_wait
+from marlaas_hpc.runtime.comm import recv_wait, send_settled
+from marlaas_hpc.runtime.delta.groups import complete, gpu_key, host_store, join_store, process_group
+from marlaas_hpc.runtime.delta.plane import DeltaPlane, DeltaReceiver, DeltaSender, flat_buffer, unflatten
 from marlaas_hpc.runtime.messages import TAG_DELTA, ChannelAddress, DeltaAnnounce
-
-
-def gpu_key(device: torch.device) -> str | None:
-    """Identifies the physical GPU behind `device` across the job (host + UUID; indices repeat between
-    ranks once each sees only its own GPUs); None for a CPU device."""
-    if device.type != "cuda":
-        return None
-    return f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}"
-
-
-def _process_group(backend: str, store, member: int, size: int, timeout: timedelta):
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, member, size, options)
-    return dist.ProcessGroupGloo(store, member, size, timeout)
-
-
-def host_store(size: int, host: str | None = None, timeout_s: float = 600.0) -> tuple[dist.TCPStore, tuple]:
-    """The master side of a TCPStore for `size` members, on a port the kernel picks as it binds (port 0), and
-    the (host, port) the other members connect to. Probing a free port and binding it later left a window in
-    which another process of the job (a second trainer group, a delta channel) took it: EADDRINUSE at start."""
-    store = dist.TCPStore(host or socket.gethostname(), 0, size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
-    return store, (host or socket.gethostname(), store.port)
-
-
-def join_store(address: tuple, size: int, timeout_s: float = 600.0) -> dist.TCPStore:
-    """A member's client of the store that `host_store` made at `address`."""
-    return dist.TCPStore(address[0], address[1], size, is_master=False, timeout=timedelta(seconds=timeout_s))
-
-
-def complete(work, idle_sleep: float = 0.0002) -> None:
-    """Waits on the host until a posted collective is done, then raises what it failed with. torch's NCCL
-    `work.wait()` (no blocking-wait mode, no timeout given) only makes the current CUDA stream wait for the
-    collective's stream and returns at once; `is_completed()` reads the collective's end event without blocking.
-    So poll that, sleeping between reads (a spinning rank takes a core from its neighbours), then `wait()`,
-    which no longer waits for anything. Gloo's wait() blocks on the host anyway: the same loop serves both."""
-    while not work.is_completed():
-        time.sleep(idle_sleep)
-    work.wait()
 
 
 class DeltaOrder:
@@ -105,7 +64,7 @@ class DeltaOrder:
         return self.store.add(self.KEY if epoch == 0 else f"{self.KEY}/{epoch}", 1) - 1
 
 
-class DeltaChannel:
+class DeltaChannel(DeltaSender):
     """Member 0 is the trainer leader (source of every broadcast); members 1.. are rollout ranks.
 
     Each member passes its own device (its binding, launch/devices.py). The group uses NCCL when every member
@@ -170,7 +129,7 @@ class DeltaChannel:
     def _connect(self, store, member: int, size: int, epoch: int) -> None:
         self.member, self.size, self.epoch = member, size, epoch
         self.device = self.own if self.backend == "nccl" else torch.device("cpu")
-        self.process_group = _process_group(self.backend, store, member, size, timedelta(seconds=self.timeout_s))
+        self.process_group = process_group(self.backend, store, member, size, timedelta(seconds=self.timeout_s))
         # NCCL sets a communicator up at its first collective, blocking until every member joins: done here, while
         # every rollout rank makes its channels in the same (leaders') order, never at a first broadcast that two
         # rollout ranks may reach in different orders
@@ -217,12 +176,9 @@ class DeltaChannel:
                 if not self.tolerant:
                     raise
             self.in_flight.popleft()  # its buffer may go now: the broadcast has read it
-            for rank, request in requests:
-                if hasattr(self.comm, "test_send"):  # a LiveComm: an announce to a rank that died is dropped
-                    while not self.comm.test_send(request, rank):
-                        time.sleep(0.0002)
-                else:
-                    request.wait()
+            for rank, request in requests:  # an announce to a rank that died is dropped
+                while not send_settled(self.comm, request, rank):
+                    time.sleep(0.0002)
 
     def flush(self) -> None:
         """Leader: waits until every posted broadcast is complete (before the rank leaves the group)."""
@@ -242,18 +198,34 @@ class DeltaChannel:
         return unflatten(announce, flat)
 
 
-def flat_buffer(tensors: dict[str, torch.Tensor], names: list[str], device: torch.device) -> torch.Tensor:
-    """One float32 buffer of `tensors` in `names` order, on the channel's device: what a delta broadcast sends
-    (`unflatten` is its inverse). The GPU dry run (marlaas_hpc/plan/dry_run.py) counts it."""
-    return torch.cat([tensors[n].detach().reshape(-1).float() for n in names]).to(device)
+class BroadcastPlane(DeltaPlane):
+    """`delta.transport: broadcast`: one DeltaChannel per trainer leader, every rollout rank a member of each
+    (DeltaFanIn); with several trainer groups rank 0 hosts the job's DeltaOrder."""
 
+    def for_scheduler(self, comm) -> DeltaOrder | None:
+        # the job's order of delta broadcasts: it outlives any trainer group
+        return DeltaOrder(comm, self.leaders) if len(self.leaders) > 1 else None
 
-def unflatten(announce: DeltaAnnounce, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The named tensors of one broadcast buffer (the layout DeltaChannel.send flattens them in)."""
-    flat = flat.cpu()
-    out, offset = {}, 0
-    for name, shape in zip(announce.names, announce.shapes):
-        n = int(torch.Size(shape).numel())
-        out[name] = flat[offset: offset + n].view(shape).clone()
-        offset += n
-    return out
+    def for_bystander(self, comm) -> None:
+        return None
+
+    def for_leader(self, comm, device: str, model: str | None) -> DeltaChannel:
+        order = DeltaOrder(comm, self.leaders) if len(self.leaders) > 1 else None
+        return DeltaChannel(comm, comm.Get_rank(), self.rollout_ranks, device=device, order=order,
+                            tolerant=comm.members.tolerant, model=model)
+
+    def for_rollout(self, comm, device: str) -> DeltaReceiver:
+        from marlaas_hpc.runtime.delta.fanin import DeltaFanIn
+
+        # one channel per leader, made in the leaders' order on every rollout rank (each leader waits for its
+        # own): each channel's NCCL communicator is set up as it is made, in that one order
+        tolerant = comm.members.tolerant
+        return DeltaFanIn(comm, [DeltaChannel(comm, leader, self.rollout_ranks, device=device, tolerant=tolerant)
+                                 for leader in self.leaders], device=device, tolerant=tolerant)
+
+    def for_joiner(self, comm, rank: int, leaders: list[int], device: str) -> DeltaReceiver:
+        from marlaas_hpc.runtime.delta.fanin import DeltaFanIn
+
+        for leader in leaders:  # as every rollout rank does at start: the leader picks the backend
+            comm.send(gpu_key(torch.device(device)), leader, TAG_DELTA)
+        return DeltaFanIn(comm, [], leaders=leaders, device=device, tolerant=True)

@@ -1,4 +1,4 @@
-"""The relay tier (runtime/relay.py) as the running job's delta plane (`delta.transport: relay`, issue #29 item 1).
+"""The relay tier (runtime/delta/relay.py) as the running job's delta plane (`delta.transport: relay`, issue #29 item 1).
 
     trainer leader ──push──► relay of rollout rank 1 ──► relay of rollout rank 2 ──► ...   (chain: relay_fanout 1)
       (returns at once)              │ in process                 │ in process
@@ -43,14 +43,14 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
 
 import torch
 
 from marlaas_hpc.runtime.comm import poll, recv_wait
-from marlaas_hpc.runtime.delta import host_store, join_store, unflatten
-from marlaas_hpc.runtime.messages import TAG_DELTA, DeltaAnnounce, RelayAddress
-from marlaas_hpc.runtime.relay import Relay, RelayPusher, RelayStore, RelayTier, RelayTierLayout
+from marlaas_hpc.runtime.delta.groups import host_store, join_store
+from marlaas_hpc.runtime.delta.plane import DeltaPlane, DeltaReceiver, DeltaSender, Received, unflatten
+from marlaas_hpc.runtime.delta.relay import Relay, RelayPusher, RelayStore, RelayTier, RelayTierLayout
+from marlaas_hpc.runtime.messages import TAG_DELTA, RelayAddress
 
 
 def job_relay_layout(rollout_ranks: list[int], leaders: list[int], fanout: int = 1,
@@ -66,7 +66,7 @@ def join_relay_tier(comm, layout: RelayTierLayout, timeout_s: float = 600.0) -> 
     return RelayTier(comm, layout, device="cpu", timeout_s=timeout_s)
 
 
-class RelayPublisher:
+class RelayPublisher(DeltaSender):
     """A trainer leader's delta plane in relay mode: the `send` / `close` of a DeltaChannel, without a collective.
     `blocked_s` sums the seconds spent inside `send` (the leader's blocked time per update), `flush_s` those inside
     `flush` and `close` (at the end: until the root relay has taken every push). `comm`: this rank's LiveComm (for
@@ -85,11 +85,11 @@ class RelayPublisher:
         self.unsent = 0
         """Versions not pushed because no rollout rank was live (the next tier gets every task's newest)."""
 
-    def losses(self) -> dict:
-        """What the tier's changes cost this leader (summary.json `trainer_groups.<g>.delta`): tiers it took part
-        in after the first, pushes a dead root relay did not take, versions not pushed for want of a relay."""
+    def stats(self) -> dict:
+        """Besides the sender's figures, what the tier's changes cost this leader: tiers it took part in after the
+        first, pushes a dead root relay did not take, versions not pushed for want of a relay."""
         pushers = self.retired + ([self.pusher] if self.pusher is not None else [])
-        return {"relay_epoch": self.epoch, "tiers_retired": len(self.retired),
+        return {**super().stats(), "relay_epoch": self.epoch, "tiers_retired": len(self.retired),
                 "pushes_dropped": sum(p.dropped for p in pushers), "unsent": self.unsent}
 
     def send(self, task_id: str, version: int, tensors: dict[str, torch.Tensor], lora) -> None:
@@ -143,11 +143,13 @@ class RelayPublisher:
                                   tolerant=self.tolerant)
 
 
-class RelayFeed:
+class RelayFeed(DeltaReceiver):
     """A rollout rank's delta plane in relay mode: its own relay (a thread of this process, started here) and the
     versions it installed and pinned. `poll` has DeltaFanIn's shape: (announce, receive) per version to install.
     `tier` None: a rank that joined the live job, whose relay comes with the first re-formed tier (`comm`: its
     LiveComm, on which the first leader sends each new tier's address)."""
+
+    pins_versions = True
 
     def __init__(self, tier: RelayTier | None, rank: int, leaders: list[int], comm=None, timeout_s: float = 600.0):
         self.rank, self.comm, self.timeout_s = rank, comm, timeout_s
@@ -164,7 +166,7 @@ class RelayFeed:
         self.pinned: dict[tuple[str, int], list[RelayStore]] = {}
         """(task, version) -> the relay store each pin of it was taken at (an earlier epoch's, after a re-form)."""
 
-    def poll(self) -> Iterator[tuple[DeltaAnnounce, Callable[[], dict[str, torch.Tensor]]]]:
+    def poll(self) -> Received:
         self._take_addresses()
         if self.relay is None:
             return
@@ -245,3 +247,29 @@ class RelayFeed:
         if self.relay is None or (self.comm is not None and self.comm.members.drained):
             return
         self.relay.join()
+
+
+class RelayPlane(DeltaPlane):
+    """`delta.transport: relay`: the tier is joined by every rank of the job at the same point (its set-up is
+    collective over the world; ranks outside the tier get no links)."""
+
+    def _tier(self, comm) -> RelayTier:
+        s = self.settings
+        return join_relay_tier(comm, job_relay_layout(self.rollout_ranks, self.leaders, s.relay_fanout,
+                                                      s.chunk_elems))
+
+    def for_scheduler(self, comm) -> None:
+        self._tier(comm)
+
+    def for_bystander(self, comm) -> None:
+        self._tier(comm)
+
+    def for_leader(self, comm, device: str, model: str | None) -> RelayPublisher:
+        return RelayPublisher(self._tier(comm), comm.Get_rank(), comm=comm, tolerant=comm.members.tolerant)
+
+    def for_rollout(self, comm, device: str) -> RelayFeed:
+        return RelayFeed(self._tier(comm), comm.Get_rank(), self.leaders, comm=comm)
+
+    def for_joiner(self, comm, rank: int, leaders: list[int], device: str) -> RelayFeed:
+        # its relay comes with the tier re-formed with it
+        return RelayFeed(None, rank, leaders, comm=comm)

@@ -1,7 +1,7 @@
 """Adapter relays (issue #29, item 1): a tier of node relays that trainer leaders push adapter versions into and
 rollout ranks pull from, so that no collective includes a rollout rank's engine loop. The job uses it under
-`delta.transport: relay` (runtime/relay_plane.py: one relay per rollout rank, chained); the default delta plane is
-still the lockstep broadcast (runtime/delta.py).
+`delta.transport: relay` (runtime/delta/relay_plane.py: one relay per rollout rank, chained); the default delta plane is
+still the lockstep broadcast (runtime/delta/broadcast.py).
 
     leader ──push (header, chunks)──► relay 0 ──chunk by chunk──► relay 1 ──► relay 2 ...   (a tree, fan-out F)
                                         │                            │
@@ -22,7 +22,7 @@ Transport: torch.distributed point-to-point on one two-member process group per 
 relay→client), built from the tier's TCPStore (like the delta channels, not from the default group, which vLLM or
 megatron own); NCCL when both ends have a GPU of their own (`gpu_key`), gloo otherwise. Pairwise groups keep set-up
 and connections linear in the tier's size. The bytes are those of the delta broadcast: `flat_buffer` and
-`unflatten` of runtime/delta.py. Requests and announces travel through the store (answered by its server thread).
+`unflatten` of runtime/delta/broadcast.py. Requests and announces travel through the store (answered by its server thread).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.runtime.comm import recv_wait
-from marlaas_hpc.runtime.delta import _process_group, complete, flat_buffer, gpu_key, host_store, join_store, unflatten
+from marlaas_hpc.runtime.delta.groups import complete, gpu_key, host_store, join_store, process_group
+from marlaas_hpc.runtime.delta.plane import flat_buffer, unflatten
 from marlaas_hpc.runtime.faults import is_peer_lost
 from marlaas_hpc.runtime.messages import TAG_DELTA, DeltaAnnounce
 
@@ -160,7 +161,7 @@ class _Link:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         prefixed = dist.PrefixStore(f"link/{sender}-{receiver}", store)
         self.member = 0 if me == sender else 1
-        self.group = _process_group(self.backend, prefixed, self.member, 2, timeout)
+        self.group = process_group(self.backend, prefixed, self.member, 2, timeout)
 
     def send(self, tensor: torch.Tensor):
         return self.group.send([tensor.to(self.device)], 1 - self.member, 0)
@@ -203,7 +204,7 @@ class RelayTier:
 
     @classmethod
     def remade(cls, store, layout: RelayTierLayout, me: int, timeout_s: float = 600.0) -> "RelayTier":
-        """A tier re-formed over a new member list while the job runs (runtime/relay_plane.py): `store` is the
+        """A tier re-formed over a new member list while the job runs (runtime/delta/relay_plane.py): `store` is the
         new epoch's (hosted by the first leader), every link gloo. Blocks until this rank's links are set up (each
         a rendezvous of its two ends, in the one order of `links()`)."""
         tier = cls.__new__(cls)
@@ -228,7 +229,7 @@ class RelayPusher:
     def __init__(self, tier: RelayTier, leader: int, tolerant: bool = False):
         self.tier, self.tolerant = tier, tolerant
         """`tolerant`: a push that fails because a relay died is dropped, not raised (the tier is re-formed over
-        the live ranks and the version pushed again: runtime/relay_plane.py)."""
+        the live ranks and the version pushed again: runtime/delta/relay_plane.py)."""
         self.link = tier.links[leader, tier.layout.relays[0]]
         self.in_flight: deque = deque()
         """(works, buffer) of posted pushes, oldest first."""
@@ -301,7 +302,7 @@ class Relay:
         """Held while one push is forwarded: the children receive pushes whole, one after another."""
         self.lost_peers: list[int] = []
         """Ranks whose link failed (a child or a parent that died): a lost child is no longer forwarded to; a lost
-        parent's thread ends. The tier is re-formed over the live ranks (runtime/relay_plane.py)."""
+        parent's thread ends. The tier is re-formed over the live ranks (runtime/delta/relay_plane.py)."""
         self.open_upstream = len(self.upstream)
         self.threads = [threading.Thread(target=self._take_pushes, args=(link,), daemon=True) for link in self.upstream]
         self.threads += [threading.Thread(target=self._answer_pulls, args=(link,), daemon=True)

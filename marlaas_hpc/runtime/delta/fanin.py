@@ -1,4 +1,4 @@
-"""Rollout side of the LoRA delta broadcasts: one DeltaChannel per trainer group leader (runtime/delta.py).
+"""Rollout side of the LoRA delta broadcasts: one DeltaChannel per trainer group leader (runtime/delta/broadcast.py).
 
 Every announced broadcast is posted without waiting, and finished ones are handed out in each leader's order.
 Joining one broadcast and waiting for it could deadlock with several trainer groups (rollout rank 1 may see
@@ -34,12 +34,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator
-
 import torch
 
 from marlaas_hpc.runtime.comm import poll
-from marlaas_hpc.runtime.delta import DeltaChannel, complete, unflatten
+from marlaas_hpc.runtime.delta.broadcast import DeltaChannel
+from marlaas_hpc.runtime.delta.groups import complete
+from marlaas_hpc.runtime.delta.plane import DeltaReceiver, Received, unflatten
 from marlaas_hpc.runtime.messages import TAG_DELTA, ChannelAddress, DeltaAnnounce
 
 
@@ -50,7 +50,7 @@ class _Posted:
     work: object
 
 
-class DeltaFanIn:
+class DeltaFanIn(DeltaReceiver):
     """The delta broadcasts of every trainer group leader, as one source of (announce, tensors). `channels`: one
     per leader, in the leaders' order; a leader whose channel is None (a rank that joined the live job) sends its
     address when it makes one."""
@@ -72,7 +72,7 @@ class DeltaFanIn:
         self.next_seq: dict[int, int] = {}
         """Per epoch: the place in the job's order of the next broadcast to post."""
         self.retired: list = []
-        """Channels left behind, with what was posted on them: never destroyed (runtime/delta.py)."""
+        """Channels left behind, with what was posted on them: never destroyed (runtime/delta/broadcast.py)."""
 
     @property
     def leaders(self) -> list[int]:
@@ -82,7 +82,7 @@ class DeltaFanIn:
         channel = self.channels[leader]
         return -1 if channel is None else channel.epoch
 
-    def poll(self) -> Iterator[tuple[DeltaAnnounce, Callable[[], dict[str, torch.Tensor]]]]:
+    def poll(self) -> Received:
         """Yields (announce, receive) for each broadcast that has completed, in each leader's order;
         `receive()` returns its tensors."""
         self._take_messages()
