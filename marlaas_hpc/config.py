@@ -90,6 +90,14 @@ class DeltaSettings:
     2+: a tree, fewer hops, each relay's egress shared)."""
     relay_chunk_mb: float = 4.0
     """Relay mode: the unit (MiB of float32) a relay forwards to the next as soon as it holds it."""
+    timeout_s: float = 1800.0
+    """How long one transfer (a channel's broadcast, a relay link's send) may wait for a rollout rank before it
+    fails. On NCCL torch's watchdog ends the waiting process past it, so it must outlast the longest time a rollout
+    rank goes without polling deltas: a large engine's cold rebuild after a failure (rollout/restart.py) takes
+    minutes."""
+    setup_timeout_s: float = 120.0
+    """How long a remade channel's (or re-formed relay tier's) set-up may wait for its members. A member lost
+    meanwhile fails the set-up past it, not the job: the leader asks rank 0 for another epoch."""
 
     def validate(self, prefix: str = "delta") -> "DeltaSettings":
         if self.transport not in DELTA_TRANSPORTS:
@@ -99,6 +107,13 @@ class DeltaSettings:
         if not isinstance(self.relay_chunk_mb, (int, float)) or isinstance(self.relay_chunk_mb, bool) \
                 or not self.relay_chunk_mb > 0:
             raise SpecError(f"{prefix}.relay_chunk_mb", f"must be a number of MiB > 0, got {self.relay_chunk_mb!r}")
+        for name in ("timeout_s", "setup_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise SpecError(f"{prefix}.{name}", f"must be a number of seconds > 0, got {value!r}")
+        if self.setup_timeout_s > self.timeout_s:
+            raise SpecError(f"{prefix}.setup_timeout_s", f"{self.setup_timeout_s} s is longer than delta.timeout_s "
+                                                         f"({self.timeout_s} s)")
         return self
 
     @property

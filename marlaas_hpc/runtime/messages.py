@@ -175,6 +175,17 @@ class RanksChanged:
 
 
 @dataclass
+class DeltaPlaneFailed:
+    """trainer leader -> rank 0 (TAG_EVENT): its delta plane of `epoch` could not be set up (a member lost while it
+    was remade, runtime/delta/broadcast.py); rank 0 answers with a RanksChanged of a new epoch over the live
+    rollout ranks, unless a newer one is under way already."""
+
+    group: int
+    epoch: int
+    why: str
+
+
+@dataclass
 class Joining:
     """A rank rank 0 started (runtime/scaling.py) -> rank 0: its engine is up (`ports` None), then, once rank 0 said
     which ranks link to it (LinkTo), the port it accepts each one's link on."""

@@ -25,9 +25,10 @@ from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.checkpoint import PreemptFlag, mark_preempted
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, recv_wait, write_timeline
 from marlaas_hpc.runtime.faults import JobCannotGoOn, RankLostError
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, CheckpointDone, EngineRestarted, EvalDone,
-                                          FeedWeights, GenerateWork, Joining, LinkTo, PromptGroup, RanksChanged,
-                                          RankStats, Shutdown, TaskSaved, WeightsPlan, WeightsWanted)
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, Checkpoint, CheckpointDone, DeltaPlaneFailed,
+                                          EngineRestarted, EvalDone, FeedWeights, GenerateWork, Joining, LinkTo,
+                                          PromptGroup, RanksChanged, RankStats, Shutdown, TaskSaved, WeightsPlan,
+                                          WeightsWanted)
 from marlaas_hpc.runtime.scaling import Scaler
 from marlaas_hpc.runtime.outputs import QuietLog, RunBooks, write_summary
 from marlaas_hpc.runtime.recovery import crashed_run, rollback_outputs
@@ -370,6 +371,9 @@ class SchedulerRank:
         if isinstance(event, Served):
             self._served(event)
             return
+        if isinstance(event, DeltaPlaneFailed):
+            self._delta_plane_failed(event)
+            return
         if isinstance(event, EngineRestarted):
             self.log(f"[job] rollout rank {event.rank}: engine error ({event.cause}); engine restarted "
                      f"(restart {event.restarts}), {event.requests} requests re-issued")
@@ -591,6 +595,18 @@ class SchedulerRank:
         self.unnamed.append(loss)
         self.books.status.ranks = self._ranks_view()
         self._execute(commands)
+
+    def _delta_plane_failed(self, event: DeltaPlaneFailed) -> None:
+        """A leader's delta plane of an epoch could not be set up (a member lost meanwhile): a new epoch over the live
+        rollout ranks, once per epoch (a newer one under way already carries the remake)."""
+        self.log(f"[fault] trainer group {event.group}: delta plane of epoch {event.epoch} not set up ({event.why})"
+                 + ("" if event.epoch < self.delta_epoch else f"; remade as epoch {self.delta_epoch + 1}"))
+        if event.epoch < self.delta_epoch:
+            return
+        self.delta_epoch += 1
+        notice = RanksChanged(self.delta_epoch, tuple(self.members.alive("rollout")))
+        for worker in self._live_workers():
+            self.outbox.send(notice, worker, TAG_CMD)
 
     # ---- rollout ranks joining and leaving (runtime/scaling.py) ----
     def _scale(self) -> None:

@@ -32,9 +32,9 @@ from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_
                                             trainer_shard_path)
 from marlaas_hpc.runtime.faults import RankLostError, is_job_fault, is_storage_error, storage_error
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER, AdmitOp,
-                                          Checkpoint, CheckpointDone, CheckpointOp, Handover, MoveInOp, MoveOutOp,
-                                          ForgetOp, PublishOp, RanksChanged, RankStats, RemoveOp, SaveOp, ScoredGroup,
-                                          Shutdown, ShutdownOp, TaskSaved, TrainerOp, TrainOp)
+                                          Checkpoint, CheckpointDone, CheckpointOp, DeltaPlaneFailed, Handover,
+                                          MoveInOp, MoveOutOp, ForgetOp, PublishOp, RanksChanged, RankStats, RemoveOp,
+                                          SaveOp, ScoredGroup, Shutdown, ShutdownOp, TaskSaved, TrainerOp, TrainOp)
 from marlaas_hpc.runtime.retention import RetentionConfig, in_flight_versions, prune_adapters
 from marlaas_hpc.scheduler import Admit, Discard, Move, Moved, StepDone, TaskEnded, TaskFailed, Train
 from marlaas_hpc.scheduler.staleness import within_bound
@@ -353,6 +353,9 @@ class TrainerRank:
             return
         with self.clock.track("remake_channel", rollout_ranks=list(change.rollout_ranks)):
             self.delta.remake(list(change.rollout_ranks), change.delta_epoch)
+            if self.delta.broken is not None:  # nothing travels this epoch: rank 0 makes another
+                self.outbox.send(DeltaPlaneFailed(self.group, change.delta_epoch, self.delta.broken), 0, TAG_EVENT)
+                return
             tasks = sorted(t for t in self.trainer.task_ids() if t in self.specs)
             if tasks:
                 self._everyone(PublishOp(tasks))

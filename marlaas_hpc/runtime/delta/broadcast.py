@@ -19,9 +19,16 @@ rank 0's RanksChanged, runtime/membership.py) each leader remakes its channel am
 `epoch` (`remake`): a new store and group, its address sent to each member on TAG_DELTA after every announce of
 the old channel, then the leader's tasks broadcast again (the new members hold none of them, the others may have
 missed broadcasts abandoned with the old group). Broadcasts in flight on the old group are abandoned, not waited
-for (one to a dead member never ends), and the old group is kept, never destroyed: destroying a gloo group joins
-its worker threads, which an abandoned broadcast holds until its timeout. Under a tolerant job a broadcast that
-fails (its group had a member die) is dropped, not raised: the remade channel sends that version again.
+for (one to a dead member never ends), and the old group is aborted first (runtime/delta/groups.py: on NCCL its
+pending broadcasts would otherwise keep the watchdog counting towards ending this process), then kept, never
+destroyed: destroying a gloo group joins its worker threads, which an abandoned broadcast holds until its timeout.
+Under a tolerant job a broadcast that fails (its group had a member die) is dropped, not raised: the remade channel
+sends that version again.
+
+A channel's set-up has a deadline (`setup_timeout_s`: its store's rendezvous, and its NCCL communicator made in
+non-blocking mode and polled, `set_up`). A remade channel whose set-up fails (a member died after rank 0 named it
+live, or never came) is aborted and left out: the leader has no channel (`broken`: versions are counted `unsent`)
+until the next epoch, which it asks rank 0 for (runtime/trainer_rank.py: DeltaPlaneFailed).
 """
 from __future__ import annotations
 
@@ -32,7 +39,8 @@ from datetime import timedelta
 import torch
 
 from marlaas_hpc.runtime.comm import recv_wait, send_settled
-from marlaas_hpc.runtime.delta.groups import complete, gpu_key, host_store, join_store, process_group
+from marlaas_hpc.runtime.delta.groups import (SetupFailed, abort, complete, gpu_key, host_store, join_store,
+                                             nccl_setup_deadline, process_group, set_up)
 from marlaas_hpc.runtime.delta.plane import DeltaPlane, DeltaReceiver, DeltaSender, flat_buffer, unflatten
 from marlaas_hpc.runtime.messages import TAG_DELTA, ChannelAddress, DeltaAnnounce
 
@@ -75,13 +83,19 @@ class DeltaChannel(DeltaSender):
 
     def __init__(self, comm, leader: int, rollout_ranks: list[int], device: torch.device | str = "cpu",
                  host: str | None = None, timeout_s: float = 600.0, order: DeltaOrder | None = None,
-                 tolerant: bool = False, model: str | None = None):
+                 tolerant: bool = False, model: str | None = None, setup_timeout_s: float = 120.0):
         self.comm, self.leader, self.rollout_ranks = comm, leader, list(rollout_ranks)
         self.model = model
         """Leader: its trainer group's base model, named in every announce (DeltaAnnounce.model)."""
         self.own = torch.device(device)
         self.host, self.timeout_s, self.order, self.tolerant = host, timeout_s, order, tolerant
+        self.setup_timeout_s = setup_timeout_s
+        """How long the channel's set-up may wait for its members (module doc)."""
         self.epoch = 0
+        self.broken: str | None = None
+        """Leader: why the channel of `epoch` could not be set up (None: it is up)."""
+        self.unsent = 0
+        """Leader: versions not sent for want of a channel (the next one gets every task's newest)."""
         self.in_flight: deque = deque()
         """Leader: (work, buffer, announce requests) of posted broadcasts, oldest first."""
         self.retired: list = []
@@ -101,12 +115,14 @@ class DeltaChannel(DeltaSender):
 
     @classmethod
     def joined(cls, comm, address: ChannelAddress, device: torch.device | str = "cpu", tolerant: bool = False,
-               timeout_s: float = 600.0) -> "DeltaChannel":
-        """A rollout rank's member of a channel made after it started (a joined rank, or a remade channel)."""
+               timeout_s: float = 600.0, setup_timeout_s: float = 120.0) -> "DeltaChannel":
+        """A rollout rank's member of a channel made after it started (a joined rank, or a remade channel); raises
+        SetupFailed if its set-up does not complete."""
         channel = cls.__new__(cls)
         channel.comm, channel.leader, channel.rollout_ranks = comm, address.members[0], list(address.members[1:])
         channel.own, channel.host, channel.timeout_s, channel.order = torch.device(device), None, timeout_s, None
         channel.tolerant, channel.in_flight, channel.retired, channel.keys = tolerant, deque(), [], {}
+        channel.setup_timeout_s, channel.broken, channel.unsent = setup_timeout_s, None, 0
         channel._join(address)
         return channel
 
@@ -115,7 +131,7 @@ class DeltaChannel(DeltaSender):
         members = [self.leader] + self.rollout_ranks
         keys = [gpu_key(self.own)] + [self.keys[rank] for rank in self.rollout_ranks]
         self.backend = "nccl" if all(keys) and len(set(keys)) == len(keys) else "gloo"
-        store, address = host_store(len(members), self.host, self.timeout_s)
+        store, address = host_store(len(members), self.host, self.setup_timeout_s)
         for rank in self.rollout_ranks:
             self.comm.send(ChannelAddress(epoch, address, self.backend, tuple(members)), dest=rank, tag=TAG_DELTA)
         self._connect(store, 0, len(members), epoch)
@@ -123,34 +139,58 @@ class DeltaChannel(DeltaSender):
     def _join(self, address: ChannelAddress) -> None:
         members = list(address.members)
         self.backend, self.rollout_ranks = address.backend, members[1:]
-        store = join_store(address.address, len(members), self.timeout_s)
+        try:
+            store = join_store(address.address, len(members), self.setup_timeout_s)
+        except Exception as exc:  # the leader's store is gone (it gave this channel up) or never answered
+            raise SetupFailed(f"{type(exc).__name__}: {exc}") from exc
         self._connect(store, members.index(self.comm.Get_rank()), len(members), address.epoch)
 
     def _connect(self, store, member: int, size: int, epoch: int) -> None:
+        """The channel's group, set up here (module doc); raises SetupFailed past the deadline."""
         self.member, self.size, self.epoch = member, size, epoch
         self.device = self.own if self.backend == "nccl" else torch.device("cpu")
-        self.process_group = process_group(self.backend, store, member, size, timedelta(seconds=self.timeout_s))
-        # NCCL sets a communicator up at its first collective, blocking until every member joins: done here, while
-        # every rollout rank makes its channels in the same (leaders') order, never at a first broadcast that two
-        # rollout ranks may reach in different orders
-        complete(self.process_group.broadcast(torch.zeros(1, device=self.device), 0))
+        self.process_group = None
+        try:  # gloo meets its members in the constructor (bounded by the store's timeout, the set-up deadline)
+            group = process_group(self.backend, store, member, size, timedelta(seconds=self.timeout_s),
+                                  timedelta(seconds=self.setup_timeout_s))
+        except Exception as exc:
+            raise SetupFailed(f"{type(exc).__name__}: {exc}") from exc
+        # NCCL sets a communicator up at its first collective, until every member joins: done here, while every
+        # rollout rank makes its channels in the same (leaders') order, never at a first broadcast that two rollout
+        # ranks may reach in different orders
+        set_up(group, self.device, self.setup_timeout_s)
+        self.process_group = group
+
+    def _retire(self) -> None:
+        """Leaves the current group: aborted (nothing pending on it can hold this rank), then kept (module doc)."""
+        if self.process_group is not None:
+            abort(self.process_group)
+            self.retired.append((self.process_group, self.in_flight))
+        self.process_group, self.in_flight = None, deque()
 
     def remake(self, rollout_ranks: list[int], epoch: int) -> None:
         """Leader: the channel of `epoch` among `rollout_ranks` (module doc). A member new to this leader first
-        sends its GPU (as every rollout rank does at start). Blocks until every member has joined."""
+        sends its GPU (as every rollout rank does at start). Blocks until every member has joined, or until the
+        set-up deadline: then the channel is `broken` until the next epoch."""
         for rank in rollout_ranks:
             if rank not in self.keys:
                 self.keys[rank] = recv_wait(self.comm, TAG_DELTA, source=rank)[0]
-        self.retired.append((self.process_group, self.in_flight))
-        self.in_flight = deque()
+        self._retire()
         self.rollout_ranks = list(rollout_ranks)
-        self._host(epoch)
+        try:
+            self._host(epoch)
+            self.broken = None
+        except SetupFailed as exc:
+            self.epoch, self.broken = epoch, str(exc)
 
     def send(self, task_id: str, version: int, tensors: dict[str, torch.Tensor], lora) -> None:
         """Leader: announce over MPI, then post the broadcast of one flat buffer of every tensor, without waiting
         for it. Rollout ranks join between their engine steps: waiting here stalled the trainer for up to one
         generate step per published version (a quarter of its time on local-demo). The group runs posted
         broadcasts in order; at most MAX_IN_FLIGHT wait, and `flush` waits for all."""
+        if self.process_group is None:  # no channel this epoch (`broken`): the next one carries the newest
+            self.unsent += 1
+            return
         t0 = time.perf_counter()
         self._reap(self.MAX_IN_FLIGHT - 1)
         names = sorted(tensors)
@@ -190,6 +230,9 @@ class DeltaChannel(DeltaSender):
         """Leader, before it leaves: `flush` (the relay plane's publisher also ends its tier there)."""
         self.flush()
 
+    def stats(self) -> dict:
+        return {**super().stats(), "epoch": self.epoch, "channels_retired": len(self.retired), "unsent": self.unsent}
+
     def receive(self, announce: DeltaAnnounce) -> dict[str, torch.Tensor]:
         """Rollout rank: join the broadcast that follows `announce` and unflatten it."""
         total = sum(int(torch.Size(s).numel()) for s in announce.shapes)
@@ -212,7 +255,7 @@ class BroadcastPlane(DeltaPlane):
     def for_leader(self, comm, device: str, model: str | None) -> DeltaChannel:
         order = DeltaOrder(comm, self.leaders) if len(self.leaders) > 1 else None
         return DeltaChannel(comm, comm.Get_rank(), self.rollout_ranks, device=device, order=order,
-                            tolerant=comm.members.tolerant, model=model)
+                            tolerant=comm.members.tolerant, model=model, **self._timeouts())
 
     def for_rollout(self, comm, device: str) -> DeltaReceiver:
         from marlaas_hpc.runtime.delta.fanin import DeltaFanIn
@@ -220,12 +263,17 @@ class BroadcastPlane(DeltaPlane):
         # one channel per leader, made in the leaders' order on every rollout rank (each leader waits for its
         # own): each channel's NCCL communicator is set up as it is made, in that one order
         tolerant = comm.members.tolerant
-        return DeltaFanIn(comm, [DeltaChannel(comm, leader, self.rollout_ranks, device=device, tolerant=tolerant)
-                                 for leader in self.leaders], device=device, tolerant=tolerant)
+        return DeltaFanIn(comm, [DeltaChannel(comm, leader, self.rollout_ranks, device=device, tolerant=tolerant,
+                                              **self._timeouts()) for leader in self.leaders],
+                          device=device, tolerant=tolerant, **self._timeouts())
 
     def for_joiner(self, comm, rank: int, leaders: list[int], device: str) -> DeltaReceiver:
         from marlaas_hpc.runtime.delta.fanin import DeltaFanIn
 
         for leader in leaders:  # as every rollout rank does at start: the leader picks the backend
             comm.send(gpu_key(torch.device(device)), leader, TAG_DELTA)
-        return DeltaFanIn(comm, [], leaders=leaders, device=device, tolerant=True)
+        return DeltaFanIn(comm, [], leaders=leaders, device=device, tolerant=True, **self._timeouts())
+
+    def _timeouts(self) -> dict:
+        nccl_setup_deadline(self.settings.setup_timeout_s)
+        return {"timeout_s": self.settings.timeout_s, "setup_timeout_s": self.settings.setup_timeout_s}

@@ -23,8 +23,10 @@ first, so their announces are already on their way):
 Channels are remade in the leaders' order on every rollout rank, as they are first made: joining a group is a
 blocking collective of all its members, so two rollout ranks joining two leaders' new channels in different
 orders would wait for each other. Announces of an epoch the leader has left are dropped: the leader broadcasts
-its tasks again on the new channel. (Under NCCL a broadcast on a group with a dead member never completes: its
-communicator would need aborting, which is not done here; the CPU twin's gloo fails it, and it is dropped.)
+its tasks again on the new channel. A channel left behind (remade, or its leader lost) is aborted first: under NCCL
+a broadcast on a group with a dead member never completes, and the watchdog would end this rank
+(runtime/delta/groups.py); the CPU twin's gloo fails it. A new channel whose set-up fails (a member lost meanwhile,
+runtime/delta/broadcast.py) leaves the leader without a channel here until its next address.
 
 A task's versions come from whichever group owns it, and a move hands a task to another group at a step
 boundary, so version v (old owner) and v+1 (new owner) may complete in either order: the caller installs a
@@ -38,7 +40,7 @@ import torch
 
 from marlaas_hpc.runtime.comm import poll
 from marlaas_hpc.runtime.delta.broadcast import DeltaChannel
-from marlaas_hpc.runtime.delta.groups import complete
+from marlaas_hpc.runtime.delta.groups import SetupFailed, abort, complete
 from marlaas_hpc.runtime.delta.plane import DeltaReceiver, Received, unflatten
 from marlaas_hpc.runtime.messages import TAG_DELTA, ChannelAddress, DeltaAnnounce
 
@@ -56,11 +58,16 @@ class DeltaFanIn(DeltaReceiver):
     address when it makes one."""
 
     def __init__(self, comm, channels: list[DeltaChannel], leaders: list[int] | None = None,
-                 device: torch.device | str = "cpu", tolerant: bool = False):
+                 device: torch.device | str = "cpu", tolerant: bool = False, timeout_s: float = 600.0,
+                 setup_timeout_s: float = 120.0):
         leaders = leaders if leaders is not None else [channel.leader for channel in channels]
         if not leaders:
             raise ValueError("a rollout rank needs the delta channel of at least one trainer leader")
         self.comm, self.device, self.tolerant = comm, device, tolerant
+        self.timeouts = {"timeout_s": timeout_s, "setup_timeout_s": setup_timeout_s}
+        """A remade channel's collective timeout and set-up deadline (runtime/delta/broadcast.py)."""
+        self.failed: dict[int, int] = {}
+        """Leader -> the epoch of its channel whose set-up failed here (it has none until its next address)."""
         self.channels: dict[int, DeltaChannel | None] = dict.fromkeys(leaders)
         self.channels.update({channel.leader: channel for channel in channels})
         self.inbox: dict[int, deque] = {leader: deque() for leader in leaders}
@@ -72,7 +79,7 @@ class DeltaFanIn(DeltaReceiver):
         self.next_seq: dict[int, int] = {}
         """Per epoch: the place in the job's order of the next broadcast to post."""
         self.retired: list = []
-        """Channels left behind, with what was posted on them: never destroyed (runtime/delta/broadcast.py)."""
+        """Channels left behind, with what was posted on them: aborted, never destroyed (runtime/delta/broadcast.py)."""
 
     @property
     def leaders(self) -> list[int]:
@@ -80,7 +87,7 @@ class DeltaFanIn(DeltaReceiver):
 
     def epoch(self, leader: int) -> int:
         channel = self.channels[leader]
-        return -1 if channel is None else channel.epoch
+        return self.failed.get(leader, -1) if channel is None else channel.epoch
 
     def poll(self) -> Received:
         """Yields (announce, receive) for each broadcast that has completed, in each leader's order;
@@ -142,25 +149,37 @@ class DeltaFanIn(DeltaReceiver):
             self.held[(announce.epoch, announce.seq)] = (leader, announce)
 
     def _switch(self, leader: int, address: ChannelAddress) -> None:
-        """Leaves the leader's old channel (what was posted on it is abandoned) and joins its new one."""
-        old = self.channels[leader]
+        """Leaves the leader's old channel (aborted; what was posted on it is abandoned) and joins its new one."""
+        self._retire(leader)
+        try:
+            self.channels[leader] = DeltaChannel.joined(self.comm, address, self.device, self.tolerant,
+                                                        **self.timeouts)
+            self.failed.pop(leader, None)
+        except SetupFailed:  # the leader asks rank 0 for another epoch; its announces of this one are dropped
+            self.failed[leader] = address.epoch
+
+    def _retire(self, leader: int) -> None:
+        """The leader's current channel is left: aborted, kept with what was posted on it, nothing held of it."""
+        old = self.channels.get(leader)
         if old is not None:
-            self.retired.append((old, list(self.pending[leader])))
+            if old.process_group is not None:
+                abort(old.process_group)
+            self.retired.append((old, list(self.pending.get(leader, ()))))
+            self.channels[leader] = None
         self.pending[leader] = deque()
         for key in [key for key, (source, _) in self.held.items() if source == leader]:
             del self.held[key]
-        self.channels[leader] = DeltaChannel.joined(self.comm, address, self.device, self.tolerant)
 
     def drop_leader(self, leader: int) -> None:
-        """A trainer leader is lost: its channel and what was posted on it are left behind (its group's tasks are
-        published by their new group, under a new name: TaskState.adapter_key)."""
-        channel = self.channels.pop(leader, None)
-        if channel is not None:
-            self.retired.append((channel, list(self.pending.get(leader, ()))))
+        """A trainer leader is lost: its channel is aborted and left behind with what was posted on it (its group's
+        tasks are published by their new group, under a new name: TaskState.adapter_key)."""
+        if leader not in self.channels:
+            return
+        self._retire(leader)
+        del self.channels[leader]
         self.pending.pop(leader, None)
         self.inbox.pop(leader, None)
-        for key in [key for key, (source, _) in self.held.items() if source == leader]:
-            del self.held[key]
+        self.failed.pop(leader, None)
 
     def _post_in_order(self) -> None:
         for epoch in sorted({epoch for epoch, _ in self.held}):
@@ -173,6 +192,8 @@ class DeltaFanIn(DeltaReceiver):
 
     def _post(self, leader: int, announce: DeltaAnnounce) -> None:
         channel = self.channels[leader]
+        if channel is None:  # its channel of this epoch failed to set up here: the leader sends it again
+            return
         if announce.seq is None and len(self.channels) > 1:
             raise ValueError(f"trainer leader {leader} announced {announce.task_id} v{announce.version} without "
                              f"its place in the delta order, but this rollout rank has {len(self.channels)} "

@@ -37,6 +37,9 @@ class DeltaSender(ABC):
     """Seconds spent inside `send` (the leader's blocked time per update)."""
     flush_s = 0.0
     """Seconds spent inside `flush`/`close` (at the end)."""
+    broken: str | None = None
+    """Why the transport could not be set up for `epoch` after a `remake` (None: it is up). Until the next epoch
+    nothing is sent; the leader asks rank 0 for one (runtime/trainer_rank.py: DeltaPlaneFailed)."""
 
     @abstractmethod
     def send(self, task_id: str, version: int, tensors: dict[str, torch.Tensor], lora) -> None:

@@ -153,7 +153,7 @@ class _Link:
     """One two-member process group: member 0 sends pushes or answers pulls, member 1 the other end."""
 
     def __init__(self, store, sender: int, receiver: int, me: int, key: str | None, peer_key: str | None,
-                 timeout: timedelta):
+                 timeout: timedelta, setup_timeout: timedelta | None = None):
         self.peer = receiver if me == sender else sender
         keys = [key, peer_key]
         self.backend = "nccl" if all(keys) and key != peer_key else "gloo"
@@ -161,7 +161,7 @@ class _Link:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         prefixed = dist.PrefixStore(f"link/{sender}-{receiver}", store)
         self.member = 0 if me == sender else 1
-        self.group = process_group(self.backend, prefixed, self.member, 2, timeout)
+        self.group = process_group(self.backend, prefixed, self.member, 2, timeout, setup_timeout)
 
     def send(self, tensor: torch.Tensor):
         return self.group.send([tensor.to(self.device)], 1 - self.member, 0)
@@ -203,20 +203,23 @@ class RelayTier:
         self._connect(me, keys, timeout_s)
 
     @classmethod
-    def remade(cls, store, layout: RelayTierLayout, me: int, timeout_s: float = 600.0) -> "RelayTier":
+    def remade(cls, store, layout: RelayTierLayout, me: int, timeout_s: float = 600.0,
+               setup_timeout_s: float | None = None) -> "RelayTier":
         """A tier re-formed over a new member list while the job runs (runtime/delta/relay_plane.py): `store` is the
         new epoch's (hosted by the first leader), every link gloo. Blocks until this rank's links are set up (each
-        a rendezvous of its two ends, in the one order of `links()`)."""
+        a rendezvous of its two ends, in the one order of `links()`), or raises past `setup_timeout_s` (a member
+        lost meanwhile)."""
         tier = cls.__new__(cls)
         tier.layout, tier.store = layout.validate(), store
-        tier._connect(me, {}, timeout_s)
+        tier._connect(me, {}, timeout_s, setup_timeout_s)
         return tier
 
-    def _connect(self, me: int, keys, timeout_s: float) -> None:
+    def _connect(self, me: int, keys, timeout_s: float, setup_timeout_s: float | None = None) -> None:
         timeout = timedelta(seconds=timeout_s)
+        setup = None if setup_timeout_s is None else timedelta(seconds=setup_timeout_s)
         key = (lambda rank: keys[rank] if isinstance(keys, list) else keys.get(rank))
         self.links: dict[tuple[int, int], _Link] = {
-            (a, b): _Link(self.store, a, b, me, key(a), key(b), timeout)
+            (a, b): _Link(self.store, a, b, me, key(a), key(b), timeout, setup)
             for a, b in self.layout.links() if me in (a, b)}
 
 

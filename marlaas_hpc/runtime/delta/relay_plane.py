@@ -72,8 +72,11 @@ class RelayPublisher(DeltaSender):
     `flush` and `close` (at the end: until the root relay has taken every push). `comm`: this rank's LiveComm (for
     `remake`); `tolerant`: a push a dead root relay did not take is dropped, not raised."""
 
-    def __init__(self, tier: RelayTier, leader: int, comm=None, tolerant: bool = False, timeout_s: float = 600.0):
+    def __init__(self, tier: RelayTier, leader: int, comm=None, tolerant: bool = False, timeout_s: float = 600.0,
+                 setup_timeout_s: float = 120.0):
         self.leader, self.comm, self.tolerant, self.timeout_s = leader, comm, tolerant, timeout_s
+        self.setup_timeout_s = setup_timeout_s
+        """How long a re-formed tier's rendezvous may wait for its members (a member lost meanwhile)."""
         self.pusher: RelayPusher | None = RelayPusher(tier, leader, tolerant=tolerant)
         """None while no rollout rank is live (the last one lost, its replacement not joined yet)."""
         self.layout = tier.layout
@@ -122,25 +125,34 @@ class RelayPublisher(DeltaSender):
         if self.pusher is not None:
             self.retired.append(self.pusher)
             self.pusher = None
-        self.epoch = epoch
+        self.epoch, self.broken = epoch, None
         if not rollout_ranks:
             return
         old = self.layout
         self.layout = layout = job_relay_layout(rollout_ranks, old.leaders, old.fanout, old.chunk_elems)
+        try:
+            tier = RelayTier.remade(self._tier_store(layout, epoch), layout, self.leader, self.timeout_s,
+                                    self.setup_timeout_s)
+            self.pusher = RelayPusher(tier, self.leader, tolerant=self.tolerant)
+            self.broken = None
+        except Exception as exc:  # a member lost while the tier re-forms: no tier until the next epoch
+            self.broken = f"{type(exc).__name__}: {exc}"
+
+    def _tier_store(self, layout: RelayTierLayout, epoch: int):
+        """The first leader hosts the tier's store and tells every other member; the others join it. Bounded by
+        the set-up deadline: a member that never comes fails the rendezvous, not the job."""
         members = sorted(set(layout.leaders) | set(layout.relays))
         host = layout.leaders[0]
         if self.leader == host:
-            store, address = host_store(len(members), None, self.timeout_s)
+            store, address = host_store(len(members), None, self.setup_timeout_s)
             for rank in members:
                 if rank != host:
                     self.comm.send(RelayAddress(epoch, address, layout), dest=rank, tag=TAG_DELTA)
-        else:
+            return store
+        message = recv_wait(self.comm, TAG_DELTA, source=host)[0]
+        while message.epoch < epoch:  # (an epoch this leader skipped: never, rank 0 tells each in order)
             message = recv_wait(self.comm, TAG_DELTA, source=host)[0]
-            while message.epoch < epoch:  # (an epoch this leader skipped: never, rank 0 tells each in order)
-                message = recv_wait(self.comm, TAG_DELTA, source=host)[0]
-            store = join_store(message.address, len(members), self.timeout_s)
-        self.pusher = RelayPusher(RelayTier.remade(store, layout, self.leader, self.timeout_s), self.leader,
-                                  tolerant=self.tolerant)
+        return join_store(message.address, len(members), self.setup_timeout_s)
 
 
 class RelayFeed(DeltaReceiver):
@@ -151,8 +163,9 @@ class RelayFeed(DeltaReceiver):
 
     pins_versions = True
 
-    def __init__(self, tier: RelayTier | None, rank: int, leaders: list[int], comm=None, timeout_s: float = 600.0):
-        self.rank, self.comm, self.timeout_s = rank, comm, timeout_s
+    def __init__(self, tier: RelayTier | None, rank: int, leaders: list[int], comm=None, timeout_s: float = 600.0,
+                 setup_timeout_s: float = 120.0):
+        self.rank, self.comm, self.timeout_s, self.setup_timeout_s = rank, comm, timeout_s, setup_timeout_s
         self.leaders = list(leaders)
         self.relay = Relay(tier, rank).start() if tier is not None else None
         self.epoch = 0 if tier is not None else -1
@@ -198,16 +211,24 @@ class RelayFeed(DeltaReceiver):
                 self._reform(message)
 
     def _reform(self, message: RelayAddress) -> None:
+        """Joins the tier of a new epoch (bounded by the set-up deadline: past it, no relay until the next one)."""
         t0 = time.time()
         layout = message.layout
         members = sorted(set(layout.leaders) | set(layout.relays))
-        store = join_store(message.address, len(members), self.timeout_s)
         if self.relay is not None:
             self.retired.append(self.relay)
-        self.relay = Relay(RelayTier.remade(store, layout, self.rank, self.timeout_s), self.rank).start()
+            self.relay = None
         self.epoch = message.epoch
+        failed = None
+        try:
+            store = join_store(message.address, len(members), self.setup_timeout_s)
+            tier = RelayTier.remade(store, layout, self.rank, self.timeout_s, self.setup_timeout_s)
+            self.relay = Relay(tier, self.rank).start()
+        except Exception as exc:  # a member lost while the tier re-forms: its leader asks rank 0 for another
+            failed = f"{type(exc).__name__}: {exc}"
         if self.clock is not None:
-            self.clock.note("relay_reform", (), t0, time.time(), epoch=message.epoch, relays=list(layout.relays))
+            self.clock.note("relay_reform", (), t0, time.time(), epoch=message.epoch, relays=list(layout.relays),
+                            **({"failed": failed} if failed else {}))
 
     def _pin_at(self, store: RelayStore, task_id: str, version: int):
         found = store.get(task_id, version, pin=True)
@@ -256,7 +277,7 @@ class RelayPlane(DeltaPlane):
     def _tier(self, comm) -> RelayTier:
         s = self.settings
         return join_relay_tier(comm, job_relay_layout(self.rollout_ranks, self.leaders, s.relay_fanout,
-                                                      s.chunk_elems))
+                                                      s.chunk_elems), s.timeout_s)
 
     def for_scheduler(self, comm) -> None:
         self._tier(comm)
@@ -265,11 +286,15 @@ class RelayPlane(DeltaPlane):
         self._tier(comm)
 
     def for_leader(self, comm, device: str, model: str | None) -> RelayPublisher:
-        return RelayPublisher(self._tier(comm), comm.Get_rank(), comm=comm, tolerant=comm.members.tolerant)
+        return RelayPublisher(self._tier(comm), comm.Get_rank(), comm=comm, tolerant=comm.members.tolerant,
+                              **self._timeouts())
 
     def for_rollout(self, comm, device: str) -> RelayFeed:
-        return RelayFeed(self._tier(comm), comm.Get_rank(), self.leaders, comm=comm)
+        return RelayFeed(self._tier(comm), comm.Get_rank(), self.leaders, comm=comm, **self._timeouts())
 
     def for_joiner(self, comm, rank: int, leaders: list[int], device: str) -> RelayFeed:
         # its relay comes with the tier re-formed with it
-        return RelayFeed(None, rank, leaders, comm=comm)
+        return RelayFeed(None, rank, leaders, comm=comm, **self._timeouts())
+
+    def _timeouts(self) -> dict:
+        return {"timeout_s": self.settings.timeout_s, "setup_timeout_s": self.settings.setup_timeout_s}
