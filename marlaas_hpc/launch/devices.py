@@ -26,7 +26,7 @@ connects to devices this process cannot see through CUDA IPC (nccl src/transport
 breaks P2P is a devices cgroup that hides the peers' device files (srun --gpus-per-task on sites with
 ConstrainDevices, NVIDIA/nccl#1066): the trainer component asks for GPUs per node instead (launch/sbatch.py).
 
-The binding is applied before MPI_Init (runtime/main.py `bind_rank_device`): a CUDA-aware MPI transport (UCX)
+The binding is applied before MPI_Init (runtime/process.py `bind_rank_device`): a CUDA-aware MPI transport (UCX)
 may start CUDA inside MPI_Init, after which CUDA_VISIBLE_DEVICES no longer counts. So the rank and the ranks
 sharing its node come from the launcher's variables (`world_rank_from_env`, `node_ranks_from_env`: SLURM_PROCID
 and SLURM_GTIDS under srun; Open MPI's / MPICH's rank, local rank and size under mpirun, which assumes block
@@ -263,6 +263,31 @@ def placement_mismatch(environ: Mapping[str, str], layout: JobLayout, driver_gpu
             f"rank {rank} among node ranks {sorted(node_ranks)}: it would run as {applied.describe()} instead of "
             f"{should}. Start the ranks in blocks of consecutive world ranks per node (mpirun's default --map-by "
             "slot, srun's default block distribution; not --map-by node or srun -m cyclic)")
+
+
+def joiner_gpus(visible: Sequence[str], held: Mapping[int, Sequence[str]], need: int,
+                replaces: Sequence[str] = ()) -> tuple[str, ...]:
+    """The GPUs of a rollout rank that joins a live job in local mode (pure): a replacement takes the GPUs of the
+    rank it replaces; any other joiner the first `need` of the node's `visible` GPUs that no live rank holds
+    (`held`: live rank -> its GPUs). Without this a joiner took cuda:0, which another rank holds: vLLM refused to
+    start, or two ranks shared one GPU and every channel fell back to gloo. Raises DeviceError when none are free."""
+    taken = {gpu for gpus in held.values() for gpu in gpus}
+    if replaces and len(replaces) == need and not taken & set(replaces):
+        return tuple(replaces)
+    free = [gpu for gpu in visible if gpu not in taken]
+    if len(free) < need:
+        raise DeviceError("layout.rollout.gpus_per_task", f"no free GPU for a joining rollout rank: it needs {need}, "
+                                                           f"the node's {len(visible)} are held by the live ranks")
+    return tuple(free[:need])
+
+
+def joined_binding(rank: int, gpus: Sequence[str]) -> DeviceBinding:
+    """The binding of a rank that joined in local mode on the GPUs rank 0 gave it (`joiner_gpus`)."""
+    if not gpus:
+        return DeviceBinding(rank=rank, role="rollout", device="cpu", gpus=(), cuda_visible_devices=None,
+                             how="joined on the CPU")
+    return DeviceBinding(rank=rank, role="rollout", device="cuda:0", gpus=tuple(gpus),
+                         cuda_visible_devices=",".join(gpus), how="joined: the GPUs rank 0 gave it")
 
 
 def apply_binding(binding: DeviceBinding, environ: MutableMapping[str, str] = os.environ) -> None:

@@ -11,20 +11,25 @@ import os
 import time
 from pathlib import Path
 
+from marlaas_hpc.launch.devices import apply_binding, joined_binding
 from marlaas_hpc.launch.ulfm_slurm import JOIN_SLOT_ENV
 from marlaas_hpc.runtime.engines import model_engines, rollout_engine
 from marlaas_hpc.runtime.process import end_lost_rank, end_rank, load_job, record_rank, report_crash, roles_of
 
 
-def join_main(run_dir: str, rank: int) -> None:
+def join_main(run_dir: str, rank: int, gpus: str | None = None) -> None:
     """A rollout rank that joins the live job of `run_dir` as world rank `rank`: its engine first, then Joining to
     rank 0, the links its env ranks and trainer leaders make to its port, its GPU to each leader (their delta
     channels are remade with it), and the rollout loop. It ends once its links are disconnected (drained, or at
     the end of the job: a process still linked cannot finalize MPI). Devices: under Slurm (launch/ulfm_slurm.py
-    `join`) those of the slot it runs in, bound as that slot's rank was (before MPI_Init); in local mode the CPU,
-    or the first GPU it sees."""
+    `join`) those of the slot it runs in, bound as that slot's rank was (before MPI_Init); in local mode the GPUs
+    rank 0 gave it (`gpus`: a replacement the dead rank's, another joiner free ones), or the CPU."""
     slot = os.environ.get(JOIN_SLOT_ENV)
-    binding = _bind_joiner(run_dir, int(slot)) if slot is not None else None
+    if slot is not None:
+        binding = _bind_joiner(run_dir, int(slot))
+    else:
+        binding = joined_binding(rank, gpus.split(",") if gpus else ())
+        apply_binding(binding, os.environ)
     from mpi4py import MPI  # early: rank 0's MPI_Comm_spawn waits until this process is in MPI_Init
 
     from marlaas_hpc.launch.monitor import RankReporter
@@ -38,7 +43,7 @@ def join_main(run_dir: str, rank: int) -> None:
     live.add_link(0, MPI.Comm.Get_parent())
     live.members.join(rank, "rollout")
     role = "rollout (joined)"
-    record_rank(run_path, rank, role, **({} if binding is None else {"slot": int(slot), "gpus": list(binding.gpus)}))
+    record_rank(run_path, rank, role, gpus=list(binding.gpus), **({} if slot is None else {"slot": int(slot)}))
     reporter = live.reporter = RankReporter.connect({
         "rank": rank, "role": role, "run_dir": str(run_path), "tolerant": True, "on_rank_loss": "continue",
         "hang_timeout_s": job.fault.hang_timeout_s})
@@ -57,12 +62,9 @@ def join_main(run_dir: str, rank: int) -> None:
 
 def _serve(live, job, rank: int, run_path: Path, binding) -> None:
     """The joined rank's life in the job: its engine, its links, its delta plane, then the rollout loop."""
-    import torch
-
     from marlaas_hpc.runtime.rollout_rank import RolloutRank
 
-    device = binding.device if binding is not None else \
-        "cuda:0" if job.layout.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
+    device = binding.device
     t0 = time.time()
     paths = job.model_paths()  # a job of several base models: one engine per model, as the first ranks
     disk = model_dir = job.model_path()

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from marlaas_hpc.launch.layout import assign_role
 from marlaas_hpc.runtime.process import (PREEMPTED_EXIT, bind_rank_device, describe_role, end_barrier, end_lost_rank,
-                                         end_rank, live_comm, load_job, log_devices, record_rank, refuse_start,
-                                         report_crash, start_checks)
+                                         end_rank, live_comm, load_job, log_devices, node_gpus, record_rank,
+                                         refuse_start, report_crash, start_checks)
 from marlaas_hpc.runtime.quiet import silence_library_notices
 from marlaas_hpc.scheduler import MODES
 
@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None):
                         help="resume if the run dir holds a checkpoint, else start fresh (Slurm requeue)")
     parser.add_argument("--join", metavar="RUN_DIR", help=argparse.SUPPRESS)  # a rank rank 0 started
     parser.add_argument("--as-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--gpus", help=argparse.SUPPRESS)  # a joiner's GPUs in local mode (runtime/scaling.py)
     return parser.parse_args(argv)
 
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.join:
         from marlaas_hpc.runtime.join import join_main
 
-        join_main(args.join, args.as_rank)
+        join_main(args.join, args.as_rank, args.gpus)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from marlaas_hpc.runtime.checkpoint import PreemptFlag, load_job_checkpoint
 
@@ -64,16 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     refusals, state = start_checks(comm, job, args.config, resume, early)
     if refusals:
         return refuse_start(comm, refusals)
-    return run_job(comm, job, early.binding, preempt, state)
+    return run_job(comm, job, early, preempt, state)
 
 
-def run_job(comm, job, binding, preempt, state: dict | None) -> int:
+def run_job(comm, job, early, preempt, state: dict | None) -> int:
     """This rank's role, from the ready barrier to its exit status (PREEMPTED_EXIT on rank 0 of a preempted job)."""
     from marlaas_hpc.launch.monitor import RankReporter
     from marlaas_hpc.runtime.roles import run_rank
 
     log = (lambda message: print(message, flush=True)) if comm.Get_rank() == 0 else (lambda message: None)
-    log_devices(comm.gather(binding, root=0), log)
+    binding = early.binding
+    bindings = comm.gather(binding, root=0)
+    log_devices(bindings, log)
     rank, run_path = comm.Get_rank(), Path(job.run_dir).resolve()
     role = describe_role(assign_role(rank, job.layout), job.layout.trainer_groups)
     record_rank(run_path, rank, role)
@@ -83,7 +86,8 @@ def run_job(comm, job, binding, preempt, state: dict | None) -> int:
         "tolerant": live.members.tolerant, "why_not": live.members.why_not, "on_rank_loss": job.fault.on_rank_loss,
         "hang_timeout_s": job.fault.hang_timeout_s})
     try:
-        summary = run_rank(live, job, binding, log=log, preempt=preempt, resume=state)
+        summary = run_rank(live, job, binding, log=log, preempt=preempt, resume=state,
+                           devices=(bindings, node_gpus(early)) if rank == 0 else None)
         reporter.stop_heartbeat()
         if live.members.drained:  # this rank alone left the live job (runtime/scaling.py)
             reporter.bye()

@@ -119,6 +119,17 @@ def bind_rank_device(job: JobConfig, environ=os.environ) -> EarlyBinding:
     return EarlyBinding(binding, None, launcher_env, driver_gpus)
 
 
+def node_gpus(early: EarlyBinding) -> tuple[str, ...]:
+    """The GPUs of this rank's node as the launcher gave them (before this rank's own were narrowed): what rank 0
+    gives joiners from in local mode (runtime/scaling.py)."""
+    from marlaas_hpc.launch.devices import DeviceError, visible_gpus
+
+    try:
+        return visible_gpus(early.environ, early.driver_gpus)[0]
+    except DeviceError:
+        return ()
+
+
 def check_rank_device(comm, job: JobConfig, early: EarlyBinding) -> str | None:
     """After MPI_Init (collective): the refusal of `bind_rank_device`, or a binding that MPI's placement (world
     rank, and the ranks sharing the node from a shared-memory split, whatever the launcher) would change; None

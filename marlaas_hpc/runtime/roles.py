@@ -83,14 +83,15 @@ class RankSetup:
         return delta_plane(self.job.delta, self.roles["rollout"], self.leaders)
 
 
-def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dict | None = None) -> dict | None:
+def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dict | None = None,
+             devices=None) -> dict | None:
     """Sets up this rank's role on its device (`binding`, from bind_rank_device), waits until every rank is ready,
     then runs the role's loop. Rank 0 returns the summary. `resume` (rank 0): the checkpoint this run continues
-    from."""
+    from; `devices` (rank 0): every rank's binding and the node's GPUs, which joiners are given from."""
     setup = RankSetup.of(comm, job, log, resume)
     kind = setup.role.kind
     if kind == "scheduler":
-        return run_scheduler(setup, preempt)
+        return run_scheduler(setup, preempt, devices)
     if kind == "env":
         run_env(setup)
     elif kind == "rollout":
@@ -100,7 +101,7 @@ def run_rank(comm, job: JobConfig, binding, log=print, preempt=None, resume: dic
     return None
 
 
-def run_scheduler(setup: RankSetup, preempt) -> dict:
+def run_scheduler(setup: RankSetup, preempt, devices=None) -> dict:
     from marlaas_hpc.runtime.scheduler_rank import SchedulerRank
 
     comm = setup.comm
@@ -114,6 +115,8 @@ def run_scheduler(setup: RankSetup, preempt) -> dict:
                               startup_s=time.time() - setup.start, preempt=preempt, resume=setup.resume,
                               model_codecs=setup.model_codecs)
     scheduler.delta_order = order
+    if devices is not None:
+        scheduler.ranks.scaler.know_devices(*devices)
     comm.start_heartbeat(scheduler.busy)
     return scheduler.run()
 

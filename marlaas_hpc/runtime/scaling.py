@@ -152,6 +152,20 @@ class Scaler:
         """Ranks this job may still start (None: no limit, local mode)."""
         self.spawned = False
         """A rank was started in this job (under Slurm no rank drains after that: `stays_why`)."""
+        self.visible: tuple[str, ...] = ()
+        """Local mode on GPUs: the node's GPUs (as the launcher names them), which joiners are given from."""
+        self.gpus: dict[int, tuple[str, ...]] = {}
+        """Local mode on GPUs: each live GPU rank's GPUs (from the ranks' bindings at start, then the joiners')."""
+        self.freed: dict[int, tuple[str, ...]] = {}
+        """Local mode: the GPUs of ranks lost or drained, which a replacement of that rank takes."""
+
+    def know_devices(self, bindings, visible) -> None:
+        """Rank 0 at start: every rank's binding and the node's GPUs (local mode; under Slurm a joiner takes its
+        slot's binding)."""
+        if self.in_allocation or not bindings:
+            return
+        self.gpus = {binding.rank: tuple(binding.gpus) for binding in bindings if binding.gpus}
+        self.visible = tuple(visible)
 
     def cannot_spawn(self, count: int = 1) -> str | None:
         """Why `count` more ranks cannot be started (None: they can)."""
@@ -178,6 +192,8 @@ class Scaler:
         """`rank` (lost, drained, or failed before it joined) no longer holds its slot; the slot (None: local
         mode)."""
         self.slot_of.pop(rank, None)
+        if rank in self.gpus:
+            self.freed[rank] = self.gpus.pop(rank)
         for slot, holder in self.slots.items():
             if holder == rank:
                 self.slots[slot] = None
@@ -196,13 +212,18 @@ class Scaler:
         self._seen = request[0]
         return request[1]
 
-    def spawn(self, slot: int | None = None) -> tuple[int, str]:
+    def spawn(self, slot: int | None = None, replaces: int | None = None) -> tuple[int, str]:
         """Starts a new rollout rank; it says Joining once its engine is up. Under Slurm it runs in `slot` (a free
-        one), on that slot's node with its SLURM_* variables (launch/ulfm_slurm.py `join`). Returns the rank and
-        where it runs ('' in local mode); raises what MPI_Comm_spawn raised (the slot stays free)."""
+        one), on that slot's node with its SLURM_* variables (launch/ulfm_slurm.py `join`). In local mode on GPUs
+        it is given its own (`--gpus`): the GPUs of the rank it `replaces`, else free ones (DeviceError if none
+        is). Returns the rank and where it runs ('' in local mode); raises what MPI_Comm_spawn raised (the slot
+        stays free)."""
         from marlaas_hpc.runtime.membership import spawn_rank
 
         program = ["-m", "marlaas_hpc.runtime.main", "--join", str(self.run_dir), "--as-rank", str(self.next_rank)]
+        gpus = self._joiner_gpus(replaces)
+        if gpus:
+            program += ["--gpus", ",".join(gpus)]
         host = ""
         if self.in_allocation:
             import sys
@@ -218,7 +239,17 @@ class Scaler:
             self.slots[slot], self.slot_of[rank] = rank, slot
         self.comm.add_link(rank, link)
         self.joining[rank] = time.time()
+        if gpus:
+            self.gpus[rank] = gpus
         return rank, host
+
+    def _joiner_gpus(self, replaces: int | None) -> tuple[str, ...]:
+        if not self.visible:  # a CPU job, or under Slurm (the slot's binding)
+            return ()
+        from marlaas_hpc.launch.devices import gpus_needed, joiner_gpus
+
+        return joiner_gpus(self.visible, self.gpus, gpus_needed("rollout", self.job.layout),
+                           self.freed.pop(replaces, ()) if replaces is not None else ())
 
     def weights_chain(self) -> list[int] | None:
         """The joiners to feed now, in chain order, once every spawned rank not yet planned has asked (they were

@@ -40,7 +40,7 @@ class ElasticRanks:
         self.delta_part = None
         """The delta plane's part hosted here (with several trainer groups, the job's DeltaOrder): kept alive."""
         self.scaler = Scaler(comm, job, run_dir, log)
-        """Rollout ranks joining, draining and wanted (runtime/scaling.py)."""
+        """Rollout ranks joining, draining and wanted, and in local mode which GPUs each holds (runtime/scaling.py)."""
         self.ranks_lost: list[dict] = list(resume.get("ranks_lost", [])) if resume else []
         """Ranks the live job went on without, this run's and earlier runs' (summary.json)."""
         self.ranks_joined: list[dict] = list(resume.get("ranks_joined", [])) if resume else []
@@ -96,7 +96,7 @@ class ElasticRanks:
         if kind == "rollout" and self.job.layout.rollout_replace and self.scaler.able:
             why_not = self.scaler.cannot_spawn()
             if why_not is None:
-                replaced = self._spawn(f"to replace rank {rank} (layout.rollout_replace)", slot)
+                replaced = self._spawn(f"to replace rank {rank} (layout.rollout_replace)", slot, replaces=rank)
             else:
                 self.log(f"[scale] rank {rank} is not replaced: {why_not}")
         if not self.members.alive(kind) and replaced is None:
@@ -224,13 +224,16 @@ class ElasticRanks:
             self.execute(self.handle(RankLeaving(rank)))
             self.log(f"[scale] rollout rank {rank} drains: no new group; it leaves once its groups are done")
 
-    def _spawn(self, why: str, slot: int | None) -> int | None:
-        """Starts one rollout rank (in `slot` under Slurm) and says so; None if MPI_Comm_spawn refused it."""
+    def _spawn(self, why: str, slot: int | None, replaces: int | None = None) -> int | None:
+        """Starts one rollout rank (in `slot` under Slurm; in local mode on the GPUs of the rank it `replaces`, or
+        free ones) and says so; None if it could not start."""
         from mpi4py import MPI
 
+        from marlaas_hpc.launch.devices import DeviceError
+
         try:
-            rank, host = self.scaler.spawn(slot)
-        except MPI.Exception as exc:  # PRRTE found no room on the node, ...: the slot stays free
+            rank, host = self.scaler.spawn(slot, replaces)
+        except (MPI.Exception, DeviceError) as exc:  # no room on the node, no free GPU, ...: the slot stays free
             where = "" if slot is None else f" in rank {slot}'s slot"
             self.log(f"[scale] could not start a rollout rank {why}".rstrip() + f"{where}: {exc}")
             return None
