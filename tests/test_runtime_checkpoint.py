@@ -298,3 +298,50 @@ def test_errors_no_task_caused_are_told_apart():
     assert not is_job_fault(ValueError("state saved at TP rank 0/2, this is rank 0/1"))
     assert not is_job_fault(FloatingPointError("non-finite loss nan"))
     assert not is_job_fault(OSError(errno.ENOENT, "No such file or directory"))
+
+
+def test_a_trainer_rank_s_random_state_comes_back_whole_megatron_s_tracker_included(tmp_path):
+    """A preemption saves the CPU generator and megatron's model-parallel generators (its CUDA RNG tracker, on the
+    CPU twin through the CPU shims); before, only torch's CPU generator was saved."""
+    from megatron.core import tensor_parallel
+
+    from marlaas_hpc.runtime.checkpoint import load_torch, rng_state, save_torch, set_rng_state
+    from marlaas_hpc.trainer.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if "model-parallel-rng" not in tracker.get_states():
+        tracker.add("model-parallel-rng", 1234)
+
+    def draws():
+        with tracker.fork():
+            inside = torch.rand(4)
+        return inside, torch.rand(4)
+
+    save_torch(rng_state(), tmp_path / "rng.pt")
+    expected = draws()
+    draws()  # both generators move on
+    set_rng_state(load_torch(tmp_path / "rng.pt"))
+    again = draws()
+    assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1])
+
+
+def test_an_older_random_state_file_of_the_cpu_generator_alone_still_loads(tmp_path):
+    from marlaas_hpc.runtime.checkpoint import load_torch, save_torch, set_rng_state
+
+    save_torch(torch.get_rng_state(), tmp_path / "rng.pt")
+    expected = torch.rand(3)
+    set_rng_state(load_torch(tmp_path / "rng.pt"))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_trainer_rank_on_a_gpu_gets_one_cuda_connection_and_a_rollout_rank_does_not():
+    from marlaas_hpc.launch.devices import DeviceBinding, cuda_environment
+
+    def gpu(role):
+        return DeviceBinding(rank=3, role=role, device="cuda:0", gpus=("3",), cuda_visible_devices="3")
+
+    assert cuda_environment(gpu("trainer")) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert cuda_environment(gpu("rollout")) == {}
+    cpu = DeviceBinding(rank=3, role="trainer", device="cpu", gpus=(), cuda_visible_devices=None)
+    assert cuda_environment(cpu) == {}

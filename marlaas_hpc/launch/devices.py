@@ -290,11 +290,21 @@ def joined_binding(rank: int, gpus: Sequence[str]) -> DeviceBinding:
                          cuda_visible_devices=",".join(gpus), how="joined: the GPUs rank 0 gave it")
 
 
+def cuda_environment(binding: DeviceBinding) -> dict[str, str]:
+    """CUDA settings a rank needs before CUDA starts, besides its GPUs. A trainer rank on a GPU runs with one
+    hardware queue per device (CUDA_DEVICE_MAX_CONNECTIONS=1): megatron overlaps its TP all-reduces with compute
+    and relies on kernels starting in the order they were launched."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if binding.role == "trainer" and binding.is_cuda else {}
+
+
 def apply_binding(binding: DeviceBinding, environ: MutableMapping[str, str] = os.environ) -> None:
-    """Narrows CUDA_VISIBLE_DEVICES to the rank's GPUs (hides them from a CPU rank) and, on a GPU, makes its
-    first one torch's current device. Must run before anything in the process starts CUDA, MPI_Init included."""
+    """Narrows CUDA_VISIBLE_DEVICES to the rank's GPUs (hides them from a CPU rank), sets what else CUDA must know
+    before it starts (`cuda_environment`; a site's own value is kept) and, on a GPU, makes its first one torch's
+    current device. Must run before anything in the process starts CUDA, MPI_Init included."""
     if binding.cuda_visible_devices is not None:
         environ["CUDA_VISIBLE_DEVICES"] = binding.cuda_visible_devices
+    for name, value in cuda_environment(binding).items():
+        environ.setdefault(name, value)
     if not binding.is_cuda:
         return
     import torch

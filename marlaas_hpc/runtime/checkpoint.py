@@ -100,6 +100,35 @@ def trainer_shard_path(run_dir: Path, spec, tp_rank: int, version: int) -> Path:
     return task_dir(Path(run_dir), spec) / "checkpoint" / f"tp{tp_rank}-v{version:06d}.pt"
 
 
+def rng_state() -> dict:
+    """This process's random state as a trainer rank uses it: torch's CPU generator, the current CUDA device's
+    (on a GPU), and megatron's model-parallel generators (its CUDA RNG tracker: dropout and init inside TP
+    regions)."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    state = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state) -> None:
+    """Restores what `rng_state` saved (a bare tensor: a file from before the CUDA and tracker states were
+    kept, torch's CPU generator only)."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    if isinstance(state, torch.Tensor):
+        torch.set_rng_state(state)
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state.get("tracker"):
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
 def trainer_rng_path(run_dir: Path, tp_rank: int, group: int = 0, dp_rank: int = 0) -> Path:
     """One trainer rank's RNG state (trainer group 0, DP replica 0: the one-group name)."""
     if group == dp_rank == 0:
@@ -111,13 +140,29 @@ def _digest_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
+def on_host(obj):
+    """`obj` with every tensor in it copied to host memory (dicts, lists and tuples followed): a shard pickled
+    from GPU tensors names their device, and loading it where that device is missing (another node's numbering,
+    a CPU-only machine reading a checkpoint) fails."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu() if obj.device.type != "cpu" else obj
+    if isinstance(obj, dict):
+        return {key: on_host(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(on_host(value) for value in obj)
+    return obj
+
+
 def save_torch(obj, path: Path) -> None:
     """Atomic torch.save with a sha256 sidecar: a crash mid-write leaves the previous files intact, and a shard
-    without a matching sidecar (cut short, overwritten, bit rot) is never loaded."""
+    without a matching sidecar (cut short, overwritten, bit rot) is never loaded. Tensors are saved from host
+    memory (`on_host`)."""
     import torch
 
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    torch.save(on_host(obj), buffer)
     data = buffer.getvalue()
     _atomic_write_bytes(path, data)
     _atomic_write_bytes(_digest_path(path), (hashlib.sha256(data).hexdigest() + "\n").encode())
@@ -153,7 +198,8 @@ def read_verified(path: Path) -> bytes:
 def load_torch(path: Path):
     import torch
 
-    return torch.load(io.BytesIO(read_verified(path)), weights_only=False)
+    # host tensors: a shard written before `on_host` may name a GPU this process does not have
+    return torch.load(io.BytesIO(read_verified(path)), weights_only=False, map_location="cpu")
 
 
 _SHARD = re.compile(r"tp(\d+)-v(\d+)\.pt$")

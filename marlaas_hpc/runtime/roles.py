@@ -215,13 +215,14 @@ def build_trainer(comm, job, trainers: list[int], model_path: Path, device: str)
 
 
 def _restore_rng(run_dir: Path, tp_rank: int, group: int = 0, dp_rank: int = 0) -> None:
+    """A resumed trainer rank's random state, as its preemption checkpoint saved it."""
     import torch
 
-    from marlaas_hpc.runtime.checkpoint import trainer_rng_path
+    from marlaas_hpc.runtime.checkpoint import set_rng_state, trainer_rng_path
 
     path = trainer_rng_path(run_dir, tp_rank, group, dp_rank)
     if path.is_file():
-        torch.set_rng_state(torch.load(path))
+        set_rng_state(torch.load(path, map_location="cpu"))
 
 
 def _ready(comm, rank: int, kind: str, start: float) -> None:

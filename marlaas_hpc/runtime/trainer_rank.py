@@ -28,8 +28,8 @@ from pathlib import Path
 from marlaas_hpc.rundir import adapter_dir, task_dir
 from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, recv_wait, write_timeline
-from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_shards, save_torch, trainer_rng_path,
-                                            trainer_shard_path)
+from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_shards, rng_state, save_torch,
+                                            trainer_rng_path, trainer_shard_path)
 from marlaas_hpc.runtime.faults import RankLostError, is_job_fault, is_storage_error, storage_error
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER, AdmitOp,
                                           Checkpoint, CheckpointDone, CheckpointOp, DeltaPlaneFailed, Handover,
@@ -188,12 +188,9 @@ class TrainerRank:
         return versions
 
     def _checkpoint(self) -> dict[str, int]:
-        """Preemption: every TP rank saves its shard of every live task and its RNG."""
-        import torch
-
+        """Preemption: every TP rank saves its shard of every live task and its random state."""
         versions = self._save(self.trainer.task_ids())
-        save_torch(torch.get_rng_state(), trainer_rng_path(self.run_dir, self.trainer.tp_rank, self.group,
-                                                           self.trainer.dp_rank))
+        save_torch(rng_state(), trainer_rng_path(self.run_dir, self.trainer.tp_rank, self.group, self.trainer.dp_rank))
         return versions
 
     def _publish(self, task_id: str, write: bool = True) -> int | None:
