@@ -28,11 +28,15 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable
 
+from marlaas_hpc.scheduler.events import (Admit, AuditRecord, Cancel, Discard, Generate, Generated, Move, Moved,
+                                          RankJoined, RankLeaving, RankLost, Resumed, Scored, StepDone, Submit,
+                                          TaskEnded, TaskFailed, Train)
 from marlaas_hpc.scheduler.modes import MODES, mode_policy
+from marlaas_hpc.scheduler.rank_changes import RankChanges
 from marlaas_hpc.scheduler.placement import Placement, estimated_tokens_per_step
 from marlaas_hpc.scheduler.sampling import drops
 from marlaas_hpc.scheduler.staleness import oldest_allowed
@@ -41,186 +45,6 @@ from marlaas_hpc.tasks.spec import TaskSpec
 
 ORDERS = ("fair", "priority", "fifo")
 _version = attrgetter("version")
-
-
-# Events and commands are plain slotted dataclasses, not frozen ones: a frozen dataclass sets each field
-# through object.__setattr__, which makes it 4x dearer to build (1.2 us against 0.3), and a simulation builds
-# one or more of each per event. Nothing mutates one once it is sent: treat them as values.
-
-# ---- events (into the scheduler) ----
-@dataclass(slots=True)
-class Submit:
-    spec: TaskSpec
-    resume: dict | None = field(default=None, compare=False)
-    """A checkpointed task record (`TaskState.checkpoint()`): the task continues at its saved version."""
-
-
-@dataclass(slots=True)
-class Cancel:
-    task_id: str
-
-
-@dataclass(slots=True)
-class Generated:
-    rollout_rank: int
-    group_ids: tuple[str, ...]
-    versions: tuple[int | None, ...] = ()
-    """Adapter version each group was actually sampled with (a rollout rank may use a newer version than
-    the one asked for if the older one is gone; never an older one). Empty: as issued."""
-
-
-@dataclass(slots=True)
-class Resumed:
-    """A multi-turn group's next turn entered the rollout rank's batch (its tool calls are back): it takes a rollout
-    slot again, even past rollout_slots (its episodes' version is pinned: it never waits). Its Generated, when the
-    turn is done, frees the slot."""
-
-    rollout_rank: int
-    group_ids: tuple[str, ...]
-
-
-@dataclass(slots=True)
-class RankLost:
-    """A worker rank is gone (it died, hung and was killed, or left); runtime/membership.py notices the loss and
-    rank 0 hands it to the scheduler. A rollout or env rank: the unscored groups it held are sampled again
-    elsewhere. A trainer rank: its whole trainer group is gone, and each task it owned goes back to its newest
-    checkpoint (`restore`) and is admitted again on a surviving group."""
-
-    rank: int
-    role: str
-    """'rollout', 'env' or 'trainer'."""
-    trainer_group: int | None = None
-    """A trainer rank's group."""
-    restore: dict = field(default_factory=dict, repr=False)
-    """A trainer group's loss: task -> the checkpoint record it goes back to (TaskState.checkpoint() at its
-    newest save, or at submission: rank 0's records, runtime/records.py)."""
-
-
-@dataclass(slots=True)
-class RankLeaving:
-    """A rollout rank is to leave the live job (`marlaas scale` down): it gets no new group; once none of its groups
-    is left (`rank_idle`) it leaves, and its RankLost finds nothing to issue again."""
-
-    rank: int
-
-
-@dataclass(slots=True)
-class RankJoined:
-    """A rollout rank joined the live job (`marlaas scale`, a replacement): it takes groups from now on."""
-
-    rank: int
-    role: str = "rollout"
-
-
-@dataclass(slots=True)
-class Scored:
-    group_id: str
-    reward_mean: float
-    informative: bool = field(default=True, repr=False)
-    """Whether the group's training rewards differ (some learning signal); dynamic sampling drops the others
-    (scheduler/sampling.py). Out of the repr: traces of jobs without dynamic sampling read as before."""
-
-
-@dataclass(slots=True)
-class StepDone:
-    """The trainer applied a step (or, at version 0, created the adapter) and published `version`."""
-
-    task_id: str
-    version: int
-    metrics: dict = field(default_factory=dict, compare=False)
-
-
-@dataclass(slots=True)
-class TaskFailed:
-    task_id: str
-    error: str
-
-
-@dataclass(slots=True)
-class Moved:
-    """The task's adapter and optimizer state arrived in its new trainer group (after a Move)."""
-
-    task_id: str
-    trainer_group: int
-
-
-# ---- commands (out of the scheduler) ----
-@dataclass(slots=True)
-class Admit:
-    spec: TaskSpec
-    resume_version: int | None = None
-    """Restore the adapter and optimizer saved at this version instead of creating a fresh adapter."""
-    trainer_group: int = 0
-    """The trainer group that creates (or restores) the adapter and owns the task."""
-    adapter_key: str | None = field(default=None, repr=False)
-    """The name its versions are published under, after a rollback (TaskState.adapter_key); None: the task id."""
-
-
-@dataclass(slots=True)
-class Generate:
-    rollout_rank: int
-    env_rank: int
-    task_id: str
-    version: int
-    groups: tuple[tuple[str, int], ...]
-    """(group_id, prompt index in the task's training stream)."""
-
-
-@dataclass(slots=True)
-class Train:
-    task_id: str
-    from_version: int
-    group_ids: tuple[str, ...]
-    behaviour_versions: tuple[int, ...]
-    bound: int
-    """The task's staleness bound k; the trainer re-checks every version against it."""
-    trainer_group: int = field(default=0, repr=False)
-    """The trainer group that owns the task (out of the repr: traces of one-group jobs read as before)."""
-    in_use_from: int | None = field(default=None, repr=False)
-    """The oldest version any other outstanding group of the task was issued at (generating, in a multi-turn
-    episode waiting on a tool, being scored, buffered); None: none. A rollout rank may sample such a group
-    with any version from that one to the newest, so the trainer keeps all of them (runtime/retention.py)."""
-
-
-@dataclass(slots=True)
-class Move:
-    """Hand the task (idle: at a step boundary, at `version`) from one trainer group to another: the source
-    sends its adapter and optimizer state (and any data it holds for it) to the target, which answers Moved.
-    Train orders for the task go to the target from now on; it runs them once the state is there."""
-
-    task_id: str
-    from_group: int
-    to_group: int
-    version: int
-
-
-@dataclass(slots=True)
-class Discard:
-    task_id: str
-    group_ids: tuple[str, ...]
-    reason: str
-
-
-@dataclass(slots=True)
-class TaskEnded:
-    task_id: str
-    status: str
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class AuditRecord:
-    task_id: str
-    group_id: str
-    behaviour_version: int
-    trained_into: int
-    bound: int
-
-    @property
-    def staleness(self) -> int:
-        """Versions between the sampler and the step's starting version (trained_into - 1): at most `bound`
-        (scheduler/staleness.py)."""
-        return self.trained_into - 1 - self.behaviour_version
 
 
 @dataclass(kw_only=True)
@@ -290,7 +114,7 @@ class TrainerGroups:
             self.ready.discard(group)
 
 
-class Scheduler:
+class Scheduler(RankChanges):
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float]):
         self.config = config.validate()
         self.clock = clock
@@ -375,127 +199,6 @@ class Scheduler:
     def _on_resumed(self, event: Resumed) -> list:
         if event.rollout_rank in self.rollout_load:
             self._rank_taken(event.rollout_rank, len(event.group_ids))
-        return []
-
-    # ---------------------------------------------------------------- ranks lost and joined
-    def _on_rank_lost(self, event: RankLost) -> list:
-        """The lost rank leaves the pools; every group it held that is not scored yet (generating there, or
-        routed to it for scoring) is forgotten and its prompt issued again, to the survivors, at the task's
-        version then: nothing of it was trained, so nothing is trained twice. Its old data, wherever it still
-        turns up (a trainer leader's buffer), is discarded."""
-        rank = event.rank
-        if event.role == "trainer":
-            return self._trainer_group_lost(event.trainer_group, event.restore)
-        if event.role == "rollout" and rank in self.rollout_load:
-            del self.rollout_load[rank]
-            self._closed_ranks.discard(rank)
-            index = self._rank_index[rank]
-            at = bisect.bisect_left(self._free_ranks, index)
-            if at < len(self._free_ranks) and self._free_ranks[at] == index:
-                del self._free_ranks[at]
-            held = "rollout_rank"
-        elif event.role == "env" and rank in self.env_load:
-            del self.env_load[rank]  # its heap entries go stale (_take_env_rank skips them)
-            held = "env_rank"
-        else:
-            return []
-        lost = [group for task in self.tasks.values() if task.status == RUNNING
-                for group in itertools.chain(task.generating.values(), task.scoring.values())
-                if getattr(group, held) == rank]
-        return self._reissue(lost, f"{event.role} rank {rank} lost")
-
-    def _reissue(self, groups: list[Group], reason: str) -> list:
-        """Forgets these in-flight groups and queues their prompts to be issued again (`_issue` takes them
-        first); one Discard per task names them for the trainer leader."""
-        by_task: dict[str, list[Group]] = {}
-        for group in groups:
-            task = self.tasks[group.task_id]
-            if task.generating.pop(group.group_id, None) is None:
-                del task.scoring[group.group_id]
-            self._group_of.pop(group.group_id, None)
-            if group.env_rank in self.env_load:  # its Scored, if it still comes, is ignored: free its place now
-                self._env_rank_freed(group.env_rank)
-            task.reissue.append(group.prompt_index)
-            task.reissued_groups += 1
-            by_task.setdefault(task.task_id, []).append(group)
-        out = []
-        for task_id, lost in by_task.items():
-            task = self.tasks[task_id]
-            task.reissue.sort()  # oldest prompts first
-            out.append(self._forget(lost, task, reason))
-            self._touch(task)
-        return out
-
-    def _trainer_group_lost(self, group: int, restore: dict) -> list:
-        """Every task the group owned (or was handing over to another) goes back to its checkpoint, queued to be
-        admitted again, on a surviving group; the group is never placed on again."""
-        if group in self.trainers.lost:
-            return []
-        self.trainers.lost.add(group)
-        self.trainers.placement.drop_group(group)
-        self.trainers.heaps[group].clear()
-        self.trainers.ready.discard(group)
-        owned = [task for task in self.tasks.values() if task.status == RUNNING
-                 and group in (task.trainer_group, self.trainers.moving.get(task.task_id))]
-        out = []
-        for task in owned:
-            out += self._roll_back(task, restore[task.task_id])
-        return out
-
-    def _roll_back(self, task: TaskState, saved: dict) -> list:
-        """The task as it was at `saved` (its checkpoint), queued for admission (Admit with its resume version).
-        Every group issued since is forgotten (Discard), the steps after it leave the audit, and the prompts issued
-        since are issued again under fresh ids (their old groups' data may still turn up somewhere)."""
-        groups = list(itertools.chain(task.generating.values(), task.scoring.values(), task.ready,
-                                      task.training or []))
-        for group in itertools.chain(task.generating.values(), task.scoring.values()):
-            if group.env_rank in self.env_load:
-                self._env_rank_freed(group.env_rank)  # their Scored, if it comes, is ignored
-        out = [self._forget(groups, task, f"trainer group {task.trainer_group} lost")] if groups else []
-        version = saved["version"] or 0
-        self.audit = [r for r in self.audit if r.task_id != task.task_id or r.trained_into <= version]
-        if task.training is not None:
-            self.training.discard(task.task_id)
-        self.trainers.moving.pop(task.task_id, None)
-        self._trainable.pop(task.task_id, None)
-        self.trainers.placement.release(task.task_id)
-        back = TaskState.from_checkpoint(task.spec, saved)
-        task.reissue = sorted(set(task.reissue) | set(range(back.next_prompt, task.next_prompt)))
-        for name in ("version", "trained_groups", "dropped_groups", "filtered_groups", "max_trained_staleness",
-                     "step_times", "reward_history", "resume_version"):
-            setattr(task, name, getattr(back, name))
-        task.generating, task.scoring, task.ready, task.training = {}, {}, [], None
-        task.status, task.trainer_group, task.rollbacks = QUEUED, None, task.rollbacks + 1
-        self._n_running -= 1
-        key = (-task.spec.priority, task.submitted_at) if self.config.order == "priority" else (task.submitted_at,)
-        heapq.heappush(self._queued, (key, self._served[task.task_id], task.task_id))
-        self._touch(task)
-        return out
-
-    def _on_rank_leaving(self, event: RankLeaving) -> list:
-        rank = event.rank
-        self.leaving.add(rank)
-        if rank in self._rank_index:
-            at = bisect.bisect_left(self._free_ranks, self._rank_index[rank])
-            if at < len(self._free_ranks) and self._free_ranks[at] == self._rank_index[rank]:
-                del self._free_ranks[at]
-        return []
-
-    def rank_idle(self, rank: int) -> bool:
-        """No group of the rollout rank is generating or being scored (a multi-turn group may need it again)."""
-        return self.rollout_load.get(rank, 0) == 0 and not any(
-            group.rollout_rank == rank for task in self.tasks.values() if task.status == RUNNING
-            for group in itertools.chain(task.generating.values(), task.scoring.values()))
-
-    def _on_rank_joined(self, event: RankJoined) -> list:
-        if event.role != "rollout":
-            raise ValueError(f"only rollout ranks join a live job, not {event.role!r} rank {event.rank}")
-        if event.rank in self._rank_index:
-            raise ValueError(f"rollout rank {event.rank} is already known")
-        self._rank_index[event.rank] = len(self.rollout_ranks)
-        self.rollout_ranks.append(event.rank)
-        self.rollout_load[event.rank] = 0
-        bisect.insort(self._free_ranks, self._rank_index[event.rank])
         return []
 
     def _submit(self, spec: TaskSpec, resume: dict | None = None) -> None:
