@@ -275,5 +275,7 @@ class BroadcastPlane(DeltaPlane):
         return DeltaFanIn(comm, [], leaders=leaders, device=device, tolerant=True, **self._timeouts())
 
     def _timeouts(self) -> dict:
+        """The channels' collective timeout and set-up deadline. Asked for by every member before it makes its
+        first channel, which is also when torch's bound on a non-blocking NCCL set-up must be in place."""
         nccl_setup_deadline(self.settings.setup_timeout_s)
         return {"timeout_s": self.settings.timeout_s, "setup_timeout_s": self.settings.setup_timeout_s}
