@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from marlaas_hpc.config_loader import SpecError, fields_under, load_config
+from marlaas_hpc.config_loader import SpecError, bounded, check_bounds, fields_under, load_config
 from marlaas_hpc.env.pool import EnvPoolConfig
 from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.launch.layout import JobLayout
@@ -41,32 +41,23 @@ ENGINES = ("vllm", "hf")
 class TrainerSettings:
     """How the trainer ranks hold the base model and run a step (marlaas_hpc.trainer.trainer.TrainerConfig)."""
 
-    dtype: str = "auto"
+    dtype: str = bounded("auto", choices=("auto", "float32", "bfloat16"))
     """Base weights: 'float32', 'bfloat16', or 'auto' (bfloat16 on GPU, float32 on CPU). LoRA weights, optimizer
     state, logprobs and the loss are float32 in every case."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = bounded(8192, ge=0)
     """Token budget of one forward/backward pass (rows x longest row, padding included): a fused step's rows are
     packed into micro-batches within it and gradients accumulate. The logits of a pass take
     tokens x vocab/TP x 4 bytes (8192 tokens of Qwen3's 151,936-word vocabulary: ~5 GB at TP=1). 0: one pass."""
-    recompute: bool = False
+    recompute: bool = bounded(False)
     """Activation recompute of every decoder layer (megatron 'full'): less activation memory on long sequences
     for ~1/3 more compute."""
-    attention: str = "auto"
+    attention: str = bounded("auto", choices=("auto", "dense", "flex"))
     """Attention kernel of the trainer's packed rows: 'flex' (torch FlexAttention with a block mask: no score
     matrix; CUDA only for training), 'dense' (megatron's unfused attention: ~6 bytes per score of every row kept
     for backward, the CPU twin's kernel), or 'auto' (flex on CUDA, dense on CPU)."""
 
     def validate(self, prefix: str = "trainer") -> "TrainerSettings":
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise SpecError(f"{prefix}.dtype", f"must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if not isinstance(self.micro_batch_tokens, int) or isinstance(self.micro_batch_tokens, bool) \
-                or self.micro_batch_tokens < 0:
-            raise SpecError(f"{prefix}.micro_batch_tokens",
-                            f"must be an integer >= 0, got {self.micro_batch_tokens!r}")
-        if not isinstance(self.recompute, bool):
-            raise SpecError(f"{prefix}.recompute", f"must be true or false, got {self.recompute!r}")
-        if self.attention not in ("auto", "dense", "flex"):
-            raise SpecError(f"{prefix}.attention", f"must be 'auto', 'dense' or 'flex', got {self.attention!r}")
+        check_bounds(self, prefix)
         return self
 
 
@@ -77,7 +68,7 @@ DELTA_TRANSPORTS = ("broadcast", "relay")
 class DeltaSettings:
     """How new adapter versions reach the rollout ranks (the delta plane, docs/architecture.md §2)."""
 
-    transport: str = "broadcast"
+    transport: str = bounded("broadcast", choices=DELTA_TRANSPORTS)
     """'broadcast': each trainer leader broadcasts every version to every rollout rank over its delta channel
     (runtime/delta/broadcast.py), which each rollout rank joins between its engine steps. 'relay': the leader pushes each
     version once into a chain (or tree) of relays, one thread per rollout rank, and returns; each rollout rank
@@ -85,32 +76,22 @@ class DeltaSettings:
     versions its in-flight groups use (runtime/delta/relay_plane.py). The tier is re-formed over the live rollout ranks
     when one is lost, joins or drains; with several trainer groups relays need `fault.on_rank_loss: stop` (a lost
     trainer leader is not dropped from the tier)."""
-    relay_fanout: int = 1
+    relay_fanout: int = bounded(1, ge=1)
     """Relay mode: relays each relay forwards to (1: a chain through the rollout ranks, pipelined chunk by chunk;
     2+: a tree, fewer hops, each relay's egress shared)."""
-    relay_chunk_mb: float = 4.0
+    relay_chunk_mb: float = bounded(4.0, gt=0, unit="MiB")
     """Relay mode: the unit (MiB of float32) a relay forwards to the next as soon as it holds it."""
-    timeout_s: float = 1800.0
+    timeout_s: float = bounded(1800.0, gt=0, unit="seconds")
     """How long one transfer (a channel's broadcast, a relay link's send) may wait for a rollout rank before it
     fails. On NCCL torch's watchdog ends the waiting process past it, so it must outlast the longest time a rollout
     rank goes without polling deltas: a large engine's cold rebuild after a failure (rollout/restart.py) takes
     minutes."""
-    setup_timeout_s: float = 120.0
+    setup_timeout_s: float = bounded(120.0, gt=0, unit="seconds")
     """How long a remade channel's (or re-formed relay tier's) set-up may wait for its members. A member lost
     meanwhile fails the set-up past it, not the job: the leader asks rank 0 for another epoch."""
 
     def validate(self, prefix: str = "delta") -> "DeltaSettings":
-        if self.transport not in DELTA_TRANSPORTS:
-            raise SpecError(f"{prefix}.transport", f"must be one of {list(DELTA_TRANSPORTS)}, got {self.transport!r}")
-        if not isinstance(self.relay_fanout, int) or isinstance(self.relay_fanout, bool) or self.relay_fanout < 1:
-            raise SpecError(f"{prefix}.relay_fanout", f"must be an integer >= 1, got {self.relay_fanout!r}")
-        if not isinstance(self.relay_chunk_mb, (int, float)) or isinstance(self.relay_chunk_mb, bool) \
-                or not self.relay_chunk_mb > 0:
-            raise SpecError(f"{prefix}.relay_chunk_mb", f"must be a number of MiB > 0, got {self.relay_chunk_mb!r}")
-        for name in ("timeout_s", "setup_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise SpecError(f"{prefix}.{name}", f"must be a number of seconds > 0, got {value!r}")
+        check_bounds(self, prefix)
         if self.setup_timeout_s > self.timeout_s:
             raise SpecError(f"{prefix}.setup_timeout_s", f"{self.setup_timeout_s} s is longer than delta.timeout_s "
                                                          f"({self.timeout_s} s)")
@@ -128,35 +109,26 @@ class RepackSettings:
     cut mid-way, to a tail rank, which continues them under their pinned versions, and refills with new groups.
     Off by default: on the CPU twin it has not been shown to pay (docs/sim/laminar.md)."""
 
-    enabled: bool = False
+    enabled: bool = bounded(False)
     """Hand long tails over to tail ranks. Needs the hf engine (the one that can cut a request mid-way:
     `step_tokens`), the broadcast delta transport, one base model and `fault.on_rank_loss: stop`."""
-    tail_ranks: int = 1
+    tail_ranks: int = bounded(1, ge=1)
     """The last this many rollout ranks are tail ranks: rank 0 issues them no work; they continue what the others
     hand over. At least one, and fewer than the rollout ranks."""
-    busy_below: float = 0.25
+    busy_below: float = bounded(0.25, gt=0, lt=1)
     """A rank hands over when fewer than this share of its sequence slots (rollout_slots x the group size of the
     work it holds) run..."""
-    past_quantile: float = 0.9
+    past_quantile: float = bounded(0.9, gt=0, lt=1)
     """...and every one of them has sampled more tokens than this quantile of its task's completion lengths (as
     finished on that rank), and no work waits."""
-    min_lengths: int = 16
+    min_lengths: int = bounded(16, ge=1)
     """Finished completions of a task a rank must have seen before its quantile counts (none: no handover)."""
-    step_tokens: int = 8
+    step_tokens: int = bounded(8, ge=1)
     """Tokens an hf engine step decodes per request before the rank may cut it (HfEngine.step_tokens): a
     request is prefilled again every this many tokens."""
 
     def validate(self, prefix: str = "repack") -> "RepackSettings":
-        if not isinstance(self.enabled, bool):
-            raise SpecError(f"{prefix}.enabled", f"must be true or false, got {self.enabled!r}")
-        for name in ("tail_ranks", "min_lengths", "step_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(f"{prefix}.{name}", f"must be an integer >= 1, got {value!r}")
-        for name in ("busy_below", "past_quantile"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1:
-                raise SpecError(f"{prefix}.{name}", f"must be a number in (0, 1), got {value!r}")
+        check_bounds(self, prefix)
         return self
 
     def issuing(self, rollout_ranks) -> tuple[int, ...]:

@@ -8,6 +8,9 @@
   them, given as null, e.g. a YAML key whose entries are all commented out) means its defaults;
 - a field may bring its own parser instead, in its metadata: `field(metadata={"parse": fn})`, where
   fn(value, dotted_name) returns the value or raises SpecError (the simulator's quantities with units);
+- a field may declare its bounds beside it: `bounded(default, ge=1)`, `bounded(0.9, gt=0, lt=1)`,
+  `bounded("auto", choices=("auto", "dense"))`, `bounded(120.0, gt=0, unit="seconds")`; `check_bounds(obj,
+  prefix)` (called by the object's `validate`) checks every such field's type and bounds, with one wording;
 - finally the root object's `validate(prefix)` runs. Validate methods check their parts too, so an object
   built in code is checked exactly like one loaded from YAML.
 
@@ -86,6 +89,68 @@ def load_config(cls: type[T], data: Any, prefix: str = "", *, error: type[SpecEr
     if validate is not None:
         validate(prefix)
     return obj
+
+
+# ---------------------------------------------------------------------------------------------- bounds
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """What a field's value may be, beside its type hint (`bounded`)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple | None = None
+    unit: str = ""
+    """Named in the refusal: 'must be a number of seconds > 0'."""
+
+    def allows(self, value: Any) -> bool:
+        if self.choices is not None:
+            return value in self.choices
+        return not ((self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
+                    or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt))
+
+    def describe(self, hint: Any) -> str:
+        """'true or false', "one of ['a', 'b']", 'an integer >= 1', 'a number of MiB in (0, 1)'."""
+        if hint is bool:
+            return "true or false"
+        if self.choices is not None:
+            return f"one of {list(self.choices)}"
+        kind = ("an integer" if hint is int else "a number") + (f" of {self.unit}" if self.unit else "")
+        low = f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
+        high = f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None
+        if low and high:
+            return f"{kind} in {low}, {high}"
+        if low:
+            return f"{kind} {'>=' if self.ge is not None else '>'} {low[1:]}"
+        if high:
+            return f"{kind} {'<=' if self.le is not None else '<'} {high[:-1]}"
+        return kind
+
+
+def bounded(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, lt: float | None = None, choices: tuple | None = None,
+            unit: str = "") -> Any:
+    """A dataclass field with its bounds beside it, read by `check_bounds`."""
+    return dataclasses.field(default=default, metadata={"bounds": Bounds(ge, gt, le, lt, choices, unit)})
+
+
+def check_bounds(obj: Any, prefix: str = "", error: type[SpecError] = SpecError) -> None:
+    """Every field of the dataclass `obj` declared with `bounded`: its value must have its hint's type and lie in
+    its bounds; else `error` naming the field (`prefix.name`)."""
+    hints = _hints(type(obj))
+    for spec in dataclasses.fields(obj):
+        bounds = spec.metadata.get("bounds")
+        if bounds is None:
+            continue
+        value, hint = getattr(obj, spec.name), hints[spec.name]
+        try:
+            _scalar(value, hint) if hint in (bool, int, float, str) else _plain(value, hint)
+            ok = bounds.allows(value)
+        except (_Mismatch, TypeError):
+            ok = False
+        if not ok:
+            raise error(join(prefix, spec.name), f"must be {bounds.describe(hint)}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------- building

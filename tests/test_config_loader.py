@@ -229,3 +229,37 @@ def test_modes_and_orders_are_written_once():
         spelled = re.compile(r"[\[({]\s*" + r"[^,]*,\s*".join(f"[\"']{w}[\"']" for w in words))
         where = [p.relative_to(ROOT).as_posix() for p in sources if spelled.search(p.read_text())]
         assert len(where) == 1, (words, where)
+
+
+def test_bounds_declared_beside_each_field_are_checked_by_one_validator_with_one_wording():
+    """`bounded` puts a field's bounds in its metadata; `check_bounds` refuses a value of the wrong type or out of
+    bounds, naming the field, the same way whether the object came from YAML or was built in code."""
+    import dataclasses as dc
+
+    from marlaas_hpc.config_loader import bounded, check_bounds
+
+    @dc.dataclass
+    class Part:
+        count: int = bounded(1, ge=1)
+        share: float = bounded(0.5, gt=0, lt=1)
+        wait_s: float = bounded(10.0, gt=0, unit="seconds")
+        kind: str = bounded("a", choices=("a", "b"))
+        on: bool = bounded(True)
+        free: int = 7  # no bounds: not checked here
+
+        def validate(self, prefix=""):
+            check_bounds(self, prefix)
+            return self
+
+    assert load_config(Part, {"count": 3, "share": 0.25, "kind": "b"}).count == 3
+    refusals = [({"count": 0}, "part.count: must be an integer >= 1, got 0"),
+                ({"count": 2.5}, "part.count: must be an integer >= 1, got 2.5"),
+                ({"share": 1}, "part.share: must be a number in (0, 1), got 1"),
+                ({"wait_s": 0}, "part.wait_s: must be a number of seconds > 0, got 0"),
+                ({"kind": "c"}, "part.kind: must be one of ['a', 'b'], got 'c'"),
+                ({"on": "yes"}, "part.on: must be true or false, got 'yes'")]
+    for change, message in refusals:
+        with pytest.raises(SpecError) as refused:
+            dc.replace(Part(), **change).validate("part")
+        assert str(refused.value) == message
+    assert Part(free=-1).validate() is not None
