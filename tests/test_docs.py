@@ -417,7 +417,8 @@ def check_paths(text: str, page: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- a page
-INLINE = re.compile(r"`((?:\.venv/bin/)?(?:marlaas(?![\w.-])|python3? (?:-m marlaas_hpc|tools/)|bash (?:tools|slurm)/)[^`]*)`")
+INLINE = re.compile(r"`((?:\.venv/bin/)?"
+                    r"(?:marlaas(?![\w.-])|python3? (?:-m marlaas_hpc|tools/)|bash (?:tools|slurm)/)[^`]*)`")
 
 
 def check_page(text: str, page: Path) -> list[str]:
@@ -470,7 +471,8 @@ BROKEN = {
     "missing config in a command": ("```bash\nmarlaas plan configs/no-such.yaml\n```\n", "does not exist"),
     "a figure the command does not print": ("```bash\nmarlaas plan configs/qwen3-0.6b-gsm8k.yaml --model "
                                             "random:qwen3-0.6b   # trainer 21.5 GiB\n```\n", "21.5"),
-    "a command that fails": ("```bash\nmarlaas simulate configs/local-demo.yaml --workload configs/local-demo.yaml\n```\n", "exited"),
+    "a command that fails": ("```bash\nmarlaas simulate configs/local-demo.yaml --workload configs/local-demo.yaml\n"
+                             "```\n", "exited"),
     "missing path": ("see marlaas_hpc/runtime/no_such.py\n", "does not exist"),
     "missing path under the package": ("see (runtime/no_such.py)\n", "under marlaas_hpc/"),
     "missing link": ("[x](no-such.md)\n", "links to no-such.md"),
@@ -521,6 +523,19 @@ def _pattern(line: str, run_dir: str) -> re.Pattern:
 def _shown(block: Block) -> tuple[list[str], list[str]]:
     lines = block.body.splitlines()
     return shlex.split(lines[0][2:]), [line for line in lines[1:] if line.strip() and line.strip() != "..."]
+
+
+def test_the_first_run_check_tells_a_shown_line_from_one_not_printed():
+    shown = _pattern("[job] all 4 ranks ready after 26.7 s (slowest: trainer rank 3 26.9 s, CPU s per rank: env 0.7)",
+                     "/r")
+    assert shown.fullmatch("[job] all 4 ranks ready after 9.1 s (slowest: rollout rank 2 9.0 s, CPU s per rank: "
+                           "env 1.2)")
+    assert not shown.fullmatch("[job] all 4 ranks ready after 9.1 s")
+    assert not _pattern("[add] eval after: greedy accuracy 0.667", "/r").fullmatch(
+        "[add] eval before: greedy accuracy 0.7")
+    assert _pattern("[job] async finished in 25.5 s; summary: /tmp/docs-demo/summary.json", "/x/run").fullmatch(
+        "[job] async finished in 12.0 s; summary: /x/run/summary.json")
+    assert _pattern("add    alice   done   30/30    1   0.250", "/r").fullmatch("add alice done 30/30 1 0.875")
 
 
 @pytest.mark.vllm
