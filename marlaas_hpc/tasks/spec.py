@@ -79,7 +79,7 @@ class OverlongSpec:
 class AlgoSpec:
     """The task's RL algorithm: its objective (`loss`, trainer/objectives.py) and the knobs around it. A field
     left unset (None) takes the value of the chosen objective's paper (tasks/registry.py `OBJECTIVE_DEFAULTS`;
-    README: the objectives table)."""
+    docs/configuration.md: the objectives table)."""
 
     loss: str = "grpo"
     """The objective: 'grpo' (token-level PPO-clip, token mean over the task's batch), 'dr_grpo' (Dr. GRPO: a

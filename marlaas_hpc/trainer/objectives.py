@@ -1,6 +1,6 @@
 """Each task's objective (`algo.loss`): a small pure function over one task's trained tokens of a micro-batch, in a
 registry (`OBJECTIVES`), as `dataset.kind` has one. tasks/registry.py names them and gives the values their unset
-fields take; this module computes them (docs/architecture.md §10; README: the objectives table). Pure tensor
+fields take; this module computes them (docs/architecture.md §10; the table: docs/configuration.md). Pure tensor
 functions: no model, no process groups.
 
 With r = pi_theta / pi_old per token, A the group-relative advantage of the token's sequence (env/shaping.py),
