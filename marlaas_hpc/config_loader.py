@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import types
 import typing
 from typing import Any, Iterator, Literal, TypeVar
@@ -107,6 +108,8 @@ class Bounds:
     def allows(self, value: Any) -> bool:
         if self.choices is not None:
             return value in self.choices
+        if isinstance(value, float) and not math.isfinite(value):
+            return False  # NaN passes every comparison, inf every lower bound
         return not ((self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
                     or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt))
 

@@ -256,6 +256,8 @@ def test_bounds_declared_beside_each_field_are_checked_by_one_validator_with_one
                 ({"count": 2.5}, "part.count: must be an integer >= 1, got 2.5"),
                 ({"share": 1}, "part.share: must be a number in (0, 1), got 1"),
                 ({"wait_s": 0}, "part.wait_s: must be a number of seconds > 0, got 0"),
+                ({"wait_s": float("nan")}, "part.wait_s: must be a number of seconds > 0, got nan"),
+                ({"wait_s": float("inf")}, "part.wait_s: must be a number of seconds > 0, got inf"),
                 ({"kind": "c"}, "part.kind: must be one of ['a', 'b'], got 'c'"),
                 ({"on": "yes"}, "part.on: must be true or false, got 'yes'")]
     for change, message in refusals:
