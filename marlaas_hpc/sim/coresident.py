@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 
 from marlaas_hpc.scheduler import Submit
-from marlaas_hpc.sim.engine import EventQueue, RolloutSim, Simulation
+from marlaas_hpc.sim.driver import EventQueue
+from marlaas_hpc.sim.engine import RolloutSim, Simulation
 from marlaas_hpc.sim.multiplex import (PooledRolloutSim, PooledSimulation, PooledTrainerSim, PoolJob, PoolResult,
                                        pooled_results, trainer_placement)
 from marlaas_hpc.tasks.spec import SpecError
