@@ -8,12 +8,12 @@ import yaml
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.scheduler import MODES
-from marlaas_hpc.sim.calibrate import calibrate, compare
 from marlaas_hpc.sim.engine import Simulation
 from marlaas_hpc.sim.report import staleness_violations
 from marlaas_hpc.sim.setup import copies_to, setup_from_job
 from marlaas_hpc.sim.workload import ControlModel, load_workload, workload_from_dict
 from marlaas_hpc.tasks.spec import SpecError
+from studies.calibrate import calibrate, compare
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "calibration"

@@ -424,7 +424,7 @@ class TrainerSim:
 
     def _on_gpu(self, seconds: float, stage: str) -> float:
         """Runs `seconds` of the group's GPU work (an admission, a step's compute) from now; returns when it ends.
-        The group's own GPUs are free whenever it works; sim/multiplex.py's pooled trainers share theirs."""
+        The group's own GPUs are free whenever it works; tools/studies/multiplex.py's pooled trainers share theirs."""
         return self.sim.queue.now + seconds
 
     def _all_reduce(self, ready: list[Train]) -> float:
@@ -497,7 +497,8 @@ class Simulation(SimDriver):
                  trace: bool = True, delta_plane: weight_sync.DeltaPlaneModel | None = None,
                  rollout_engine: type | None = None):
         """`delta_plane`: model publishes with sim/weight_sync.py's lockstep broadcast or relay tier instead of the
-        averaged broadcast (`publish`); `rollout_engine`: a RolloutSim subclass (e.g. sim/tails.py's meter)."""
+        averaged broadcast (`publish`); `rollout_engine`: a RolloutSim subclass (e.g. the meter of
+        tools/studies/tails.py)."""
         self.setup, self.workload = setup.validate(), workload
         super().__init__(setup.scheduler_config())
         self.rng = random.Random(seed)
