@@ -53,7 +53,8 @@ def _rows(args) -> list[tuple[list[int], list[int]]]:
 
 def trainer_part(args, model_path: str, out_dir: str) -> dict:
     from marlaas_hpc.trajectory import assign_advantages
-    from marlaas_hpc.trainer.launch_local import run_local
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
+    from support.local_group import run_local
     from marlaas_hpc.trajectory import Trajectory
 
     trajectories = [Trajectory("bench", f"g{i // args.group}", p, c, [-11.9] * len(c), 0, reward=float(i % 2))
@@ -71,7 +72,7 @@ def _train(rank: int, model_path: str, tp: int, trajectories, lora_rank: int, ou
     import mbridge.models.qwen3  # noqa: F401  (what the trainer imports on its way to a model: in the baseline)
     import megatron.core.models.gpt.gpt_model  # noqa: F401
 
-    from marlaas_hpc.plan import host_memory
+    import host_memory  # tools/host_memory.py: this script's directory is on sys.path
     from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 
@@ -145,7 +146,7 @@ def rollout_part(args, model_path: str, adapter: str, work_dir: str) -> dict:
     if args.engine == "vllm":
         import vllm  # noqa: F401  (in the baseline)
 
-    from marlaas_hpc.plan import host_memory
+    import host_memory  # tools/host_memory.py: this script's directory is on sys.path
     from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
     from marlaas_hpc.rollout import vllm_engine  # noqa: F401
 
