@@ -15,17 +15,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's marlaas_hpc
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's marlaas_hpc, tests/support/
 
 from marlaas_hpc.env.episode import EpisodeRequest, EpisodeRunner, summarize_episodes  # noqa: E402
 from marlaas_hpc.env.pool import EnvPool, EnvPoolConfig  # noqa: E402
 from marlaas_hpc.env.protocol import EpisodeLimits, environment_for  # noqa: E402
 from marlaas_hpc.env.sandbox import SandboxLimits  # noqa: E402
-from marlaas_hpc.env.scripted import ScriptedEngine  # noqa: E402
 from marlaas_hpc.env.tools import Python, ToolBox, ToolTask  # noqa: E402
 from marlaas_hpc.env.workloads import build_env_task  # noqa: E402
 from marlaas_hpc.tasks.base import Sample  # noqa: E402
 from marlaas_hpc.tasks.spec import DatasetSpec  # noqa: E402
+from support.scripted_engine import ScriptedEngine  # noqa: E402
 
 
 class _PythonTask(ToolTask):
