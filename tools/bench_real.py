@@ -132,10 +132,11 @@ def _trainer_estimate(model_path: str, tp: int, trajectories, lora_rank: int, dt
                       attention: str = "dense") -> int:
     """`marlaas plan`'s trainer estimate of this step (fp32 dense on the CPU; bf16 flex on CUDA): one pass over
     rows of one sequence each."""
-    from marlaas_hpc.plan.estimate import ModelDims, TrainerInputs, trainer_memory
+    from marlaas_hpc.model.shape import ModelShape
+    from marlaas_hpc.plan.estimate import TrainerInputs, trainer_memory
 
     width = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
-    inputs = TrainerInputs(dims=ModelDims.read(model_path), tensor_parallel=tp, dtype_bytes=dtype_bytes,
+    inputs = TrainerInputs(dims=ModelShape.read(model_path), tensor_parallel=tp, dtype_bytes=dtype_bytes,
                            micro_batch_tokens=len(trajectories) * width, row_tokens=width,
                            prompt_tokens=len(trajectories[0].prompt_ids), lora_rank=lora_rank, max_adapters=1,
                            fused_tasks=1, recompute=False, attention=attention)
@@ -190,9 +191,10 @@ def _rollout_estimate(model_path: str, args, max_model_len: int) -> int:
     """`marlaas plan`'s rollout figures on the CPU: float32 weights, one LoRA slot, vLLM's fixed CPU KV cache
     (the engine's default 1 GiB), the profiling forward's estimate."""
     from marlaas_hpc.plan.command import VLLM_MAX_NUM_SEQS
-    from marlaas_hpc.plan.estimate import ModelDims, RolloutInputs, rollout_memory
+    from marlaas_hpc.model.shape import ModelShape
+    from marlaas_hpc.plan.estimate import RolloutInputs, rollout_memory
 
-    memory = rollout_memory(RolloutInputs(dims=ModelDims.read(model_path), tensor_parallel=1, dtype_bytes=4,
+    memory = rollout_memory(RolloutInputs(dims=ModelShape.read(model_path), tensor_parallel=1, dtype_bytes=4,
                                           gpu_bytes=0, gpu_memory_utilization=1.0, max_loras=1,
                                           max_lora_rank=args.lora_rank, max_model_len=max_model_len,
                                           max_num_seqs=VLLM_MAX_NUM_SEQS))
