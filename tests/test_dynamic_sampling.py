@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from marlaas_hpc.scheduler import (DONE, Admit, Discard, Generate, Generated, Scheduler, SchedulerConfig, Scored,
                                    StepDone, Submit, Train)
-from marlaas_hpc.scheduler.simloop import SimLoop
 from marlaas_hpc.tasks import SpecError, TaskSpec
+from support.simloop import SimLoop
 
 ROOT = Path(__file__).resolve().parents[1]
 

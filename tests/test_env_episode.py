@@ -4,12 +4,12 @@ import re
 
 from marlaas_hpc.env import (EnvPool, EnvPoolConfig, Environment, EpisodeLimits, EpisodeRequest, EpisodeRunner, Final,
                              LookupTask, Observation, environment_for, summarize_episodes)
-from marlaas_hpc.env.scripted import ScriptedEngine
 from marlaas_hpc.model.codec import TextCodec
 from marlaas_hpc.model.tokenizer import build_char_tokenizer
 from marlaas_hpc.rollout.base import AdapterRef
 from marlaas_hpc.env import build_task_data
 from marlaas_hpc.tasks import DatasetSpec
+from support.scripted_engine import ScriptedEngine
 
 CODEC = TextCodec(build_char_tokenizer())
 LOOKUP = LookupTask(DatasetSpec(kind="lookup", eval_size=16, seed=3))

@@ -4,11 +4,11 @@ episodes raises the tiny model's greedy eval accuracy by >= 20 points and its to
 blind (see tiny_model.py)."""
 import pytest
 
-from marlaas_hpc.driver import LocalDriver
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.rollout import AdapterRef, make_engine
 from marlaas_hpc.rollout.base import AdapterVersions
 from marlaas_hpc.tasks import TaskSpec
+from support.local_driver import LocalDriver
 
 
 def test_a_pinned_version_outlives_its_supersession_until_unpinned():

@@ -9,9 +9,9 @@ import pytest
 
 from marlaas_hpc.env import (EnvError, EnvPool, EnvPoolConfig, EpisodeRequest, EpisodeRunner, LookupTask,
                              SingleTurnEnv, environment_for, summarize_episodes)
-from marlaas_hpc.env.scripted import ScriptedEngine
 from marlaas_hpc.tasks import DatasetSpec, RewardError, Sample
 from marlaas_hpc.tasks.synthetic import SyntheticTask
+from support.scripted_engine import ScriptedEngine
 
 
 

@@ -8,11 +8,11 @@ import pytest
 
 from marlaas_hpc.env import (EnvPool, EnvPoolConfig, EpisodeLimits, EpisodeRequest, EpisodeRunner, HotpotQATask,
                              LookupTask, build_env_task, environment_for)
-from marlaas_hpc.env.scripted import ScriptedEngine
 from marlaas_hpc.env.workloads import exact_match, f1_score
 from marlaas_hpc.model.codec import TextCodec
 from marlaas_hpc.model.tokenizer import build_char_tokenizer
 from marlaas_hpc.tasks import DatasetSpec, SpecError
+from support.scripted_engine import ScriptedEngine
 
 FIXTURES = Path(__file__).parent / "fixtures" / "env"
 CODEC = TextCodec(build_char_tokenizer())

@@ -27,7 +27,7 @@ def _spec(task_id, kind):
 @pytest.fixture(scope="module")
 def gpu_pair(tiny_model_path, tmp_path_factory):
     """The trainer and a vLLM engine on the one GPU (fp32), with two tasks trained a few steps through it."""
-    from marlaas_hpc.driver import LocalDriver
+    from support.local_driver import LocalDriver
     from marlaas_hpc.model import TextCodec
     from marlaas_hpc.rollout import make_engine
     from marlaas_hpc.rollout.vllm_settings import VllmSettings

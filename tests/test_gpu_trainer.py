@@ -45,7 +45,7 @@ def batches():
 def test_gpu_tied_checkpoint_forward_equals_transformers(qwen_path):
     from transformers import AutoModelForCausalLM
 
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
 
     probe = probe_ids(151936)
     hf = AutoModelForCausalLM.from_pretrained(str(qwen_path), dtype=torch.float32).eval()
@@ -57,7 +57,7 @@ def test_gpu_tied_checkpoint_forward_equals_transformers(qwen_path):
 
 
 def test_gpu_bf16_logprob_parity_and_micro_batches(qwen_path, batches):
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
 
     records = run_local(memory_variants_scenario, 1, str(qwen_path), batches, backend="nccl", timeout=600)[0]
     assert records["bf16"]["base_dtype"] == "torch.bfloat16" and records["bf16"]["lora_dtypes"] == ["torch.float32"]
@@ -73,7 +73,7 @@ def test_gpu_bf16_logprob_parity_and_micro_batches(qwen_path, batches):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL TP=2 needs two GPUs")
 def test_gpu_nccl_tp2_equals_tp1(qwen_path, batches, tmp_path):
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
 
     probe = probe_ids(151936)
     one = run_local(run_scenario, 1, str(qwen_path), 1, batches, str(tmp_path), 0, probe, backend="nccl",
@@ -90,7 +90,7 @@ def test_gpu_nccl_tp2_equals_tp1(qwen_path, batches, tmp_path):
 
 
 def test_gpu_bf16_lm_head_is_float32(tmp_path):
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
 
     checkpoint = scaled_checkpoint(tmp_path / "scaled")
     record = run_local(head_precision_scenario, 1, str(checkpoint), "bfloat16", *head_inputs(), backend="nccl",
@@ -112,7 +112,7 @@ def test_gpu_flex_attention_trains_as_dense_without_score_memory(qwen_path, batc
     path by at least half the dense path's fp32 scores of its layers."""
     from transformers import AutoConfig
 
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
 
     long_batch = long_trajectories("a", LONG_COMPLETION, 151936)
     records = run_local(attention_kernels_scenario, 1, str(qwen_path), batches, long_batch, backend="nccl",

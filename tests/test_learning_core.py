@@ -8,13 +8,13 @@
 import pytest
 import torch
 
-from marlaas_hpc.driver import LocalDriver
 from marlaas_hpc.rundir import adapter_dir
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
 from marlaas_hpc.tasks import TaskSpec
 from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 from marlaas_hpc.trajectory import Trajectory
+from support.local_driver import LocalDriver
 
 pytestmark = pytest.mark.slow
 

@@ -1,15 +1,15 @@
 """A rollout rank's engines of two base models behind the one-engine interface its loop drives
-(rollout/model_engines.py, issue #28 item 2): each request goes to its task's model engine, the models take
-turns (a switch only once the awake engine is idle; while another model waits, the awake one's new requests
-wait so it drains), pins of a sleeping model apply on its wake, and each model samples exactly what its own
-engine alone samples. Two real models: the tiny char model and chat-mini (other tokenizer, vocabulary, size),
+(rollout/model_engines.py, issue #28 item 2): each request goes to its task's model engine, the rank serves the
+model rank 0 assigns (`follow`; a switch only once the awake engine is idle, the other model's requests waiting
+meanwhile), pins of a sleeping model apply on its wake, and each model samples exactly what its own engine alone
+samples. Two real models: the tiny char model and chat-mini (other tokenizer, vocabulary, size),
 on the hf engine (the CPU twin: its sleep moves nothing on CPU)."""
 import pytest
 
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.rollout import GenerationRequest, make_engine
 from marlaas_hpc.rollout.engine_set import EngineSet
-from marlaas_hpc.rollout.model_engines import DWELL_SWITCHES, ModelEngines
+from marlaas_hpc.rollout.model_engines import ModelEngines
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +26,10 @@ def prompts(tiny_model_path, chat_path):
             "chat": [chat.encode_prompt(p) for p in ("What is 3 + 4?", "Half of 10 is")]}
 
 
-def engines(tiny_model_path, chat_path, **kw) -> ModelEngines:
-    """The two models' engines; no dwell unless asked (the awake model's new requests wait once another does)."""
-    kw.setdefault("dwell_s", 0.0)
+def engines(tiny_model_path, chat_path) -> ModelEngines:
+    """The two models' engines, tiny awake (and served until rank 0 assigns another)."""
     return ModelEngines(EngineSet({"tiny": lambda: make_engine("hf", tiny_model_path, device="cpu"),
-                                   "chat": lambda: make_engine("hf", chat_path, device="cpu")}), **kw)
+                                   "chat": lambda: make_engine("hf", chat_path, device="cpu")}))
 
 
 def requests(model, prompts, tag="") -> list[GenerationRequest]:
@@ -53,10 +52,12 @@ def test_each_request_samples_on_its_tasks_model_as_that_engine_alone(tiny_model
     engine.assign("task-chat", "chat")
     assert engine.awake == "tiny"
     mixed = requests("chat", prompts) + requests("tiny", prompts)
+    engine.follow("chat")  # rank 0 gives the rank to chat, then back to tiny
     engine.submit(mixed)
-    done = run(engine, {r.request_id for r in mixed})
+    done = run(engine, {r.request_id for r in requests("chat", prompts)})
+    engine.follow("tiny")
+    done.update(run(engine, {r.request_id for r in requests("tiny", prompts)}))
     assert not engine.has_unfinished()
-    # chat's requests came first: it wakes first (first come, first served), then tiny's turn
     assert [(s.from_model, s.to_model) for s in engine.pop_switches()] == [("tiny", "chat"), ("chat", "tiny")]
     for model, path in (("tiny", tiny_model_path), ("chat", chat_path)):
         alone = make_engine("hf", path, device="cpu").generate(requests(model, prompts))
@@ -65,16 +66,20 @@ def test_each_request_samples_on_its_tasks_model_as_that_engine_alone(tiny_model
             assert done[gen.request_id].logprobs == pytest.approx(gen.logprobs, abs=1e-5)
 
 
-def test_models_take_turns_and_a_switch_waits_for_the_awake_engine_to_drain(tiny_model_path, chat_path, prompts):
+def test_a_switch_rank_0_assigns_waits_for_the_awake_engine_to_drain(tiny_model_path, chat_path, prompts):
     engine = engines(tiny_model_path, chat_path)
     engine.assign("task-tiny", "tiny")
     engine.assign("task-chat", "chat")
     first = requests("tiny", prompts, "a")
-    engine.submit(first)  # tiny is awake: into its engine at once
-    engine.submit(requests("chat", prompts))  # chat sleeps: waits for its turn
-    engine.submit(requests("tiny", prompts, "b"))  # chat waits: tiny's new work waits behind it
-    assert engine.pending["tiny"] and engine.turns == ["chat", "tiny"]
+    engine.submit(first)  # tiny is awake and served: into its engine at once
+    engine.submit(requests("chat", prompts))  # chat sleeps: waits
+    engine.follow("chat")
+    engine.submit(requests("tiny", prompts, "b"))  # tiny is no longer assigned: its new work waits
+    assert engine.pending["tiny"] and engine.pending["chat"]
     order = []
+    while engine.has_unfinished():
+        order += [(engine.awake, gen.request_id) for gen in engine.step()]
+    engine.follow("tiny")
     while engine.has_unfinished():
         order += [(engine.awake, gen.request_id) for gen in engine.step()]
     assert [model for model, _ in order] == ["tiny"] * 2 + ["chat"] * 2 + ["tiny"] * 2
@@ -105,6 +110,7 @@ def test_a_pin_of_a_sleeping_model_applies_when_it_wakes(tiny_model_path, chat_p
     engine.pin("task-chat", 0)  # v0 is queued for chat's wake: the pin waits with it
     assert engine.pins["chat"] == [("pin", "task-chat", 0)]
     engine.submit([GenerationRequest("c0", "task-chat", 0, [1, 2, 3], temperature=0.0, max_new_tokens=2)])
+    engine.follow("chat")
     run(engine, {"c0"})
     assert engine.awake == "chat" and engine.pins["chat"] == []
     assert chat.versions.pinned("task-chat") == {0: 1}
@@ -132,7 +138,7 @@ def _adapter(hf_engine, task_id, version):
 
 
 def test_a_waiting_request_keeps_its_version_when_newer_ones_arrive_meanwhile(tiny_model_path, chat_path, prompts):
-    """A request on v0 waits (another model's turn first) while v1 and v2 arrive: it still samples on v0 (in a
+    """A request on v0 waits (rank 0 gave the rank to another model) while v1 and v2 arrive: it still samples on v0 (in a
     live job the engine retired v0 on v1's arrival and the waiting request failed: KeyError), then v2 serves,
     and v1, which nothing asked for, is retired unread."""
     engine = engines(tiny_model_path, chat_path)
@@ -140,45 +146,22 @@ def test_a_waiting_request_keeps_its_version_when_newer_ones_arrive_meanwhile(ti
     engine.assign("task-chat", "chat")
     tiny = engine.engines.engine("tiny")
     engine.add_adapter(_adapter(tiny, "task-tiny", 0))  # tiny is awake, nothing waits: installed now
-    engine.submit(requests("chat", prompts))  # chat waits for its turn ...
+    engine.follow("chat")
+    engine.submit(requests("chat", prompts))  # chat is served next ...
     on_v0 = [GenerationRequest("t-v0", "task-tiny", 0, prompts["tiny"][0], temperature=0.0, max_new_tokens=4)]
-    engine.submit(on_v0)  # ... and tiny's request waits behind it
+    engine.submit(on_v0)  # ... and tiny's request waits for rank 0 to give tiny the rank back
     engine.add_adapter(_adapter(tiny, "task-tiny", 1))
     engine.add_adapter(_adapter(tiny, "task-tiny", 2))
     assert [ref.version for ref in engine.deferred["tiny"]] == [1, 2]
-    done = run(engine, {"t-v0", "chat-0", "chat-1"})
+    run(engine, {"chat-0", "chat-1"})
+    engine.follow("tiny")
+    done = run(engine, {"t-v0"})
     assert done["t-v0"].adapter_version == 0
     assert [ref.version for ref in engine.pop_retired()][:1] == [1]  # skipped unread; v0 goes once unused
     on_v2 = [GenerationRequest("t-v2", "task-tiny", 2, prompts["tiny"][0], temperature=0.0, max_new_tokens=4)]
     engine.submit(on_v2)
     assert run(engine, {"t-v2"})["t-v2"].adapter_version == 2
     assert tiny.versions.live("task-tiny") == [2]
-
-
-def test_the_awake_model_keeps_taking_requests_during_its_dwell(tiny_model_path, chat_path, prompts):
-    """Affinity: while chat waits, tiny's new requests still go into its engine until its dwell has passed
-    since it woke; after that they wait and chat gets its turn."""
-    now = [0.0]
-    engine = engines(tiny_model_path, chat_path, dwell_s=5.0, clock=lambda: now[0])
-    engine.assign("task-tiny", "tiny")
-    engine.assign("task-chat", "chat")
-    engine.submit(requests("chat", prompts))  # chat waits
-    engine.submit(requests("tiny", prompts, "a"))  # within tiny's dwell: straight in
-    assert not engine.pending["tiny"] and engine.turns == ["chat"]
-    now[0] = 6.0
-    engine.submit(requests("tiny", prompts, "b"))  # dwell over: waits behind chat
-    assert len(engine.pending["tiny"]) == 2 and engine.turns == ["chat", "tiny"]
-    order = []
-    while engine.has_unfinished():
-        order += [engine.awake for _ in engine.step()]
-    assert order == ["tiny"] * 2 + ["chat"] * 2 + ["tiny"] * 2
-    now[0] = 0.0
-    default = engines(tiny_model_path, chat_path, dwell_s=None, clock=lambda: now[0])
-    cost = default.switches[-1].total_s  # the start's switch back to tiny: dwell = DWELL_SWITCHES x it
-    now[0] = 0.5 * DWELL_SWITCHES * cost
-    assert default._dwelling()
-    now[0] = 2 * DWELL_SWITCHES * cost + 1e-9
-    assert not default._dwelling()
 
 
 def test_following_rank_0_only_the_assigned_model_is_served_and_it_switches_when_idle(tiny_model_path, chat_path,

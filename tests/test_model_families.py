@@ -42,13 +42,13 @@ def test_random_checkpoints_have_their_familys_traits(family, name):
     config = json.loads((path / "config.json").read_text())
     assert family_of(config).name == family == config["model_type"]
     assert config["vocab_size"] == (128256 if family == "llama" else 151936)
-    assert config["tie_word_embeddings"] is SHAPES[name].tied
+    assert config["tie_word_embeddings"] is SHAPES[name].shape.tied
     assert config["num_key_value_heads"] < config["num_attention_heads"]  # GQA
     with safe_open(str(path / "model.safetensors"), "pt") as weights:
         names = set(weights.keys())
         norm = weights.get_tensor("model.layers.0.input_layernorm.weight")
         bias = weights.get_tensor("model.layers.0.self_attn.k_proj.bias") if family == "qwen2" else None
-    assert ("lm_head.weight" in names) is not SHAPES[name].tied
+    assert ("lm_head.weight" in names) is not SHAPES[name].shape.tied
     assert ("model.layers.0.self_attn.q_norm.weight" in names) is (family == "qwen3")
     assert {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"} <= names if family == "qwen2" else \
         not any(n.endswith(".bias") for n in names)
@@ -71,7 +71,7 @@ def test_released_config_files_are_served(tmp_path, released, family, rope):
     (tmp_path / "config.json").write_text(json.dumps(released))
     (tmp_path / "tokenizer.json").write_text("{}")
     info = read_checkpoint(tmp_path)
-    assert info.head_dim == 128 and info.num_key_value_heads in (8, 4)
+    assert info.shape.head_dim == 128 and info.shape.num_kv_heads in (8, 4)
     check_checkpoint(info, trainer_tp=4 if family == "llama" else 2, vllm_on_cpu=True)
 
 

@@ -9,11 +9,11 @@ from marlaas_hpc.config import JobConfig
 from marlaas_hpc.scheduler import Generate, Generated, Scheduler, SchedulerConfig, StepDone, Submit
 from marlaas_hpc.scheduler.multiplex import (GENERATING, LOST, RELEASED, WAKING, Drain, ModelDemand, ModelPool,
                                               Reopen, Switch)
-from marlaas_hpc.sim.multiplex import EngineSwitch, PoolJob, SharedPool, run_colocated, run_dedicated, run_shared
 from marlaas_hpc.sim.setup import copies_to, setup_from_job
 from marlaas_hpc.sim.workload import load_workload
 from marlaas_hpc.tasks import TaskSpec
 from marlaas_hpc.tasks.spec import SpecError
+from studies.multiplex import EngineSwitch, PoolJob, SharedPool, run_colocated, run_dedicated, run_shared
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,10 +7,10 @@ import pytest
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.scheduler import Admit, Move, Placement, Scheduler, SchedulerConfig, Submit
-from marlaas_hpc.scheduler.simloop import SimLoop
 from marlaas_hpc.service.intake import IntakeRules, check_spec
 from marlaas_hpc.tasks import TaskSpec
 from test_scheduler import RandomDurations, assert_bound_and_progress
+from support.simloop import SimLoop
 
 
 def test_placement_puts_a_task_only_on_a_group_of_its_model():

@@ -14,8 +14,9 @@ from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.launch.layout import JobLayout, LayoutError
 from marlaas_hpc.model.random_checkpoints import SHAPES, hf_config
+from marlaas_hpc.model.shape import ModelShape
 from marlaas_hpc.plan.command import check_fits, gpu_kinds, model_dims, trainer_inputs, trainer_total
-from marlaas_hpc.plan.estimate import GIB, ModelDims, lora_elements
+from marlaas_hpc.plan.estimate import GIB, lora_elements
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "qwen3-0.6b-gsm8k.yaml"
@@ -48,14 +49,16 @@ def with_changes(data: dict, changes: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "qwen3-8b-mini"])
-def test_model_dims_count_the_parameters_transformers_builds(name):
+def test_the_model_shape_reads_back_from_config_json_and_counts_the_parameters_transformers_builds(name):
     import torch
     from transformers import Qwen3ForCausalLM
 
     config = hf_config(SHAPES[name])
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
-    assert ModelDims.from_config(config.to_dict()).parameters() == sum(p.numel() for p in model.parameters())
+    shape = ModelShape.from_config(config.to_dict())
+    assert shape == SHAPES[name].shape, "one shape: the random checkpoint's is what its config.json reads back as"
+    assert shape.parameters() == sum(p.numel() for p in model.parameters())
 
 
 def test_lora_elements_are_peft_s_for_the_seven_projections_at_tp1():

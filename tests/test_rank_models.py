@@ -1,14 +1,12 @@
 """Rank 0's model pool (issue #28, item 4): one scheduler holding the tasks of two base models, each rollout rank
 taking only its model's tasks (Scheduler.rank_models), and RankModels (scheduler/rank_models.py) driving the
 ModelPool policy on it under a simulated clock, as rank 0 does under MPI."""
-import heapq
-
 from marlaas_hpc.scheduler import (Generate, Generated, RankJoined, RankLeaving, RankLost, Scheduler,
                                    SchedulerConfig, StepDone, Submit)
 from marlaas_hpc.scheduler.rank_models import RankModels, Serve, Served
-from marlaas_hpc.scheduler.simloop import SimLoop, _Worker
 from marlaas_hpc.scheduler.staleness import within_bound
 from marlaas_hpc.tasks import TaskSpec
+from support.simloop import SimLoop, _Worker
 
 MODEL = {"a1": "a", "a2": "a", "b1": "b", "b2": "b"}
 
@@ -71,31 +69,33 @@ class PoolLoop(SimLoop):
         for serve in self.models.start():
             self._execute(serve)
         self.at(0.0, _Tick())
-        while self._queue and self.result.events < max_events and not (self.scheduler.finished() and self.now > 0):
-            self.now, _, event = heapq.heappop(self._queue)
-            if isinstance(event, _Worker):
-                event = event.event
-            self.result.events += 1
-            if isinstance(event, _Tick):
-                commands = self.models.tick(self.now)
-                self.at(self.models.tick_s, _Tick())
-            elif isinstance(event, Served):
-                self.awake[event.rollout_rank] = event.model
-                self.switching.pop(event.rollout_rank, None)
-                commands = self.models.served(event, self.now)[0] + self.held.pop(event.rollout_rank, [])
-            elif isinstance(event, _Join):  # its Serve first, then the groups RankJoined gives it
-                self.awake[event.rank], self.on_rank[event.rank] = self.first_models[0], set()
-                self.waiting_at_join = {m: self.scheduler.pending_rollout(m) for m in self.first_models}
-                commands = self.models.joined(event.rank, self.now)
-                commands += self.scheduler.handle(RankJoined(event.rank))
-            else:
-                if isinstance(event, Generated):
-                    self.on_rank[event.rollout_rank] -= set(event.group_ids)
-                commands = self.scheduler.handle(event)
-            for command in commands:
-                self._execute(command)
+        self.queue.run(until_idle=lambda: self.result.events >= max_events
+                       or (self.scheduler.finished() and self.now > 0))
         self.result.end_time = self.now
         return self.result
+
+    def _arrive(self, event):
+        if isinstance(event, _Worker):
+            event = event.event
+        self.result.events += 1
+        if isinstance(event, _Tick):
+            commands = self.models.tick(self.now)
+            self.at(self.models.tick_s, _Tick())
+        elif isinstance(event, Served):
+            self.awake[event.rollout_rank] = event.model
+            self.switching.pop(event.rollout_rank, None)
+            commands = self.models.served(event, self.now)[0] + self.held.pop(event.rollout_rank, [])
+        elif isinstance(event, _Join):  # its Serve first, then the groups RankJoined gives it
+            self.awake[event.rank], self.on_rank[event.rank] = self.first_models[0], set()
+            self.waiting_at_join = {m: self.scheduler.pending_rollout(m) for m in self.first_models}
+            commands = self.models.joined(event.rank, self.now)
+            commands += self.scheduler.handle(RankJoined(event.rank))
+        else:
+            if isinstance(event, Generated):
+                self.on_rank[event.rollout_rank] -= set(event.group_ids)
+            commands = self.scheduler.handle(event)
+        for command in commands:
+            self._execute(command)
 
     def _execute(self, command):
         if isinstance(command, Serve):

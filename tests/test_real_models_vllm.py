@@ -71,7 +71,7 @@ def test_generation_stops_at_every_eos_id(tmp_path, checkpoint, stop_id):
 def test_vllm_behaviour_logprobs_equal_the_trainers_at_the_same_version(tmp_path, checkpoint):
     from marlaas_hpc.model.codec import TextCodec
     from marlaas_hpc.trajectory import assign_advantages
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
     from trainer_scenarios import logprobs_scenario, make_trajectories, train_and_export_scenario
 
     model_path = ensure_random_checkpoint(checkpoint)

@@ -29,7 +29,7 @@ def test_logprobs_after_an_in_memory_hot_swap_equal_the_trainers_at_that_version
     pytest.importorskip("vllm")
     from marlaas_hpc.model.cache import default_cache_dir
     from marlaas_hpc.trajectory import assign_advantages
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
     from trainer_scenarios import TASKS, logprobs_scenario, make_trajectories, train_tensors_scenario
 
     batch = make_trajectories("a", seed=5)

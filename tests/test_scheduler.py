@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from marlaas_hpc.scheduler import (CANCELLED, DONE, Cancel, Scheduler, SchedulerConfig, Submit, Generate, Train,
                                    Admit, StepDone, Generated, Resumed, Scored)
-from marlaas_hpc.scheduler.simloop import SimLoop
 from marlaas_hpc.tasks import TaskSpec
+from support.simloop import SimLoop
 
 
 class RandomDurations:

@@ -14,8 +14,8 @@ import random
 import pytest
 
 from marlaas_hpc.scheduler import DONE, Scheduler, SchedulerConfig
-from marlaas_hpc.scheduler.simloop import SimLoop
 from marlaas_hpc.tasks import TaskSpec
+from support.simloop import SimLoop
 
 
 class TrainerBound:

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from marlaas_hpc.scheduler import (DONE, Generate, Generated, RankJoined, RankLeaving, RankLost, Scheduler,
                                    SchedulerConfig, Scored, StepDone, Submit)
-from marlaas_hpc.scheduler.simloop import SimLoop
 from test_scheduler import RandomDurations, spec
+from support.simloop import SimLoop
 
 
 def _loop(specs, rollout=(1, 2), env=(10, 11), seed=0, slots=3):

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from marlaas_hpc.scheduler import (Admit, Move, Moved, Placement, Scheduler, SchedulerConfig, StepDone, Submit,
                                    TaskEnded, Train)
 from marlaas_hpc.scheduler.placement import estimated_tokens_per_step
-from marlaas_hpc.scheduler.simloop import SimLoop
 from marlaas_hpc.tasks import TaskSpec
 from test_scheduler import RandomDurations, assert_bound_and_progress
+from support.simloop import SimLoop
 
 
 def spec(task_id, k=1, steps=4, batch=2, tokens=8):

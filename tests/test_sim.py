@@ -8,12 +8,12 @@ import yaml
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.scheduler import MODES
-from marlaas_hpc.sim.calibrate import calibrate, compare
 from marlaas_hpc.sim.engine import Simulation
 from marlaas_hpc.sim.report import staleness_violations
 from marlaas_hpc.sim.setup import copies_to, setup_from_job
 from marlaas_hpc.sim.workload import ControlModel, load_workload, workload_from_dict
 from marlaas_hpc.tasks.spec import SpecError
+from studies.calibrate import calibrate, compare
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "calibration"
@@ -349,3 +349,24 @@ def test_simulate_command_injects_a_loss(tmp_path, capsys):
     assert "rollout rank" in capsys.readouterr().out
     assert main(["simulate", str(ROOT / "configs/calib-small.yaml"), "--lose", "rollout:0@2"]) == 2
     assert "every rollout rank is lost" in capsys.readouterr().err
+
+
+def test_the_schedulers_settings_are_declared_once_and_reach_the_scheduler_and_the_simulation_unchanged():
+    from marlaas_hpc.scheduler import SchedulerConfig
+    from marlaas_hpc.scheduler.settings import SchedulerSettings
+    from marlaas_hpc.sim.setup import SimSetup
+
+    names = {f.name for f in dataclasses.fields(SchedulerSettings)}
+    assert names == {"mode", "order", "rollout_slots", "max_adapters", "trainer_slots"}
+    for cls in (JobConfig, SimSetup, SchedulerConfig):
+        assert issubclass(cls, SchedulerSettings) and not names & set(vars(cls)["__annotations__"]), \
+            f"{cls.__name__} declares a scheduler setting again"
+    settings = {"mode": "sync", "order": "fifo", "rollout_slots": 3, "max_adapters": 5, "trainer_slots": 2}
+    job = dataclasses.replace(small_job(), **settings)
+    assert job.scheduler_config((5, 6), (1,)).scheduler_settings() == settings
+    setup = setup_from_job(job)
+    assert setup.scheduler_settings() == settings and setup.scheduler_config().scheduler_settings() == settings
+    for name, bad in (("mode", "eager"), ("order", "lifo"), ("trainer_slots", 0)):
+        for where in (dataclasses.replace(job, **{name: bad}), dataclasses.replace(setup, **{name: bad})):
+            with pytest.raises(SpecError, match=f"^{name}: "):
+                where.validate()

@@ -1,5 +1,5 @@
 """Issue #29 in the simulator: the delta plane's lockstep broadcast against a relay tier (sim/weight_sync.py), and
-what long tails cost (sim/tails.py) on constructed cases whose answer is worked out by hand."""
+what long tails cost (tools/studies/tails.py) on constructed cases whose answer is worked out by hand."""
 import dataclasses
 import sys
 from pathlib import Path
@@ -11,9 +11,9 @@ from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.sim.engine import Simulation
 from marlaas_hpc.sim.report import staleness_violations
 from marlaas_hpc.sim.setup import setup_from_job
-from marlaas_hpc.sim.tails import OccupancyRolloutSim, tail_costs
 from marlaas_hpc.sim.weight_sync import DeltaPlaneModel
 from marlaas_hpc.sim.workload import load_workload
+from studies.tails import OccupancyRolloutSim, tail_costs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -150,7 +150,7 @@ def test_a_repacked_sequence_continues_on_the_tail_rank_where_it_left_off():
     past its p90 (19 tokens generated) it moves to the tail rank, which re-prefills it and decodes the other 281.
     Decoded tokens are conserved: 10 steps at 4 and 290 at 1, over both ranks; the group is scored and trained
     once, from the tail rank."""
-    from marlaas_hpc.sim.repack import RepackingRolloutSim, with_tail_ranks
+    from studies.repack import RepackingRolloutSim, with_tail_ranks
 
     lengths = ScriptedLognormal([300.0, 10.0, 10.0, 10.0], median=10.0, sigma=0.5)
     sim = scripted_sim(lengths, group_size=4, steps=1, slots=1, max_running=4, rollout_ranks=2,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # megatron imports in 7 spawned processes
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_path):
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
 
     with ThreadPoolExecutor(len(SHAPES)) as pool:
         futures = {name: pool.submit(run_local, run_dp_scenario, tp * dp, str(tiny_model_path), tp, dp, micro,

@@ -145,7 +145,7 @@ def test_each_objective_raises_the_tiny_models_reward(loss, trainer, tiny_model_
     """Sorting digits (the task test_learning_core learns), 30 on-policy steps of B 8 x G 8 through the HF engine:
     the greedy eval accuracy rises by >= 15 points and the train reward of the last quarter of the steps beats
     the first's. Measured (this CPU): eval 0.45 -> 0.72-0.83 for the four; dapo drops ~100 groups on the way."""
-    from marlaas_hpc.driver import LocalDriver
+    from support.local_driver import LocalDriver
     from marlaas_hpc.model import TextCodec
     from marlaas_hpc.rollout import make_engine
     from marlaas_hpc.tasks import TaskSpec

@@ -26,7 +26,7 @@ def model_path():
 @pytest.fixture(scope="module")
 def records(model_path):
     from marlaas_hpc.trajectory import assign_advantages
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
 
     noise = random.Random(1)
     batches = {}

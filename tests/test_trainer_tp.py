@@ -77,7 +77,7 @@ def batches(hf_base):
 @pytest.fixture(scope="module")
 def runs(model_path, batches, probe, tmp_path_factory):
     """{tp: [record of rank 0, ...]} for TP=1 (whole batch) and TP=2 (micro-batches by token budget)."""
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
 
     out_dir = str(tmp_path_factory.mktemp("trainer_exports"))
     with ThreadPoolExecutor(2) as pool:
@@ -141,7 +141,7 @@ def test_megatron_forward_equals_transformers_at_tp4(model_path, hf_base, probe)
     """TP=4 divides the real checkpoints' 8 heads and 4 KV heads; their vocabulary is padded to 152,064."""
     if hf_base.config.num_key_value_heads % 4:
         pytest.skip("TP=4 does not divide this checkpoint's KV heads")
-    from marlaas_hpc.trainer.launch_local import run_local
+    from support.local_group import run_local
 
     with torch.no_grad():
         reference = hf_base(input_ids=torch.tensor(probe)).logits

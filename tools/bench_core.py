@@ -10,8 +10,10 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -69,7 +71,8 @@ def _train_worker(rank: int, model_path: str, tp: int, n: int, tokens: int, step
 
 
 def train_step_s(model_path, tp: int, n: int, tokens: int, steps: int) -> float:
-    from marlaas_hpc.trainer.launch_local import run_local
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
+    from support.local_group import run_local
 
     return run_local(_train_worker, tp, str(model_path), tp, n, tokens, steps, timeout=900)[0]
 

@@ -1,5 +1,5 @@
 """How much two rollout engines resident on one device slow each other: the `interference` of the simulator's
-co-resident rows (sim/coresident.py, issue #28), measured instead of assumed.
+co-resident rows (tools/studies/coresident.py, issue #28), measured instead of assumed.
 
     python tools/bench_coresident.py [--engine vllm|hf] [--model PATH|random:SHAPE] [--batch 1 32 256]
                                      [--new-tokens 128] [--gpu-memory-utilization 0.35] [--cuda-graphs]

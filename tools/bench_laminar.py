@@ -11,8 +11,8 @@ Per scale and plane: the leader's blocked time per published version, the rollou
 and their share of time on the delta plane (waiting in broadcasts, transfers, installs), groups dropped at the
 staleness bound (and their share of groups issued), the share of decode time with under a quarter of an engine's
 sequence slots running, trained groups per second and end-to-end time; then the same mean length with a thin
-tail, and the broadcast with repack (sim/repack.py: one tail rank per --ranks-per-tail rollout ranks, taken from
-them). The last line is the issue's summary: measured figures filled in, the rest marked "not measured".
+tail, and the broadcast with repack (tools/studies/repack.py: one tail rank per --ranks-per-tail rollout ranks,
+taken from them). The last line is the issue's summary: measured figures filled in, the rest marked "not measured".
 
 --twin also runs the CPU twin (local jobs under mpirun: tiny model, HF engine, 2 single-turn tasks) under each
 delta transport (`delta.transport`: broadcast, relay) at each of --twin-ranks rollout ranks, and prints per run
@@ -44,11 +44,11 @@ sys.path.insert(0, str(ROOT))
 
 from marlaas_hpc.config import JobConfig  # noqa: E402
 from marlaas_hpc.sim.engine import Simulation  # noqa: E402
-from marlaas_hpc.sim.repack import RepackingRolloutSim, with_tail_ranks  # noqa: E402
 from marlaas_hpc.sim.setup import copies_to, setup_from_job  # noqa: E402
-from marlaas_hpc.sim.tails import OccupancyRolloutSim, tail_costs  # noqa: E402
 from marlaas_hpc.sim.weight_sync import DeltaPlaneModel  # noqa: E402
 from marlaas_hpc.sim.workload import load_workload  # noqa: E402
+from studies.repack import RepackingRolloutSim, with_tail_ranks  # noqa: E402
+from studies.tails import OccupancyRolloutSim, tail_costs  # noqa: E402
 
 WORKLOAD = ROOT / "configs" / "workloads" / "h100-heavy-tail.yaml"
 

@@ -5,7 +5,7 @@
 
 Job A is compute-bound (GSM8K-like: one long-tailed answer per episode), job B tool-bound (search-like: four
 turns with three retrieval calls); each is its own base model, so their engines cannot share a batch, only
-take turns on a GPU (sleep / wake, sim/multiplex.py `EngineSwitch`). Tasks come from configs/sim-paper.yaml,
+take turns on a GPU (sleep / wake, tools/studies/multiplex.py `EngineSwitch`). Tasks come from configs/sim-paper.yaml,
 costs from configs/workloads/h100-qwen3-0.6b.yaml (assumed H100 costs, not measured; both models are priced as
 Qwen3-0.6B). Each job has `--ranks` dedicated rollout GPUs and one TP=1 trainer GPU; the shared runs put both
 jobs on one pool of each `--pool` size, trainers unchanged.
@@ -41,13 +41,13 @@ other model; the parked contexts are prefilled again on return, column 're-pf').
 LoRA steps, as a larger model's, against the same generation; sync rounds then leave the rollout GPUs idle longer.
 
 Both tables also show 'dedicated coloc' (each job alone, its trainer rank on its own rollout GPU as
-layout.share_gpus places it: sim/multiplex.py `run_colocated`) and the rows '+trainers...' (the same policies
+layout.share_gpus places it: tools/studies/multiplex.py `run_colocated`) and the rows '+trainers...' (the same policies
 with every job's trainer ranks on the pool's GPUs, one per GPU from the front, `trainers_in_pool`; a pool with
 fewer GPUs than trainer ranks is refused, and the row says so); the last column 'vs coloc' compares each row's
 GPU-hours with the colocated jobs': what time-slicing across models adds to colocating each job's trainer.
 
 Rows 'cores s=S' (the gap table always, the first with `--fill-gaps`): every model's engine resident and awake on
-every pool GPU, decoding side by side (sim/coresident.py `run_coresident`, ranks given back as jobs end), each
+every pool GPU, decoding side by side (tools/studies/coresident.py `run_coresident`, ranks given back as jobs end), each
 engine step also waiting for S x the other engines' steps on its GPU (`--interference`, default 1: no overlap;
 not measured); '+trainers cores' puts the trainer ranks in the pool as above.
 """
@@ -65,11 +65,11 @@ sys.path.insert(0, str(ROOT))
 
 from marlaas_hpc.config import JobConfig  # noqa: E402
 from marlaas_hpc.scheduler import MODES  # noqa: E402
-from marlaas_hpc.sim.coresident import run_coresident  # noqa: E402
-from marlaas_hpc.sim.multiplex import EngineSwitch, PoolJob, run_colocated, run_dedicated, run_shared  # noqa: E402
 from marlaas_hpc.sim.setup import copies_to, setup_from_job  # noqa: E402
 from marlaas_hpc.sim.workload import Distribution, load_workload  # noqa: E402
 from marlaas_hpc.tasks.spec import SpecError  # noqa: E402
+from studies.coresident import run_coresident  # noqa: E402
+from studies.multiplex import EngineSwitch, PoolJob, run_colocated, run_dedicated, run_shared  # noqa: E402
 
 
 def jobs(gsm_tasks: int, search_tasks: int, ranks: int, staleness: int, steps: int, mode: str = "async"
@@ -118,7 +118,7 @@ switching ranks in tool-call gaps, and the same two with every job's trainer ran
 (layout.share_gpus) instead of GPUs of their own."""
 
 CORESIDENT = {"coresident": {"release": True}, "+trainers coresident": {"release": True, "trainers_in_pool": True}}
-"""Row label -> run_coresident's options: every model's engine awake on every pool GPU (sim/coresident.py),
+"""Row label -> run_coresident's options: every model's engine awake on every pool GPU (tools/studies/coresident.py),
 ranks given back as jobs end, trainers on GPUs of their own or in the pool."""
 
 
@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--fill-gaps", action="store_true",
                         help="first table: also the other policies' rows (gaps, release, trainers, co-resident)")
     parser.add_argument("--interference", type=float, nargs="*", default=[1.0],
-                        help="co-resident rows (sim/coresident.py), one set per value: how much of the other "
+                        help="co-resident rows (tools/studies/coresident.py), one set per value: how much of the other "
                              "engines' decode step an engine step waits for on a shared GPU (1: none overlaps)")
     parser.add_argument("--gap-tasks", type=int, default=1, help="second table: tasks per job")
     parser.add_argument("--gap-ranks", type=int, default=1, help="second table: dedicated rollout GPUs per job")

@@ -53,7 +53,8 @@ def _rows(args) -> list[tuple[list[int], list[int]]]:
 
 def trainer_part(args, model_path: str, out_dir: str) -> dict:
     from marlaas_hpc.trajectory import assign_advantages
-    from marlaas_hpc.trainer.launch_local import run_local
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
+    from support.local_group import run_local
     from marlaas_hpc.trajectory import Trajectory
 
     trajectories = [Trajectory("bench", f"g{i // args.group}", p, c, [-11.9] * len(c), 0, reward=float(i % 2))
@@ -71,7 +72,7 @@ def _train(rank: int, model_path: str, tp: int, trajectories, lora_rank: int, ou
     import mbridge.models.qwen3  # noqa: F401  (what the trainer imports on its way to a model: in the baseline)
     import megatron.core.models.gpt.gpt_model  # noqa: F401
 
-    from marlaas_hpc.plan import host_memory
+    import host_memory  # tools/host_memory.py: this script's directory is on sys.path
     from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
 
@@ -131,10 +132,11 @@ def _trainer_estimate(model_path: str, tp: int, trajectories, lora_rank: int, dt
                       attention: str = "dense") -> int:
     """`marlaas plan`'s trainer estimate of this step (fp32 dense on the CPU; bf16 flex on CUDA): one pass over
     rows of one sequence each."""
-    from marlaas_hpc.plan.estimate import ModelDims, TrainerInputs, trainer_memory
+    from marlaas_hpc.model.shape import ModelShape
+    from marlaas_hpc.plan.estimate import TrainerInputs, trainer_memory
 
     width = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
-    inputs = TrainerInputs(dims=ModelDims.read(model_path), tensor_parallel=tp, dtype_bytes=dtype_bytes,
+    inputs = TrainerInputs(dims=ModelShape.read(model_path), tensor_parallel=tp, dtype_bytes=dtype_bytes,
                            micro_batch_tokens=len(trajectories) * width, row_tokens=width,
                            prompt_tokens=len(trajectories[0].prompt_ids), lora_rank=lora_rank, max_adapters=1,
                            fused_tasks=1, recompute=False, attention=attention)
@@ -145,7 +147,7 @@ def rollout_part(args, model_path: str, adapter: str, work_dir: str) -> dict:
     if args.engine == "vllm":
         import vllm  # noqa: F401  (in the baseline)
 
-    from marlaas_hpc.plan import host_memory
+    import host_memory  # tools/host_memory.py: this script's directory is on sys.path
     from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
     from marlaas_hpc.rollout import vllm_engine  # noqa: F401
 
@@ -189,9 +191,10 @@ def _rollout_estimate(model_path: str, args, max_model_len: int) -> int:
     """`marlaas plan`'s rollout figures on the CPU: float32 weights, one LoRA slot, vLLM's fixed CPU KV cache
     (the engine's default 1 GiB), the profiling forward's estimate."""
     from marlaas_hpc.plan.command import VLLM_MAX_NUM_SEQS
-    from marlaas_hpc.plan.estimate import ModelDims, RolloutInputs, rollout_memory
+    from marlaas_hpc.model.shape import ModelShape
+    from marlaas_hpc.plan.estimate import RolloutInputs, rollout_memory
 
-    memory = rollout_memory(RolloutInputs(dims=ModelDims.read(model_path), tensor_parallel=1, dtype_bytes=4,
+    memory = rollout_memory(RolloutInputs(dims=ModelShape.read(model_path), tensor_parallel=1, dtype_bytes=4,
                                           gpu_bytes=0, gpu_memory_utilization=1.0, max_loras=1,
                                           max_lora_rank=args.lora_rank, max_model_len=max_model_len,
                                           max_num_seqs=VLLM_MAX_NUM_SEQS))

@@ -90,11 +90,13 @@ def local_task(payload_path: str, result_path: str) -> None:
     """The LocalDriver baseline of one task (this process): hf engine, TP=1 trainer, eval before and after."""
     start = time.perf_counter()
     payload = json.loads(Path(payload_path).read_text())
-    from marlaas_hpc.driver import LocalDriver
     from marlaas_hpc.model import TextCodec
     from marlaas_hpc.rollout import make_engine
     from marlaas_hpc.tasks import TaskSpec
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    sys.path.insert(0, str(ROOT / "tests"))  # tests/support/
+    from support.local_driver import LocalDriver
 
     imported = time.perf_counter()
     codec = TextCodec.from_pretrained(payload["model_path"])

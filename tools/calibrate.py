@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from marlaas_hpc.sim.calibrate import calibrate, dump_workload, predict_vs_measured  # noqa: E402
+from studies.calibrate import calibrate, dump_workload, predict_vs_measured  # noqa: E402
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args) -> dict:
     from marlaas_hpc.config import JobConfig
-    from marlaas_hpc.plan import host_memory
+    import host_memory  # tools/host_memory.py: this script's directory is on sys.path
     from marlaas_hpc.plan.command import model_dims
     from marlaas_hpc.plan.dry_run import DryRunShape, add_tasks, step_batches
     from marlaas_hpc.plan.estimate import TrainerInputs, trainer_memory

@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from marlaas_hpc.model.families import ModelFamily, UnservedCheckpoint, family_of, head_dim_of
+from marlaas_hpc.model.families import ModelFamily, UnservedCheckpoint, family_of
+from marlaas_hpc.model.shape import ModelShape
 from marlaas_hpc.tasks.spec import SpecError
 
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -30,12 +31,12 @@ class CheckpointInfo:
     model_type: str
     config: dict
     """config.json as read."""
-    vocab_size: int
-    tied_embeddings: bool
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     has_chat_template: bool
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model's shape (UnservedCheckpoint outside the served families: `checkpoint_family` first)."""
+        return ModelShape.from_config(self.config)
 
 
 def read_checkpoint(model_path: str | Path, field_name: str = "model", tokenizer: bool = True) -> CheckpointInfo:
@@ -48,13 +49,8 @@ def read_checkpoint(model_path: str | Path, field_name: str = "model", tokenizer
         raise SpecError(field_name, f"{path}/config.json cannot be read: {exc}") from None
     if tokenizer and not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise SpecError(field_name, f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
-    heads = int(config.get("num_attention_heads", 0) or 0)
-    return CheckpointInfo(
-        path=path, model_type=str(config.get("model_type")), config=config,
-        vocab_size=int(config.get("vocab_size", 0) or 0),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)), num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads", heads) or heads), head_dim=head_dim_of(config),
-        has_chat_template=_has_chat_template(path))
+    return CheckpointInfo(path=path, model_type=str(config.get("model_type")), config=config,
+                          has_chat_template=_has_chat_template(path))
 
 
 def _has_chat_template(path: Path) -> bool:
@@ -70,13 +66,16 @@ def check_checkpoint(info: CheckpointInfo, *, trainer_tp: int, rollout_tp: int =
                      field_name: str = "model") -> None:
     """Raises SpecError naming the field when this job cannot serve the checkpoint."""
     checkpoint_family(info, field_name)
+    try:
+        shape = info.shape
+    except KeyError as exc:
+        raise SpecError(field_name, f"{info.path}/config.json has no {exc.args[0]}") from None
     for tp, where in ((trainer_tp, "layout.trainer_tp"), (rollout_tp, "vllm.tensor_parallel_size")):
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            value = getattr(info, name)
+        for name, value in (("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads)):
             if tp > 1 and value % tp:
                 raise SpecError(where, f"{tp} does not divide {name}={value} of {info.path}")
-    if vllm_on_cpu and info.head_dim not in VLLM_CPU_HEAD_DIMS:
-        raise SpecError(field_name, f"{info.path}: head_dim {info.head_dim} is not supported by vLLM's CPU attention "
+    if vllm_on_cpu and shape.head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise SpecError(field_name, f"{info.path}: head_dim {shape.head_dim} is not supported by vLLM's CPU attention "
                                     f"(supported: {list(VLLM_CPU_HEAD_DIMS)}); use engine: hf or GPUs")
 
 

@@ -33,10 +33,12 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from marlaas_hpc.model.families import FAMILIES
+from marlaas_hpc.model.shape import ModelShape
 from marlaas_hpc.model.vocabularies import (ENDOFTEXT_ID, IM_END_ID, IM_START_ID, LLAMA3, QWEN2, QWEN3,
                                             Vocabulary, save_tokenizer)
 
-__all__ = ["ENDOFTEXT_ID", "IM_END_ID", "IM_START_ID", "RANDOM_PREFIX", "SHAPES", "RandomShape",
+__all__ = ["ENDOFTEXT_ID", "IM_END_ID", "IM_START_ID", "RANDOM_PREFIX", "SHAPES", "RandomModel",
            "ensure_random_checkpoint", "write_config"]
 
 RANDOM_PREFIX = "random:"
@@ -45,25 +47,14 @@ FAMILY_VOCABULARY = {"qwen3": QWEN3, "qwen2": QWEN2, "llama": LLAMA3}
 
 
 @dataclass(frozen=True, kw_only=True)
-class RandomShape:
+class RandomModel:
+    """A random-weight checkpoint's recipe: a family, its shape and its RoPE."""
+
     family: str
     """Model family (model/families.py): 'qwen3', 'qwen2' or 'llama'."""
-    hidden_size: int
-    """Model width."""
-    num_layers: int
-    """Decoder layers."""
-    num_heads: int
-    """Query heads."""
-    num_kv_heads: int
-    """Key/value heads (GQA)."""
-    head_dim: int
-    """Per-head width (Qwen3 decouples it from hidden_size / num_heads; Qwen2 and Llama do not)."""
-    intermediate_size: int
-    """SwiGLU hidden width."""
-    tied: bool
-    """Tied input/output embeddings or a separate lm_head."""
-    max_position_embeddings: int
-    """Context length in config.json."""
+    shape: ModelShape
+    """Widths, depth, heads (Qwen3 decouples head_dim from hidden_size / num_heads; Qwen2 and Llama do not),
+    the family's vocabulary rows, tied or untied embeddings, context length and the family's qk-norm / biases."""
     rope_theta: float
     """RoPE base."""
     rope_llama3_factor: float | None = None
@@ -75,16 +66,24 @@ class RandomShape:
         return FAMILY_VOCABULARY[self.family]
 
 
-def _qwen3(**kw) -> RandomShape:
-    return RandomShape(family="qwen3", rope_theta=1_000_000.0, **kw)
+def _model(family: str, rope_theta: float, rope_llama3_factor: float | None = None, **shape) -> RandomModel:
+    """The family's vocabulary rows and traits in the shape."""
+    traits = FAMILIES[family]
+    return RandomModel(family=family, rope_theta=rope_theta, rope_llama3_factor=rope_llama3_factor,
+                       shape=ModelShape(vocab_size=FAMILY_VOCABULARY[family].rows, qk_norm=traits.qk_norm,
+                                        qkv_bias=traits.qkv_bias, **shape))
 
 
-def _qwen2(**kw) -> RandomShape:
-    return RandomShape(family="qwen2", rope_theta=1_000_000.0, max_position_embeddings=32768, **kw)
+def _qwen3(**kw) -> RandomModel:
+    return _model("qwen3", rope_theta=1_000_000.0, **kw)
 
 
-def _llama(**kw) -> RandomShape:
-    return RandomShape(family="llama", rope_theta=500_000.0, max_position_embeddings=131072, **kw)
+def _qwen2(**kw) -> RandomModel:
+    return _model("qwen2", rope_theta=1_000_000.0, max_position_embeddings=32768, **kw)
+
+
+def _llama(**kw) -> RandomModel:
+    return _model("llama", rope_theta=500_000.0, max_position_embeddings=131072, **kw)
 
 
 SHAPES = {
@@ -107,28 +106,28 @@ SHAPES = {
 }
 
 
-def hf_config(shape: RandomShape):
-    """The transformers config of a shape, with the family's real ids and traits."""
+def hf_config(model: RandomModel):
+    """The transformers config of a random model, with the family's real ids and traits."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    vocab = shape.vocabulary
-    common = dict(vocab_size=vocab.rows, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+    vocab, shape = model.vocabulary, model.shape
+    common = dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
                   num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
                   num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_position_embeddings,
                   tie_word_embeddings=shape.tied, hidden_act="silu", initializer_range=0.02, dtype="float32")
     eos = [vocab.token_id(t) for t in vocab.generation_eos]
-    if shape.family == "llama":
+    if model.family == "llama":
         assert shape.head_dim * shape.num_heads == shape.hidden_size
-        rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
-        if shape.rope_llama3_factor is not None:
-            rope = {"rope_type": "llama3", "factor": shape.rope_llama3_factor, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_theta": shape.rope_theta}
+        rope = {"rope_type": "default", "rope_theta": model.rope_theta}
+        if model.rope_llama3_factor is not None:
+            rope = {"rope_type": "llama3", "factor": model.rope_llama3_factor, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_theta": model.rope_theta}
         return LlamaConfig(**common, head_dim=shape.head_dim, rope_parameters=rope, rms_norm_eps=1e-5,
                            attention_bias=False, mlp_bias=False, bos_token_id=vocab.token_id(vocab.bos),
                            eos_token_id=eos, pad_token_id=None)
-    qwen = dict(rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta}, rms_norm_eps=1e-6,
+    qwen = dict(rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta}, rms_norm_eps=1e-6,
                 bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, pad_token_id=None, use_sliding_window=False)
-    if shape.family == "qwen2":
+    if model.family == "qwen2":
         assert shape.head_dim * shape.num_heads == shape.hidden_size
         return Qwen2Config(**common, **qwen)
     return Qwen3Config(**common, **qwen, head_dim=shape.head_dim, attention_bias=False)
@@ -139,11 +138,11 @@ def write_config(name: str, cache_dir: str | Path | None = None) -> Path:
     dry run read. Written once into the cache."""
     from marlaas_hpc.model.cache import default_cache_dir
 
-    shape = SHAPES[name]
-    out = Path(cache_dir or default_cache_dir()) / f"config-{name}-{fingerprint(shape, 0)}"
+    model = SHAPES[name]
+    out = Path(cache_dir or default_cache_dir()) / f"config-{name}-{fingerprint(model, 0)}"
     if not (out / "config.json").is_file():
         staging = out.with_name(f"{out.name}.writing-{os.getpid()}")
-        hf_config(shape).save_pretrained(str(staging))
+        hf_config(model).save_pretrained(str(staging))
         try:
             staging.rename(out)
         except OSError:  # another process wrote it first
@@ -151,7 +150,7 @@ def write_config(name: str, cache_dir: str | Path | None = None) -> Path:
     return out
 
 
-def build_random_checkpoint(out_dir: str | Path, shape: RandomShape, seed: int = 0) -> Path:
+def build_random_checkpoint(out_dir: str | Path, recipe: RandomModel, seed: int = 0) -> Path:
     """Writes config.json, model.safetensors (fp32, random), generation_config.json and the tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -159,14 +158,14 @@ def build_random_checkpoint(out_dir: str | Path, shape: RandomShape, seed: int =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(shape)).float()
+    model = AutoModelForCausalLM.from_config(hf_config(recipe)).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.normal_(1.0, 0.1)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
-    vocab = shape.vocabulary
+    vocab = recipe.vocabulary
     # the Instruct checkpoints' generation_config.json: an eos list and sampling defaults a rollout engine must
     # not apply
     model.generation_config = GenerationConfig(
@@ -179,10 +178,10 @@ def build_random_checkpoint(out_dir: str | Path, shape: RandomShape, seed: int =
     return out
 
 
-def fingerprint(shape: RandomShape, seed: int) -> str:
+def fingerprint(model: RandomModel, seed: int) -> str:
     sources = b"".join((Path(__file__).parent / name).read_bytes()
                        for name in ("random_checkpoints.py", "vocabularies.py"))
-    blob = json.dumps(asdict(shape), sort_keys=True).encode() + sources + str(seed).encode()
+    blob = json.dumps(asdict(model), sort_keys=True).encode() + sources + str(seed).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -192,15 +191,15 @@ def ensure_random_checkpoint(name: str, cache_dir: str | Path | None = None, see
 
     if name not in SHAPES:
         raise KeyError(f"unknown random checkpoint {name!r}; known: {sorted(SHAPES)}")
-    shape = SHAPES[name]
-    final = Path(cache_dir or default_cache_dir()) / f"random-{name}-{fingerprint(shape, seed)}"
+    model = SHAPES[name]
+    final = Path(cache_dir or default_cache_dir()) / f"random-{name}-{fingerprint(model, seed)}"
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = final.with_name(f"{final.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     log(f"[model] building random-weight checkpoint {name} into {final} (once)")
-    build_random_checkpoint(staging, shape, seed)
+    build_random_checkpoint(staging, model, seed)
     try:
         staging.rename(final)
     except OSError:  # another process finished first: use theirs

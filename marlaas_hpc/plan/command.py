@@ -21,8 +21,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from marlaas_hpc.config_loader import SpecError
-from marlaas_hpc.plan.estimate import (DTYPE_BYTES, GIB, ModelDims, RolloutInputs, RolloutMemory, TrainerInputs,
-                                       TrainerMemory, logits_chunk_tokens, rollout_memory, trainer_memory)
+from marlaas_hpc.model.shape import ModelShape
+from marlaas_hpc.plan.estimate import (DTYPE_BYTES, GIB, RolloutInputs, RolloutMemory, TrainerInputs, TrainerMemory,
+                                       logits_chunk_tokens, padded_vocab, rollout_memory, trainer_memory)
 
 CUDA_CONTEXT_BYTES = GIB
 """Per GPU process, outside what PyTorch allocates: the CUDA context, cuBLAS workspaces, NCCL's buffers (an
@@ -60,7 +61,7 @@ class RankPlan:
 
 
 # ---------------------------------------------------------------------------------------------- model
-def model_dims(job, model: str | None = None) -> tuple[ModelDims, str]:
+def model_dims(job, model: str | None = None) -> tuple[ModelShape, str]:
     """The model's dims and a name for them, from `model` (a dir with config.json or 'random:<shape>') or the
     config's `model:`, without building or reading any weights. SpecError naming `model` if there is none, or if
     its config.json is not a family the job serves."""
@@ -68,7 +69,7 @@ def model_dims(job, model: str | None = None) -> tuple[ModelDims, str]:
 
     name = model or job.model
     try:
-        return ModelDims.read(model_config_dir(name)), name
+        return ModelShape.read(model_config_dir(name)), name
     except UnservedCheckpoint as exc:
         raise SpecError("model", str(exc)) from None
 
@@ -100,7 +101,7 @@ def model_field(job, name: str) -> str:
     return f"models.{name}" if job.models else "model"
 
 
-def job_model_dims(job) -> dict[str, ModelDims]:
+def job_model_dims(job) -> dict[str, ModelShape]:
     """Every base model's dims by its name in `JobConfig.model_names` (the default first), from config.json
     alone; SpecError naming the model's field (`models.<name>` or `model`) if one has none."""
     dims = {}
@@ -143,7 +144,7 @@ def with_model_paths(job, paths: dict[str, str]):
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def trainer_inputs(job, dims: ModelDims, row_tokens: int | None = None,
+def trainer_inputs(job, dims: ModelShape, row_tokens: int | None = None,
                    prompt_tokens: int = DEFAULT_PROMPT_TOKENS, model: str | None = None) -> TrainerInputs:
     """A trainer rank of the job on a GPU: the base in bf16 unless trainer.dtype says float32, 'auto' attention
     is FlexAttention, micro-batches of trainer.micro_batch_tokens in rows of `row_tokens` (default: the longest
@@ -174,7 +175,7 @@ def trainer_lines(memory: TrainerMemory) -> list[tuple[str, int]]:
     inputs = memory.inputs
     dims, tasks = inputs.dims, inputs.max_adapters
     dtype = "bfloat16" if inputs.dtype_bytes == 2 else "float32"
-    shard_vocab = dims.padded_vocab(inputs.tensor_parallel) // inputs.tensor_parallel
+    shard_vocab = padded_vocab(dims, inputs.tensor_parallel) // inputs.tensor_parallel
     lines = [(f"base weights ({dtype})", memory.base_weights),
              (f"LoRA weights r{inputs.lora_rank}: {_gib(memory.lora_per_task)} per task x {tasks} (max_adapters)",
               tasks * memory.lora_per_task),
@@ -193,7 +194,7 @@ def trainer_total(inputs: TrainerInputs) -> int:
     return trainer_memory(inputs).total + CUDA_CONTEXT_BYTES
 
 
-def trainer_plan(job, dims: ModelDims, row_tokens: int | None = None,
+def trainer_plan(job, dims: ModelShape, row_tokens: int | None = None,
                  prompt_tokens: int = DEFAULT_PROMPT_TOKENS, model: str | None = None) -> RankPlan:
     """A trainer rank; `model`: of the groups loading that model (a job of several models), None: of every group."""
     inputs = trainer_inputs(job, dims, row_tokens, prompt_tokens, model)
@@ -250,12 +251,12 @@ def largest_micro_batch(inputs: TrainerInputs, limit: int, step: int = 256) -> i
     return low * step if low * step < inputs.micro_batch_tokens else 0
 
 
-def _splits(dims: ModelDims, tp: int) -> bool:
+def _splits(dims: ModelShape, tp: int) -> bool:
     return all(value % tp == 0 for value in (dims.num_heads, dims.num_kv_heads, dims.intermediate_size))
 
 
 # ---------------------------------------------------------------------------------------------- rollout
-def rollout_inputs(job, dims: ModelDims, model_dtype: str = "bfloat16") -> RolloutInputs:
+def rollout_inputs(job, dims: ModelShape, model_dtype: str = "bfloat16") -> RolloutInputs:
     vllm = job.vllm
     dtype = model_dtype if vllm.dtype == "auto" else vllm.dtype
     engine = vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())
@@ -274,7 +275,7 @@ def rollout_need(memory: RolloutMemory) -> int:
     return fixed + memory.inputs.max_model_len * memory.kv_bytes_per_token
 
 
-def rollout_plan(job, dims: ModelDims, model: str | None = None) -> RankPlan:
+def rollout_plan(job, dims: ModelShape, model: str | None = None) -> RankPlan:
     """A rollout rank's engine of one model (`model`: its name in a job of several, else None)."""
     inputs = rollout_inputs(job, dims)
     memory = rollout_memory(inputs)
@@ -307,7 +308,7 @@ def rollout_plan(job, dims: ModelDims, model: str | None = None) -> RankPlan:
                     limit=memory.budget, limit_label=label, advice=advice, model=model)
 
 
-def models_rollout_plan(job, dims: dict[str, ModelDims]) -> RankPlan:
+def models_rollout_plan(job, dims: dict[str, ModelShape]) -> RankPlan:
     """The rollout rank of a job of several models: one engine per model, one awake. vLLM takes
     gpu_memory_utilization of the GPU whatever the model, so the rank is planned for the engine that needs the
     most of it (`rollout_need`: it fails first); the others' needs are noted, and their weights, asleep (vLLM
@@ -371,7 +372,7 @@ def gpu_kinds(job, gpus_visible: bool | None = None) -> list[str]:
     return kinds
 
 
-def job_plan(job, dims: dict[str, ModelDims] | None = None, kinds=("trainer", "rollout"),
+def job_plan(job, dims: dict[str, ModelShape] | None = None, kinds=("trainer", "rollout"),
              row_tokens: int | None = None, prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> list[RankPlan]:
     """The plans of the job's GPU rank kinds: a trainer rank per model some trainer group loads, then the rollout
     rank (vllm engine). `dims`: `job_model_dims(job)`, read when None."""

@@ -27,9 +27,9 @@ projections of every layer, A and B as vLLM stacks them), an activation reserve 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
+
+from marlaas_hpc.model.shape import ModelShape
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -40,77 +40,17 @@ LOGITS_CHUNK_BYTES = 256 << 20
 """trainer/lm_head.py's: float32 logits the LM head computes at once (repeated here: that module imports torch)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelDims:
-    """What memory depends on in a Qwen3 config.json."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tied: bool
-    max_position_embeddings: int
-    qk_norm: bool = True
-    """RMSNorm on each head's queries and keys (Qwen3; not Qwen2 or Llama)."""
-    qkv_bias: bool = False
-    """Biases on the q/k/v projections (Qwen2)."""
-
-    @classmethod
-    def from_config(cls, config: dict) -> "ModelDims":
-        """The dims of a served family's config.json (model/families.py: anything else raises UnservedCheckpoint,
-        naming the key)."""
-        from marlaas_hpc.model.families import family_of, head_dim_of
-
-        family = family_of(config)
-        heads = int(config["num_attention_heads"])
-        return cls(hidden_size=int(config["hidden_size"]), num_layers=int(config["num_hidden_layers"]),
-                   num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads", heads)),
-                   head_dim=head_dim_of(config), intermediate_size=int(config["intermediate_size"]),
-                   vocab_size=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
-                   max_position_embeddings=int(config.get("max_position_embeddings", 0)),
-                   qk_norm=family.qk_norm, qkv_bias=family.qkv_bias)
-
-    @classmethod
-    def read(cls, model_dir: str | Path) -> "ModelDims":
-        return cls.from_config(json.loads(Path(model_dir, "config.json").read_text()))
-
-    def padded_vocab(self, tp: int) -> int:
-        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
-        return -(-self.vocab_size // multiple) * multiple
-
-    def layer_weights(self) -> int:
-        """Elements of one decoder layer's four linears (unsharded)."""
-        h, d = self.hidden_size, self.head_dim
-        return (h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-                + 3 * self.intermediate_size * h)
-
-    def norm_weights(self) -> int:
-        """Elements of every RMSNorm: two per layer, the q/k norms where the family has them, the final one."""
-        per_layer = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
-        return self.num_layers * per_layer + self.hidden_size
-
-    def qkv_biases(self) -> int:
-        """Elements of one layer's q/k/v biases (unsharded; 0 unless the family has them)."""
-        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
-
-    def parameters(self) -> int:
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied else 2)
-        return embeddings + self.num_layers * (self.layer_weights() + self.qkv_biases()) + self.norm_weights()
-
-    def describe(self) -> str:
-        return (f"hidden {self.hidden_size}, {self.num_layers} layers, {self.num_heads}/{self.num_kv_heads} heads x "
-                f"{self.head_dim}, MLP {self.intermediate_size}, vocabulary {self.vocab_size} "
-                f"({'tied' if self.tied else 'untied'}): {self.parameters() / 1e9:.2f} B parameters")
+def padded_vocab(dims: ModelShape, tp: int) -> int:
+    """The vocabulary as megatron pads it: a multiple of MAKE_VOCAB_SIZE_DIVISIBLE_BY x TP."""
+    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
+    return -(-dims.vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerInputs:
     """One trainer rank's share of the job."""
 
-    dims: ModelDims
+    dims: ModelShape
     tensor_parallel: int
     dtype_bytes: int
     """Base weights: 2 (bfloat16, the GPU default) or 4."""
@@ -185,14 +125,14 @@ def base_weight_bytes(inputs: TrainerInputs) -> int:
     """The TP shard's parameters and buffers (RoPE frequencies; the LM head's padding mask on the rank with
     megatron's padding rows)."""
     dims, tp, b = inputs.dims, inputs.tensor_parallel, inputs.dtype_bytes
-    shard_vocab = dims.padded_vocab(tp) // tp
+    shard_vocab = padded_vocab(dims, tp) // tp
     embeddings = shard_vocab * dims.hidden_size * (1 if dims.tied else 2)
-    padding_mask = shard_vocab if dims.padded_vocab(tp) > dims.vocab_size else 0
+    padding_mask = shard_vocab if padded_vocab(dims, tp) > dims.vocab_size else 0
     layers = dims.num_layers * (dims.layer_weights() + dims.qkv_biases()) // tp
     return b * (embeddings + layers + dims.norm_weights()) + padding_mask + 4 * dims.head_dim // 2
 
 
-def lora_elements(dims: ModelDims, tp: int, rank: int) -> int:
+def lora_elements(dims: ModelShape, tp: int, rank: int) -> int:
     """One task's A and B on this TP rank, every layer, all seven projections (trainer/lora.py's layout: column
     sites qkv and fc1 keep A whole and split B; row sites proj and fc2 split A and keep B whole)."""
     h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // tp
@@ -277,7 +217,7 @@ def logits_bytes(inputs: TrainerInputs) -> int:
     tokens' final hidden states it keeps for backward and a float32 logsumexp and logprob per token, plus the
     float32 logits of two chunks of LOGITS_CHUNK_BYTES (a chunk's and the one before it, not yet released)."""
     dims, tokens = inputs.dims, inputs.trained_tokens
-    shard_vocab = dims.padded_vocab(inputs.tensor_parallel) // inputs.tensor_parallel
+    shard_vocab = padded_vocab(dims, inputs.tensor_parallel) // inputs.tensor_parallel
     chunk = logits_chunk_tokens(inputs)
     chunks = 2 if -(-tokens // inputs.tasks_per_step) > chunk else 1
     return tokens * (dims.hidden_size * inputs.dtype_bytes + 8) + chunks * chunk * shard_vocab * 4
@@ -285,7 +225,7 @@ def logits_bytes(inputs: TrainerInputs) -> int:
 
 def logits_chunk_tokens(inputs: TrainerInputs) -> int:
     """Tokens of one chunk of the LM head's logits: LOGITS_CHUNK_BYTES' worth, or a task's trained tokens."""
-    shard_vocab = inputs.dims.padded_vocab(inputs.tensor_parallel) // inputs.tensor_parallel
+    shard_vocab = padded_vocab(inputs.dims, inputs.tensor_parallel) // inputs.tensor_parallel
     per_task = -(-inputs.trained_tokens // inputs.tasks_per_step)
     return max(1, min(per_task, LOGITS_CHUNK_BYTES // (4 * shard_vocab)))
 
@@ -300,7 +240,7 @@ def score_buffer_bytes(inputs: TrainerInputs) -> int:
 # ---------------------------------------------------------------------------------------------- rollout
 @dataclass(frozen=True, kw_only=True)
 class RolloutInputs:
-    dims: ModelDims
+    dims: ModelShape
     tensor_parallel: int
     dtype_bytes: int
     gpu_bytes: int
@@ -345,7 +285,7 @@ def rollout_memory(inputs: RolloutInputs) -> RolloutMemory:
                          activations=rollout_activation_bytes(inputs))
 
 
-def vllm_lora_elements(dims: ModelDims, tp: int, rank: int) -> int:
+def vllm_lora_elements(dims: ModelShape, tp: int, rank: int) -> int:
     """One vLLM LoRA slot on a TP rank: A and B of each of the seven projections (q, k, v, o, gate, up, down)."""
     h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // tp
     q, kv = dims.num_heads * d // tp, dims.num_kv_heads * d // tp

@@ -3,15 +3,15 @@ one awake) behind the one-engine interface the rank's loop drives (issue #28, it
 
 Each request goes to its task's model engine. A task's model comes with its work (GenerateWork.model) and its
 adapter versions (DeltaAnnounce.model: a trainer group loads one model), and is set once per adapter key
-(`assign`). Requests of the awake model go into its engine at once; requests of a sleeping model wait here. The
-rank switches when its awake engine has nothing in flight and another model has requests waiting: that model's
-engine wakes (adapter versions published while it slept are installed then) and its waiting requests go in.
-While another model waits, new requests of the awake model still go in during its dwell, DWELL_SWITCHES times
-the last measured switch cost since it woke (affinity: a switch must buy more engine time than it costs, as the
-model pool's dwell, scheduler/multiplex.py); after that they wait too, so its engine drains and the waiting
-model gets its turn: the models take turns, first come first served. A switch never happens
-with a request in flight (its KV cache would be lost), so a running sequence or an open group's turn never
-changes engine; an episode's later turns wait while another model is awake, as they wait on a tool.
+(`assign`). Which model the rank serves is rank 0's decision, never the rank's own: rank 0's model pool
+(scheduler/rank_models.py `RankModels`, the ModelPool policy of scheduler/multiplex.py) sends only the assigned
+model's groups to a rank and tells it with `Serve`, which calls `follow(model)`. Until then the rank serves the
+model whose engine is awake. Requests of the assigned model go into its engine at once; requests of another
+model wait here (none should come but evals held back, and rank 0 sends those only to a rank serving their
+model). The rank switches to the assigned model once its awake engine holds nothing (rank 0 assigns it only
+once its groups there ended): that model's engine wakes (adapter versions published while it slept are installed
+then) and its waiting requests go in. A switch never happens with a request in flight (its KV cache would be
+lost), so a running sequence or an open group's turn never changes engine.
 
 Versions. An engine retires a version once a newer one is installed and no request uses it, so a request that
 waits here must not lose its version meanwhile. A model's new versions go into its engine at once only while it
@@ -21,44 +21,22 @@ on versions its engine holds, then each waiting version followed by the requests
 and no pin needs, superseded by a newer one waiting, is skipped and retired unread). Pins of a model that is not
 being served apply in that same order (a pin right after its version, unpins at the end).
 
-Following rank 0 (`follow`). In a job run by mpirun/srun, rank 0's model pool (scheduler/rank_models.py) decides
-which model each rollout rank serves and sends only that model's groups to it; `follow(model)` hands the
-decision to it for good: requests of other models wait (none should come but evals held back, and those rank 0
-sends only to a rank serving their model), the rank switches to the assigned model as soon as its awake engine
-holds nothing (rank 0 assigns it only once its groups there ended), and no dwell applies (rank 0's pool has
-its own, ten measured switch costs). The turns above are what a rank does when nobody assigns it (a driver
-without rank 0; a rank that joins a running job is assigned like the others, from its first group). `switches` keeps each switch's measured cost; the rank's timeline notes
-each one and rank 0 gets it with `Served` (runtime/rollout_rank.py).
+`switches` keeps each switch's measured cost; the rank's timeline notes each one and rank 0 gets it with
+`Served` (runtime/rollout_rank.py).
 """
 from __future__ import annotations
-
-import time
-from typing import Callable
 
 from marlaas_hpc.rollout.base import AdapterRef, Generation, GenerationRequest, RolloutEngine
 from marlaas_hpc.rollout.engine_set import EngineSet, SwitchCost
 
 
-DWELL_SWITCHES = 10
-"""A model keeps taking new requests for this many times the last switch cost after it woke, others waiting."""
-
-
 class ModelEngines(RolloutEngine):
-    def __init__(self, engines: EngineSet, dwell_s: float | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, engines: EngineSet):
         self.engines = engines
-        self.dwell_s = dwell_s
-        """How long the awake model keeps taking new requests while others wait; None: DWELL_SWITCHES x the
-        last measured switch cost."""
-        self.clock = clock
-        self.woke_at = clock()
-        """When the awake model's turn began."""
         self.model_of: dict[str, str] = {}
         """Adapter key -> its task's base model (`assign`)."""
         self.pending: dict[str, list[GenerationRequest]] = {model: [] for model in engines.models}
         """Per model: requests waiting for its engine (asleep, or draining for a model that waits)."""
-        self.turns: list[str] = []
-        """Models with requests waiting, in the order they started waiting (who wakes next)."""
         self.pins: dict[str, list[tuple[str, str, int]]] = {model: [] for model in engines.models}
         """Per model not being served: (pin | unpin, adapter key, version) to apply on its turn, in order."""
         self.deferred: dict[str, list[AdapterRef]] = {model: [] for model in engines.models}
@@ -67,8 +45,8 @@ class ModelEngines(RolloutEngine):
         """Deferred versions skipped unread (superseded before their turn, unused)."""
         self.switched: list[SwitchCost] = []
         """Switches not yet taken by `pop_switches` (the rank's timeline)."""
-        self.assigned: str | None = None
-        """The model rank 0 assigned this rank (`follow`); None: the rank decides by its waiting work."""
+        self.assigned: str = engines.awake
+        """The model rank 0 assigned this rank (`follow`); until then the one awake."""
 
     @property
     def models(self) -> list[str]:
@@ -121,19 +99,15 @@ class ModelEngines(RolloutEngine):
         awake = self.awake
         for request in requests:
             model = self.model(request.task_id)
-            if self.assigned is not None:
-                take = model == self.assigned and self._served(model)
-            else:
-                take = self._served(model) and (not self._others_wait(model) or self._dwelling())
-            if take:
+            if model == self.assigned and self._served(model):
                 now.append(request)
             else:
-                self._wait(model, request)
+                self.pending[model].append(request)
         if now:
             self.engines.engine(awake).submit(now)
 
     def step(self) -> list[Generation]:
-        self._turn()
+        self._follow()
         awake = self.awake
         if awake is None or not self.engines.engine(awake).has_unfinished():
             return []
@@ -142,10 +116,8 @@ class ModelEngines(RolloutEngine):
     def has_unfinished(self) -> bool:
         awake = self.awake
         busy = awake is not None and self.engines.engine(awake).has_unfinished()
-        model = self.assigned
-        if model is not None:  # a switch to make, or the assigned model's work waiting
-            return busy or model != awake or bool(self.pending[model] or self.deferred[model] or self.pins[model])
-        return bool(self.turns) or busy
+        model = self.assigned  # a switch to make, or the assigned model's work waiting
+        return busy or model != awake or bool(self.pending[model] or self.deferred[model] or self.pins[model])
 
     def pin(self, task_id: str, version: int) -> None:
         self._pin_op(task_id, version, "pin")
@@ -173,38 +145,7 @@ class ModelEngines(RolloutEngine):
     def close(self) -> None:
         self.engines.close()
 
-    # ---- whose turn ----
-    def _dwelling(self) -> bool:
-        """The awake model is within its dwell (it keeps taking new requests while others wait)."""
-        dwell = self.dwell_s
-        if dwell is None:
-            switches = self.engines.switches
-            dwell = DWELL_SWITCHES * switches[-1].total_s if switches else 0.0
-        return self.clock() - self.woke_at < dwell
-
-    def _others_wait(self, model: str) -> bool:
-        return any(other != model for other in self.turns)
-
-    def _wait(self, model: str, request: GenerationRequest) -> None:
-        self.pending[model].append(request)
-        if model not in self.turns:
-            self.turns.append(model)
-
-    def _turn(self) -> None:
-        """Once the awake engine is idle: the model that has waited longest wakes (a switch if it sleeps) and
-        its waiting versions, pins and requests go in (`_serve`). Assigned by rank 0: `_follow`."""
-        if self.assigned is not None:
-            self._follow()
-            return
-        awake = self.awake
-        if not self.turns or (awake is not None and self.engines.engine(awake).has_unfinished()):
-            return
-        model = self.turns.pop(0)
-        if model != awake:
-            self.switched.append(self.engines.switch(model))
-            self.woke_at = self.clock()
-        self._serve(model)
-
+    # ---- rank 0's assignment ----
     def _follow(self) -> None:
         """Rank 0's assignment: switch to it once the awake engine is idle, then its waiting work goes in."""
         model, awake = self.assigned, self.awake
@@ -212,11 +153,8 @@ class ModelEngines(RolloutEngine):
             if awake is not None and self.engines.engine(awake).has_unfinished():
                 return
             self.switched.append(self.engines.switch(model))
-            self.woke_at = self.clock()
         if self.pending[model] or self.deferred[model] or self.pins[model]:
             self._serve(model)
-        if model in self.turns:
-            self.turns.remove(model)
 
     def _serve(self, model: str) -> None:
         """The model's waiting work into its (awake) engine, in an order that keeps every request's version:

@@ -39,33 +39,22 @@ from marlaas_hpc.scheduler.modes import MODES, mode_policy
 from marlaas_hpc.scheduler.rank_changes import RankChanges
 from marlaas_hpc.scheduler.placement import Placement, estimated_tokens_per_step
 from marlaas_hpc.scheduler.sampling import drops
+from marlaas_hpc.scheduler.settings import ORDERS, SchedulerSettings
 from marlaas_hpc.scheduler.staleness import oldest_allowed
 from marlaas_hpc.scheduler.state import CANCELLED, DONE, FAILED, QUEUED, RUNNING, Group, TaskState
 from marlaas_hpc.tasks.spec import TaskSpec
 
-ORDERS = ("fair", "priority", "fifo")
 _version = attrgetter("version")
 
 
 @dataclass(kw_only=True)
-class SchedulerConfig:
-    mode: str = "async"
-    """'async' (MARLaaS), 'sync' (lockstep rounds) or 'sequential' (one task at a time)."""
-    order: str = "fair"
-    """Which ready task goes first: 'fair' (least recently served), 'priority' (spec.priority), 'fifo'."""
+class SchedulerConfig(SchedulerSettings):
+    """The job's scheduler settings (SchedulerSettings: mode, order, slots, adapters) and the ranks it drives."""
+
     rollout_ranks: tuple[int, ...] = (1,)
     """World ranks that generate."""
     env_ranks: tuple[int, ...] = (2,)
     """World ranks that score."""
-    rollout_slots: int = 4
-    """Groups one rollout rank generates concurrently (its continuous batch, in prompt groups). A slot counts a
-    group's turn in the engine (Generated frees it, Resumed takes it again): tool calls that wait on a service do
-    not keep other tasks' groups out of the engine."""
-    max_adapters: int = 8
-    """Adapter slots: tasks running at once; the rest wait queued."""
-    trainer_slots: int = 4
-    """Train orders (of different tasks) in flight at once per trainer group; a group fuses those whose data
-    is present into one step that shares the base model's forward and backward. 1 = one task per step."""
     trainer_groups: int = 1
     """Independent trainer groups; each task is owned by one (placement by tokens per step)."""
     trainer_group_models: tuple[str, ...] = ()
@@ -73,14 +62,11 @@ class SchedulerConfig:
     `spec.base_model`. Empty: every group loads the job's one model."""
 
     def validate(self) -> "SchedulerConfig":
-        if self.mode not in MODES:
-            raise ValueError(f"mode: unknown {self.mode!r}; known {MODES}")
-        if self.order not in ORDERS:
-            raise ValueError(f"order: unknown {self.order!r}; known {ORDERS}")
+        self.check_settings()
         if not self.rollout_ranks or not self.env_ranks:
             raise ValueError("the scheduler needs at least one rollout rank and one env rank")
-        if self.rollout_slots < 1 or self.max_adapters < 1 or self.trainer_slots < 1 or self.trainer_groups < 1:
-            raise ValueError("rollout_slots, max_adapters, trainer_slots and trainer_groups must be >= 1")
+        if self.trainer_groups < 1:
+            raise ValueError("trainer_groups must be >= 1")
         if self.trainer_group_models and len(self.trainer_group_models) != self.trainer_groups:
             raise ValueError(f"trainer_group_models: {len(self.trainer_group_models)} models for "
                              f"{self.trainer_groups} trainer groups")

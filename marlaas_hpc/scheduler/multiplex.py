@@ -35,10 +35,10 @@ rollout work waits for an engine and this one's demand on the rank has ended:
   that is not the engine awake on it), and is then a rank like the others.
 
 The pool only decides; its driver applies each `Switch` and closes / opens ranks on the schedulers: in the
-simulator (sim/multiplex.py) every model's tasks keep their own scheduler; on rank 0 of a job of several models
-(scheduler/rank_models.py `RankModels`) one scheduler holds every task and each rank takes only its model's
-tasks (`Scheduler.rank_models`), and the switch cost is the one the ranks measure (`measured`). Either way the
-staleness rule and the audit are the schedulers', unchanged.
+simulator's study (tools/studies/multiplex.py) every model's tasks keep their own scheduler; on rank 0 of a job
+of several models (scheduler/rank_models.py `RankModels`) one scheduler holds every task and each rank takes only
+its model's tasks (`Scheduler.rank_models`), and the switch cost is the one the ranks measure (`measured`). Either
+way the staleness rule and the audit are the schedulers', unchanged.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ Where it is enforced, each place through this module:
 - the scheduler's train pass (core.py `_drop_stale`, and `_touch` filing a task that holds a stale group): ready
   groups older than `oldest_allowed` are discarded and counted;
 - the trainer (runtime/trainer_rank.py `check_bound`), which re-checks every sample of every order it runs;
-- the audits of the simulator (scheduler/simloop.py, sim/report.py) and of the tests (`AuditRecord.staleness`).
+- the audits of the simulator (sim/report.py) and of the tests (`AuditRecord.staleness`; the scheduler tests'
+  trainer in tests/support/simloop.py re-checks every order as the runtime's does).
 A rollout rank may sample a group with a newer version than the one issued (the older one is gone), never an
 older one: never staler.
 """

@@ -35,36 +35,12 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, RankLost, Resumed, Scheduler,
+from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, RankLost, Resumed,
                                    Scored, StepDone, Submit, TaskEnded, TaskFailed, Train)
 from marlaas_hpc.sim import weight_sync
+from marlaas_hpc.sim.driver import SimDriver
 from marlaas_hpc.sim.setup import SimSetup
 from marlaas_hpc.sim.workload import TaskProfile, Workload
-
-
-class EventQueue:
-    """Simulated time: callbacks ordered by (time, insertion order), so ties are deterministic."""
-
-    def __init__(self):
-        self.now = 0.0
-        self.handled = 0
-        """Callbacks run so far (the simulation's own events, of which the scheduler's are a part)."""
-        self._heap: list = []
-        self._order = itertools.count()
-
-    def at(self, time: float, callback, *args) -> None:
-        heapq.heappush(self._heap, (time if time > self.now else self.now, next(self._order), callback, args))
-
-    def after(self, delay: float, callback, *args) -> None:
-        self.at(self.now + delay, callback, *args)
-
-    def run(self, until_idle) -> None:
-        heap, handled = self._heap, 0
-        while heap and not until_idle():
-            self.now, _, callback, args = heapq.heappop(heap)
-            callback(*args)
-            handled += 1
-        self.handled += handled
 
 
 class BusyMeter:
@@ -448,7 +424,7 @@ class TrainerSim:
 
     def _on_gpu(self, seconds: float, stage: str) -> float:
         """Runs `seconds` of the group's GPU work (an admission, a step's compute) from now; returns when it ends.
-        The group's own GPUs are free whenever it works; sim/multiplex.py's pooled trainers share theirs."""
+        The group's own GPUs are free whenever it works; tools/studies/multiplex.py's pooled trainers share theirs."""
         return self.sim.queue.now + seconds
 
     def _all_reduce(self, ready: list[Train]) -> float:
@@ -514,17 +490,19 @@ class SimOutcome:
     ended: dict[str, str] = field(default_factory=dict)
 
 
-class Simulation:
+class Simulation(SimDriver):
+    """One job: the scheduler (SimDriver) against rollout, env and trainer ranks costed by `workload`."""
+
     def __init__(self, setup: SimSetup, workload: Workload, seed: int = 0, keep_timeline: bool = False,
                  trace: bool = True, delta_plane: weight_sync.DeltaPlaneModel | None = None,
                  rollout_engine: type | None = None):
         """`delta_plane`: model publishes with sim/weight_sync.py's lockstep broadcast or relay tier instead of the
-        averaged broadcast (`publish`); `rollout_engine`: a RolloutSim subclass (e.g. sim/tails.py's meter)."""
+        averaged broadcast (`publish`); `rollout_engine`: a RolloutSim subclass (e.g. the meter of
+        tools/studies/tails.py)."""
         self.setup, self.workload = setup.validate(), workload
+        super().__init__(setup.scheduler_config())
         self.rng = random.Random(seed)
         self.keep_timeline = keep_timeline
-        self.queue = EventQueue()
-        self.scheduler = Scheduler(setup.scheduler_config(), clock=lambda: self.queue.now)
         self.latency = workload.network.message_latency
         ranks = setup.world_ranks()
         engine = rollout_engine or (RolloutSim if workload.rollout.batching == "continuous" else StaticRolloutSim)
@@ -540,7 +518,6 @@ class Simulation:
         """Admitted tasks whose base eval goes out with their first Generate (as the runtime's rank 0 does)."""
         self._broadcasts = 0
         self.fused_steps: list[int] = []
-        self.events = 0
         self.end_time: float | None = None
         self._hash = hashlib.sha256() if trace else None
         self.lost: set[int] = set()
@@ -562,17 +539,16 @@ class Simulation:
             self.control.receive(model.per_event, self._handle, event)
 
     def _handle(self, event) -> None:
-        self.events += 1
-        commands = self.scheduler.handle(event)
+        self.deliver(event)
+        self._check_end()
+
+    def _handled(self, event, commands: list) -> None:
         if self._hash is not None:
             self._hash.update(_describe(self.queue.now, event, commands).encode())
         if isinstance(event, RankLost):
             self.ranks_lost.append({"rank": event.rank, "role": event.role, "at": self.queue.now,
                                     "groups_reissued": [g for c in commands if isinstance(c, Discard)
                                                         for g in c.group_ids]})
-        for command in commands:
-            self._execute(command)
-        self._check_end()
 
     def _execute(self, command) -> None:
         if isinstance(command, Generate):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.scheduler import SchedulerConfig
+from marlaas_hpc.scheduler.settings import SchedulerSettings
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec
 
 
@@ -35,11 +36,10 @@ class RankLoss:
 
 
 @dataclass(kw_only=True)
-class SimSetup:
-    mode: str = "async"
-    """'async', 'sync' or 'sequential' (the scheduler's modes)."""
-    order: str = "fair"
-    """Scheduler order: 'fair', 'priority' or 'fifo'."""
+class SimSetup(SchedulerSettings):
+    """A simulated job: the scheduler's settings (SchedulerSettings, as a job config sets them), its ranks and
+    its tasks."""
+
     env_ranks: int = 1
     """Env (CPU) ranks."""
     rollout_ranks: int = 1
@@ -50,12 +50,6 @@ class SimSetup:
     """Data-parallel replicas inside a trainer group (a step's tokens are split over them)."""
     trainer_groups: int = 1
     """Independent trainer groups (DP x TP GPUs each); the scheduler places each task on one."""
-    rollout_slots: int = 4
-    """Prompt groups one rollout rank generates concurrently."""
-    trainer_slots: int = 4
-    """Train orders in flight at once per trainer group (fused into one step when their data is there)."""
-    max_adapters: int = 8
-    """Adapter slots: tasks running at once."""
     tasks: list[TaskSpec] = field(default_factory=list)
     """The tasks submitted at time 0."""
     losses: list[RankLoss] = field(default_factory=list)
@@ -75,17 +69,15 @@ class SimSetup:
 
     def scheduler_config(self) -> SchedulerConfig:
         ranks = self.world_ranks()
-        return SchedulerConfig(mode=self.mode, order=self.order, rollout_ranks=ranks["rollout"],
-                               env_ranks=ranks["env"], rollout_slots=self.rollout_slots,
-                               max_adapters=self.max_adapters, trainer_slots=self.trainer_slots,
+        return SchedulerConfig(**self.scheduler_settings(), rollout_ranks=ranks["rollout"], env_ranks=ranks["env"],
                                trainer_groups=self.trainer_groups)
 
     def validate(self) -> "SimSetup":
-        for name in ("env_ranks", "rollout_ranks", "trainer_tp", "trainer_dp", "trainer_groups", "rollout_slots",
-                     "trainer_slots", "max_adapters"):
+        for name in ("env_ranks", "rollout_ranks", "trainer_tp", "trainer_dp", "trainer_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(name, f"must be an integer >= 1, got {value!r}")
+        self.check_settings()
         if not self.tasks:
             raise SpecError("tasks", "nothing to simulate: the config has no tasks")
         for i, loss in enumerate(self.losses):
@@ -101,11 +93,10 @@ class SimSetup:
 
 def setup_from_job(job: JobConfig, **overrides) -> SimSetup:
     """The simulated twin of a job config; keyword overrides replace fields (None: keep the config's)."""
-    setup = SimSetup(mode=job.mode, order=job.order, env_ranks=job.layout.env_ranks,
+    setup = SimSetup(**job.scheduler_settings(), env_ranks=job.layout.env_ranks,
                      rollout_ranks=job.layout.rollout_ranks, trainer_tp=job.layout.trainer_tp,
                      trainer_dp=job.layout.trainer_dp, trainer_groups=job.layout.trainer_groups,
-                     rollout_slots=job.rollout_slots, trainer_slots=job.trainer_slots,
-                     max_adapters=job.max_adapters, tasks=list(job.tasks))
+                     tasks=list(job.tasks))
     return dataclasses.replace(setup, **{k: v for k, v in overrides.items() if v is not None}).validate()
 
 

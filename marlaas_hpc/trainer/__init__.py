@@ -11,7 +11,6 @@
     lora.py        TP-aware multi-LoRA sites on Column/RowParallelLinear, per-row adapters (LoraContext)
     peft_io.py     PEFT adapter directories in and out (atomic)
     trainer.py     TrainerConfig + MultiLoraTrainer (tasks, logprobs, train_step, export/import, resume)
-    launch_local.py  N local gloo processes for tests and CPU TP checks
 
 Nothing here imports megatron-core at module import time; it is loaded when a trainer is built.
 """

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from marlaas_hpc.scheduler import Generate, Submit
 from marlaas_hpc.scheduler.multiplex import Drain, ModelDemand, ModelPool, Reopen, Switch
-from marlaas_hpc.sim.engine import EventQueue, RolloutSim, Simulation, TrainerSim
+from marlaas_hpc.sim.driver import EventQueue
+from marlaas_hpc.sim.engine import RolloutSim, Simulation, TrainerSim
 from marlaas_hpc.sim.report import staleness_violations
 from marlaas_hpc.sim.setup import SimSetup
 from marlaas_hpc.sim.workload import Workload

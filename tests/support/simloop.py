@@ -1,19 +1,19 @@
-"""A discrete-event loop that drives the real Scheduler with simulated stage durations.
+"""The scheduler's property tests' driver: the simulator's `SimDriver` (sim/driver.py) with per-stage durations.
 
-The same object that runs on rank 0 under MPI runs here against a simulated clock: commands become
-future events after durations drawn by a `Durations` model. Used by the scheduler's property tests and
-as the core of the cluster-scale simulator.
+The same Scheduler that runs on rank 0 under MPI, and under `marlaas simulate`, runs here on the simulator's
+event queue: commands become future events after durations drawn by a `Durations` model (not a workload's rank
+models), deliveries may be reordered (`delivery_jitter`: a Scored overtaking its Generated, as messages from
+different MPI ranks do), and ranks or whole trainer groups can be lost or join at any time.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from marlaas_hpc.scheduler.core import (Admit, Discard, Generate, Generated, Move, Moved, RankJoined, RankLost,
-                                        Scheduler, Scored, StepDone, Submit, TaskEnded, TaskFailed, Train)
+from marlaas_hpc.scheduler import (Admit, Discard, Generate, Generated, Move, Moved, RankJoined, RankLost, Scheduler,
+                                   Scored, StepDone, Submit, TaskEnded, TaskFailed, Train)
 from marlaas_hpc.scheduler.staleness import within_bound
+from marlaas_hpc.sim.driver import SimDriver
 from marlaas_hpc.tasks.spec import TaskSpec
 
 
@@ -56,19 +56,16 @@ class _Worker:
     """A trainer group's event: it happens only if the group is not lost by then."""
 
 
-class SimLoop:
+class SimLoop(SimDriver):
     def __init__(self, scheduler: Scheduler, durations: Durations, delivery_jitter: float = 0.0, seed: int = 0):
         import random
 
-        self.scheduler = scheduler
+        super().__init__(scheduler=scheduler)
         self.durations = durations
         self.delivery_jitter = delivery_jitter
         """Max extra latency of each worker event: with jitter, a group's Scored may overtake its Generated,
         as messages from different MPI ranks do."""
         self._rng = random.Random(seed)
-        self.now = 0.0
-        self._queue: list = []
-        self._order = itertools.count()
         self.result = SimResult(0.0, 0)
         self.lost_at: dict[int, float] = {}
         """Rank -> when it was lost (injected failures)."""
@@ -77,11 +74,15 @@ class SimLoop:
         self.lost_groups: dict[int, float] = {}
         """Trainer group -> when it was lost."""
 
+    @property
+    def now(self) -> float:
+        return self.queue.now
+
     def clock(self) -> float:
-        return self.now
+        return self.queue.now
 
     def at(self, delay: float, event) -> None:
-        heapq.heappush(self._queue, (self.now + max(0.0, delay), next(self._order), event))
+        self.queue.after(max(0.0, delay), self._arrive, event)
 
     def submit(self, spec: TaskSpec, delay: float = 0.0) -> None:
         self.at(delay, Submit(spec))
@@ -101,23 +102,25 @@ class SimLoop:
         self.at(at, RankJoined(rank))
 
     def run(self, max_events: int = 10_000_000) -> SimResult:
-        while self._queue and self.result.events < max_events:
-            self.now, _, event = heapq.heappop(self._queue)
-            if isinstance(event, _Loss):
-                event = self._lost(event)
-            elif isinstance(event, _Worker):
-                if not self._happens(event):
-                    self.result.lost_events += 1
-                    continue
-                event = event.event
-            self.result.events += 1
-            for command in self.scheduler.handle(event):
-                self._execute(command)
-            if isinstance(event, (StepDone, Submit)):
-                task = self.scheduler.tasks[event.task_id if isinstance(event, StepDone) else event.spec.task_id]
-                self.saved[task.task_id] = task.checkpoint()
+        self.queue.run(until_idle=lambda: self.result.events >= max_events)
         self.result.end_time = self.now
         return self.result
+
+    def _arrive(self, event) -> None:
+        """An event is due: a loss or a worker's event becomes the scheduler's (or never happens), then the
+        scheduler handles it; every task is checkpointed after its steps."""
+        if isinstance(event, _Loss):
+            event = self._lost(event)
+        elif isinstance(event, _Worker):
+            if not self._happens(event):
+                self.result.lost_events += 1
+                return
+            event = event.event
+        self.result.events += 1
+        self.deliver(event)
+        if isinstance(event, (StepDone, Submit)):
+            task = self.scheduler.tasks[event.task_id if isinstance(event, StepDone) else event.spec.task_id]
+            self.saved[task.task_id] = task.checkpoint()
 
     def _lost(self, loss: "_Loss") -> RankLost:
         if loss.role != "trainer":

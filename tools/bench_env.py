@@ -1,6 +1,6 @@
 """Env-rank throughput: episodes/s per workload with an oracle replay engine (no model), tool latencies.
 
-    python -m marlaas_hpc.env.bench [--episodes 200] [--mode thread|process] [--workers 2] [--fixtures DIR]
+    python tools/bench_env.py [--episodes 200] [--mode thread|process] [--workers 2] [--fixtures DIR]
 
 The replay engine answers instantly, so the figures are the env side alone (tool calls, verifier, runner
 book-keeping and tokenisation): the most episodes/s one env rank can feed back to the trainer.
@@ -10,18 +10,22 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
-from marlaas_hpc.env.episode import EpisodeRequest, EpisodeRunner, summarize_episodes
-from marlaas_hpc.env.pool import EnvPool, EnvPoolConfig
-from marlaas_hpc.env.protocol import EpisodeLimits, environment_for
-from marlaas_hpc.env.sandbox import SandboxLimits
-from marlaas_hpc.env.scripted import ScriptedEngine
-from marlaas_hpc.env.tools import Python, ToolBox, ToolTask
-from marlaas_hpc.env.workloads import build_env_task
-from marlaas_hpc.tasks.base import Sample
-from marlaas_hpc.tasks.spec import DatasetSpec
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's marlaas_hpc, tests/support/
+
+from marlaas_hpc.env.episode import EpisodeRequest, EpisodeRunner, summarize_episodes  # noqa: E402
+from marlaas_hpc.env.pool import EnvPool, EnvPoolConfig  # noqa: E402
+from marlaas_hpc.env.protocol import EpisodeLimits, environment_for  # noqa: E402
+from marlaas_hpc.env.sandbox import SandboxLimits  # noqa: E402
+from marlaas_hpc.env.tools import Python, ToolBox, ToolTask  # noqa: E402
+from marlaas_hpc.env.workloads import build_env_task  # noqa: E402
+from marlaas_hpc.tasks.base import Sample  # noqa: E402
+from marlaas_hpc.tasks.spec import DatasetSpec  # noqa: E402
+from support.scripted_engine import ScriptedEngine  # noqa: E402
 
 
 class _PythonTask(ToolTask):
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--mode", default="thread", choices=("thread", "process", "inline"))
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--fixtures", default=str(Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "env"))
+    parser.add_argument("--fixtures", default=str(ROOT / "tests" / "fixtures" / "env"))
     parser.add_argument("--kinds", default="lookup,gsm8k_plain,gsm8k_tool,hotpotqa,python")
     args = parser.parse_args(argv)
     fixtures = Path(args.fixtures)

@@ -21,7 +21,7 @@ import random
 
 from marlaas_hpc.scheduler import Scheduler
 from marlaas_hpc.sim.engine import Sequence, Simulation
-from marlaas_hpc.sim.tails import OccupancyRolloutSim
+from studies.tails import OccupancyRolloutSim
 
 Z90 = 1.2815515655446004
 """The standard normal's 0.9 quantile (a log-normal's p90 is median * exp(Z90 * sigma))."""

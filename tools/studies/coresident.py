@@ -4,7 +4,7 @@
                                                                                 ├─ one EventQueue
     pool rank i: one CoresidentRolloutSim per model, all awake, decoding at once ┘
 
-The time-slicing pool (sim/multiplex.py `SharedPool`) keeps one engine awake per GPU and switches whole engines;
+The time-slicing pool (multiplex.py `SharedPool`) keeps one engine awake per GPU and switches whole engines;
 a switch waits for the donor model's long-tailed groups to drain, so a GPU whose model is down to a few
 stragglers (or whose sequences wait on tool calls) is rarely handed over. Here every model's engine is awake on
 every pool GPU, each with its own share of the KV cache (two 0.6B models' engines fit one 80 GB H100 with room
@@ -15,7 +15,7 @@ at a time, no overlap at all, as CUDA time-slices two processes' contexts withou
 The default is the pessimistic 1.0: not measured (no GPU here).
 
 Each job keeps its own scheduler, unchanged, with every pool rank open to it at the job's `rollout_slots`.
-`trainers_in_pool` places the trainer ranks as sim/multiplex.py does (one per GPU from the front; their steps
+`trainers_in_pool` places the trainer ranks as tools/studies/multiplex.py does (one per GPU from the front; their steps
 pause every engine on that GPU); `release` gives back, when a job ends, the ranks beyond what the jobs still
 running had alone (never one hosting a live trainer): they are closed to every scheduler and count until their
 engines are empty.
@@ -25,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 
 from marlaas_hpc.scheduler import Submit
-from marlaas_hpc.sim.engine import EventQueue, RolloutSim, Simulation
-from marlaas_hpc.sim.multiplex import (PooledRolloutSim, PooledSimulation, PooledTrainerSim, PoolJob, PoolResult,
-                                       pooled_results, trainer_placement)
+from marlaas_hpc.sim.driver import EventQueue
+from marlaas_hpc.sim.engine import RolloutSim, Simulation
 from marlaas_hpc.tasks.spec import SpecError
+from studies.multiplex import (PooledRolloutSim, PooledSimulation, PooledTrainerSim, PoolJob, PoolResult,
+                               pooled_results, trainer_placement)
 
 
 class CoresidentRolloutSim(PooledRolloutSim):
@@ -77,7 +78,7 @@ def run_coresident(jobs: list[PoolJob], ranks: int, seed: int = 0, interference:
                    trainers_in_pool: bool = False, release: bool = False, tick_s: float = 0.05,
                    horizon_s: float = 1e6) -> PoolResult:
     """Every job on one pool of `ranks` GPUs, every model's engine resident on every GPU (module doc). GPU-hours
-    as sim/multiplex.py counts them: the pool's GPUs until the last job ends (or until given back), a job's
+    as tools/studies/multiplex.py counts them: the pool's GPUs until the last job ends (or until given back), a job's
     trainer GPUs outside the pool until it ends."""
     pool = CoresidentPool(jobs, ranks, seed, interference, trainers_in_pool, release, tick_s)
     pool.run(horizon_s)
