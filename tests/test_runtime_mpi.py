@@ -1,44 +1,15 @@
 """The distributed runtime end to end under mpirun (local mode): scheduler, env, rollout and TP=2 trainer
 ranks; staleness audit; adapters on disk; a failing task fails alone; bad layouts refused up front."""
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import yaml
+
+from support.configs import small_config
+from support.jobs import ROOT, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env(extra_path=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    if extra_path:
-        env["PYTHONPATH"] = os.pathsep.join([str(extra_path), env.get("PYTHONPATH", "")])
-    return env
-
-
-def run_marlaas(config: dict, tmp_path: Path, *args, extra_path=None, timeout=600):
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "run", str(path), "--run-dir", str(run_dir),
-                           *args], cwd=ROOT, env=_env(extra_path), capture_output=True, text=True, timeout=timeout)
-    return proc, run_dir
-
-
-def rank_timelines(run_dir: Path) -> dict[str, list[dict]]:
-    """Each rank's timeline records (RUN_DIR/timeline/rank<N>.jsonl), by file stem, in rank-file order."""
-    return {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
-            for path in sorted((run_dir / "timeline").glob("rank*.jsonl"))}
-
-
-def small_config(**over):
-    config = yaml.safe_load((ROOT / "configs" / "test-small.yaml").read_text())
-    config.update(over)
-    return config
 
 
 def test_two_tasks_with_different_bounds_end_to_end(tmp_path, tiny_model_path):

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from marlaas_hpc.scheduler import (DONE, Generate, Generated, RankJoined, RankLeaving, RankLost, Scheduler,
                                    SchedulerConfig, Scored, StepDone, Submit)
 from marlaas_hpc.scheduler.simloop import SimLoop
-from test_scheduler import RandomDurations, spec
+from support.configs import task_spec as spec
+from support.workloads import RandomDurations
 
 
 def _loop(specs, rollout=(1, 2), env=(10, 11), seed=0, slots=3):

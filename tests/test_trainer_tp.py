@@ -5,7 +5,7 @@ family (model/random_checkpoints.py), tied and untied: Qwen3 (151,936-row vocabu
 64), Qwen2.5 (the same vocabulary, q/k/v biases, no qk-norm) and Llama 3.x (128,256 rows, llama3 RoPE scaling,
 rope_theta 500,000). Megatron pads Qwen's vocabulary to 152,064 rows at TP=2 (Llama's 128,256 rows to 128,512
 at TP=4), so the padded logits must stay out of every softmax. One scenario per TP size
-(tests/trainer_scenarios.py) runs in spawned gloo processes -- TP=1 and TP=2 concurrently -- and every test
+(tests/support/trainer_scenarios.py) runs in spawned gloo processes -- TP=1 and TP=2 concurrently -- and every test
 checks part of their records against each other or against HF/PEFT. TP=2 also runs with a micro-batch token budget (TP=1: the whole batch at once),
 so it checks gradient accumulation too.
 """
@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from trainer_scenarios import FUSED_STEPS, TASKS, base_logits, make_trajectories, probe_ids, run_scenario
+from support.checks import max_diff
+from support.trainer_scenarios import FUSED_STEPS, TASKS, base_logits, make_trajectories, probe_ids, run_scenario
 
 TOL = 1e-5
 LOGIT_TOL = 1e-4
@@ -86,11 +87,6 @@ def runs(model_path, batches, probe, tmp_path_factory):
         return {tp: f.result() for tp, f in futures.items()}
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 def _peft_model(model_path, adapter_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -101,7 +97,7 @@ def _peft_model(model_path, adapter_dir):
 
 def test_tp2_equals_tp1_losses_and_grads_over_steps(runs):
     one, two = runs[1][0], runs[2][0]
-    assert _max_diff(one["init_tensors"]["a"], two["init_tensors"]["a"]) == 0.0  # same seeded A on any TP
+    assert max_diff(one["init_tensors"]["a"], two["init_tensors"]["a"]) == 0.0  # same seeded A on any TP
     assert abs(one["isolation_metrics"]["loss"] - two["isolation_metrics"]["loss"]) < TOL
     assert len(one["steps"]) == FUSED_STEPS >= 3
     for step_one, step_two in zip(one["steps"], two["steps"]):
@@ -109,14 +105,14 @@ def test_tp2_equals_tp1_losses_and_grads_over_steps(runs):
             m1, m2 = step_one["metrics"][task_id], step_two["metrics"][task_id]
             for key in ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens"):
                 assert abs(m1[key] - m2[key]) < TOL * max(1.0, abs(m1[key])), (task_id, key, m1[key], m2[key])
-            assert _max_diff(step_one["grads"][task_id], step_two["grads"][task_id]) < TOL
+            assert max_diff(step_one["grads"][task_id], step_two["grads"][task_id]) < TOL
     last = one["steps"][-1]
     assert all(last["grads"]["a"][k].abs().max() > 0 for k in last["grads"]["a"])
     assert 0 < last["metrics"]["a"]["clip_frac"] < 1 and last["metrics"]["a"]["kl"] > 0
     for task_id in TASKS:
         # Adam divides by sqrt(v): gradients equal to 1e-5 may still move near-zero-gradient weights by
         # ~1e-4 differently, so the weights after 4 steps get a looser bound than losses and gradients
-        assert _max_diff(one["tensors"][task_id], two["tensors"][task_id]) < 1e-3
+        assert max_diff(one["tensors"][task_id], two["tensors"][task_id]) < 1e-3
         assert one["versions"][task_id] == two["versions"][task_id] == FUSED_STEPS + (task_id == "a")
 
 
