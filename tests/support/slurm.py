@@ -55,7 +55,8 @@ def mpi_init_crashed(logs: list[Path]) -> bool:
 
 
 def retry_note(job_id: str) -> None:
-    print(f"\n[slurm test] job {job_id}: a rank segfaulted in MPI_Init (Open MPI on the emulated cluster); retrying once")
+    print(f"\n[slurm test] job {job_id}: a rank segfaulted in MPI_Init (Open MPI on the emulated cluster); "
+          "retrying once")
 
 
 def sacct_states(job_id: str) -> list[str]:
