@@ -18,6 +18,14 @@ def tiny_model_path():
     return ensure_tiny_model()
 
 
+@pytest.fixture(scope="session")
+def qwen_path():
+    """A random checkpoint of the Qwen3-0.6B architecture made small (qwen3-0.6b-mini), built once into the cache."""
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
+
+    return ensure_random_checkpoint("qwen3-0.6b-mini")
+
+
 # --- rollout engines: LoRA adapters with non-zero weights and an independent HF+PEFT reference -------------
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

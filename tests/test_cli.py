@@ -1,14 +1,8 @@
 """The `marlaas` command line: sbatch rendering of a job config, refusals before anything starts."""
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def marlaas(*args):
-    return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+from support.jobs import ROOT, marlaas
 
 
 def test_sbatch_renders_a_four_component_hetjob_running_every_rank(tmp_path):

@@ -3,13 +3,9 @@
 loads each task's model."""
 import pytest
 
-from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.service.intake import IntakeRules, check_spec
-
-
-def job(**fields):
-    return JobConfig.from_dict({"tasks": [{"task_id": "t"}], **fields})
+from support.configs import one_task_job as job
 
 
 def refusal(**fields) -> SpecError:

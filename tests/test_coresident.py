@@ -8,11 +8,12 @@ from marlaas_hpc.sim.workload import Distribution, TaskProfile
 from marlaas_hpc.tasks.spec import SpecError
 from studies.coresident import CoresidentPool, run_coresident
 from studies.multiplex import run_dedicated, run_shared
-from test_multiplex import _audited, _gap_jobs
+from support.checks import assert_pool_jobs_done
+from support.workloads import gap_jobs
 
 
 def _one_gpu(interference: float):
-    pool = CoresidentPool(_gap_jobs(), 1, seed=0, interference=interference, trainers_in_pool=False,
+    pool = CoresidentPool(gap_jobs(), 1, seed=0, interference=interference, trainers_in_pool=False,
                           release=False, tick_s=0.05)
     return pool, pool.engines[0]["A-gsm8k"], pool.engines[0]["B-websearch"]
 
@@ -45,12 +46,12 @@ def test_an_engine_step_waits_for_its_neighbours_steps_and_speeds_up_when_they_e
 
 
 def test_without_interference_each_job_runs_as_alone_and_with_it_the_shared_gpu_slows_them():
-    jobs = _gap_jobs()
+    jobs = gap_jobs()
     dedicated = run_dedicated(jobs)
     apart = run_coresident(jobs, 1, interference=0.0)
     together = run_coresident(jobs, 1, interference=1.0)
-    _audited(apart, jobs)
-    _audited(together, jobs)
+    assert_pool_jobs_done(apart, jobs)
+    assert_pool_jobs_done(together, jobs)
     assert [j.end_time for j in apart.jobs] == pytest.approx([j.end_time for j in dedicated.jobs], rel=1e-9)
     assert together.jobs[0].end_time > 1.2 * apart.jobs[0].end_time, "the GSM8K job decodes beside the agent's"
     # the agent's rounds wait on tool calls mostly; its draws come in another order, so it may end a little sooner
@@ -61,10 +62,10 @@ def test_without_interference_each_job_runs_as_alone_and_with_it_the_shared_gpu_
 def test_a_pool_of_the_dedicated_size_gives_back_the_ended_job_s_emptiest_gpu():
     """Each job starts on its own GPU; when the GSM8K job ends, its GPU (no group of the agent there) is given
     back, not the agent's: GPU-hours as the dedicated pools', no job slower."""
-    jobs = _gap_jobs()
+    jobs = gap_jobs()
     dedicated = run_dedicated(jobs)
     kept, released = run_coresident(jobs, 2), run_coresident(jobs, 2, release=True)
-    _audited(released, jobs)
+    assert_pool_jobs_done(released, jobs)
     assert released.gpu_hours < kept.gpu_hours
     assert released.gpu_hours == pytest.approx(dedicated.gpu_hours, rel=0.01)
     for alone, shared in zip(dedicated.jobs, released.jobs):
@@ -75,22 +76,22 @@ def test_a_pool_of_the_dedicated_size_gives_back_the_ended_job_s_emptiest_gpu():
 
 
 def test_a_pooled_trainer_step_pauses_every_engine_on_its_gpu_and_bad_interference_is_refused():
-    pool = CoresidentPool(_gap_jobs(), 2, seed=0, interference=1.0, trainers_in_pool=True, release=False,
+    pool = CoresidentPool(gap_jobs(), 2, seed=0, interference=1.0, trainers_in_pool=True, release=False,
                           tick_s=0.05)
     assert pool.occupy(0, 5.0, "train") == 5.0
     assert pool.occupy(0, 2.0, "train") == 7.0, "the second step waits for the first"
     assert [engine.stall_until for engine in pool.engines[0].values()] == [7.0, 7.0]
     assert [engine.stall_until for engine in pool.engines[1].values()] == [0.0, 0.0]
     with pytest.raises(SpecError, match="interference"):
-        run_coresident(_gap_jobs(), 1, interference=1.5)
+        run_coresident(gap_jobs(), 1, interference=1.5)
     with pytest.raises(SpecError, match="one GPU per trainer rank"):
-        run_coresident(_gap_jobs(), 1, trainers_in_pool=True)
+        run_coresident(gap_jobs(), 1, trainers_in_pool=True)
 
 
 def test_coresident_engines_need_no_switch_where_time_slicing_switches():
-    jobs = _gap_jobs()
+    jobs = gap_jobs()
     sliced, resident = run_shared(jobs, ranks=1), run_coresident(jobs, 1)
-    _audited(resident, jobs)
+    assert_pool_jobs_done(resident, jobs)
     assert sliced.switches > 0 and resident.switches == 0
     assert resident.jobs[0].end_time < sliced.jobs[0].end_time, "GSM8K decodes in the agent's gaps at once"
 

@@ -1,29 +1,18 @@
 """The delta plane stays safe on NCCL when a rollout rank, a drained rank or a trainer leader goes (issue #36 item
 1): channels left behind are aborted, and a channel's (or relay tier's) set-up has a deadline. No machine here has
-two GPUs, so the channels run over tests/nccl_standin.py: a gloo group with NCCL's behaviour (a collective waiting
+two GPUs, so the channels run over tests/support/nccl_standin.py: a gloo group with NCCL's behaviour (a collective waiting
 for a missing member never completes, abort() ends it, a watchdog ends a process whose collective stays pending).
 Without the aborts each scenario's survivors are ended by the watchdog (exit 6); without the deadline the set-up
 waits for gloo's 600 s."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.jobs import rank_program
 
 pytestmark = pytest.mark.mpi
 
 
 def run_scenario(mode: str, ranks: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.run(["mpirun", "-np", str(ranks), "--oversubscribe", sys.executable,
-                           str(ROOT / "tests" / "delta_fault_scenarios.py"), mode], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return rank_program("delta_fault_scenarios.py", mode, ranks, timeout=240)
 
 
 @pytest.mark.parametrize("mode", ["lost_rollout", "drain"])

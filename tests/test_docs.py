@@ -545,7 +545,7 @@ def test_the_first_run_prints_what_the_readme_shows(tmp_path):
     """Command 1's job (`marlaas run configs/local-demo.yaml`, here with its own run dir), then `marlaas status`:
     every line the README shows is printed, numbers and the slowest rank aside."""
     from marlaas_hpc.launch.devices import count_driver_gpus
-    from test_runtime_mpi import _env
+    from support.jobs import job_env as _env
 
     if count_driver_gpus():
         pytest.skip("the README shows the CPU run")

@@ -1,7 +1,7 @@
 """Dynamic sampling (scheduler/sampling.py): groups whose rewards are all equal are dropped and replaced inside
 the staleness bound, so every step trains B informative groups; the simulator pays for the replacements."""
 import hashlib
-import random
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 from marlaas_hpc.scheduler import (DONE, Admit, Discard, Generate, Generated, Scheduler, SchedulerConfig, Scored,
                                    StepDone, Submit, Train)
 from marlaas_hpc.tasks import SpecError, TaskSpec
+from support.configs import task_spec
 from support.simloop import SimLoop
+from support.workloads import RandomDurations
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def spec(task_id, k=1, steps=4, batch=2, **algo):
-    return TaskSpec.from_dict({"task_id": task_id, "max_staleness": k, "total_steps": steps,
-                               "algo": {"batch_prompts": batch, "group_size": 2, **algo}})
+spec = partial(task_spec, steps=4)  # the dynamic sampling tests' tasks: 4 steps unless told
 
 
 def _scheduler(mode="async"):
@@ -73,25 +73,14 @@ def test_dapo_samples_dynamically_by_default_and_patience_lets_a_saturated_task_
     assert scheduler.tasks["t"].uninformative_run == 0
 
 
-class Durations:
+class Durations(RandomDurations):
     """Long-tailed stage times; a group is uninformative with probability `equal` (a hash of its id: the
     decision does not depend on event order)."""
 
     def __init__(self, seed, equal):
-        self.rng, self.seed, self.equal = random.Random(seed), seed, equal
+        super().__init__(seed)
+        self.seed, self.equal = seed, equal
         self.decided: dict[str, bool] = {}
-
-    def generate(self, task_id, group_id):
-        return self.rng.lognormvariate(0.0, 1.0)
-
-    def score(self, task_id, group_id):
-        return self.rng.uniform(0.01, 0.5)
-
-    def train(self, task_id, n_groups):
-        return self.rng.uniform(0.1, 1.0)
-
-    def publish(self, task_id):
-        return 0.05
 
     def informative(self, task_id, group_id):
         draw = int(hashlib.sha256(f"{self.seed}/{group_id}".encode()).hexdigest()[:8], 16) / 2**32

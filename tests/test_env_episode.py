@@ -1,7 +1,5 @@
 """Multi-turn episode runner: token masks, version pinning, max-turn / max-token limits, single-turn adapter,
 and one run against the real HfEngine on the tiny model (behaviour logprobs re-checked by a forward pass)."""
-import re
-
 from marlaas_hpc.env import (EnvPool, EnvPoolConfig, Environment, EpisodeLimits, EpisodeRequest, EpisodeRunner, Final,
                              LookupTask, Observation, environment_for, summarize_episodes)
 from marlaas_hpc.model.codec import TextCodec
@@ -9,18 +7,11 @@ from marlaas_hpc.model.tokenizer import build_char_tokenizer
 from marlaas_hpc.rollout.base import AdapterRef
 from marlaas_hpc.env import build_task_data
 from marlaas_hpc.tasks import DatasetSpec
+from support.episodes import solve_lookup
 from support.scripted_engine import ScriptedEngine
 
 CODEC = TextCodec(build_char_tokenizer())
 LOOKUP = LookupTask(DatasetSpec(kind="lookup", eval_size=16, seed=3))
-
-
-def solve_lookup(request, context):
-    """Calls the tool first, then adds the restated numbers."""
-    if "<eos>" not in context:
-        return "?"
-    a, b = re.search(r"(\d+)\+(\d+)=$", context).groups()
-    return str(int(a) + int(b))
 
 
 def requests_for(task, n, version=None, start=0, **kwargs):

@@ -12,6 +12,7 @@ from marlaas_hpc.env.workloads import exact_match, f1_score
 from marlaas_hpc.model.codec import TextCodec
 from marlaas_hpc.model.tokenizer import build_char_tokenizer
 from marlaas_hpc.tasks import DatasetSpec, SpecError
+from support.episodes import solve_lookup
 from support.scripted_engine import ScriptedEngine
 
 FIXTURES = Path(__file__).parent / "fixtures" / "env"
@@ -135,23 +136,17 @@ def test_lookup_task_needs_the_tool():
         by_key.setdefault(s.meta["key"], set()).add(s.meta["table"][s.meta["key"]])
     assert min(len(values) for values in by_key.values()) > 10  # a key's value cannot be memorised
 
-    def with_tool(request, context):
-        if "<eos>" not in context:
-            return "?"
-        a, b = re.search(r"(\d+)\+(\d+)=$", context).groups()
-        return str(int(a) + int(b))
-
     def guess(request, context):  # the best a tool-less policy can do: the addend plus the mean value
         return str(int(re.search(r"\+(\d+)=$", context).group(1)) + 50)
 
-    tool_rewards = [r.reward for r in play(task, with_tool, 64)]
+    tool_rewards = [r.reward for r in play(task, solve_lookup, 64)]
     guess_rewards = [r.reward for r in play(task, guess, 64)]
     assert sum(tool_rewards) == 64 and sum(guess_rewards) <= 4
     sample = task.eval_samples()[0]
     demo = task.demonstration(sample, use_tool=True)
     assert [model for _, model in demo] == [True, False, True] and demo[2][0] == sample.answer
     assert len(sample.prompt) + sum(len(text) + model for text, model in demo) <= 24  # short for a char model
-    engine = ScriptedEngine(CODEC, with_tool, logprob=0.0)
+    engine = ScriptedEngine(CODEC, solve_lookup, logprob=0.0)
     [result] = EpisodeRunner(engine, CODEC).run([EpisodeRequest("lookup", "g", sample, environment_for(task))])
     prompt_ids, completion_ids, mask = task.demonstration_ids(CODEC, sample, use_tool=True)
     assert (prompt_ids, completion_ids, mask) == (result.trajectory.prompt_ids, result.trajectory.completion_ids,

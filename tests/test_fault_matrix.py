@@ -28,14 +28,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from test_runtime_mpi import ROOT, _env, small_config
+from support.configs import small_config
+from support.jobs import ROOT, SEED, Job, job_env, rank_record
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 STEPS = 100
@@ -44,69 +44,7 @@ STEPS = 100
 finished before the scheduler cell could kill it."""
 EVERY = 2
 """checkpoint.every_steps: the most steps a task may lose to a crash."""
-SEED = int(os.environ.get("MARLAAS_FAULT_SEED", time.time_ns() % 100_000))
 TENANTS = {"add": "alice", "sort": "bob"}
-RUN_TIMEOUT_S = 600
-
-
-class Job:
-    """One `marlaas run` (fresh or --resume) whose stdout is read as it comes."""
-
-    def __init__(self, args: list[str], extra_path: Path):
-        self.proc = subprocess.Popen([sys.executable, "-m", "marlaas_hpc.cli", "run", *args], cwd=ROOT,
-                                     env=_env(extra_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self.err = ""
-        threading.Thread(target=self._read, daemon=True).start()
-        self._stderr = threading.Thread(target=self._read_err, daemon=True)
-        self._stderr.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def _read_err(self):
-        self.err = self.proc.stderr.read()
-
-    def steps(self) -> int:
-        """Training steps this run has logged for each of add and sort that is not done (the fewer; rank 0 prints
-        a line per step)."""
-        lines = list(self.lines)
-        resumed = next((line for line in lines if line.startswith("[job] resuming")), "")
-        going = [task for task in TENANTS if f"{task} done" not in resumed
-                 and not any(line.startswith(f"[{task}] done") for line in lines)]
-        return min((sum(1 for line in lines if line.startswith(f"[{task}] v")) for task in going), default=1 << 30)
-
-    def wait_steps(self, count: int) -> None:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while self.steps() < count:
-            assert self.proc.poll() is None, f"seed {SEED}: job ended early:\n{self.output()}"
-            assert time.monotonic() < deadline, f"seed {SEED}: no progress:\n{self.output()}"
-            time.sleep(0.2)
-
-    def wait_lines(self, *starts: str) -> None:
-        """Until a line starting with each of `starts` has been printed."""
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not all(any(line.startswith(start) for line in list(self.lines)) for start in starts):
-            assert self.proc.poll() is None, f"seed {SEED}: job ended early:\n{self.output()}"
-            assert time.monotonic() < deadline, f"seed {SEED}: never printed {starts}:\n{self.output()}"
-            time.sleep(0.2)
-
-    def finish(self) -> int:
-        code = self.proc.wait(timeout=RUN_TIMEOUT_S)
-        self._stderr.join(timeout=30)
-        return code
-
-    def output(self) -> str:
-        return "\n".join(self.lines[-40:]) + "\n--- stderr ---\n" + self.err[-4000:]
-
-
-def _rank(run_dir: Path, role: str) -> dict:
-    for path in sorted((run_dir / "ranks").glob("rank*.json")):
-        record = json.loads(path.read_text())
-        if record["role"] == role:
-            return record
-    raise AssertionError(f"no rank with role {role!r}")
 
 
 def _reached(run_dir: Path) -> dict[str, int]:
@@ -203,7 +141,7 @@ def _kill_cell(job: Job, run_dir: Path, role: str, rng: random.Random) -> dict:
     """SIGKILL of the rank with `role` at a random point: after EVERY to EVERY + 2 steps of this run and 0-1 s."""
     job.wait_steps(EVERY + rng.randint(0, 2))
     time.sleep(rng.uniform(0.0, 1.0))
-    target = _rank(run_dir, role)
+    target = rank_record(run_dir, role)
     os.kill(target["pid"], signal.SIGKILL)
     return {"fault": f"SIGKILL {role}", "rank": target["rank"], "role": role, "killed_at": time.time()}
 
@@ -235,7 +173,7 @@ def matrix(tmp_path_factory):
         job.wait_lines("[broken] failed", "[lookup] failed")  # the task-level cells, before the first kill
         cells["env"] = _outcome(job, run_dir, _kill_cell(job, run_dir, "env", rng))
         cells["env"]["status"] = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "status", str(run_dir)],
-                                                cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+                                                cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
         for role in ("rollout", "trainer follower, TP rank 1"):
             job = Job(["--resume", str(run_dir)], tmp_path)
             cells[role] = _outcome(job, run_dir, _kill_cell(job, run_dir, role, rng))

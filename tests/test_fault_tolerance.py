@@ -5,7 +5,6 @@ issued again, summary.json records the loss, and every version of every task is 
 groups, none twice (audit.jsonl)."""
 from __future__ import annotations
 
-import collections
 import json
 import os
 import random
@@ -18,13 +17,13 @@ import yaml
 
 from marlaas_hpc.launch.mpi import ulfm_prefix
 from marlaas_hpc.launch.monitor import RankReporter
-from test_fault_matrix import SEED, Job, _rank
-from test_runtime_mpi import small_config
+from support.checks import check_every_version_once
+from support.configs import small_config
+from support.jobs import FAULT_STEPS as STEPS
+from support.jobs import SEED, Job, marlaas_stdout, rank_record, scale
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow,
               pytest.mark.skipif(ulfm_prefix() is None, reason="needs the ULFM Open MPI (tools/setup_env.sh)")]
-STEPS = 60
-"""Enough that the job still runs at the kill (steps of the tiny model take ~0.1-0.2 s here)."""
 
 
 def _config(tmp_path: Path, fault: dict | None = None, **layout) -> Path:
@@ -55,23 +54,6 @@ def _kill_one(tmp_path: Path, role: str, **layout) -> tuple[Job, dict, Path]:
     return job, victim, run_dir
 
 
-def _check_every_version_once(run_dir: Path) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
-    config = yaml.safe_load((run_dir / "job.yaml").read_text())
-    for task in config["tasks"]:
-        task_id, group = task["task_id"], task["algo"]["batch_prompts"] * task["algo"]["group_size"]
-        assert summary["tasks"][task_id]["status"] == "done", summary["tasks"][task_id]
-        rows = [r for r in audit if r["task_id"] == task_id]
-        assert collections.Counter(r["trained_into"] for r in rows) == {v: group for v in range(1, STEPS + 1)}
-        assert len({(r["group_id"], r["sample"]) for r in rows}) == len(rows), "no sample trained twice"
-        prompts = collections.Counter(r["group_id"].split("/g")[1].split(".r")[0] for r in rows)
-        assert set(prompts.values()) == {task["algo"]["group_size"]}, "no prompt trained twice"
-        for row in rows:
-            assert row["trained_into"] - 1 - row["bound"] <= row["behaviour_version"] <= row["trained_into"] - 1
-    return summary
-
-
 @pytest.mark.parametrize("role, layout", [("rollout", {"rollout_ranks": 2}), ("env", {"env_ranks": 2})])
 def test_sigkill_of_one_worker_rank_stops_no_task(tmp_path, role, layout):
     job, victim, run_dir = _kill_one(tmp_path, role, **layout)
@@ -79,7 +61,7 @@ def test_sigkill_of_one_worker_rank_stops_no_task(tmp_path, role, layout):
     assert len(lines) == 1, job.output()
     assert lines[0].startswith(f"[fault] rank {victim['rank']} ({role}) lost: died") and "issued again" in lines[0]
     assert "job stopped" not in job.err and not (run_dir / "crash.json").exists()
-    summary = _check_every_version_once(run_dir)
+    summary = check_every_version_once(run_dir, STEPS)
     (loss,) = summary["ranks_lost"]
     assert loss["rank"] == victim["rank"] and loss["role"] == role and loss["cause"].startswith("died")
     reissued = sum(t["reissued_groups"] for t in summary["tasks"].values())
@@ -98,7 +80,7 @@ def test_losing_the_last_rollout_rank_stops_the_job_resumably_and_says_why(tmp_p
     run_dir = tmp_path / "run"
     job = Job([str(_config(tmp_path)), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(3)
-    victim = _rank(run_dir, "rollout")
+    victim = rank_record(run_dir, "rollout")
     os.kill(victim["pid"], signal.SIGKILL)
     assert job.finish() not in (0, 75)
     stops = [line for line in job.err.splitlines() if line.startswith("marlaas: job stopped")]
@@ -116,7 +98,7 @@ def test_sigkill_of_rank_0_stops_the_job_with_one_message_and_it_resumes(tmp_pat
     run_dir = tmp_path / "run"
     job = Job([str(_config(tmp_path, rollout_ranks=2)), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(8)
-    os.kill(_rank(run_dir, "scheduler")["pid"], signal.SIGKILL)
+    os.kill(rank_record(run_dir, "scheduler")["pid"], signal.SIGKILL)
     code = job.finish()
     stops = [line for line in job.err.splitlines() if line.startswith("marlaas: job stopped")]
     assert code not in (0, 75) and len(stops) == 1, job.output()
@@ -124,7 +106,7 @@ def test_sigkill_of_rank_0_stops_the_job_with_one_message_and_it_resumes(tmp_pat
     assert f"marlaas run --resume {run_dir}" in stops[0] and (run_dir / "crash.json").exists()
     resumed = Job(["--resume", str(run_dir)], tmp_path)
     assert resumed.finish() == 0, resumed.output()
-    _check_every_version_once(run_dir)
+    check_every_version_once(run_dir, STEPS)
 
 
 def test_a_rollout_rank_stopped_with_sigstop_is_found_hung_killed_and_handled_as_lost(tmp_path):
@@ -149,7 +131,7 @@ def test_a_rollout_rank_stopped_with_sigstop_is_found_hung_killed_and_handled_as
     assert len(lines) == 1 and lines[0].startswith(f"[fault] rank {victim['rank']} (rollout) lost: hung:"), \
         job.output()
     assert "no heartbeat for" in lines[0] and "killed with SIGKILL" in lines[0]
-    summary = _check_every_version_once(run_dir)
+    summary = check_every_version_once(run_dir, STEPS)
     (loss,) = summary["ranks_lost"]
     assert loss["rank"] == victim["rank"] and loss["cause"].startswith("hung")
     # silence counts from its last beat, which came up to one beat period before the stop
@@ -170,13 +152,13 @@ def test_sigkill_of_one_rank_of_one_of_two_trainer_groups_rolls_back_that_groups
     path.write_text(yaml.safe_dump(config))
     job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(6)
-    victim = _rank(run_dir, "trainer follower of trainer group 1, TP rank 1")
+    victim = rank_record(run_dir, "trainer follower of trainer group 1, TP rank 1")
     os.kill(victim["pid"], signal.SIGKILL)
     assert job.finish() == 0, f"seed {SEED}: the job did not finish by itself:\n{job.output()}"
     lines = [line for line in job.lines if line.startswith("[fault]")]
     assert len(lines) == 1 and "(trainer (group 1)) lost" in lines[0] and "back to their checkpoint" in lines[0], \
         job.output()
-    summary = _check_every_version_once(run_dir)
+    summary = check_every_version_once(run_dir, STEPS)
     (loss,) = summary["ranks_lost"]
     rolled = loss["tasks_rolled_back"]
     assert rolled, "group 1 owned a task"
@@ -192,22 +174,6 @@ def test_sigkill_of_one_rank_of_one_of_two_trainer_groups_rolls_back_that_groups
     assert others and all(".r" not in r["group_id"] for r in others), "no other task went back"
 
 
-def _marlaas(*args: str) -> str:
-    import subprocess
-    import sys
-
-    from test_runtime_mpi import ROOT, _env
-
-    proc = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-def _scale(run_dir: Path, rollout: int) -> None:
-    _marlaas("scale", str(run_dir), "--rollout", str(rollout))
-
-
 def test_marlaas_scale_adds_a_rollout_rank_to_a_live_job_then_drains_it(tmp_path):
     """1 -> 2 rollout ranks: a new process joins (MPI_Comm_spawn; links by connect/accept; the delta channels
     remade with it), generates groups, and writes its ranks/ and timeline/ files like any rank. 2 -> 1: it
@@ -215,11 +181,11 @@ def test_marlaas_scale_adds_a_rollout_rank_to_a_live_job_then_drains_it(tmp_path
     run_dir = tmp_path / "run"
     job = Job([str(_config(tmp_path)), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(3)
-    _scale(run_dir, 2)
+    scale(run_dir, 2)
     job.wait_lines("[scale] rollout rank 4 joined")
     job.wait_steps(job.steps() + 6)
-    assert "ranks: rollout [2, 4] (joined [4])" in _marlaas("status", str(run_dir)), "marlaas status shows it"
-    _scale(run_dir, 1)
+    assert "ranks: rollout [2, 4] (joined [4])" in marlaas_stdout("status", run_dir), "marlaas status shows it"
+    scale(run_dir, 1)
     job.wait_lines("[scale] rollout rank 4 drained and left")
     assert job.finish() == 0, job.output()
     joined = json.loads((run_dir / "ranks" / "rank4.json").read_text())
@@ -227,7 +193,7 @@ def test_marlaas_scale_adds_a_rollout_rank_to_a_live_job_then_drains_it(tmp_path
     groups = [json.loads(line) for line in (run_dir / "timeline" / "rank4.jsonl").read_text().splitlines()
               if '"stage": "group"' in line]
     assert groups, "the joined rank generated groups"
-    summary = _check_every_version_once(run_dir)
+    summary = check_every_version_once(run_dir, STEPS)
     assert [r["rank"] for r in summary["ranks_joined"]] == [4] and [r["rank"] for r in summary["ranks_left"]] == [4]
     assert "4" in summary["engine_restarts"], "its RankStats reached rank 0 before it left"
     trained = {r["group_id"] for r in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
@@ -244,12 +210,12 @@ def test_rollout_replace_starts_a_new_rank_for_a_killed_one(tmp_path):
     path.write_text(yaml.safe_dump(config))
     job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(3)
-    victim = _rank(run_dir, "rollout")
+    victim = rank_record(run_dir, "rollout")
     os.kill(victim["pid"], signal.SIGKILL)
     job.wait_lines("[scale] rollout rank 4 joined")
     assert job.finish() == 0, job.output()
     assert any(line.startswith("[scale] starting rollout rank 4 to replace rank 2") for line in job.lines)
-    summary = _check_every_version_once(run_dir)
+    summary = check_every_version_once(run_dir, STEPS)
     assert summary["ranks_lost"][0]["rank"] == victim["rank"] and summary["ranks_joined"][0]["rank"] == 4
 
 
@@ -264,7 +230,7 @@ def test_two_joiners_take_the_base_weights_from_a_live_rollout_rank_in_a_chain(t
     run_dir = tmp_path / "run"
     job = Job([str(_config(tmp_path, join_weights="peer")), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(3)
-    _scale(run_dir, 3)
+    scale(run_dir, 3)
     job.wait_lines("[scale] base weights: rollout rank 2 -> 4 -> 5", "[join] rank 4: base weights from rank 2",
                    "[join] rank 5: base weights from rank 4", "[scale] rollout rank 4 joined",
                    "[scale] rollout rank 5 joined")
@@ -276,7 +242,7 @@ def test_two_joiners_take_the_base_weights_from_a_live_rollout_rank_in_a_chain(t
             assert (local / name).read_bytes() == (model / name).read_bytes(), (rank, name)
     job.wait_steps(job.steps() + 6)
     assert job.finish() == 0, job.output()
-    _check_every_version_once(run_dir)
+    check_every_version_once(run_dir, STEPS)
     trained = {r["group_id"] for r in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
     for rank in (4, 5):
         timeline = [json.loads(line) for line in (run_dir / "timeline" / f"rank{rank}.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from trainer_scenarios import (BF16_LOGPROB_MAX_TOL, BF16_LOGPROB_MEAN_TOL, HEAD_MAX_TOL, HEAD_MEAN_TOL, TASKS,
+from support.trainer_scenarios import (BF16_LOGPROB_MAX_TOL, BF16_LOGPROB_MEAN_TOL, HEAD_MAX_TOL, HEAD_MEAN_TOL, TASKS,
                                attention_kernels_scenario, base_logits, head_inputs, head_precision_scenario,
                                long_trajectories, make_trajectories, memory_variants_scenario, probe_ids,
                                run_scenario, scaled_checkpoint)
@@ -18,13 +18,6 @@ from trainer_scenarios import (BF16_LOGPROB_MAX_TOL, BF16_LOGPROB_MEAN_TOL, HEAD
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 TOL = 1e-4
 """fp32 on GPU vs fp32 transformers on CPU (different reduction orders)."""
-
-
-@pytest.fixture(scope="module")
-def qwen_path():
-    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
-
-    return ensure_random_checkpoint("qwen3-0.6b-mini")
 
 
 @pytest.fixture(scope="module")

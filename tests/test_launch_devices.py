@@ -323,7 +323,8 @@ def test_device_refusal_stops_every_rank_under_mpirun(tmp_path):
     the message names the field, exit status 2."""
     import torch
 
-    from test_runtime_mpi import run_marlaas, small_config
+    from support.configs import small_config
+    from support.jobs import run_marlaas
 
     if count_driver_gpus() or torch.cuda.is_available():
         pytest.skip("this machine has GPUs")

@@ -1,27 +1,20 @@
-"""The job supervisor with real processes (tests/fault_ranks.py under mpirun): when a rank dies or fails, ONE
+"""The job supervisor with real processes (tests/support/fault_ranks.py under mpirun): when a rank dies or fails, ONE
 message names that rank, its role and the cause, also kept in RUN_DIR/crash.json; a rank that only saw its peer
 die is not named; a launcher that does not stop by itself is stopped."""
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from marlaas_hpc.launch.supervise import Supervisor, supervise
+from support.jobs import ROOT, job_env
 
 pytestmark = [pytest.mark.mpi]
-ROOT = Path(__file__).resolve().parents[1]
-RANKS = str(ROOT / "tests" / "fault_ranks.py")
-
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+RANKS = str(ROOT / "tests" / "support" / "fault_ranks.py")
 
 
 def _mpirun(what, run_dir):
@@ -31,7 +24,7 @@ def _mpirun(what, run_dir):
 def _supervised(what, tmp_path, capfd):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    code = supervise(_mpirun(what, run_dir), _env(), run_dir)
+    code = supervise(_mpirun(what, run_dir), job_env(ROOT), run_dir)
     return code, capfd.readouterr().err, run_dir
 
 
@@ -77,7 +70,7 @@ def test_a_launcher_that_does_not_stop_is_stopped(tmp_path, capfd):
     supervisor = Supervisor(tmp_path, stop_after_failure_s=2.0)
     try:
         t0 = time.monotonic()
-        supervisor.start([sys.executable, RANKS, "hang", str(tmp_path)], _env())
+        supervisor.start([sys.executable, RANKS, "hang", str(tmp_path)], job_env(ROOT))
         code = supervisor.wait()
         assert time.monotonic() - t0 < 120, "stopped long before the ranks' own 300 s"
         message = supervisor.report(code)
@@ -93,7 +86,7 @@ def test_under_slurm_the_step_guard_reports_and_requeues_at_most_max_crash_reque
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "job.yaml").write_text("{}\n")
-    env = dict(_env(), SLURM_JOB_ID="999999")
+    env = dict(job_env(ROOT), SLURM_JOB_ID="999999")
     guard = [sys.executable, "-m", "marlaas_hpc.launch.step_guard", "--poll", "0.5", "--"]
     first = subprocess.run(guard + _mpirun("kill", run_dir), env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in first.stderr.splitlines() if line.startswith("marlaas: job stopped")]
@@ -153,7 +146,7 @@ def test_a_stopped_rank_sends_no_heartbeat_and_is_found_hung():
     script = ("import sys, time\nfrom marlaas_hpc.launch.monitor import RankReporter\n"
               "r = RankReporter.connect({'rank': 3, 'role': 'rollout', 'hang_timeout_s': 2.0})\n"
               "r.start_heartbeat()\nwhile True:\n    r.turned(); time.sleep(0.05)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], env=dict(_env(), MARLAAS_MONITOR=monitor.address))
+    proc = subprocess.Popen([sys.executable, "-c", script], env=dict(job_env(ROOT), MARLAAS_MONITOR=monitor.address))
     try:
         deadline = time.monotonic() + 30
         while not any(p.beat for p in monitor._peers.values()) and time.monotonic() < deadline:

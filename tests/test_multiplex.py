@@ -1,30 +1,26 @@
 """Several base models on one rollout pool (issue #28): the scheduler's closed ranks, the model pool's policy, and
 the policy under the simulator's clock (K jobs on shared ranks against dedicated ones)."""
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from marlaas_hpc.config import JobConfig
-from marlaas_hpc.scheduler import Generate, Generated, Scheduler, SchedulerConfig, StepDone, Submit
+from marlaas_hpc.scheduler import Generate, Generated, StepDone, Submit
 from marlaas_hpc.scheduler.multiplex import (GENERATING, LOST, RELEASED, WAKING, Drain, ModelDemand, ModelPool,
                                               Reopen, Switch)
 from marlaas_hpc.sim.setup import copies_to, setup_from_job
 from marlaas_hpc.sim.workload import load_workload
-from marlaas_hpc.tasks import TaskSpec
 from marlaas_hpc.tasks.spec import SpecError
 from studies.multiplex import EngineSwitch, PoolJob, SharedPool, run_colocated, run_dedicated, run_shared
+from support.checks import assert_pool_jobs_done
+from support.configs import pool_scheduler as scheduler
+from support.configs import task_spec
+from support.workloads import gap_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def spec(task_id, batch=4, k=1, steps=3):
-    return TaskSpec.from_dict({"task_id": task_id, "max_staleness": k, "total_steps": steps,
-                               "algo": {"batch_prompts": batch, "group_size": 2}})
-
-
-def scheduler(ranks=(1, 2), slots=2):
-    return Scheduler(SchedulerConfig(rollout_ranks=ranks, env_ranks=(9,), rollout_slots=slots), clock=lambda: 0.0)
+spec = partial(task_spec, batch=4)  # the multiplex tests' tasks: 4 prompts a step
 
 
 def started(sched, task_id="t"):
@@ -118,16 +114,10 @@ def _jobs(search_tasks=2, gsm_tasks=2, ranks=1, staleness=0, steps=6):
             PoolJob(model="qwen3-0.6b-search", setup=setup(search, search_tasks), workload=workload)]
 
 
-def _audited(result, jobs):
-    for job, outcome in zip(jobs, result.jobs):
-        assert set(outcome.statuses.values()) == {"done"}, outcome
-        assert outcome.staleness_violations == 0
-
-
 def test_two_models_on_one_rank_both_finish_within_their_bounds():
     jobs = _jobs()
     shared = run_shared(jobs, ranks=1)
-    _audited(shared, jobs)
+    assert_pool_jobs_done(shared, jobs)
     assert shared.switches >= 2, "the rank went back and forth"
     assert all(seconds > 0 for seconds in shared.served_s.values())
 
@@ -136,7 +126,7 @@ def test_shared_pool_of_the_ranks_the_jobs_use_costs_fewer_gpu_hours_at_their_de
     # each on-policy job (k = 0, two tasks) fills one rank's 32 slots: a dedicated pool of 2 ranks idles one
     jobs = _jobs(ranks=2)
     dedicated, shared = run_dedicated(jobs), run_shared(jobs, ranks=2)
-    _audited(shared, jobs)
+    assert_pool_jobs_done(shared, jobs)
     for alone, together in zip(dedicated.jobs, shared.jobs):
         assert together.end_time <= 1.10 * alone.end_time
     assert shared.gpu_hours <= 0.9 * dedicated.gpu_hours
@@ -146,7 +136,7 @@ def test_a_dearer_switch_switches_less():
     jobs = _jobs()
     cheap = run_shared(jobs, ranks=1, switch=EngineSwitch(sleep=0.1, wake=0.1))
     dear = run_shared(jobs, ranks=1, switch=EngineSwitch(sleep=2.0, wake=8.0))
-    _audited(dear, jobs)
+    assert_pool_jobs_done(dear, jobs)
     assert dear.switches < cheap.switches
 
 
@@ -250,36 +240,26 @@ def test_a_pool_releases_the_ranks_an_ended_job_would_have_had():
     assert pool.release("b") == [], "the last job keeps its ranks until it ends"
 
 
-def _gap_jobs(steps=3, tool_latency_s=2.0):
-    """The bench's gap workload, one task and one rollout rank per job: on-policy GSM8K and web-search jobs."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tools"))
-    from bench_multiplex import gap_jobs
-
-    return gap_jobs(tasks=1, ranks=1, steps=steps, tool_latency_s=tool_latency_s)
-
-
 def test_under_the_simulator_filling_tool_gaps_serves_the_other_job_sooner_and_reprefills_the_parked():
-    jobs = _gap_jobs()
+    jobs = gap_jobs()
     plain, gaps = run_shared(jobs, ranks=1), run_shared(jobs, ranks=1, fill_gaps=True)
-    _audited(gaps, jobs)
+    assert_pool_jobs_done(gaps, jobs)
     assert plain.reprefill_tokens == 0 and gaps.reprefill_tokens > 0, "parked contexts are prefilled again"
     assert gaps.jobs[0].end_time < plain.jobs[0].end_time, "the GSM8K job runs in the search job's tool waits"
 
 
 def test_under_the_simulator_a_released_rank_stops_counting_when_its_job_ends():
-    jobs = _gap_jobs()
+    jobs = gap_jobs()
     dedicated = run_dedicated(jobs)
     kept, released = run_shared(jobs, ranks=2), run_shared(jobs, ranks=2, release=True)
-    _audited(released, jobs)
+    assert_pool_jobs_done(released, jobs)
     assert released.gpu_hours < kept.gpu_hours
     assert released.gpu_hours == pytest.approx(dedicated.gpu_hours, rel=0.02), "no sharing needed: as dedicated"
 
 
 # ---------------------------------------------------------------- trainers in the pool (layout.share_gpus)
 def test_pooled_trainer_work_takes_its_gpu_in_turn_and_a_switch_waits_for_it():
-    pool = SharedPool(_gap_jobs(), 2, EngineSwitch(sleep=0.2, wake=0.5), seed=0, tick_s=0.05, trainers_in_pool=True)
+    pool = SharedPool(gap_jobs(), 2, EngineSwitch(sleep=0.2, wake=0.5), seed=0, tick_s=0.05, trainers_in_pool=True)
     assert pool.trainer_gpus == {"A-gsm8k": [(0,)], "B-websearch": [(1,)]}, "one trainer rank per GPU, from the front"
     assert pool.occupy(0, 5.0, "train") == 5.0
     assert pool.occupy(0, 2.0, "train") == 7.0, "the second step waits for the first"
@@ -291,23 +271,23 @@ def test_pooled_trainer_work_takes_its_gpu_in_turn_and_a_switch_waits_for_it():
 def test_trainers_in_the_pool_count_no_gpu_of_their_own_and_pause_the_engines_they_share():
     jobs = _jobs(ranks=1, staleness=1)  # async: the engines decode while a step trains
     apart, pooled = run_shared(jobs, ranks=2), run_shared(jobs, ranks=2, trainers_in_pool=True)
-    _audited(pooled, jobs)
+    assert_pool_jobs_done(pooled, jobs)
     assert (apart.gpus, pooled.gpus) == (4, 2)
     assert all(p.end_time > a.end_time for p, a in zip(pooled.jobs, apart.jobs)), "each step pauses decoding"
 
 
 def test_trainers_need_a_gpu_each_and_a_rank_whose_trainer_still_runs_is_never_released():
     with pytest.raises(SpecError, match="one GPU per trainer rank"):
-        run_shared(_gap_jobs(), ranks=1, trainers_in_pool=True)
+        run_shared(gap_jobs(), ranks=1, trainers_in_pool=True)
     assert ModelPool(2, ["a", "b"], switch_s=0.5, slots=4).release("a") == [0]
     assert ModelPool(2, ["a", "b"], switch_s=0.5, slots=4).release("a", pinned={0}) == []
 
 
 def test_on_policy_jobs_with_trainers_in_the_pool_halve_the_gpu_hours_as_colocated_jobs_do():
-    jobs = _gap_jobs()
+    jobs = gap_jobs()
     dedicated, colocated = run_dedicated(jobs), run_colocated(jobs)
     pooled = run_shared(jobs, ranks=2, release=True, trainers_in_pool=True)
-    _audited(pooled, jobs)
+    assert_pool_jobs_done(pooled, jobs)
     for alone, together in zip(dedicated.jobs, pooled.jobs):
         assert together.end_time <= 1.10 * alone.end_time
     assert pooled.gpu_hours <= 0.55 * dedicated.gpu_hours, "the trainer GPUs' idle time is gone"

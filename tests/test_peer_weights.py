@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.mpi,
 def _run(ranks: int, tmp_path: Path, model: Path, adapter: Path, *extra: str) -> list[dict]:
     mpi = find_local_mpi("ulfm")
     env = mpi.environ(dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
-    proc = subprocess.run([*mpi.launch_args(ranks), sys.executable, str(ROOT / "tests" / "peer_weights_ranks.py"),
+    proc = subprocess.run([*mpi.launch_args(ranks), sys.executable, str(ROOT / "tests" / "support" / "peer_weights_ranks.py"),
                            str(model), str(tmp_path / "out"), str(adapter), *extra],
                           env=env, capture_output=True, text=True, timeout=300)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -2,15 +2,18 @@
 `base_model` (least loaded among them), moves stay inside the model's groups, the layout names each group's
 model (`layout.trainer_group_models`, validated with the field named), and intake refuses a task whose model
 no group loads, naming `base_model`."""
+from functools import partial
+
 import pytest
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.scheduler import Admit, Move, Placement, Scheduler, SchedulerConfig, Submit
 from marlaas_hpc.service.intake import IntakeRules, check_spec
-from marlaas_hpc.tasks import TaskSpec
-from test_scheduler import RandomDurations, assert_bound_and_progress
+from support.checks import assert_bound_and_progress
+from support.configs import task_spec
 from support.simloop import SimLoop
+from support.workloads import RandomDurations
 
 
 def test_placement_puts_a_task_only_on_a_group_of_its_model():
@@ -42,9 +45,7 @@ def test_a_model_without_a_group_is_refused_naming_base_model():
         Placement(2, ("tiny",))
 
 
-def spec(task_id, model, steps=3):
-    return TaskSpec.from_dict({"task_id": task_id, "base_model": model, "total_steps": steps,
-                               "algo": {"batch_prompts": 2, "group_size": 2, "max_new_tokens": 8}})
+spec = partial(task_spec, tokens=8)  # a task of `model`: 2 prompts a step
 
 
 class ModelLoop(SimLoop):
@@ -70,7 +71,7 @@ def test_a_scheduled_job_trains_every_task_on_a_group_of_its_model(seed):
                              trainer_slots=2, trainer_groups=4, trainer_group_models=models)
     scheduler = Scheduler(config, clock=lambda: loop.now)
     ModelLoop.__init__(loop, scheduler, RandomDurations(seed), delivery_jitter=0.5, seed=seed)
-    specs = [spec(f"t{i}", models[i % 2], steps=2 + i % 3) for i in range(8)]
+    specs = [spec(f"t{i}", model=models[i % 2], steps=2 + i % 3) for i in range(8)]
     for s in specs:
         loop.submit(s)
     result = loop.run()

@@ -17,15 +17,12 @@ from marlaas_hpc.model.random_checkpoints import SHAPES, hf_config
 from marlaas_hpc.model.shape import ModelShape
 from marlaas_hpc.plan.command import check_fits, gpu_kinds, model_dims, trainer_inputs, trainer_total
 from marlaas_hpc.plan.estimate import GIB, lora_elements
+from support.configs import with_changes
+from support.jobs import marlaas
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "qwen3-0.6b-gsm8k.yaml"
 GOLDEN = ROOT / "tests" / "golden" / "plan_qwen3_0.6b.txt"
-
-
-def marlaas(*args):
-    return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
 
 
 def shipped(tmp_path, **changes) -> Path:
@@ -35,17 +32,6 @@ def shipped(tmp_path, **changes) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(with_changes(data, changes)))
     return path
-
-
-def with_changes(data: dict, changes: dict) -> dict:
-    """`data` (a loaded config) with each `changes` value set at its dotted key ("layout.trainer_tp")."""
-    for dotted, value in changes.items():
-        *parents, last = dotted.split(".")
-        node = data
-        for key in parents:
-            node = node[key]
-        node[last] = value
-    return data
 
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "qwen3-8b-mini"])

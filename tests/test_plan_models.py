@@ -10,7 +10,7 @@ from marlaas_hpc.cli import main as marlaas
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.plan.command import check_fits, job_model_dims, job_plan, trainer_inputs
-from test_plan import with_changes
+from support.configs import with_changes
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "qwen3-0.6b-gsm8k.yaml"

@@ -15,13 +15,6 @@ from marlaas_hpc.tasks.spec import PromptSpec
 
 
 @pytest.fixture(scope="module")
-def qwen_path():
-    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
-
-    return ensure_random_checkpoint("qwen3-0.6b-mini")
-
-
-@pytest.fixture(scope="module")
 def codec(qwen_path):
     return TextCodec.from_pretrained(qwen_path)
 

@@ -1,23 +1,18 @@
 """Rank 0's model pool (issue #28, item 4): one scheduler holding the tasks of two base models, each rollout rank
 taking only its model's tasks (Scheduler.rank_models), and RankModels (scheduler/rank_models.py) driving the
 ModelPool policy on it under a simulated clock, as rank 0 does under MPI."""
-from marlaas_hpc.scheduler import (Generate, Generated, RankJoined, RankLeaving, RankLost, Scheduler,
-                                   SchedulerConfig, StepDone, Submit)
+from marlaas_hpc.scheduler import Generate, Generated, RankJoined, RankLeaving, RankLost, StepDone, Submit
 from marlaas_hpc.scheduler.rank_models import RankModels, Serve, Served
 from marlaas_hpc.scheduler.staleness import within_bound
-from marlaas_hpc.tasks import TaskSpec
+from support.configs import pool_scheduler as scheduler
+from support.configs import task_spec
 from support.simloop import SimLoop, _Worker
 
 MODEL = {"a1": "a", "a2": "a", "b1": "b", "b2": "b"}
 
 
-def spec(task_id, steps=3, batch=2, k=1):
-    return TaskSpec.from_dict({"task_id": task_id, "max_staleness": k, "total_steps": steps,
-                               "base_model": MODEL[task_id], "algo": {"batch_prompts": batch, "group_size": 2}})
-
-
-def scheduler(ranks=(1, 2), slots=2):
-    return Scheduler(SchedulerConfig(rollout_ranks=ranks, env_ranks=(9,), rollout_slots=slots), clock=lambda: 0.0)
+def spec(task_id, steps=3):
+    return task_spec(task_id, steps=steps, model=MODEL[task_id])
 
 
 def test_a_rank_takes_only_its_models_tasks_and_pending_is_per_model():

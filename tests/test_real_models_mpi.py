@@ -12,34 +12,20 @@ head_dim vLLM's CPU attention lacks, a missing path, or chat prompts on a tokeni
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from test_runtime_mpi import _env
+from support.jobs import ROOT, marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
 TWIN = ROOT / "configs" / "qwen3-gsm8k-cpu.yaml"
 FAMILY_MODELS = ["random:qwen3-0.6b-mini", "random:qwen2.5-0.5b-mini", "random:llama3.2-1b-mini"]
 
 
-def _run(config_path: Path, run_dir: Path, timeout: int):
-    return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "run", str(config_path), "--run-dir", str(run_dir)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def qwen_path():
-    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
-
-    return ensure_random_checkpoint("qwen3-0.6b-mini")
-
-
 def test_the_cpu_twin_learns_through_chat_prompts_multi_eos_and_tp2(tmp_path):
-    proc = _run(TWIN, tmp_path / "run", timeout=1800)
+    proc = marlaas("run", TWIN, "--run-dir", tmp_path / "run", timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["model"] == "chat-mini" and summary["engine"] == "vllm" and not any(
@@ -96,7 +82,7 @@ def test_chat_jobs_on_every_family_run_end_to_end(tmp_path, model):
     from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
     from marlaas_hpc.tasks.spec import PromptSpec
 
-    proc = _run(_twin_on(model, tmp_path / "job.yaml"), tmp_path / "run", timeout=1200)
+    proc = marlaas("run", _twin_on(model, tmp_path / "job.yaml"), "--run-dir", tmp_path / "run", timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["model"] == model and summary["engine"] == "vllm"
@@ -141,7 +127,7 @@ def _checkpoint_copy(src: Path, dst: Path, **config_changes) -> Path:
 def _refusal(tmp_path, config: dict) -> subprocess.CompletedProcess:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = _run(path, tmp_path / "run", timeout=300)
+    proc = marlaas("run", path, "--run-dir", tmp_path / "run", timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "local mode" not in proc.stdout and not (tmp_path / "run").exists(), "refused before mpirun"
     return proc

@@ -72,7 +72,7 @@ def test_vllm_behaviour_logprobs_equal_the_trainers_at_the_same_version(tmp_path
     from marlaas_hpc.model.codec import TextCodec
     from marlaas_hpc.trajectory import assign_advantages
     from support.local_group import run_local
-    from trainer_scenarios import logprobs_scenario, make_trajectories, train_and_export_scenario
+    from support.trainer_scenarios import logprobs_scenario, make_trajectories, train_and_export_scenario
 
     model_path = ensure_random_checkpoint(checkpoint)
     batch = make_trajectories("a", seed=5, vocab=VOCAB[checkpoint])

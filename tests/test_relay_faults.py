@@ -23,9 +23,10 @@ import pytest
 import yaml
 
 from marlaas_hpc.launch.mpi import ulfm_prefix
-from test_fault_matrix import Job
-from test_fault_tolerance import STEPS, _check_every_version_once, _scale
-from test_runtime_mpi import rank_timelines, small_config
+from support.checks import check_every_version_once
+from support.configs import small_config
+from support.jobs import FAULT_STEPS as STEPS
+from support.jobs import Job, rank_timelines, scale
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow,
               pytest.mark.skipif(ulfm_prefix() is None, reason="needs the ULFM Open MPI (tools/setup_env.sh)")]
@@ -63,7 +64,7 @@ def test_sigkill_of_a_relay_s_rank_re_forms_the_tier_and_stops_no_task(tmp_path,
     assert "Exception in thread" not in job.err and "Traceback" not in job.err, job.err[-3000:]
     lines = [line for line in job.lines if line.startswith("[fault]")]
     assert len(lines) == 1 and lines[0].startswith(f"[fault] rank {victim['rank']} (rollout) lost"), job.output()
-    summary = _check_every_version_once(run_dir)  # exact audit: each version trained once, from B groups
+    summary = check_every_version_once(run_dir, STEPS)  # exact audit: each version trained once, from B groups
     (loss,) = summary["ranks_lost"]
     assert loss["rank"] == victim["rank"] and loss["role"] == "rollout"
     assert sum(t["reissued_groups"] for t in summary["tasks"].values()) == len(loss["groups_reissued"]) > 0
@@ -100,14 +101,14 @@ def test_a_rank_joined_by_marlaas_scale_gets_a_relay_and_every_version_then_drai
     run_dir = tmp_path / "run"
     job = Job([str(_relay_config(tmp_path, 1)), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(3)
-    _scale(run_dir, 2)
+    scale(run_dir, 2)
     job.wait_lines("[scale] rollout rank 4 joined")
     job.wait_steps(job.steps() + 6)
-    _scale(run_dir, 1)
+    scale(run_dir, 1)
     job.wait_lines("[scale] rollout rank 4 drained and left")
     assert job.finish() == 0, job.output()
     assert "Exception in thread" not in job.err and "Traceback" not in job.err, job.err[-3000:]
-    summary = _check_every_version_once(run_dir)
+    summary = check_every_version_once(run_dir, STEPS)
     assert [r["rank"] for r in summary["ranks_joined"]] == [4] and [r["rank"] for r in summary["ranks_left"]] == [4]
     timeline = rank_timelines(run_dir)
     first, joined = timeline["rank2"], timeline["rank4"]
@@ -137,7 +138,7 @@ def test_a_replacement_for_the_only_rollout_rank_gets_the_next_tier_and_every_ve
     job.wait_lines("[scale] rollout rank 4 joined")
     assert job.finish() == 0, job.output()
     assert "Exception in thread" not in job.err and "Traceback" not in job.err, job.err[-3000:]
-    summary = _check_every_version_once(run_dir)
+    summary = check_every_version_once(run_dir, STEPS)
     assert summary["ranks_lost"][0]["rank"] == victim["rank"] and summary["ranks_joined"][0]["rank"] == 4
     replacement = rank_timelines(run_dir)["rank4"]
     assert [(r["epoch"], r["relays"]) for r in replacement if r["stage"] == "relay_reform"] == [(2, [4])]

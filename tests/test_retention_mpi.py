@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from test_runtime_mpi import rank_timelines, run_marlaas
+from support.jobs import rank_timelines, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

@@ -11,14 +11,9 @@ import pytest
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
 from marlaas_hpc.rollout.restart import RestartingEngine
 from marlaas_hpc.trainer.peft_io import read_peft_adapter
-from rollout_helpers import PROMPTS
+from support.rollout import PROMPTS, held_adapter_ids
 
 pytestmark = pytest.mark.vllm
-
-
-def held_ids(worker) -> list[int]:
-    """Runs in the vLLM worker: the int ids whose tensors it holds."""
-    return sorted(worker.model_runner.lora_manager.marlaas_memory)
 
 
 def test_a_pinned_version_evicted_from_vllm_reloads_from_memory_until_retired(tiny_model_path, adapters, codec):
@@ -38,7 +33,7 @@ def test_a_pinned_version_evicted_from_vllm_reloads_from_memory_until_retired(ti
         return [(ref.task_id, ref.version) for ref in engine.pop_retired()]
 
     def held():
-        [ids] = engine.engine.llm.collective_rpc(held_ids)
+        [ids] = engine.engine.llm.collective_rpc(held_adapter_ids)
         return sorted(v for v, i in int_ids.items() if i in ids)
 
     def turn(tag, version):

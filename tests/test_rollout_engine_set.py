@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
-from rollout_helpers import PROMPTS, mixed_requests
+from support.rollout import PROMPTS, mixed_requests
 
 pytestmark = pytest.mark.vllm
 SAME = 1e-5

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from marlaas_hpc.rollout import AdapterRef, AdapterVersions, GenerationRequest, make_engine
-from rollout_helpers import PROMPTS, mixed_requests
+from support.rollout import PROMPTS, mixed_requests
 
 
 def test_hf_greedy_equals_unbatched_reference(hf_engine, codec, adapters, peft_reference):

@@ -16,7 +16,7 @@ import torch
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
 from marlaas_hpc.rollout.restart import EngineFailed, RestartingEngine, poisons_cuda
 from marlaas_hpc.trainer.peft_io import read_peft_adapter
-from rollout_helpers import PROMPTS
+from support.rollout import PROMPTS
 
 
 @pytest.fixture(scope="module")

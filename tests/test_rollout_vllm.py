@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
-from rollout_helpers import PROMPTS, mixed_requests
+from support.rollout import PROMPTS, held_adapter_ids, mixed_requests
 
 pytestmark = pytest.mark.vllm
 
@@ -172,17 +172,12 @@ def test_vllm_in_memory_adapter_equals_its_directory_and_bad_tensors_are_refused
     with pytest.raises(ValueError, match="side_proj"):
         vllm_engine.add_adapter(AdapterRef("bad", 0, tensors=bad, lora=lora))
     assert "bad" not in vllm_engine.versions.latest
-    [held] = vllm_engine.llm.collective_rpc(_held_ids)
+    [held] = vllm_engine.llm.collective_rpc(held_adapter_ids)
     assert vllm_engine.versions.int_id[("mem", 0)] in held and len(held) == len(
         [k for k in vllm_engine.versions.int_id if vllm_engine.versions.ref[k].in_memory]), "bad one let go"
     [again] = vllm_engine.generate([GenerationRequest("mem-again", "mem", 0, reqs[1].prompt_ids, temperature=0.7,
                                                       max_new_tokens=10, seed=11)])
     assert again.completion_ids == gens[1].completion_ids
-
-
-def _held_ids(worker) -> list[int]:
-    """Runs in the vLLM worker: the int ids of the in-memory adapters it holds."""
-    return sorted(worker.model_runner.lora_manager.marlaas_memory)
 
 
 def test_vllm_continues_a_sequence_cut_on_another_engine(vllm_engine, tiny_model_path, adapters, codec):

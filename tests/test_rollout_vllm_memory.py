@@ -9,7 +9,7 @@ import pytest
 
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
 from marlaas_hpc.trajectory import Trajectory
-from rollout_helpers import PROMPTS
+from support.rollout import PROMPTS
 
 pytestmark = pytest.mark.vllm
 TEMPERATURE = 0.8
@@ -30,7 +30,7 @@ def test_logprobs_after_an_in_memory_hot_swap_equal_the_trainers_at_that_version
     from marlaas_hpc.model.cache import default_cache_dir
     from marlaas_hpc.trajectory import assign_advantages
     from support.local_group import run_local
-    from trainer_scenarios import TASKS, logprobs_scenario, make_trajectories, train_tensors_scenario
+    from support.trainer_scenarios import TASKS, logprobs_scenario, make_trajectories, train_tensors_scenario
 
     batch = make_trajectories("a", seed=5)
     for traj in batch:

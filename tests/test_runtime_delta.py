@@ -1,23 +1,19 @@
 """The LoRA delta broadcast group (runtime/delta.py) across processes: gloo on the CPU, NCCL with the buffer on
 each member's own GPU, and gloo again when some member has no GPU of its own (a CPU rank, or two members on
-one GPU under layout.share_gpus: NCCL refuses a duplicate GPU). Each case is tests/delta_scenarios.py under
+one GPU under layout.share_gpus: NCCL refuses a duplicate GPU). Each case is tests/support/delta_scenarios.py under
 mpirun, checking every received tensor bit for bit. With several trainer leaders every rollout rank posts the
 broadcasts in one job-wide order whatever order their announces arrive in; the leader's bound on posted
 broadcasts and its flush wait on the host even where wait() does not (NCCL)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import threading
 import time
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.jobs import rank_program
+
 pytestmark = pytest.mark.mpi
 
 
@@ -26,12 +22,7 @@ def _gpus() -> int:
 
 
 def run_delta(mode: str, ranks: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.run(["mpirun", "-np", str(ranks), "--oversubscribe", sys.executable,
-                           str(ROOT / "tests" / "delta_scenarios.py"), mode], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return rank_program("delta_scenarios.py", mode, ranks)
 
 
 def test_delta_broadcast_gloo_on_cpu():

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_runtime_mpi import ROOT, run_marlaas
-from test_runtime_resume import _marlaas, _preempt_after
+from support.jobs import ROOT, marlaas, preempt_after, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 ON_POLICY_TOL = 1e-4
@@ -151,7 +150,7 @@ def test_preemption_and_resume_with_two_groups(tmp_path, tiny_model_path):
     config_path = tmp_path / "job.yaml"
     config_path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
-    code, out = _preempt_after(config_path, run_dir, steps=2)
+    code, out = preempt_after(config_path, run_dir, steps=2)
     assert code == 75, out[-3000:]
     from marlaas_hpc.runtime.checkpoint import load_job_checkpoint
 
@@ -169,7 +168,7 @@ def test_preemption_and_resume_with_two_groups(tmp_path, tiny_model_path):
     assert (run_dir / "checkpoint" / "trainer-rng-tp0.pt").is_file()
     assert (run_dir / "checkpoint" / "trainer-rng-g1-dp0-tp0.pt").is_file()
 
-    resumed = _marlaas("run", "--resume", str(run_dir), timeout=900)
+    resumed = marlaas("run", "--resume", str(run_dir), timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     summary, audit, _, metrics = _load(run_dir, config)
     assert summary["preempted"] is False and len(summary["previous_runs"]) == 1

@@ -7,7 +7,6 @@ rank's notes each switch and group), and summary.json and `marlaas status` name 
 rollout ranks, the rank of the model whose tasks end first goes to the other model. A rank that joins by
 `marlaas scale` 1 -> 2 (ULFM local mode), or as the replacement of a killed one, enters rank 0's pool and
 follows it like the first."""
-import bisect
 import collections
 import json
 import subprocess
@@ -16,19 +15,18 @@ import sys
 import pytest
 import yaml
 
-from test_runtime_mpi import ROOT, rank_timelines, run_marlaas
+from support.checks import assignment_followed
+from support.configs import MODEL_OF, multi_model_demo
+from support.jobs import ROOT, Job, rank_timelines, run_marlaas, scale
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-MODEL_OF = {"sort-a": "tiny", "sort-b": "tiny", "gsm8k-hash": "chat", "gsm8k-boxed": "chat"}
 
 
 def test_two_models_share_one_rollout_rank_and_train_on_their_own_groups(tmp_path):
     from marlaas_hpc.model.chat_mini import ensure_chat_mini
     from marlaas_hpc.tiny_model import ensure_tiny_model
 
-    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
-    for task in config["tasks"]:  # short: 2 steps of 4 prompts, 8 eval prompts
-        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = 2, 4, 8
+    config = multi_model_demo(tiny_steps=2)  # short: 2 steps of 4 prompts, 8 eval prompts
     proc, run_dir = run_marlaas(config, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -58,43 +56,15 @@ def test_two_models_share_one_rollout_rank_and_train_on_their_own_groups(tmp_pat
     assert {t: rows[t][2] for t in MODEL_OF} == MODEL_OF
 
 
-def assignment_followed(run_dir) -> dict[int, list[str]]:
-    """Checks that each rollout rank followed rank 0's model pool: its engine switches are the switches rank 0
-    ordered (Serve, answered Served with the switch's cost), in order, and every group it started (training and
-    eval) is of the model it served then. Returns each rank's models in the order it served them."""
-    timelines = rank_timelines(run_dir)
-    rank0 = timelines["rank0"]
-    out = {}
-    for name, notes in timelines.items():
-        if not notes or notes[0]["role"] != "rollout":
-            continue
-        rank = notes[0]["rank"]
-        answers = [n for n in rank0 if n["stage"] == "served" and n["rollout_rank"] == rank]
-        assert answers, f"rank 0 assigned rollout rank {rank} no model"
-        ordered = [n["model"] for n in answers if n["sleep_s"] or n["wake_s"]]
-        switches = [n for n in notes if n["stage"] == "switch"]
-        assert [n["to_model"] for n in switches] == ordered, "the rank switched exactly when rank 0 said"
-        ends = [n["end"] for n in switches]
-        models = [answers[0]["model"]] + [n["to_model"] for n in switches]
-        for group in (n for n in notes if n["stage"] == "group"):
-            serving = models[bisect.bisect_right(ends, group["start"])]
-            assert MODEL_OF[group["tasks"][0]] == serving, (group, serving)
-        out[rank] = models  # (the first twice when rank 0's first Serve made the rank switch)
-    return out
-
-
 def test_rank_0_hands_the_rank_of_a_model_with_no_work_left_to_the_other(tmp_path):
     """Two rollout ranks, one per model at the start; the tiny model's tasks (one step each) end long before
     chat-mini's, and rank 0 then switches the tiny model's rank to chat-mini (after its evals there are answered):
     both ranks follow rank 0's assignment, and every version is trained exactly once. Under layout.share_gpus:
     the layout of the simulator's 'trainers in the pool' rows (tools/bench_multiplex.py: each model's trainer
     rank on a GPU of the rollout pool), whose trainers build their models only once every engine is up."""
-    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    config = multi_model_demo(tiny_steps=1, chat_steps=3)
     config["layout"]["rollout_ranks"] = 2
     config["layout"]["share_gpus"] = True
-    for task in config["tasks"]:
-        steps = 1 if MODEL_OF[task["task_id"]] == "tiny" else 3
-        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = steps, 4, 8
     proc, run_dir = run_marlaas(config, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -120,13 +90,8 @@ def _started_demo(tmp_path, tiny_steps: int, chat_steps: int, **layout):
     """The demo job of two models (ULFM local mode: it may gain and lose ranks) with `layout` changes, tiny_steps /
     chat_steps steps of 4 prompts per task, started and past each model's first version. Returns its config (as
     written), run dir and `Job`."""
-    from test_fault_matrix import Job
-
-    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    config = multi_model_demo(tiny_steps, chat_steps)
     config["layout"].update(layout)
-    for task in config["tasks"]:
-        steps = tiny_steps if MODEL_OF[task["task_id"]] == "tiny" else chat_steps
-        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = steps, 4, 8
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
@@ -144,13 +109,12 @@ def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns_then_dra
     import time
 
     from marlaas_hpc.launch.mpi import ulfm_prefix
-    from test_fault_tolerance import _scale
 
     if ulfm_prefix() is None:
         pytest.skip("needs the ULFM Open MPI (tools/setup_env.sh)")
     # long enough that the job still runs once the joiner's engines are up
     config, run_dir, job = _started_demo(tmp_path, tiny_steps=60, chat_steps=10)
-    _scale(run_dir, 2)
+    scale(run_dir, 2)
     job.wait_lines("[scale] rollout rank 5 joined")
     serving = {}
     while "5" not in serving and job.proc.poll() is None:  # status.json names its model (written ~1 s apart)
@@ -160,7 +124,7 @@ def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns_then_dra
     assert set(serving) == {"2", "5"} and set(serving.values()) <= {"tiny", "chat"}, serving
     step = sum(1 for line in list(job.lines) if line.startswith("[gsm8k-hash] v"))
     job.wait_lines(f"[gsm8k-hash] v{step + 2}/")  # it generates a while, then drains
-    _scale(run_dir, 1)
+    scale(run_dir, 1)
     job.wait_lines("[scale] rollout rank 5 drained and left")
     left = {}
     while set(left) != {"2"} and job.proc.poll() is None:  # gone from status.json once it left

@@ -1,57 +1,56 @@
 """The distributed runtime end to end under mpirun (local mode): scheduler, env, rollout and TP=2 trainer
 ranks; staleness audit; adapters on disk; a failing task fails alone; bad layouts refused up front."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from support.configs import small_config
+from support.jobs import ROOT, job_output, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def _env(extra_path=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    if extra_path:
-        env["PYTHONPATH"] = os.pathsep.join([str(extra_path), env.get("PYTHONPATH", "")])
-    return env
-
-
-def run_marlaas(config: dict, tmp_path: Path, *args, extra_path=None, timeout=600):
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "run", str(path), "--run-dir", str(run_dir),
-                           *args], cwd=ROOT, env=_env(extra_path), capture_output=True, text=True, timeout=timeout)
-    return proc, run_dir
-
-
-def rank_timelines(run_dir: Path) -> dict[str, list[dict]]:
-    """Each rank's timeline records (RUN_DIR/timeline/rank<N>.jsonl), by file stem, in rank-file order."""
-    return {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
-            for path in sorted((run_dir / "timeline").glob("rank*.jsonl"))}
-
-
-def small_config(**over):
-    config = yaml.safe_load((ROOT / "configs" / "test-small.yaml").read_text())
-    config.update(over)
+def _with_failing_rewards(config: dict, folder: Path) -> dict:
+    """`config` with three tasks of tenant eve whose reward files (FILE.py:FUNCTION, no PYTHONPATH) raise, hang
+    and eat memory."""
+    (folder / "bad_reward.py").write_text(
+        "def reward(sample, completion):\n    raise RuntimeError('verifier crashed on purpose')\n"
+        "def hang(sample, completion):\n    while True:\n        pass\n"
+        "def hog(sample, completion):\n    hoard = []\n    while True:\n        hoard.append(bytearray(2**26))\n")
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    for task_id, function in (("broken", "reward"), ("hangs", "hang"), ("hog", "hog")):
+        config["tasks"].append({"task_id": task_id, "tenant": "eve", "total_steps": 4,
+                                "dataset": {"kind": "custom", "path": str(data),
+                                            "reward_fn": f"{folder / 'bad_reward.py'}:{function}", "eval_size": 4},
+                                "algo": {"group_size": 4, "batch_prompts": 4, "max_new_tokens": 4}})
     return config
 
 
-def test_two_tasks_with_different_bounds_end_to_end(tmp_path, tiny_model_path):
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, tiny_model_path):
+    """configs/test-small.yaml (add and sort, bounds 0 and 2) beside three tasks whose rewards fail, run once; the
+    tests below read it."""
+    tmp_path = tmp_path_factory.mktemp("small_run")
+    config = _with_failing_rewards(small_config(sandbox={"reward_timeout_s": 3, "reward_memory_mb": 256}), tmp_path)
+    proc, run_dir = run_marlaas(config, tmp_path)
+    assert proc.returncode == 0, job_output(proc)
+    return proc, run_dir
+
+
+def test_two_tasks_with_different_bounds_end_to_end(small_run, tiny_model_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    proc, run_dir = run_marlaas(small_config(), tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, run_dir = small_run
     assert "[add] v4/4" in proc.stdout and "[sort] v4/4" in proc.stdout  # progress shown
     noise = [line for line in proc.stderr.splitlines() if "Warning:" in line and "[W" not in line[:3]]
     assert not noise, noise  # quiet logs: no library's Python warnings between the progress lines (runtime/quiet.py)
     summary = json.loads((run_dir / "summary.json").read_text())
-    tasks = summary["tasks"]
+    tasks = {task_id: summary["tasks"][task_id] for task_id in ("add", "sort")}  # (the failing tasks: below)
     assert {t: s["status"] for t, s in tasks.items()} == {"add": "done", "sort": "done"}
     assert summary["mode"] == "async" and summary["wall_time_s"] > 0
     assert set(summary["busy_fraction"]) == {"env", "rollout", "trainer", "scheduler"}
@@ -85,23 +84,10 @@ def test_two_tasks_with_different_bounds_end_to_end(tmp_path, tiny_model_path):
         base = model.unload()
 
 
-def test_failing_reward_fails_its_task_alone(tmp_path):
+def test_failing_reward_fails_its_task_alone(small_run):
     """Reward files (FILE.py:FUNCTION, no PYTHONPATH) run in the env rank's sandboxed workers: one that raises, one
     that hangs and one that eats memory each fail their own task; the others finish."""
-    (tmp_path / "bad_reward.py").write_text(
-        "def reward(sample, completion):\n    raise RuntimeError('verifier crashed on purpose')\n"
-        "def hang(sample, completion):\n    while True:\n        pass\n"
-        "def hog(sample, completion):\n    hoard = []\n    while True:\n        hoard.append(bytearray(2**26))\n")
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
-    config = small_config(sandbox={"reward_timeout_s": 3, "reward_memory_mb": 256})
-    for task_id, function in (("broken", "reward"), ("hangs", "hang"), ("hog", "hog")):
-        config["tasks"].append({"task_id": task_id, "tenant": "eve", "total_steps": 4,
-                                "dataset": {"kind": "custom", "path": str(data),
-                                            "reward_fn": f"{tmp_path / 'bad_reward.py'}:{function}", "eval_size": 4},
-                                "algo": {"group_size": 4, "batch_prompts": 4, "max_new_tokens": 4}})
-    proc, run_dir = run_marlaas(config, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, run_dir = small_run
     tasks = json.loads((run_dir / "summary.json").read_text())["tasks"]
     assert {t: tasks[t]["status"] for t in ("broken", "hangs", "hog")} == dict.fromkeys(("broken", "hangs", "hog"),
                                                                                          "failed")

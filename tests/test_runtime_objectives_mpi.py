@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from test_runtime_mpi import run_marlaas
+from support.jobs import run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

@@ -1,5 +1,5 @@
 """The adapter relay tier (runtime/relay.py, issue #29 item 1). Its version store alone (pins, eviction, refused
-layouts, the in-process pull), then tests/relay_scenarios.py under mpirun (gloo on the CPU): a pull from the end of
+layouts, the in-process pull), then tests/support/relay_scenarios.py under mpirun (gloo on the CPU): a pull from the end of
 a chain of 3 relays gives the bytes of today's delta broadcast of the same version, and the same logprobs once
 installed; a pinned version outlives newer ones until its unpin; a push returns while the last relay of the chain
 has not started reading, and every relay then holds the version bit for bit."""
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_relays(mode: str, ranks: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     proc = subprocess.run(["mpirun", "-np", str(ranks), "--oversubscribe", sys.executable,
-                           str(ROOT / "tests" / "relay_scenarios.py"), mode], cwd=ROOT, env=env,
+                           str(ROOT / "tests" / "support" / "relay_scenarios.py"), mode], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -128,10 +128,7 @@ def test_the_delta_transport_is_broadcast_by_default_and_relay_is_chosen_and_che
     """`delta.transport` (config.DeltaSettings): relays go with the default fault.on_rank_loss 'continue' (the tier
     is re-formed when a rollout rank is lost, joins or drains) but need 'stop' with several trainer groups (a lost
     leader is not dropped from the tier); a bad transport, fan-out or chunk size is refused naming its field."""
-    from marlaas_hpc.config import JobConfig
-
-    def job(**fields):
-        return JobConfig.from_dict({"tasks": [{"task_id": "t"}], **fields})
+    from support.configs import one_task_job as job
 
     assert job().delta.transport == "broadcast"
     relays = job(delta={"transport": "relay", "relay_fanout": 2, "relay_chunk_mb": 1}, fault={"on_rank_loss": "stop"})

@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 
-from test_runtime_mpi import rank_timelines, run_marlaas
+from support.jobs import rank_timelines, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

@@ -9,7 +9,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from test_runtime_mpi import run_marlaas, small_config
+from support.checks import assignment_followed
+from support.configs import MODEL_OF, multi_model_demo, small_config
+from support.jobs import run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.vllm]
 
@@ -66,14 +68,8 @@ def test_a_rank_of_two_models_runs_each_vllm_engine_in_a_process_of_its_own(tmp_
     and the job's output stays quiet (no traceback, no library notice from the spawned processes)."""
     import collections
 
-    import yaml
-
-    from test_runtime_models_mpi import MODEL_OF, ROOT, assignment_followed
-
-    config = yaml.safe_load((ROOT / "configs" / "multi-model-demo.yaml").read_text())
+    config = multi_model_demo(tiny_steps=2)  # short: 2 steps of 4 prompts, 8 eval prompts
     config["engine"], config["vllm"] = "vllm", {"engine_process": "own", "cpu_kv_cache_gib": 0.25}
-    for task in config["tasks"]:  # short: 2 steps of 4 prompts, 8 eval prompts
-        task["total_steps"], task["algo"]["batch_prompts"], task["dataset"]["eval_size"] = 2, 4, 8
     proc, run_dir = run_marlaas(config, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -17,7 +17,7 @@ import pytest
 from marlaas_hpc.env.sandbox import LEVELS, SandboxLimits, SandboxUnavailable, node_isolation, run_python
 from marlaas_hpc.env.tenant_code import CodeRef, SandboxConfig, TenantFunction
 from marlaas_hpc.tasks.base import RewardError, Sample
-from unix_users import SKIP_REASON, can_make_users, run_as, unix_users
+from support.unix_users import SKIP_REASON, can_make_users, run_as, unix_users
 
 SECRET = "marlaas-test-secret-7b1e"
 

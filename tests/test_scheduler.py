@@ -1,5 +1,5 @@
 """The scheduler as a pure state machine: staleness bound for every trained group, no starvation, modes."""
-import random
+from functools import partial
 
 import pytest
 from hypothesis import given, settings
@@ -7,33 +7,13 @@ from hypothesis import strategies as st
 
 from marlaas_hpc.scheduler import (CANCELLED, DONE, Cancel, Scheduler, SchedulerConfig, Submit, Generate, Train,
                                    Admit, StepDone, Generated, Resumed, Scored)
-from marlaas_hpc.tasks import TaskSpec
+from support.checks import assert_bound_and_progress
+from support.configs import task_spec
 from support.simloop import SimLoop
+from support.workloads import RandomDurations
 
 
-class RandomDurations:
-    """Long-tailed generation, variable scoring and training times, seeded."""
-
-    def __init__(self, seed: int, tail: float = 1.0):
-        self.rng = random.Random(seed)
-        self.tail = tail
-
-    def generate(self, task_id, group_id):
-        return self.rng.lognormvariate(0.0, self.tail)
-
-    def score(self, task_id, group_id):
-        return self.rng.uniform(0.01, 0.5)
-
-    def train(self, task_id, n_groups):
-        return self.rng.uniform(0.1, 1.0)
-
-    def publish(self, task_id):
-        return 0.05
-
-
-def spec(task_id, k, steps=5, batch=2, priority=0):
-    return TaskSpec.from_dict({"task_id": task_id, "max_staleness": k, "total_steps": steps, "priority": priority,
-                               "algo": {"batch_prompts": batch, "group_size": 2}})
+spec = partial(task_spec, steps=5)  # the scheduler tests' tasks: 5 steps unless told
 
 
 def simulate(specs, mode="async", seed=0, rollout_ranks=2, slots=3, order="fair", tail=1.0, max_active=8,
@@ -47,21 +27,6 @@ def simulate(specs, mode="async", seed=0, rollout_ranks=2, slots=3, order="fair"
     for s in specs:
         loop.submit(s)
     return scheduler, loop.run()
-
-
-def assert_bound_and_progress(scheduler, result, specs):
-    assert result.ended == {s.task_id: DONE for s in specs}, "every task finishes (no starvation)"
-    for s in specs:
-        records = [r for r in scheduler.audit if r.task_id == s.task_id]
-        assert len(records) == s.total_steps * s.algo.batch_prompts
-        for record in records:
-            assert record.behaviour_version >= record.trained_into - 1 - s.max_staleness, record
-            assert record.behaviour_version <= record.trained_into - 1
-        versions = sorted({r.trained_into for r in records})
-        assert versions == list(range(1, s.total_steps + 1)), "each version trained exactly once"
-        state = scheduler.tasks[s.task_id]
-        assert state.max_trained_staleness <= s.max_staleness
-        assert state.version == s.total_steps
 
 
 @settings(max_examples=60, deadline=None)

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from marlaas_hpc.scheduler import (DONE, Generate, Generated, RankJoined, RankLeaving, RankLost, Scheduler,
                                    SchedulerConfig, Scored, StepDone, Submit)
-from test_scheduler import RandomDurations, spec
+from support.configs import task_spec as spec
 from support.simloop import SimLoop
+from support.workloads import RandomDurations
 
 
 def _loop(specs, rollout=(1, 2), env=(10, 11), seed=0, slots=3):

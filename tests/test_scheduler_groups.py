@@ -1,5 +1,7 @@
 """Trainer groups in the pure scheduler: placement by tokens per step, per-group training, moves at a step
 boundary, and the staleness bound and progress with several groups (scheduler/placement.py, core.py)."""
+from functools import partial
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -7,14 +9,13 @@ from hypothesis import strategies as st
 from marlaas_hpc.scheduler import (Admit, Move, Moved, Placement, Scheduler, SchedulerConfig, StepDone, Submit,
                                    TaskEnded, Train)
 from marlaas_hpc.scheduler.placement import estimated_tokens_per_step
-from marlaas_hpc.tasks import TaskSpec
-from test_scheduler import RandomDurations, assert_bound_and_progress
+from support.checks import assert_bound_and_progress
+from support.configs import task_spec
 from support.simloop import SimLoop
+from support.workloads import RandomDurations
 
 
-def spec(task_id, k=1, steps=4, batch=2, tokens=8):
-    return TaskSpec.from_dict({"task_id": task_id, "max_staleness": k, "total_steps": steps,
-                               "algo": {"batch_prompts": batch, "group_size": 2, "max_new_tokens": tokens}})
+spec = partial(task_spec, steps=4, tokens=8)  # the trainer groups tests' tasks
 
 
 class CheckedLoop(SimLoop):

@@ -2,24 +2,19 @@
 slot, one cancelled (keeps its last adapter), bad specs refused without disturbing it, `tasks close` ends
 it; then `marlaas report` on the run dir it leaves."""
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
 from marlaas_hpc.runtime.retention import RetentionConfig
+from support.jobs import ROOT, job_env, live_tasks, marlaas, wait_for
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 
 JOB = {"model": "tiny", "engine": "hf", "mode": "async", "max_adapters": 2, "rollout_slots": 4, "serve_idle_s": 300,
        "layout": {"env_ranks": 1, "rollout_ranks": 1, "trainer_tp": 1},
@@ -45,29 +40,6 @@ def diverging(task_id, tenant):
     return spec
 
 
-def marlaas(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *map(str, args)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def wait_for(predicate, timeout, what, job=None):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        if job is not None and job.poll() is not None:
-            raise AssertionError(f"job ended while waiting for {what}: {job.stdout.read()[-3000:]}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def live_tasks(run_dir):
-    try:
-        return json.loads((run_dir / "status.json").read_text())["tasks"]
-    except (OSError, ValueError, KeyError):
-        return {}
-
-
 @pytest.fixture(scope="module")
 def serving_run(tmp_path_factory):
     """Runs the scenario once; returns what the tests check (the run dir and what was observed on the way)."""
@@ -76,7 +48,7 @@ def serving_run(tmp_path_factory):
     run_dir = tmp / "run"
     started = time.time()
     job = subprocess.Popen([sys.executable, "-m", "marlaas_hpc.cli", "run", str(tmp / "job.yaml"), "--run-dir",
-                            str(run_dir)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            str(run_dir)], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
     seen = {"refusals": {}}
     try:

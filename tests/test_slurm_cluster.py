@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -21,20 +20,10 @@ from marlaas_hpc.launch.layout import ComponentResources, JobLayout, LayoutError
 from marlaas_hpc.launch.probe import RequeueProbe, hetjob_probe
 from marlaas_hpc.launch.sbatch import check_partitions, render_sbatch
 from marlaas_hpc.launch.submitit_hetjob import HetJobExecutor
+from support.slurm import cluster, mpi_init_crashed, retry_note, sacct_states  # noqa: F401 (cluster: a fixture)
 
 pytestmark = pytest.mark.slurm
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions submitted from here travel by value
-START = "bash slurm/local-cluster/start.sh"
-# On the emulated cluster, under load, ~4 % of het steps lose a rank to a segfault inside MPI_Init
-# (Open MPI 4.1.4: btl/tcp calls a NULL active-message callback while the rank waits in the modex fence;
-# seen in 5 of ~120 jobs, with and without PMIX_MCA_gds=hash / mpi_add_procs_cutoff). That is the MPI
-# library on this test bed, not the launcher: such a job is retried once, visibly.
-
-
-def _mpi_init_crashed(logs: list[Path]) -> bool:
-    """A rank segfaulted in the MPI layer: Python's faulthandler naming mpi4py, or Open MPI's handler."""
-    text = "".join(p.read_text(errors="replace") for p in logs if p.exists())
-    return "Segmentation fault" in text and ("mpi4py" in text or "*** Process received signal ***" in text)
 
 
 def _hung_after_the_probe(log: Path, world_size: int) -> bool:
@@ -42,32 +31,6 @@ def _hung_after_the_probe(log: Path, world_size: int) -> bool:
     in MPI finalization on the emulated cluster; the same job then passed in 4 s)."""
     text = log.read_text(errors="replace") if log.exists() else ""
     return sum(line.startswith('{"cpus"') for line in text.splitlines()) == world_size  # the probe's sorted keys
-
-
-def _cluster_problem() -> str | None:
-    if shutil.which("sinfo") is None:
-        return f"no Slurm here: sinfo not found (start a local cluster as root: {START})"
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%R %t %D"], capture_output=True, text=True, timeout=15)
-    except subprocess.TimeoutExpired:
-        return f"sinfo timed out: slurmctld not answering ({START})"
-    if out.returncode:
-        return f"Slurm cluster down: sinfo failed ({out.stderr.strip()}); {START}"
-    usable: dict[str, int] = {}
-    for line in out.stdout.splitlines():
-        partition, state, count = line.split()
-        if state in ("idle", "mix", "alloc", "comp"):  # responding nodes (not down/drain/unknown)
-            usable[partition.rstrip("*")] = usable.get(partition.rstrip("*"), 0) + int(count)
-    if usable.get("cpu", 0) < 2 or usable.get("gpu", 0) < 2:
-        return f"need >= 2 up nodes in partitions cpu and gpu, sinfo has {usable or 'none up'}"
-    return None
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    problem = _cluster_problem()
-    if problem:
-        pytest.skip(problem)
 
 
 def _layout(**overrides) -> JobLayout:
@@ -81,18 +44,12 @@ def _layout(**overrides) -> JobLayout:
     return JobLayout(**fields).validate()
 
 
-def _sacct_states(job_id: str) -> list[str]:
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id], capture_output=True,
-                         text=True, timeout=30).stdout
-    return [line.split("|")[1] for line in out.splitlines() if line.strip()]
-
-
 def _wait_sacct(job_id: str, timeout_s: float) -> list[str]:
     """sacct states of the het components once all 4 ended (or at the deadline, after scancel)."""
     deadline = time.monotonic() + timeout_s
     states: list[str] = []
     while time.monotonic() < deadline:
-        states = _sacct_states(job_id)
+        states = sacct_states(job_id)
         if len(states) == 4 and not any(s.split()[0] in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED")
                                         for s in states):
             return states
@@ -105,10 +62,6 @@ def _wait_completed(job_id: str, timeout_s: float) -> list[str]:
     states = _wait_sacct(job_id, timeout_s)
     assert states == ["COMPLETED"] * 4, f"job {job_id} did not complete: sacct states {states}"
     return states
-
-
-def _retry_note(job_id: str) -> None:
-    print(f"\n[slurm test] job {job_id}: a rank segfaulted in MPI_Init (Open MPI on the emulated cluster); retrying once")
 
 
 def _wait_done(job, timeout_s: float) -> None:
@@ -153,8 +106,8 @@ def test_submitit_hetjob_runs_one_mpi_world_with_layout_roles(cluster, tmp_path)
         job = executor.submit(hetjob_probe, layout)
         _wait_done(job, 90)
         if attempt == 0 and _wait_sacct(job.job_id, 30) != ["COMPLETED"] * 4 \
-                and _mpi_init_crashed(list(folder.glob("*_log.err"))):
-            _retry_note(job.job_id)
+                and mpi_init_crashed(list(folder.glob("*_log.err"))):
+            retry_note(job.job_id)
             continue
         break
     results = job.results()  # every rank's return value, through submitit
@@ -185,8 +138,8 @@ def test_plain_sbatch_script_runs_the_same_probe(cluster, tmp_path):
         job_id = out.stdout.strip().split(";")[0]
         log_file = tmp_path / f"probe-sbatch-{job_id}.out"
         if attempt == 0 and _wait_sacct(job_id, 90) != ["COMPLETED"] * 4:
-            if _mpi_init_crashed([log_file]):
-                _retry_note(job_id)
+            if mpi_init_crashed([log_file]):
+                retry_note(job_id)
                 continue
             if _hung_after_the_probe(log_file, layout.world_size):
                 print(f"\n[slurm test] job {job_id}: every rank reported, but the step did not end; retrying once")
@@ -236,8 +189,8 @@ def test_submit_ranks_end_through_end_rank_once_their_results_are_written(cluste
         job = executor.submit(rank_leaving_a_thread)
         _wait_done(job, 90)
         states = _wait_sacct(job.job_id, 60)
-        if attempt == 0 and states != ["COMPLETED"] * 4 and _mpi_init_crashed(list(folder.glob("*_log.err"))):
-            _retry_note(job.job_id)
+        if attempt == 0 and states != ["COMPLETED"] * 4 and mpi_init_crashed(list(folder.glob("*_log.err"))):
+            retry_note(job.job_id)
             continue
         break
     assert job.results() == [600 + rank for rank in range(6)]
@@ -292,7 +245,7 @@ def test_step_guard_ends_an_srun_that_outlives_its_step(cluster, tmp_path, task_
                             check=True).stdout.strip().split(";")[0]
     t0 = time.monotonic()
     deadline = t0 + 90
-    while _sacct_states(job_id)[:1] in ([], ["PENDING"], ["RUNNING"], ["COMPLETING"]):
+    while sacct_states(job_id)[:1] in ([], ["PENDING"], ["RUNNING"], ["COMPLETING"]):
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job_id], check=False)
             pytest.fail(f"job {job_id} still running 90 s after submission; log:\n"

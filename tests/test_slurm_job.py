@@ -8,63 +8,22 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from test_slurm_cluster import _cluster_problem, _mpi_init_crashed, _retry_note, _sacct_states
+from support.jobs import marlaas
+from support.slurm import cluster, mpi_init_crashed, preempt_at_step, retry_note, sacct_states  # noqa: F401 (cluster: a fixture)
+from support.slurm import slurm_small_config, submit, wait_final
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "slurm-small.yaml"
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    problem = _cluster_problem()
-    if problem:
-        pytest.skip(problem)
-
-
-def _marlaas(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def _submit(config: dict, tmp_path: Path) -> tuple[str, Path, float]:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run_dir = tmp_path / "run"
-    t0 = time.time()
-    proc = _marlaas("submit", str(path), "--run-dir", str(run_dir))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1], run_dir, t0
-
-
-def _wait_final(job_id: str, run_dir: Path, timeout_s: float) -> list[str]:
-    """sacct states once every component has ended; on timeout cancels the job and shows rank 0's log."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        states = _sacct_states(job_id)
-        if len(states) == 4 and not any(s.split()[0] in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED",
-                                                         "REQUEUE_HOLD", "REQUEUE_FED") for s in states):
-            return states
-        time.sleep(1)
-    subprocess.run(["scancel", job_id], check=False)
-    log = run_dir / "slurm" / f"{job_id}_0_log.err"
-    pytest.fail(f"job {job_id} not done in {timeout_s}s: {_sacct_states(job_id)}\n"
-                f"{log.read_text()[-3000:] if log.exists() else 'no rank 0 log'}")
-
-
 def _crashed_in_mpi_init(job_id: str, run_dir: Path, states: list[str]) -> bool:
     """The known Open MPI segfault of the emulated cluster (see test_slurm_cluster.py): retry such a job once."""
-    if states == ["COMPLETED"] * 4 or not _mpi_init_crashed(list((run_dir / "slurm").glob("*_log.err"))):
+    if states == ["COMPLETED"] * 4 or not mpi_init_crashed(list((run_dir / "slurm").glob("*_log.err"))):
         return False
-    _retry_note(job_id)
+    retry_note(job_id)
     return True
 
 
@@ -75,34 +34,10 @@ def _first_step_time(run_dir: Path) -> float:
     return min(times)
 
 
-def _preempt_at_step(job_id: str, run_dir: Path, step: int) -> list[str] | None:
-    """Waits until every task has `step` steps (None), or returns the sacct states if the job ended first."""
-    deadline = time.monotonic() + 400
-    while True:
-        try:
-            tasks = json.loads((run_dir / "status.json").read_text())["tasks"]
-            if min(t["steps_done"] for t in tasks.values()) >= step:
-                return None
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        states = _sacct_states(job_id)
-        if len(states) == 4 and all(s.split()[0] in ("FAILED", "CANCELLED", "COMPLETED", "TIMEOUT") for s in states):
-            return states
-        assert time.monotonic() < deadline, f"job {job_id} never reached step {step}: {states}"
-        time.sleep(0.5)
-
-
-def _config(steps: int) -> dict:
-    config = yaml.safe_load(CONFIG.read_text())
-    for task in config["tasks"]:
-        task["total_steps"] = steps
-    return config
-
-
 def test_submit_runs_the_multi_task_job_as_a_het_job(cluster, tmp_path):
     for attempt in range(2):
-        job_id, run_dir, t0 = _submit(_config(4), tmp_path / f"attempt{attempt}")
-        states = _wait_final(job_id, run_dir, 400)
+        job_id, run_dir, t0 = submit(slurm_small_config(4), tmp_path / f"attempt{attempt}")
+        states = wait_final(job_id, run_dir, 400)
         if not (attempt == 0 and _crashed_in_mpi_init(job_id, run_dir, states)):
             break
     assert states == ["COMPLETED"] * 4
@@ -112,7 +47,7 @@ def test_submit_runs_the_multi_task_job_as_a_het_job(cluster, tmp_path):
     for tenant, task_id in (("alice", "add"), ("bob", "sort")):
         adapters = sorted(p.name for p in (run_dir / "tasks" / tenant / task_id / "adapters").iterdir())
         assert adapters == ["v0000", "v0003", "v0004"]  # the default retention (adapters:)
-    status = _marlaas("status", job_id)
+    status = marlaas("status", job_id, timeout=300)
     assert status.returncode == 0 and f"Slurm job {job_id}: COMPLETED" in status.stdout
     assert "finished" in status.stdout
     print(f"\nsubmit -> first optimizer step: {_first_step_time(run_dir) - t0:.1f} s "
@@ -121,14 +56,14 @@ def test_submit_runs_the_multi_task_job_as_a_het_job(cluster, tmp_path):
 
 def test_usr2_requeues_and_resumes_without_lost_or_repeated_steps(cluster, tmp_path):
     steps = 14
-    config = _config(steps)
+    config = slurm_small_config(steps)
     for attempt in range(2):
-        job_id, run_dir, _ = _submit(config, tmp_path / f"attempt{attempt}")
-        states = _preempt_at_step(job_id, run_dir, 3)
+        job_id, run_dir, _ = submit(config, tmp_path / f"attempt{attempt}")
+        states = preempt_at_step(job_id, run_dir, 3)
         if states is None:
             t0, t0_wall = time.monotonic(), time.time()
             subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-            states = _wait_final(job_id, run_dir, 500)
+            states = wait_final(job_id, run_dir, 500)
         if not (attempt == 0 and _crashed_in_mpi_init(job_id, run_dir, states)):
             break
     assert states == ["COMPLETED"] * 4
@@ -162,17 +97,17 @@ def test_a_killed_rank_requeues_the_job_which_resumes_from_the_periodic_checkpoi
     """SIGKILL of the rollout rank: srun ends the step, the step guard names the rank and requeues the job, the
     rerun resumes every task from its last periodic checkpoint and finishes; every version trained once."""
     steps, every = 14, 2
-    config = _config(steps)
+    config = slurm_small_config(steps)
     config["checkpoint"] = {"every_steps": every, "every_minutes": 0, "max_crash_requeues": 1}
     for attempt in range(2):
-        job_id, run_dir, _ = _submit(config, tmp_path / f"attempt{attempt}")
-        states = _preempt_at_step(job_id, run_dir, 3)
+        job_id, run_dir, _ = submit(config, tmp_path / f"attempt{attempt}")
+        states = preempt_at_step(job_id, run_dir, 3)
         if states is None:
             rollout = json.loads((run_dir / "ranks" / "rank2.json").read_text())
             assert rollout["role"] == "rollout"
             reached_before_kill = time.time()
             os.kill(rollout["pid"], signal.SIGKILL)
-            states = _wait_final(job_id, run_dir, 600)
+            states = wait_final(job_id, run_dir, 600)
         if not (attempt == 0 and _crashed_in_mpi_init(job_id, run_dir, states)):
             break
     assert states == ["COMPLETED"] * 4
@@ -205,23 +140,23 @@ def test_bad_configs_are_refused_before_submission(cluster, tmp_path):
         "env.gpus_per_task": ({"env": {"partition": "cpu", "gpus_per_task": 1}}, "CPU-only"),
     }
     for field, (layout, message) in cases.items():
-        config = _config(4)
+        config = slurm_small_config(4)
         config["layout"].update(layout)
         path = tmp_path / f"{field}.yaml"
         path.write_text(yaml.safe_dump(config))
         before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
-        proc = _marlaas("submit", str(path), "--run-dir", str(tmp_path / field))
+        proc = marlaas("submit", str(path), "--run-dir", str(tmp_path / field), timeout=300)
         assert proc.returncode == 2 and field in proc.stderr and message in proc.stderr, (field, proc.stderr)
         after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
         assert before == after, "nothing was submitted"
 
 
 def test_cancel_stops_every_component(cluster, tmp_path):
-    job_id, run_dir, _ = _submit(_config(50), tmp_path)
-    proc = _marlaas("cancel", job_id)
+    job_id, run_dir, _ = submit(slurm_small_config(50), tmp_path)
+    proc = marlaas("cancel", job_id, timeout=300)
     assert proc.returncode == 0 and f"cancelled job {job_id}" in proc.stdout and str(run_dir) in proc.stdout
     deadline = time.monotonic() + 120
-    while not (len(states := _sacct_states(job_id)) == 4 and all(s.startswith("CANCELLED") for s in states)):
+    while not (len(states := sacct_states(job_id)) == 4 and all(s.startswith("CANCELLED") for s in states)):
         assert time.monotonic() < deadline, f"job {job_id} not cancelled: {states}"
         time.sleep(1)
-    assert f"Slurm job {job_id}: CANCELLED" in _marlaas("status", job_id).stdout
+    assert f"Slurm job {job_id}: CANCELLED" in marlaas("status", job_id, timeout=300).stdout

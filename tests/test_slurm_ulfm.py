@@ -12,8 +12,8 @@ import time
 import pytest
 
 from marlaas_hpc.launch.mpi import ulfm_prefix
-from test_slurm_cluster import _sacct_states
-from test_slurm_job import _config, _preempt_at_step, _submit, _wait_final, cluster  # noqa: F401 (fixture)
+from support.jobs import scale
+from support.slurm import cluster, preempt_at_step, sacct_states, slurm_small_config, submit, wait_final  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(ulfm_prefix() is None, reason="needs the ULFM Open MPI (tools/setup_env.sh)")]
@@ -21,16 +21,16 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow,
 
 def test_a_killed_rollout_rank_stops_no_task_under_ulfm(cluster, tmp_path):  # noqa: F811
     steps = 40
-    config = _config(steps)
+    config = slurm_small_config(steps)
     config["layout"].update(mpi="ulfm", rollout_ranks=2)
-    job_id, run_dir, _ = _submit(config, tmp_path)
-    assert _preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
+    job_id, run_dir, _ = submit(config, tmp_path)
+    assert preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
     victim = json.loads((run_dir / "ranks" / "rank2.json").read_text())
     assert victim["role"] == "rollout"
     os.kill(victim["pid"], signal.SIGSTOP)  # held for a moment first: it then holds groups when it dies
     time.sleep(1.0)
     os.kill(victim["pid"], signal.SIGKILL)
-    states = _wait_final(job_id, run_dir, 600)
+    states = wait_final(job_id, run_dir, 600)
 
     assert states == ["COMPLETED"] * 4, states
     assert not (run_dir / "crash.json").exists() and not (run_dir / "slurm" / "crash_requeues").exists()
@@ -56,11 +56,11 @@ def _wait_line(run_dir, job_id: str, prefix: str, timeout_s: float = 120) -> str
         found = [line for line in _rank0_log(run_dir, job_id) if line.startswith(prefix)]
         if found:
             return found[0]
-        states = _sacct_states(job_id)
+        states = sacct_states(job_id)
         if len(states) == 4 and all(s.split()[0] in ("FAILED", "CANCELLED", "COMPLETED", "TIMEOUT") for s in states):
             break
         time.sleep(0.5)
-    pytest.fail(f"no line {prefix!r} in rank 0's log ({_sacct_states(job_id)}):\n"
+    pytest.fail(f"no line {prefix!r} in rank 0's log ({sacct_states(job_id)}):\n"
                 + "\n".join(_rank0_log(run_dir, job_id)[-30:]))
 
 
@@ -83,7 +83,7 @@ def _join_config(steps: int) -> dict:
     order, so a joiner gets groups only when the first rank is full). With k=0 a CI run saw `sort` end before the
     replacement was up, and `add`'s 4 groups all went to the surviving rank. (The scale test keeps k=0: with k=1 its
     job's end hung once here, its components CANCELLED at the test's timeout; not looked into.)"""
-    config = _config(steps)
+    config = slurm_small_config(steps)
     next(task for task in config["tasks"] if task["task_id"] == "add")["max_staleness"] = 1
     return config
 
@@ -100,8 +100,8 @@ def test_rollout_replace_starts_the_new_rank_on_the_dead_ranks_node_under_ulfm(c
     steps = 40
     config = _join_config(steps)
     config["layout"].update(mpi="ulfm", rollout_ranks=2, rollout_replace=True)
-    job_id, run_dir, _ = _submit(config, tmp_path)
-    assert _preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
+    job_id, run_dir, _ = submit(config, tmp_path)
+    assert preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
     victim = json.loads((run_dir / "ranks" / "rank2.json").read_text())
     assert victim["role"] == "rollout"
     os.kill(victim["pid"], signal.SIGKILL)
@@ -109,7 +109,7 @@ def test_rollout_replace_starts_the_new_rank_on_the_dead_ranks_node_under_ulfm(c
     started = _wait_line(run_dir, job_id, f"[scale] starting rollout rank {joined} to replace rank 2")
     assert f"on {victim['host']}" in started, started
     _wait_line(run_dir, job_id, f"[scale] rollout rank {joined} joined")
-    states = _wait_final(job_id, run_dir, 300)
+    states = wait_final(job_id, run_dir, 300)
 
     assert states == ["COMPLETED"] * 4, states
     assert not (run_dir / "crash.json").exists()
@@ -123,40 +123,31 @@ def test_rollout_replace_starts_the_new_rank_on_the_dead_ranks_node_under_ulfm(c
         "groups the replacement generated were trained"
 
 
-def _scale(run_dir, rollout: int) -> None:
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", "scale", str(run_dir), "--rollout", str(rollout)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-
-
 def test_marlaas_scale_under_ulfm_drains_refills_the_free_slot_and_refuses_beyond_the_allocation(cluster, tmp_path):  # noqa: F811
     """`marlaas scale` in a Slurm job (layout.mpi: ulfm), rollout component of 2 slots: 2 -> 1 drains rank 3 (it
     leaves, nothing lost); 1 -> 3 is refused with one line (one free slot); 1 -> 2 starts a rank in rank 3's slot,
     on its node, which generates groups that are trained; 2 -> 1 is then refused with one line (under Slurm no rank
     leaves once one joined). Every version trained exactly once, every component COMPLETED."""
     steps = 60
-    config = _config(steps)
+    config = slurm_small_config(steps)
     config["layout"].update(mpi="ulfm", rollout_ranks=2)
-    job_id, run_dir, _ = _submit(config, tmp_path)
-    assert _preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
+    job_id, run_dir, _ = submit(config, tmp_path)
+    assert preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
     slot = json.loads((run_dir / "ranks" / "rank3.json").read_text())
-    _scale(run_dir, 1)
+    scale(run_dir, 1)
     _wait_line(run_dir, job_id, "[scale] rollout rank 3 drained and left")
-    _scale(run_dir, 3)
+    scale(run_dir, 3)
     refused = _wait_line(run_dir, job_id, "[scale] rollout ranks 3 asked for, not done")
     assert "1 free slot(s) of 2" in refused, refused
-    _scale(run_dir, 2)
+    scale(run_dir, 2)
     started = _wait_line(run_dir, job_id, "[scale] starting rollout rank 6")
     assert started.endswith(f"on {slot['host']} in rank 3's slot"), started
     _wait_line(run_dir, job_id, "[scale] rollout rank 6 joined")
     time.sleep(3.0)
-    _scale(run_dir, 1)
+    scale(run_dir, 1)
     refused = _wait_line(run_dir, job_id, "[scale] rollout ranks 1 asked for, not done")
     assert "no rank drains once one joined" in refused, refused
-    states = _wait_final(job_id, run_dir, 400)
+    states = wait_final(job_id, run_dir, 400)
 
     assert states == ["COMPLETED"] * 4, states
     new = json.loads((run_dir / "ranks" / "rank6.json").read_text())

@@ -6,15 +6,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-from test_service_mpi import live_tasks, wait_for
+from support.jobs import ROOT, job_env, live_tasks, marlaas, wait_for
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
 
 REWARD = '''
 import os, socket, sys
@@ -36,16 +34,6 @@ def score(sample, completion):
         return 1.0
     return sum(a == b for a, b in zip(answer, sample.answer)) / (2 * max(len(sample.answer), 1))
 '''
-
-
-def _env():
-    # the job's and the CLI's environment: nothing points at the tenant's directory
-    return dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-
-
-def marlaas(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "marlaas_hpc.cli", *map(str, args)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_serving_job_runs_a_reward_file_next_to_its_spec(tmp_path):
@@ -73,21 +61,21 @@ def test_serving_job_runs_a_reward_file_next_to_its_spec(tmp_path):
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "marlaas_hpc.cli", "run", str(tmp_path / "job.yaml"), "--run-dir",
-                             str(run_dir)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             str(run_dir)], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         wait_for(lambda: (run_dir / "job.json").is_file(), 600, "the job to start", proc)
-        added = marlaas("tasks", "add", tenant / "spec.yaml", "--run", run_dir)
+        added = marlaas("tasks", "add", tenant / "spec.yaml", "--run", run_dir, timeout=300)
         assert added.returncode == 0, added.stderr
-        refused = marlaas("tasks", "add", tenant / "broken.yaml", "--run", run_dir)
+        refused = marlaas("tasks", "add", tenant / "broken.yaml", "--run", run_dir, timeout=300)
         assert refused.returncode == 2 and "dataset.reward_fn" in refused.stderr, refused.stderr
         assert "ModuleNotFoundError" in refused.stderr and "no_such_package" in refused.stderr
         wait_for(lambda: live_tasks(run_dir).get("sums", {}).get("status") in ("done", "failed"), 900,
                  "the tenant's task to end", proc)
-        listing = marlaas("tasks", "ls", "--run", run_dir).stdout
+        listing = marlaas("tasks", "ls", "--run", run_dir, timeout=300).stdout
         wait_for(lambda: live_tasks(run_dir).get("base", {}).get("status") in ("done", "failed"), 600,
                  "the base task to end", proc)
-        assert marlaas("tasks", "close", "--run", run_dir).returncode == 0
+        assert marlaas("tasks", "close", "--run", run_dir, timeout=300).returncode == 0
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

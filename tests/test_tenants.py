@@ -17,7 +17,7 @@ import yaml
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.scheduler import Scheduler, SchedulerConfig, Submit
 from marlaas_hpc.service import QueueIntake
-from unix_users import SKIP_REASON, can_make_users, run_as, unix_users
+from support.unix_users import SKIP_REASON, can_make_users, run_as, unix_users
 
 ROOT = Path(__file__).resolve().parents[1]
 ALICE, BOB, LAB = "mlsalice", "mlsbob", "mlslab"

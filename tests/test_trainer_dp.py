@@ -7,8 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dp_scenarios import run_dp_scenario
-from trainer_scenarios import TASKS
+from support.checks import max_diff
+from support.dp_scenarios import run_dp_scenario
+from support.trainer_scenarios import TASKS
 
 TOL = 1e-5
 SHAPES = {"tp1dp1": (1, 1, 0), "tp1dp2": (1, 2, 40), "tp2dp2": (2, 2, 0)}
@@ -27,11 +28,6 @@ def runs(tiny_model_path):
         return {name: future.result() for name, future in futures.items()}
 
 
-def _max_diff(a, b) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 @pytest.mark.parametrize("shape", ["tp1dp2", "tp2dp2"])
 def test_dp2_equals_dp1_losses_grads_and_weights(runs, shape):
     one, two = runs["tp1dp1"][0], runs[shape][0]
@@ -43,9 +39,9 @@ def test_dp2_equals_dp1_losses_grads_and_weights(runs, shape):
             m2 = step_two["metrics"][task_id]
             for key in ("loss", "clip_frac", "ratio_mean", "logp_diff_abs", "grad_norm", "tokens", "trajectories"):
                 assert abs(m1[key] - m2[key]) < TOL * max(1.0, abs(m1[key])), (task_id, key, m1[key], m2[key])
-            assert _max_diff(step_one["grads"][task_id], step_two["grads"][task_id]) < TOL
+            assert max_diff(step_one["grads"][task_id], step_two["grads"][task_id]) < TOL
         for task_id in TASKS:  # Adam amplifies 1e-7 gradient differences on near-zero entries (see test_trainer_tp)
-            assert _max_diff(step_one["tensors"][task_id], step_two["tensors"][task_id]) < 1e-3
+            assert max_diff(step_one["tensors"][task_id], step_two["tensors"][task_id]) < 1e-3
     last = one["steps"][1]  # the second step: at the first, B = 0 makes A's gradient 0
     assert all(last["grads"]["a"][k].abs().max() > 0 for k in last["grads"]["a"]), "the gradients are not trivial"
     assert 0 < last["metrics"]["a"]["clip_frac"] < 1 and last["metrics"]["a"]["kl"] > 0
@@ -63,5 +59,5 @@ def test_dp_replicas_hold_identical_adapters(runs, shape):
         first, second = replicas
         for step_first, step_second in zip(first["steps"], second["steps"]):
             for task_id in TASKS:  # the same all-reduced gradients and optimizer state: bit for bit
-                assert _max_diff(step_first["tensors"][task_id], step_second["tensors"][task_id]) == 0.0
+                assert max_diff(step_first["tensors"][task_id], step_second["tensors"][task_id]) == 0.0
             assert step_first["metrics"] == step_second["metrics"]

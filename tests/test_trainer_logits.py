@@ -1,7 +1,7 @@
 """The LM head in float32 (trainer/lm_head.py) on a checkpoint whose logits have real magnitudes.
 
 Random-weight checkpoints give logits near 0, where bf16 rounding is invisible; a trained model's are 20-40,
-where bf16 keeps multiples of 0.125-0.25. `scaled_checkpoint` (tests/trainer_scenarios.py) is
+where bf16 keeps multiples of 0.125-0.25. `scaled_checkpoint` (tests/support/trainer_scenarios.py) is
 random:qwen3-0.6b-mini with every weight rounded to bf16 (as released checkpoints are) and its final norm
 scaled so its top logits are 40-50. With bf16 base weights, the trainer's logprobs are checked against a float64
 LM head applied to the trainer's own final hidden states (the same bf16 values, the same forward): what remains
@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from trainer_scenarios import HEAD_MAX_TOL, HEAD_MEAN_TOL, head_inputs, head_precision_scenario, scaled_checkpoint
+from support.trainer_scenarios import HEAD_MAX_TOL, HEAD_MEAN_TOL, head_inputs, head_precision_scenario, scaled_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from trainer_scenarios import (BF16_LOGPROB_MAX_TOL, BF16_LOGPROB_MEAN_TOL, TASKS, make_trajectories,
+from support.checks import max_diff
+from support.trainer_scenarios import (BF16_LOGPROB_MAX_TOL, BF16_LOGPROB_MEAN_TOL, TASKS, make_trajectories,
                                memory_variants_scenario)
 
 pytestmark = pytest.mark.slow
@@ -17,14 +18,7 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def model_path():
-    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
-
-    return ensure_random_checkpoint("qwen3-0.6b-mini")
-
-
-@pytest.fixture(scope="module")
-def records(model_path):
+def records(qwen_path):
     from marlaas_hpc.trajectory import assign_advantages
     from support.local_group import run_local
 
@@ -36,11 +30,7 @@ def records(model_path):
             traj.behaviour_logprobs = [-11.9 + noise.gauss(0.0, 0.1) if m else 0.0 for m in traj.mask()]
         assign_advantages(trajs)
         batches[task_id] = trajs
-    return run_local(memory_variants_scenario, 1, str(model_path), batches, timeout=600)[0]
-
-
-def _max_diff(a, b):
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+    return run_local(memory_variants_scenario, 1, str(qwen_path), batches, timeout=600)[0]
 
 
 @pytest.mark.parametrize("variant", ["micro", "recompute", "megatron_wgrad"])
@@ -55,7 +45,7 @@ def test_micro_batches_and_recompute_equal_one_whole_batch(records, variant):
         for key in ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens"):
             a, b = whole["metrics"][task_id][key], other["metrics"][task_id][key]
             assert abs(a - b) < TOL * max(1.0, abs(a)), (variant, task_id, key, a, b)
-        assert _max_diff(whole["grads"][task_id], other["grads"][task_id]) < TOL
+        assert max_diff(whole["grads"][task_id], other["grads"][task_id]) < TOL
     assert all(whole["grads"]["a"][k].abs().max() > 0 for k in whole["grads"]["a"] if "lora_B" in k)
 
 

@@ -4,21 +4,25 @@ Every check runs on the tiny char model and on random-weight checkpoints with th
 family (model/random_checkpoints.py), tied and untied: Qwen3 (151,936-row vocabulary, GQA, qk-norm, head_dim
 64), Qwen2.5 (the same vocabulary, q/k/v biases, no qk-norm) and Llama 3.x (128,256 rows, llama3 RoPE scaling,
 rope_theta 500,000). Megatron pads Qwen's vocabulary to 152,064 rows at TP=2 (Llama's 128,256 rows to 128,512
-at TP=4), so the padded logits must stay out of every softmax. One scenario per TP size
-(tests/trainer_scenarios.py) runs in spawned gloo processes -- TP=1 and TP=2 concurrently -- and every test
-checks part of their records against each other or against HF/PEFT. TP=2 also runs with a micro-batch token budget (TP=1: the whole batch at once),
-so it checks gradient accumulation too.
+at TP=4), so the padded logits must stay out of every softmax. One scenario per TP size and checkpoint
+(tests/support/trainer_scenarios.py) runs in spawned gloo processes -- TP=1 and TP=2 concurrently, each process
+running every checkpoint's scenario in turn -- and every test checks part of their records against each other or
+against HF/PEFT. TP=2 also runs with a micro-batch token budget (TP=1: the whole batch at once), so it checks
+gradient accumulation too.
 """
 from __future__ import annotations
 
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
-from trainer_scenarios import FUSED_STEPS, TASKS, base_logits, make_trajectories, probe_ids, run_scenario
+from support.checks import max_diff
+from support.trainer_scenarios import (FUSED_STEPS, TASKS, base_logits_per_checkpoint, make_trajectories, probe_ids,
+                                       scenario_per_checkpoint)
 
 TOL = 1e-5
 LOGIT_TOL = 1e-4
@@ -30,29 +34,13 @@ CHECKPOINTS = ["tiny", "random:qwen3-0.6b-mini", "random:qwen3-8b-mini", "random
                "random:qwen2.5-7b-mini", "random:llama3.2-1b-mini", "random:llama3.1-8b-mini"]
 
 
-@pytest.fixture(scope="module", params=CHECKPOINTS)
-def model_path(request, tiny_model_path):
-    if request.param == "tiny":
-        return tiny_model_path
-    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
-
-    return ensure_random_checkpoint(request.param.split(":", 1)[1])
-
-
-@pytest.fixture(scope="module")
-def hf_base(model_path):
+def _hf_model(path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def probe(hf_base):
-    return probe_ids(hf_base.config.vocab_size)
-
-
-@pytest.fixture(scope="module")
-def batches(hf_base):
+def _behaviour_batches(hf_base) -> dict:
     """Per task: trajectories with behaviour logprobs = HF base logprobs at the task's temperature + noise
     (ratios near 1: some tokens clipped, most not) and group-relative advantages."""
     from marlaas_hpc.trainer.objectives import token_logprobs
@@ -75,20 +63,85 @@ def batches(hf_base):
 
 
 @pytest.fixture(scope="module")
-def runs(model_path, batches, probe, tmp_path_factory):
-    """{tp: [record of rank 0, ...]} for TP=1 (whole batch) and TP=2 (micro-batches by token budget)."""
+def scenario_inputs(tiny_model_path) -> dict[str, tuple]:
+    """Per checkpoint: (path, probe rows, batches), each from its HF base model (loaded here, then let go)."""
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
+
+    out = {}
+    for checkpoint in CHECKPOINTS:
+        path = tiny_model_path if checkpoint == "tiny" else ensure_random_checkpoint(checkpoint.split(":", 1)[1])
+        hf_base = _hf_model(path)
+        out[checkpoint] = (path, probe_ids(hf_base.config.vocab_size), _behaviour_batches(hf_base))
+    return out
+
+
+@pytest.fixture(scope="module")
+def all_runs(scenario_inputs, tmp_path_factory) -> dict[str, dict[int, list[dict]]]:
+    """{checkpoint: {tp: [record of rank 0, ...]}} for TP=1 (whole batch) and TP=2 (micro-batches by token
+    budget): ONE process for TP=1 and one pair for TP=2, run concurrently, each running every checkpoint's
+    scenario in turn (one megatron import per process, not one per checkpoint)."""
     from support.local_group import run_local
 
-    out_dir = str(tmp_path_factory.mktemp("trainer_exports"))
+    out_dir = tmp_path_factory.mktemp("trainer_exports")
+    runs = {tp: {checkpoint: (str(path), tp, batches, str(out_dir / checkpoint.replace(":", "_")),
+                              0 if tp == 1 else MICRO_BATCH_TOKENS, probe)
+                 for checkpoint, (path, probe, batches) in scenario_inputs.items()} for tp in (1, 2)}
     with ThreadPoolExecutor(2) as pool:
-        futures = {tp: pool.submit(run_local, run_scenario, tp, str(model_path), tp, batches, out_dir,
-                                   0 if tp == 1 else MICRO_BATCH_TOKENS, probe, timeout=600) for tp in (1, 2)}
-        return {tp: f.result() for tp, f in futures.items()}
+        futures = {tp: pool.submit(run_local, scenario_per_checkpoint, tp, runs[tp], timeout=300 * len(CHECKPOINTS))
+                   for tp in (1, 2)}
+        by_rank = {tp: f.result() for tp, f in futures.items()}
+    return {checkpoint: {tp: [records[checkpoint] for records in by_rank[tp]] for tp in (1, 2)}
+            for checkpoint in CHECKPOINTS}
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+@pytest.fixture(scope="module", params=CHECKPOINTS)
+def checkpoint(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_path(checkpoint, scenario_inputs):
+    return scenario_inputs[checkpoint][0]
+
+
+@pytest.fixture(scope="module")
+def hf_base(model_path):
+    return _hf_model(model_path)
+
+
+@pytest.fixture(scope="module")
+def probe(checkpoint, scenario_inputs):
+    return scenario_inputs[checkpoint][1]
+
+
+@pytest.fixture(scope="module")
+def batches(checkpoint, scenario_inputs):
+    return scenario_inputs[checkpoint][2]
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, all_runs):
+    """{tp: [record of rank 0, ...]} of this checkpoint's scenario (its failure fails its tests only)."""
+    failed = [f"TP={tp} rank {rank}:\n{record['error']}" for tp, records in all_runs[checkpoint].items()
+              for rank, record in enumerate(records) if "error" in record]
+    if failed:
+        pytest.fail(f"{checkpoint}: the trainer scenario failed\n" + "\n".join(failed))
+    return all_runs[checkpoint]
+
+
+@pytest.fixture(scope="module")
+def tp4_base_logits(scenario_inputs) -> dict[str, dict]:
+    """Base logits at TP=4 of every checkpoint whose KV heads TP=4 divides: one group of 4 processes for all."""
+    from support.local_group import run_local
+
+    runs = {checkpoint: (str(path), 4, probe) for checkpoint, (path, probe, _) in scenario_inputs.items()
+            if not _kv_heads(path) % 4}
+    return run_local(base_logits_per_checkpoint, 4, runs, timeout=300 * len(runs))[0]
+
+
+def _kv_heads(path) -> int:
+    config = json.loads((Path(path) / "config.json").read_text())
+    return config.get("num_key_value_heads", config["num_attention_heads"])
 
 
 def _peft_model(model_path, adapter_dir):
@@ -101,7 +154,7 @@ def _peft_model(model_path, adapter_dir):
 
 def test_tp2_equals_tp1_losses_and_grads_over_steps(runs):
     one, two = runs[1][0], runs[2][0]
-    assert _max_diff(one["init_tensors"]["a"], two["init_tensors"]["a"]) == 0.0  # same seeded A on any TP
+    assert max_diff(one["init_tensors"]["a"], two["init_tensors"]["a"]) == 0.0  # same seeded A on any TP
     assert abs(one["isolation_metrics"]["loss"] - two["isolation_metrics"]["loss"]) < TOL
     assert len(one["steps"]) == FUSED_STEPS >= 3
     for step_one, step_two in zip(one["steps"], two["steps"]):
@@ -109,14 +162,14 @@ def test_tp2_equals_tp1_losses_and_grads_over_steps(runs):
             m1, m2 = step_one["metrics"][task_id], step_two["metrics"][task_id]
             for key in ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens"):
                 assert abs(m1[key] - m2[key]) < TOL * max(1.0, abs(m1[key])), (task_id, key, m1[key], m2[key])
-            assert _max_diff(step_one["grads"][task_id], step_two["grads"][task_id]) < TOL
+            assert max_diff(step_one["grads"][task_id], step_two["grads"][task_id]) < TOL
     last = one["steps"][-1]
     assert all(last["grads"]["a"][k].abs().max() > 0 for k in last["grads"]["a"])
     assert 0 < last["metrics"]["a"]["clip_frac"] < 1 and last["metrics"]["a"]["kl"] > 0
     for task_id in TASKS:
         # Adam divides by sqrt(v): gradients equal to 1e-5 may still move near-zero-gradient weights by
         # ~1e-4 differently, so the weights after 4 steps get a looser bound than losses and gradients
-        assert _max_diff(one["tensors"][task_id], two["tensors"][task_id]) < 1e-3
+        assert max_diff(one["tensors"][task_id], two["tensors"][task_id]) < 1e-3
         assert one["versions"][task_id] == two["versions"][task_id] == FUSED_STEPS + (task_id == "a")
 
 
@@ -137,15 +190,14 @@ def test_megatron_rope_equals_transformers(runs, hf_base, tp):
     assert torch.allclose(runs[tp][0]["rope_inv_freq"], reference, rtol=1e-6, atol=0)
 
 
-def test_megatron_forward_equals_transformers_at_tp4(model_path, hf_base, probe):
+def test_megatron_forward_equals_transformers_at_tp4(checkpoint, hf_base, probe, tp4_base_logits):
     """TP=4 divides the real checkpoints' 8 heads and 4 KV heads; their vocabulary is padded to 152,064."""
     if hf_base.config.num_key_value_heads % 4:
         pytest.skip("TP=4 does not divide this checkpoint's KV heads")
-    from support.local_group import run_local
-
     with torch.no_grad():
         reference = hf_base(input_ids=torch.tensor(probe)).logits
-    record = run_local(base_logits, 4, str(model_path), 4, probe, timeout=600)[0]
+    record = tp4_base_logits[checkpoint]
+    assert "error" not in record, record.get("error")
     assert float((record["base_logits"] - reference).abs().max()) <= LOGIT_TOL
 
 

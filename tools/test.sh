@@ -11,7 +11,8 @@ if [ -x slurm/local-cluster/start.sh ] && [ "$(id -u)" = 0 ] && [ "${MARLAAS_NO_
 fi
 # Build the tiny model once up front so its build time shows separately from the tests'.
 .venv/bin/python tools/build_tiny_model.py
+# --durations=30: the 30 slowest tests of each run, where the suite's time goes.
 # vLLM runs in a pytest process of its own: its kernel-override scan of sys.modules trips over llvmlite
 # objects that bm25s (env tests) imports. Rollout ranks never import bm25s.
-.venv/bin/python -m pytest -q -ra -m "not vllm" "$@"
-.venv/bin/python -m pytest -q -ra -m vllm "$@"
+.venv/bin/python -m pytest -q -ra --durations=30 -m "not vllm" "$@"
+.venv/bin/python -m pytest -q -ra --durations=30 -m vllm "$@"

@@ -1,7 +1,7 @@
 """A small MPI program for the supervisor tests (test_launch_supervise.py): three ranks that report to the
 job's monitor like marlaas ranks do, then one of them fails in the way asked for.
 
-    mpirun -np 3 python tests/fault_ranks.py WHAT RUN_DIR
+    mpirun -np 3 python tests/support/fault_ranks.py WHAT RUN_DIR
     WHAT: ok | kill (rank 2 SIGKILLs itself while rank 1 waits on it in a gloo broadcast) | raise (rank 1 raises
           an OSError ENOSPC) | hang (rank 2 SIGKILLs itself, no MPI: run as plain processes by a launcher that
           never stops them) | stuck (every rank beats; rank 2's loop stops turning inside a 'generate' span, as

@@ -1,14 +1,14 @@
 """Self-checking MPI program: the LoRA delta broadcast (runtime/delta.py) from world rank 0 (the trainer
 leader) to every other rank (rollout ranks), each member on the device MODE gives it.
 
-    mpirun -np N python tests/delta_scenarios.py MODE
+    mpirun -np N python tests/support/delta_scenarios.py MODE
     MODE: cpu (every member on the CPU) | cuda (member i on GPU i) | mixed (leader on GPU 0, the rest on the
           CPU) | same_gpu (every member on GPU 0, as under layout.share_gpus)
 
 Rank 0 prints one JSON line: the backend the channel chose, whether every rollout rank received every tensor
 bit for bit, and each member's broadcast-buffer device.
 
-    mpirun -np 4 python tests/delta_scenarios.py shuffled
+    mpirun -np 4 python tests/support/delta_scenarios.py shuffled
 
 Two trainer leaders (ranks 0, 1) and two rollout ranks (2, 3), the announces reaching the rollout ranks in
 different orders: leader 0's announce to rank 3 and leader 1's to rank 2 are held back (`HeldBack`) until each
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's marlaas_hpc
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's marlaas_hpc
 
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402

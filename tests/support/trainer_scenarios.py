@@ -1,7 +1,8 @@
 """One trainer run per TP size, executed in spawned gloo processes; the trainer tests compare its records.
 
-A single scenario per TP size keeps the (slow: ~10 s) megatron import + model build to one per process.
-Rank 0 returns the full record; every rank returns its own isolation checks.
+A single scenario per TP size keeps the (slow: ~10 s) megatron import + model build to one per process; the
+`*_per_checkpoint` runners go further and run one checkpoint's scenario after another in the same processes, so
+that every checkpoint shares one import. Rank 0 returns the full record; every rank returns its own isolation checks.
 """
 from __future__ import annotations
 
@@ -86,6 +87,31 @@ def base_logits(rank: int, model_path: str, tp: int, probe: list[list[int]]) -> 
     # float32 whatever the device: the callers compare with float32 transformers ('auto' is bfloat16 on CUDA)
     trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, dtype="float32"))
     return {"base_logits": trainer.logits(None, probe)}
+
+
+def _per_checkpoint(scenario, rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
+    """{checkpoint: scenario(rank, *args)} for each (checkpoint, args) in turn, in this process. A checkpoint whose
+    scenario raises gets {"error": its traceback} and the next one runs (every TP rank raises alike: a shape or
+    a value error, not a rank that stops in a collective alone)."""
+    import traceback
+
+    out = {}
+    for checkpoint, args in runs.items():
+        try:
+            out[checkpoint] = scenario(rank, *args)
+        except Exception:  # noqa: BLE001 (reported to the checkpoint's tests, which fail with it)
+            out[checkpoint] = {"error": traceback.format_exc()}
+    return out
+
+
+def base_logits_per_checkpoint(rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
+    """`base_logits` of each checkpoint (args: model_path, tp, probe) in this process."""
+    return _per_checkpoint(base_logits, rank, runs)
+
+
+def scenario_per_checkpoint(rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
+    """`run_scenario` of each checkpoint (args as run_scenario's after the rank) in this process."""
+    return _per_checkpoint(run_scenario, rank, runs)
 
 
 def run_scenario(rank: int, model_path: str, tp: int, batches: dict[str, list[Trajectory]], out_dir: str,

@@ -2,17 +2,17 @@
 ranks 1, 2, 3 a chain of relays (fan-out 1), rank 4 (if any) a rollout rank, client of the LAST relay (rank 3),
 so every byte it pulls went through the whole chain.
 
-    mpirun -np 5 python tests/relay_scenarios.py bytes
+    mpirun -np 5 python tests/support/relay_scenarios.py bytes
         The leader sends v1, v2, v3 of a tiny-model adapter both by today's delta broadcast (DeltaChannel, members
         0 and 4) and by relay pushes. Rank 4 pins v1 at its relay, then takes v1..v3 from the broadcast and pulls
         v3 and v1 (pinned, though superseded); unpinned, v1 is gone. Prints whether every pulled tensor equals the
         broadcast one bit for bit, whether both v3s give the same logprobs, and what the relay held at each point.
 
-    mpirun -np 4 python tests/relay_scenarios.py chain
+    mpirun -np 4 python tests/support/relay_scenarios.py chain
         The leader pushes two versions of a 12 MB adapter (several chunks) while relay 3 has not started reading:
         push must return anyway. Then relay 3 starts; prints whether every relay holds v2 (v1 evicted) bit for bit.
 
-    mpirun -np 5 python tests/relay_scenarios.py timing SHAPE     (SHAPE: tiny | qwen3-0.6b-r32)
+    mpirun -np 5 python tests/support/relay_scenarios.py timing SHAPE     (SHAPE: tiny | qwen3-0.6b-r32)
         Seconds: the leader's push, until the last relay holds the version, and rank 4's pull (median of 5).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's marlaas_hpc
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's marlaas_hpc
 
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402

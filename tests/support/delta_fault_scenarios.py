@@ -1,13 +1,13 @@
-"""Delta channels losing a member, with NCCL's behaviour (tests/nccl_standin.py): a collective that waits for a
+"""Delta channels losing a member, with NCCL's behaviour (tests/support/nccl_standin.py): a collective that waits for a
 missing member never completes, abort() ends it, and a watchdog ends any process whose collective stays pending
 past its timeout. Run by tests/test_delta_faults.py:
 
-    mpirun -np 3 python tests/delta_fault_scenarios.py lost_rollout     leader 0, rollout ranks 1 and 2; 2 is lost
-    mpirun -np 3 python tests/delta_fault_scenarios.py drain            the same, 2 drains (leaves after its last poll)
-    mpirun -np 4 python tests/delta_fault_scenarios.py lost_leader      leaders 0, 1, rollout 2, 3; leader 1 is lost
-    mpirun -np 4 python tests/delta_fault_scenarios.py several_leaders  leaders 0, 1, rollout 2, 3; rollout 3 is lost
-    mpirun -np 3 python tests/delta_fault_scenarios.py setup_deadline   2 is lost while the leader remakes with it
-    mpirun -np 3 python tests/delta_fault_scenarios.py relay_deadline   relay tier 1 -> 2; 2 is lost as it re-forms
+    mpirun -np 3 python tests/support/delta_fault_scenarios.py lost_rollout     leader 0, rollout ranks 1 and 2; 2 is lost
+    mpirun -np 3 python tests/support/delta_fault_scenarios.py drain            the same, 2 drains (leaves after its last poll)
+    mpirun -np 4 python tests/support/delta_fault_scenarios.py lost_leader      leaders 0, 1, rollout 2, 3; leader 1 is lost
+    mpirun -np 4 python tests/support/delta_fault_scenarios.py several_leaders  leaders 0, 1, rollout 2, 3; rollout 3 is lost
+    mpirun -np 3 python tests/support/delta_fault_scenarios.py setup_deadline   2 is lost while the leader remakes with it
+    mpirun -np 3 python tests/support/delta_fault_scenarios.py relay_deadline   relay tier 1 -> 2; 2 is lost as it re-forms
 
 A lost rank stops taking part (NCCL cannot tell a dead member from one that never comes); the survivors do what the
 job does on rank 0's RanksChanged (runtime/trainer_rank.py: `remake`; runtime/rollout_rank.py: the fan-in switches
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's marlaas_hpc
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's marlaas_hpc
 
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402

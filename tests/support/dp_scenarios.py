@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from trainer_scenarios import TASKS, make_trajectories
+from support.trainer_scenarios import TASKS, make_trajectories
 
 
 def build_batches(trainer) -> dict:

@@ -4,7 +4,7 @@ before and forwards to the next as it receives). Each joiner then builds the hf 
 rank 0 from the disk, and all three sample the same requests with the same adapter at the same version; rank 0
 prints one JSON line with what each rank found.
 
-    python tests/peer_weights_ranks.py MODEL_DIR OUT_DIR ADAPTER_DIR [--kill-feeder-after N | --bad-sums]
+    python tests/support/peer_weights_ranks.py MODEL_DIR OUT_DIR ADAPTER_DIR [--kill-feeder-after N | --bad-sums]
 """
 from __future__ import annotations
 
