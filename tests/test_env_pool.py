@@ -156,3 +156,21 @@ def test_job_config_refuses_bad_env_settings_naming_the_field(change, field):
     assert refused.value.field == field
     assert JobConfig.from_dict({"env_pool": {"mode": "process", "workers": 3}}).env_pool.workers == 3
     assert JobConfig.from_dict({"env_pool": {"tool_concurrency": 512}}).env_pool.tool_concurrency == 512
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_cancelled_task_s_queued_steps_never_run_and_others_do_not_wait_behind_them(mode):
+    """A failed task's steps still queued finish at once with a 'cancelled' error, none of them run (a crashing
+    reward's calls each started a fresh worker that the other tasks' steps waited behind); the others run."""
+    slow, crash, good = FaultyTask("hang"), FaultyTask("crash"), SyntheticTask(DatasetSpec(kind="addition"))
+    with EnvPool(EnvPoolConfig(mode=mode, workers=1, step_timeout_s=30)) as pool:
+        for key, task in (("slow", slow), ("crash", crash), ("good", good)):
+            pool.add_task(key, task)
+        first = pool.submit("slow", env_for(slow), "1.5")  # holds the only worker for 1.5 s
+        doomed = [pool.submit("crash", env_for(crash, i), "7") for i in range(3)]
+        kept = pool.submit("good", env_for(good), "7")
+        pool.cancel_task("crash")
+        outcomes = [future.result(timeout=20) for future in doomed]
+        assert all(o.error is not None and o.error.cause == "cancelled" for o in outcomes)
+        assert kept.result(timeout=20).error is None and first.result(timeout=20).error is None
+        assert "crash" not in pool.stats()["calls"]  # none of them ran

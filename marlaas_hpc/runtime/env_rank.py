@@ -310,6 +310,7 @@ class EnvRank:
             return
         self.failed.add(task_id)
         self.outbox.send(TaskFailed(task_id, error), 0, TAG_EVENT)
+        self.pool.cancel_task(task_id)  # its queued steps never run: the other tasks' steps do not wait on them
         for group_id, group in list(self.groups.items()):
             if group.first.task_id == task_id:
                 del self.groups[group_id]
