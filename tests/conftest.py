@@ -120,3 +120,12 @@ def hf_engine(tiny_model_path, adapters):
     for task, path in adapters.items():
         engine.add_adapter(AdapterRef(task, 0, str(path)))
     return engine
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, tools/test.sh) each test file runs whole on one worker, so its
+    module fixtures (a job several tests read) run once; the files that use the local Slurm cluster share one
+    worker, since the cluster holds one four-component job at a time."""
+    for item in items:
+        group = "slurm" if item.get_closest_marker("slurm") else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
