@@ -56,6 +56,9 @@ class TrainerSettings:
     """Attention kernel of the trainer's packed rows: 'flex' (torch FlexAttention with a block mask: no score
     matrix; CUDA only for training), 'dense' (megatron's unfused attention: ~6 bytes per score of every row kept
     for backward, the CPU twin's kernel), or 'auto' (flex on CUDA, dense on CPU)."""
+    allocator_reserve: float = bounded(0.1, ge=0, lt=1)
+    """Device memory PyTorch's caching allocator holds beyond the live tensors (freed blocks it keeps, and
+    fragmentation), as a share of them: what `marlaas plan` adds to a trainer rank's estimate (5-15% is typical)."""
 
     def validate(self, prefix: str = "trainer") -> "TrainerSettings":
         check_bounds(self, prefix)

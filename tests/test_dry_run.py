@@ -41,7 +41,7 @@ def test_the_shipped_config_s_trainer_rank_runs_on_fake_cuda_as_plan_estimates(t
     assert result.adapters_bytes == inputs.max_adapters * memory.lora_per_task
     assert result.steady_bytes == pytest.approx(memory.steady, rel=1e-3)  # + the Adam moments and gradients
     assert result.step_added_bytes == pytest.approx(memory.activations + memory.logits, rel=0.02)
-    assert result.steady_peak_bytes == pytest.approx(memory.total, rel=0.02)
+    assert result.steady_peak_bytes == pytest.approx(memory.step_peak, rel=0.02)
     # the flattened delta: one task's whole adapter in float32 (TP-gathered: its sharded halves twice over)
     assert lora_elements(dims, 2, 32) * 4 < result.delta_peak_bytes <= 2 * lora_elements(dims, 1, 32) * 4
     assert result.host_syncs_per_step > 0  # logged loss statistics read device scalars
@@ -62,7 +62,7 @@ def test_the_estimate_follows_the_dry_run_on_other_paths(tmp_path, change):
     inputs = replace(trainer_inputs(job, dims), max_adapters=2, **change)
     result = run_in_subprocess(shape_of(inputs, directory), tmp_path / "cache")
     memory = trainer_memory(inputs)
-    assert result.steady_peak_bytes == pytest.approx(memory.total, rel=0.05), result
+    assert result.steady_peak_bytes == pytest.approx(memory.step_peak, rel=0.05), result
 
 
 def test_a_cpu_tensor_on_the_gpu_path_fails_the_dry_run(tmp_path):

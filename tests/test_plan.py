@@ -105,7 +105,7 @@ def test_share_gpus_leaves_the_trainer_what_vllm_does_not_take(tmp_path):
     alone = marlaas("plan", str(shipped(tmp_path)))
     assert alone.returncode == 0, alone.stderr
     shared = marlaas("plan", str(shipped(tmp_path, **{"layout.share_gpus": True, "layout.rollout_ranks": 1})))
-    assert shared.returncode == 1 and "of 12.00 GiB" in shared.stderr, shared.stderr  # 80 GiB x (1 - 0.85)
+    assert shared.returncode == 1 and "of 11.94 GiB" in shared.stderr, shared.stderr  # 79.6 GiB x (1 - 0.85)
 
 
 def test_gpu_memory_gib_is_validated():
@@ -164,3 +164,69 @@ def test_the_estimate_uses_the_lm_head_s_chunk():
     from marlaas_hpc.trainer.lm_head import LOGITS_CHUNK_BYTES as TRAINER_S
 
     assert LOGITS_CHUNK_BYTES == TRAINER_S
+
+
+# ---- a plan that holds on a real device (issue #36 item 5) ----
+def _plan(path: Path, *args) -> subprocess.CompletedProcess:
+    return marlaas("plan", str(path), *args)
+
+
+def test_qwen3_8b_at_tp2_on_an_h100_is_refused_naming_the_field_to_change(tmp_path):
+    """What an 80 GB H100 reports (79.6 GiB) and every term a real GPU holds: the leader's delta buffers in flight,
+    NCCL's buffers, the allocator's reserve. Before they were counted, 78.2-79.2 GiB were planned: 'fits'."""
+    path = shipped(tmp_path, **{"layout.trainer_tp": 2, "layout.trainer.gpu_memory_gib": 79.6})
+    proc = _plan(path, "--model", "random:qwen3-8b")
+    assert proc.returncode == 1, proc.stdout
+    assert "marlaas: trainer.micro_batch_tokens: a trainer rank needs" in proc.stderr
+    for line in ("delta buffers in flight (the leader's, NCCL): 16 x 0.33 GiB adapter", "allocator reserve: 0.1",
+                 "NCCL buffers: 2 communicator(s) (TP, delta channel)"):
+        assert line in proc.stdout, proc.stdout
+
+
+def test_the_shipped_plan_counts_delta_buffers_and_the_allocator_reserve(tmp_path):
+    inputs = trainer_inputs(JobConfig.load(SHIPPED).validate(), model_dims(JobConfig(), "random:qwen3-0.6b")[0])
+    from marlaas_hpc.plan.estimate import adapter_bytes, trainer_memory
+
+    memory = trainer_memory(inputs)
+    assert inputs.delta_buffers == 16 and memory.delta_in_flight == 16 * adapter_bytes(inputs)
+    assert 1.25e9 < memory.delta_in_flight < 1.35e9  # ~1.3 GB at Qwen3-0.6B r32 (issue #36)
+    assert memory.reserve == int(0.1 * memory.tensors) and memory.total == memory.tensors + memory.reserve + memory.nccl
+    relay = trainer_inputs(JobConfig.load(shipped(tmp_path, **{"delta": {"transport": "relay"}})).validate(),
+                           inputs.dims)
+    assert relay.delta_buffers == 0 and relay.communicators == 1  # the relay's links are gloo, host memory: TP only
+
+
+def test_the_leader_s_in_flight_bound_is_the_channel_s():
+    from marlaas_hpc.plan.estimate import DELTA_IN_FLIGHT
+    from marlaas_hpc.runtime.delta.broadcast import DeltaChannel
+
+    assert DELTA_IN_FLIGHT == DeltaChannel.MAX_IN_FLIGHT
+
+
+@pytest.mark.parametrize("gpu, gib", [({}, 79.6), ({"gpu_type": "h200"}, 139.0), ({"gpu_type": "a100-40gb"}, 39.4),
+                                      ({"gpu_type": "h200", "gpu_memory_gib": 100}, 100)])
+def test_gpu_memory_defaults_to_what_the_named_gpu_reports(gpu, gib):
+    assert JobLayout.from_dict({"trainer": gpu}).trainer.gpu_gib == gib
+
+
+def test_an_unknown_gpu_type_is_refused_naming_the_field():
+    with pytest.raises(LayoutError) as refused:
+        JobLayout.from_dict({"rollout": {"gpu_type": "h100"}})
+    assert refused.value.field == "rollout.gpu_type" and "h100-80gb" in str(refused.value)
+
+
+def test_the_delta_plane_beside_vllm_s_share_is_counted_against_the_gpu(tmp_path):
+    """vLLM sizes its KV cache from its share before the delta channels exist: their buffers come on top, so a
+    share that leaves too little room is refused naming vllm.gpu_memory_utilization."""
+    path = shipped(tmp_path, **{"vllm.gpu_memory_utilization": 0.97})
+    proc = _plan(path, "--model", "random:qwen3-8b")
+    assert proc.returncode == 1
+    assert "marlaas: vllm.gpu_memory_utilization: a rollout rank's GPU holds vLLM's" in proc.stderr, proc.stderr
+
+
+def test_a_rollout_node_s_in_memory_adapters_are_checked_against_its_memory(tmp_path):
+    path = shipped(tmp_path, **{"layout.rollout.mem": "16G"})
+    proc = _plan(path, "--model", "random:qwen3-0.6b")
+    assert proc.returncode == 1
+    assert "marlaas: layout.rollout.mem: a rollout rank's in-memory adapters" in proc.stderr, proc.stderr
+    assert "host RAM per node: in-memory adapters" in proc.stdout

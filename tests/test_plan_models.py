@@ -18,13 +18,14 @@ MODELS = {"small": "random:qwen3-0.6b", "big": "random:qwen3-8b"}
 
 
 def two_models(tmp_path, models=None, **changes) -> Path:
-    """The shipped GPU config (8 tasks, vllm) serving two base models: a trainer group each (TP=1, where Qwen3-8B's
-    trainer rank does not fit an 80 GiB GPU and Qwen3-0.6B's does), the first four tasks on `small`, the rest on
-    `big`; `changes` as dotted keys."""
+    """The shipped GPU config (8 tasks, vllm) serving two base models: a trainer group each (TP=1 and micro-batches
+    of 8192 tokens, where Qwen3-8B's trainer rank does not fit an 80 GB H100 and Qwen3-0.6B's does, and both do at
+    TP=2), the first four tasks on `small`, the rest on `big`; `changes` as dotted keys."""
     data = yaml.safe_load(SHIPPED.read_text())
     del data["model"]
     data["models"] = dict(models or MODELS)
     data["layout"].update(trainer_tp=1, trainer_groups=2, trainer_group_models=["small", "big"])
+    data["trainer"]["micro_batch_tokens"] = 8192
     for i, task in enumerate(data["tasks"]):
         task["base_model"] = "small" if i < 4 else "big"
     path = tmp_path / "job.yaml"
@@ -50,7 +51,7 @@ def test_each_model_gets_the_trainer_plan_of_its_groups_and_the_one_that_does_no
     code, stdout, stderr = plan(capsys, two_models(tmp_path))
     assert code == 1, stderr
     small, big = section(stdout, "model small: trainer rank"), section(stdout, "model big: trainer rank")
-    assert "x1 (layout.trainer_tp 1, 1 group(s) x 1 DP)" in small and "fits in 80.00 GiB" in small
+    assert "x1 (layout.trainer_tp 1, 1 group(s) x 1 DP)" in small and "fits in 79.60 GiB" in small
     assert "DOES NOT FIT" in big and "base weights (bfloat16)" in big
     failures = stderr.strip().splitlines()
     assert len(failures) == 1 and failures[0].startswith("marlaas: "), stderr
@@ -103,7 +104,7 @@ def test_share_gpus_limits_each_model_s_trainer_to_what_vllm_leaves(tmp_path):
     job = JobConfig.load(path).validate()
     trainers = [p for p in job_plan(job) if p.kind == "trainer"]
     assert [p.model for p in trainers] == ["small", "big"]
-    assert all(p.limit == int(80 * 2 ** 30 * (1 - 0.85)) for p in trainers)
+    assert all(p.limit == int(79.6 * 2 ** 30 * (1 - 0.85)) for p in trainers)  # an 80 GB H100 reports 79.6 GiB
     assert [p.fits for p in trainers] == [False, False]
 
 
@@ -136,17 +137,26 @@ def test_a_whole_fused_step_is_sized_by_the_tasks_of_the_group_s_model(tmp_path)
 
 
 def test_sleeping_weights_over_the_rollout_node_s_memory_are_refused_naming_layout_rollout_mem(tmp_path, capsys):
-    """Two rollout ranks on one node, each holding Qwen3-0.6B's 1.11 GiB asleep: 2.22 GiB of host RAM, over a
-    2 GiB `layout.rollout.mem` and within 3G (or within 2G once the ranks are on two nodes)."""
-    tight = two_models(tmp_path, **{"layout.trainer_tp": 2, "layout.rollout_ranks": 2, "layout.rollout.mem": "2G"})
+    """Two rollout ranks on one node, each holding Qwen3-0.6B's 1.11 GiB asleep beside its in-memory adapters: a
+    `layout.rollout.mem` 1 GiB under their sum is refused, 1 GiB over it passes (as does the tight one once the
+    ranks are on two nodes)."""
+    from marlaas_hpc.plan.command import job_model_dims, rollout_host_bytes
+
+    shape = {"layout.trainer_tp": 2, "layout.rollout_ranks": 2}
+    job = JobConfig.load(two_models(tmp_path, **shape)).validate()
+    per_rank = max(rollout_host_bytes(job, dims) for dims in job_model_dims(job).values()) + int(1.11 * 2**30)
+    need_gib = 2 * per_rank / 2**30
+    tight = two_models(tmp_path, **shape, **{"layout.rollout.mem": f"{int(need_gib) - 1}G"})
     code, stdout, stderr = plan(capsys, tight)
     assert code == 1
-    assert "host RAM per node: sleeping engines weights" in stdout and "2.22 GiB  DOES NOT FIT in 2.00 GiB" in stdout
-    assert stderr.startswith("marlaas: layout.rollout.mem: the sleeping engines' weights (model small) take "
-                             "2.22 GiB"), stderr
+    assert "host RAM per node: in-memory adapters, sleeping engines' weights" in stdout
+    assert f"{need_gib:.2f} GiB  DOES NOT FIT in {int(need_gib) - 1}.00 GiB" in stdout, stdout
+    assert stderr.startswith("marlaas: layout.rollout.mem: a rollout rank's in-memory adapters"), stderr
+    assert "the sleeping engines' weights (model small: 1.11 GiB)" in stderr, stderr
     with pytest.raises(SpecError) as caught:
         check_fits(JobConfig.load(tight).validate(), gpus_visible=True)
     assert caught.value.field == "layout.rollout.mem"
-    for changes in ({"layout.rollout.mem": "3G"}, {"layout.rollout.mem": "2048", "layout.rollout.nodes": 2}):
-        roomy = two_models(tmp_path, **{"layout.trainer_tp": 2, "layout.rollout_ranks": 2, **changes})
+    for changes in ({"layout.rollout.mem": f"{int(need_gib) + 1}G"},
+                    {"layout.rollout.mem": f"{(int(need_gib) - 1) * 1024}", "layout.rollout.nodes": 2}):
+        roomy = two_models(tmp_path, **shape, **changes)
         assert plan(capsys, roomy)[0] == 0

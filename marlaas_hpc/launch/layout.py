@@ -69,6 +69,13 @@ def parse_slurm_time(value: str | int) -> int:
     return seconds
 
 
+GPU_MEMORY_GIB = {"h100-80gb": 79.6, "h200": 139.0, "a100-80gb": 79.1, "a100-40gb": 39.4, "l40s": 44.4,
+                  "b200": 178.4}
+"""What CUDA reports of each GPU model's memory, in GiB (torch.cuda.get_device_properties().total_memory,
+rounded down): less than the name says (an 80 GB H100 reports about 79.6 GiB)."""
+DEFAULT_GPU_TYPE = "h100-80gb"
+
+
 @dataclass(kw_only=True)
 class ComponentResources:
     """What one het component asks Slurm for (one `#SBATCH` block)."""
@@ -99,10 +106,21 @@ class ComponentResources:
     """--constraint (node features), e.g. 'h100&ib'."""
     extra_sbatch: list[str] = field(default_factory=list)
     """More sbatch options for this component, verbatim in long form, e.g. ['--exclusive', '--reservation=rl']."""
-    gpu_memory_gib: float = 80.0
-    """Memory of each of this component's GPUs, in GiB (80: an H100 or A100 80GB; an H200 has 141). Rollout and
-    trainer only: `marlaas plan` checks each rank's estimated device memory against it, and `marlaas run` /
-    `submit` refuse a job whose GPU ranks would not fit (marlaas_hpc/plan)."""
+    gpu_type: str | None = None
+    """The GPU model of this component's nodes, one of GPU_MEMORY_GIB's names ('h100-80gb', 'h200', 'a100-80gb',
+    ...): what `gpu_memory_gib` defaults to. None: an 80 GB H100."""
+    gpu_memory_gib: float | None = None
+    """Memory of each of this component's GPUs as CUDA reports it, in GiB (a site's own figure); None: what
+    `gpu_type` reports (GPU_MEMORY_GIB). Rollout and trainer only: `marlaas plan` checks each rank's estimated
+    device memory against it, and `marlaas run` / `submit` refuse a job whose GPU ranks would not fit
+    (marlaas_hpc/plan)."""
+
+    @property
+    def gpu_gib(self) -> float:
+        """The memory of one GPU the plan counts with: `gpu_memory_gib`, else its `gpu_type`'s."""
+        if self.gpu_memory_gib is not None:
+            return self.gpu_memory_gib
+        return GPU_MEMORY_GIB[self.gpu_type or DEFAULT_GPU_TYPE]
 
     def validate(self, name: str) -> None:
         _int_at_least(self.nodes, 1, f"{name}.nodes")
@@ -110,10 +128,13 @@ class ComponentResources:
             _int_at_least(self.ntasks, 0, f"{name}.ntasks")
         _int_at_least(self.cpus_per_task, 1, f"{name}.cpus_per_task")
         _int_at_least(self.gpus_per_task, 0, f"{name}.gpus_per_task")
-        if isinstance(self.gpu_memory_gib, bool) or not isinstance(self.gpu_memory_gib, (int, float)) \
-                or not 0 < self.gpu_memory_gib <= 4096:
+        if self.gpu_memory_gib is not None and (isinstance(self.gpu_memory_gib, bool) or not isinstance(
+                self.gpu_memory_gib, (int, float)) or not 0 < self.gpu_memory_gib <= 4096):
             raise LayoutError(f"{name}.gpu_memory_gib", f"must be a number of GiB in (0, 4096], got "
                                                         f"{self.gpu_memory_gib!r}")
+        if self.gpu_type is not None and self.gpu_type not in GPU_MEMORY_GIB:
+            raise LayoutError(f"{name}.gpu_type", f"unknown GPU {self.gpu_type!r}; known: {sorted(GPU_MEMORY_GIB)} "
+                                                  "(or give gpu_memory_gib)")
         if self.mem is not None and not (isinstance(self.mem, str) and _MEM.match(self.mem)):
             raise LayoutError(f"{name}.mem", f"{self.mem!r} is not a size like '4000', '16G' or '512M'")
         if self.time is not None:

@@ -22,12 +22,13 @@ from pathlib import Path
 
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.model.shape import ModelShape
-from marlaas_hpc.plan.estimate import (DTYPE_BYTES, GIB, RolloutInputs, RolloutMemory, TrainerInputs, TrainerMemory,
-                                       logits_chunk_tokens, padded_vocab, rollout_memory, trainer_memory)
+from marlaas_hpc.plan.estimate import (DELTA_IN_FLIGHT, DTYPE_BYTES, GIB, NCCL_BYTES_PER_COMMUNICATOR, RolloutInputs,
+                                       RolloutMemory, TrainerInputs, TrainerMemory, logits_chunk_tokens, padded_vocab,
+                                       rollout_memory, trainer_memory, vllm_lora_elements)
 
 CUDA_CONTEXT_BYTES = GIB
-"""Per GPU process, outside what PyTorch allocates: the CUDA context, cuBLAS workspaces, NCCL's buffers (an
-estimate: about 0.5-1 GiB on an H100)."""
+"""Per GPU process, outside what PyTorch allocates: the CUDA context and cuBLAS workspaces (an estimate: about
+0.5-1 GiB on an H100). NCCL's buffers are counted per communicator."""
 DEFAULT_PROMPT_TOKENS = 32
 """The prompt of each planned row: short, so nearly every token of the micro-batch is trained (the most logits)."""
 VLLM_MAX_NUM_SEQS = 256
@@ -51,13 +52,14 @@ class RankPlan:
     notes: list[str] = field(default_factory=list)
     model: str | None = None
     """The model's name in `JobConfig.model_names` (a job of several models), else None."""
-    host: tuple[int, int] | None = None
-    """(bytes, limit): host RAM per node this rank kind needs beyond its process, against the component's
-    `mem` (sleeping engines' weights, a rollout rank of several models); None when not checked."""
+    host: tuple[int, int | None] | None = None
+    """(bytes, limit): host RAM per node this rank kind needs beyond its process (a rollout rank's in-memory
+    adapters, and the sleeping engines' weights of a job of several models), against the component's `mem`
+    (limit None: not set, not checked); None for a trainer rank."""
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.limit and (self.host is None or self.host[0] <= self.host[1])
+        return self.total <= self.limit and (self.host is None or self.host[1] is None or self.host[0] <= self.host[1])
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -156,12 +158,22 @@ def trainer_inputs(job, dims: ModelShape, row_tokens: int | None = None,
         tasks = [task for task in job.tasks if model is None or task_model(job, task) == model]
         longest = max((task.algo.batch_prompts * task.algo.group_size for task in tasks), default=1)
         budget = job.trainer_slots * longest * width
-    return TrainerInputs(dims=dims, tensor_parallel=job.layout.trainer_tp,
+    layout, nccl_delta = job.layout, delta_on_nccl(job)
+    return TrainerInputs(dims=dims, tensor_parallel=layout.trainer_tp,
                          dtype_bytes=4 if job.trainer.dtype == "float32" else 2, micro_batch_tokens=budget,
                          row_tokens=width, prompt_tokens=min(prompt_tokens, max(0, min(width, budget) - 1)),
                          lora_rank=job.max_lora_rank, max_adapters=job.max_adapters, fused_tasks=job.trainer_slots,
                          recompute=job.trainer.recompute,
-                         attention="dense" if job.trainer.attention == "dense" else "flex")
+                         attention="dense" if job.trainer.attention == "dense" else "flex",
+                         delta_buffers=DELTA_IN_FLIGHT if nccl_delta else 0,
+                         communicators=(layout.trainer_tp > 1) + (layout.trainer_dp > 1) + nccl_delta,
+                         allocator_reserve=job.trainer.allocator_reserve)
+
+
+def delta_on_nccl(job) -> bool:
+    """Whether the delta plane's buffers and communicators are on the GPUs: the broadcast between ranks with GPUs
+    of their own (the relay tier's links are gloo; under layout.share_gpus two members share a GPU: gloo)."""
+    return job.delta.transport == "broadcast" and not job.layout.share_gpus
 
 
 def task_model(job, task) -> str:
@@ -187,7 +199,25 @@ def trainer_lines(memory: TrainerMemory) -> list[tuple[str, int]]:
               f"{logits_chunk_tokens(inputs)} x {shard_vocab} (vocab/TP)", memory.logits)]
     if memory.score_buffer:
         lines.append(("megatron's kept attention score buffer (dense)", memory.score_buffer))
-    return lines + [("CUDA context, cuBLAS, NCCL (estimate)", CUDA_CONTEXT_BYTES)]
+    if inputs.attention == "flex":
+        lines.append((f"FlexAttention block mask (its build's {_gib(memory.flex_mask_build)} is before the peak)",
+                      memory.flex_mask))
+    lines.append((f"delta buffers in flight (the leader's, NCCL): {inputs.delta_buffers} x "
+                  f"{_gib(memory.delta_in_flight // max(1, inputs.delta_buffers))} adapter, float32",
+                  memory.delta_in_flight))
+    lines.append((f"allocator reserve: {inputs.allocator_reserve:g} (trainer.allocator_reserve) of the tensors' "
+                  f"{_gib(memory.tensors)}", memory.reserve))
+    lines.append((f"NCCL buffers: {inputs.communicators} communicator(s) ({communicator_names(inputs)}) x "
+                  f"{_gib(NCCL_BYTES_PER_COMMUNICATOR)} (estimate)", memory.nccl))
+    return lines + [("CUDA context, cuBLAS (estimate)", CUDA_CONTEXT_BYTES)]
+
+
+def communicator_names(inputs: TrainerInputs) -> str:
+    """The NCCL communicators `trainer_inputs` counted, in words."""
+    names = [name for name, member in (("TP", inputs.tensor_parallel > 1), ("DP", inputs.communicators > (
+        inputs.tensor_parallel > 1) + (inputs.delta_buffers > 0)), ("delta channel", inputs.delta_buffers > 0))
+        if member]
+    return ", ".join(names) or "none"
 
 
 def trainer_total(inputs: TrainerInputs) -> int:
@@ -199,8 +229,8 @@ def trainer_plan(job, dims: ModelShape, row_tokens: int | None = None,
     """A trainer rank; `model`: of the groups loading that model (a job of several models), None: of every group."""
     inputs = trainer_inputs(job, dims, row_tokens, prompt_tokens, model)
     memory = trainer_memory(inputs)
-    gpu = int(job.layout.trainer.gpu_memory_gib * GIB)
-    limit, label = gpu, f"{job.layout.trainer.gpu_memory_gib:g} GiB GPU (layout.trainer.gpu_memory_gib)"
+    gpu = int(job.layout.trainer.gpu_gib * GIB)
+    limit, label = gpu, gpu_label(job.layout.trainer, "trainer")
     if job.layout.share_gpus:  # a vLLM engine on the same GPU takes gpu_memory_utilization of it
         limit = int(gpu * (1 - job.vllm.gpu_memory_utilization))
         label += f", less vLLM's {job.vllm.gpu_memory_utilization:g} of it (layout.share_gpus)"
@@ -255,13 +285,23 @@ def _splits(dims: ModelShape, tp: int) -> bool:
     return all(value % tp == 0 for value in (dims.num_heads, dims.num_kv_heads, dims.intermediate_size))
 
 
+def gpu_label(resources, component: str) -> str:
+    """'79.6 GiB GPU (an h100-80gb: layout.trainer.gpu_type)', or the site's own layout.<component>.gpu_memory_gib."""
+    if resources.gpu_memory_gib is not None:
+        return f"{resources.gpu_gib:g} GiB GPU (layout.{component}.gpu_memory_gib)"
+    from marlaas_hpc.launch.layout import DEFAULT_GPU_TYPE
+
+    how = f"layout.{component}.gpu_type" if resources.gpu_type else f"the default, layout.{component}.gpu_type unset"
+    return f"{resources.gpu_gib:g} GiB GPU (an {resources.gpu_type or DEFAULT_GPU_TYPE}: {how})"
+
+
 # ---------------------------------------------------------------------------------------------- rollout
 def rollout_inputs(job, dims: ModelShape, model_dtype: str = "bfloat16") -> RolloutInputs:
     vllm = job.vllm
     dtype = model_dtype if vllm.dtype == "auto" else vllm.dtype
     engine = vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())
     return RolloutInputs(dims=dims, tensor_parallel=vllm.tensor_parallel_size, dtype_bytes=DTYPE_BYTES[dtype],
-                         gpu_bytes=int(job.layout.rollout.gpu_memory_gib * GIB),
+                         gpu_bytes=int(job.layout.rollout.gpu_gib * GIB),
                          gpu_memory_utilization=vllm.gpu_memory_utilization, max_loras=engine["max_loras"],
                          max_lora_rank=job.max_lora_rank,
                          max_model_len=vllm.max_model_len or dims.max_position_embeddings,
@@ -276,7 +316,8 @@ def rollout_need(memory: RolloutMemory) -> int:
 
 
 def rollout_plan(job, dims: ModelShape, model: str | None = None) -> RankPlan:
-    """A rollout rank's engine of one model (`model`: its name in a job of several, else None)."""
+    """A rollout rank's engine of one model (`model`: its name in a job of several, else None): vLLM's share of
+    the GPU, and beside it what the delta plane puts on the GPU after vLLM sized its KV cache."""
     inputs = rollout_inputs(job, dims)
     memory = rollout_memory(inputs)
     kv = memory.kv_cache - CUDA_CONTEXT_BYTES
@@ -286,26 +327,72 @@ def rollout_plan(job, dims: ModelShape, model: str | None = None) -> RankPlan:
     lines = [(f"weights ({'bfloat16' if inputs.dtype_bytes == 2 else 'float32'})", memory.weights),
              (f"LoRA slots: {inputs.max_loras} (vllm.max_loras) x r{dims_text}", memory.lora_slots),
              ("activations of vLLM's profiling forward (estimate)", memory.activations),
-             ("CUDA context, cuBLAS, NCCL (estimate)", CUDA_CONTEXT_BYTES),
+             ("CUDA context, cuBLAS (estimate)", CUDA_CONTEXT_BYTES),
              (f"KV cache: the rest of vLLM's share = {tokens} tokens, {sequences} sequences of max_model_len "
               f"{inputs.max_model_len}", max(0, kv))]
-    gpu_gib = job.layout.rollout.gpu_memory_gib
-    label = (f"vllm.gpu_memory_utilization {inputs.gpu_memory_utilization:g} of a {gpu_gib:g} GiB GPU "
-             "(layout.rollout.gpu_memory_gib)")
+    beside = delta_beside_vllm(job, dims)
+    label = (f"vllm.gpu_memory_utilization {inputs.gpu_memory_utilization:g} of a "
+             f"{gpu_label(job.layout.rollout, 'rollout')}")
     title = f"rollout rank x{job.layout.rollout_ranks} (vllm.tensor_parallel_size {inputs.tensor_parallel})"
     if model is not None:
         title += f", awake: model {model}"
-    needed = rollout_need(memory)
-    advice = None
     if sequences < 1:
+        needed = rollout_need(memory)
         utilization = needed / inputs.gpu_bytes
         fix = (f"raise vllm.gpu_memory_utilization to at least {utilization:.2f}" if utilization <= 0.95 else
                "lower vllm.max_model_len, vllm.max_loras or max_lora_rank, or raise vllm.tensor_parallel_size")
         advice = ("vllm.gpu_memory_utilization",
                   f"a rollout rank's KV cache holds {max(0, tokens)} tokens, less than one sequence of "
                   f"vllm.max_model_len {inputs.max_model_len} (vLLM refuses to start): {fix}")
-    return RankPlan(kind="rollout", title=title, lines=lines, total=needed if sequences < 1 else memory.budget,
-                    limit=memory.budget, limit_label=label, advice=advice, model=model)
+        plan = RankPlan(kind="rollout", title=title, lines=lines, total=needed, limit=memory.budget,
+                        limit_label=label, advice=advice, model=model)
+    else:
+        plan = beside_vllm_plan(job, RankPlan(kind="rollout", title=title, lines=lines, total=memory.budget,
+                                              limit=memory.budget, limit_label=label, model=model), beside, inputs)
+    return plan
+
+
+def delta_beside_vllm(job, dims: ModelShape) -> list[tuple[str, int]]:
+    """What a rollout rank's delta plane puts on its GPU, outside vLLM's share (made after vLLM sized its KV
+    cache): under the broadcast on NCCL, one channel per trainer leader and the buffers of the broadcasts posted
+    and not yet complete (each leader has at most DELTA_IN_FLIGHT in flight)."""
+    if not delta_on_nccl(job):
+        return []
+    leaders, adapter = job.layout.trainer_groups, 4 * vllm_lora_elements(dims, 1, job.max_lora_rank)
+    return [(f"delta receive buffers: {leaders} leader(s) x {DELTA_IN_FLIGHT} in flight x {_gib(adapter)} adapter",
+             leaders * DELTA_IN_FLIGHT * adapter),
+            (f"NCCL buffers: {leaders} delta channel(s) x {_gib(NCCL_BYTES_PER_COMMUNICATOR)} (estimate)",
+             leaders * NCCL_BYTES_PER_COMMUNICATOR)]
+
+
+def beside_vllm_plan(job, plan: RankPlan, beside: list[tuple[str, int]], inputs: RolloutInputs) -> RankPlan:
+    """The rank's GPU holds vLLM's share and what the delta plane puts beside it: refused naming
+    vllm.gpu_memory_utilization (with the value that fits) when they exceed the GPU."""
+    if not beside:
+        return plan
+    extra = sum(size for _, size in beside)
+    total, gpu = plan.total + extra, inputs.gpu_bytes
+    advice = None
+    if total > gpu:
+        fitting = (gpu - extra) / gpu
+        advice = ("vllm.gpu_memory_utilization", f"a rollout rank's GPU holds vLLM's {_gib(plan.total)} and "
+                  f"{_gib(extra)} of delta buffers beside it, {_gib(total)} of {_gib(gpu)}: lower "
+                  f"vllm.gpu_memory_utilization to at most {fitting:.2f}")
+    return replace(plan, lines=plan.lines + [(f"{label}, beside vLLM's share", size) for label, size in beside],
+                   total=total, limit=gpu, advice=advice, limit_label=f"{plan.limit_label}, "
+                   f"and the delta plane's buffers beside it in the {_gib(gpu)}")
+
+
+def rollout_host_bytes(job, dims: ModelShape) -> int:
+    """Host memory of one rollout rank's in-memory adapters: every version its engine holds as float32 tensors
+    until it retires it (per task the current one, the ones open groups still sample with: up to the largest
+    staleness bound, and one arriving), and vLLM's CPU LoRA cache (as many of those as vllm.max_cpu_loras holds,
+    in its dtype). In a job of several models, counted at the largest model's adapter size: an upper bound."""
+    adapter = vllm_lora_elements(dims, 1, job.max_lora_rank)
+    engine = job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness())
+    dtype = DTYPE_BYTES["bfloat16" if job.vllm.dtype == "auto" else job.vllm.dtype]
+    versions = job.max_adapters * (job.largest_staleness() + 2)
+    return versions * 4 * adapter + min(engine["max_cpu_loras"], versions) * dtype * adapter
 
 
 def models_rollout_plan(job, dims: dict[str, ModelShape]) -> RankPlan:
@@ -326,25 +413,28 @@ def models_rollout_plan(job, dims: dict[str, ModelShape]) -> RankPlan:
                      f"context stays on the GPU: ~{_gib(len(asleep) * CUDA_CONTEXT_BYTES)} beside vLLM's share")
     plan = rollout_plan(job, dims[awake], awake)
     plan = replace(plan, title=f"{plan.title} (the largest engine of {len(dims)})", notes=notes)
-    return with_host_check(job, plan, host, asleep)
+    adapters = max(rollout_host_bytes(job, model_dims_) for model_dims_ in dims.values())
+    return with_host_check(job, plan, adapters, host, asleep)
 
 
-def with_host_check(job, plan: RankPlan, host_per_rank: int, asleep: list[str]) -> RankPlan:
-    """The rollout plan checked for host RAM when `layout.rollout.mem` is set: each node holds its share of the
-    rollout ranks, each with the sleeping engines' weights (`host_per_rank`) on top of its own process."""
+def with_host_check(job, plan: RankPlan, adapters: int, sleeping: int = 0, asleep: list[str] = ()) -> RankPlan:
+    """The rollout plan with the host RAM per node its rank kind needs beyond its process: each node holds its
+    share of the rollout ranks, each with its in-memory adapters (`rollout_host_bytes`) and, in a job of several
+    models, the sleeping engines' weights. Checked against `layout.rollout.mem` when it is set."""
     limit = slurm_mem_bytes(job.layout.rollout.mem)
-    if limit is None:
-        return plan
     ranks = math.ceil(job.layout.rollout_ranks / job.layout.rollout.nodes)
-    needed = ranks * host_per_rank
+    needed = ranks * (adapters + sleeping)
+    if limit is None:
+        return replace(plan, host=(needed, None))
     advice, model = plan.advice, plan.model
-    if needed > limit and plan.total <= plan.limit:  # the refusal names the sleeping models, not the awake one
+    if needed > limit and plan.total <= plan.limit:  # the refusal names host memory, not the awake engine
         model = None
+        what = f"in-memory adapters ({_gib(adapters)})" + (
+            f" and the sleeping engines' weights (model {', '.join(asleep)}: {_gib(sleeping)})" if asleep else "")
         advice = ("layout.rollout.mem",
-                  f"the sleeping engines' weights (model {', '.join(asleep)}) take {_gib(needed)} of host RAM per "
-                  f"node ({ranks} rollout rank(s) x {_gib(host_per_rank)}), more than layout.rollout.mem "
-                  f"{job.layout.rollout.mem}: raise it, or spread the rollout ranks over more nodes "
-                  "(layout.rollout.nodes)")
+                  f"a rollout rank's {what} take {_gib(needed)} of host RAM per node ({ranks} rollout rank(s) x "
+                  f"{_gib(adapters + sleeping)}), more than layout.rollout.mem {job.layout.rollout.mem}: raise it, "
+                  "or spread the rollout ranks over more nodes (layout.rollout.nodes)")
     return replace(plan, advice=advice, model=model, host=(needed, limit), limit_label=f"{plan.limit_label}, "
                    f"{ranks} rollout rank(s) per node in layout.rollout.mem {job.layout.rollout.mem}")
 
@@ -384,7 +474,11 @@ def job_plan(job, dims: dict[str, ModelShape] | None = None, kinds=("trainer", "
         plans += [trainer_plan(job, model_dims_, row_tokens, prompt_tokens, name if several else None)
                   for name, model_dims_ in dims.items() if name in loaded]
     if "rollout" in kinds and job.engine == "vllm":
-        plans.append(models_rollout_plan(job, dims) if several else rollout_plan(job, next(iter(dims.values()))))
+        if several:
+            plans.append(models_rollout_plan(job, dims))
+        else:
+            dims_ = next(iter(dims.values()))
+            plans.append(with_host_check(job, rollout_plan(job, dims_), rollout_host_bytes(job, dims_)))
     return plans
 
 
@@ -466,15 +560,16 @@ def print_plan(plan: RankPlan) -> None:
     for label, size in plan.lines:
         print(f"  {label:<96} {size / GIB:8.2f} GiB")
     verdict = "fits" if plan.total <= plan.limit else "DOES NOT FIT"
-    if plan.kind == "trainer":
+    if plan.kind == "trainer" or plan.limit != plan.total and any("beside vLLM" in label for label, _ in plan.lines):
         print(f"  {'total':<96} {plan.total / GIB:8.2f} GiB  {verdict} in {_gib(plan.limit)}")
     else:
         print(f"  {'vLLM takes':<96} {plan.limit / GIB:8.2f} GiB  {verdict}")
     if plan.host is not None:
         needed, limit = plan.host
-        verdict = "fits" if needed <= limit else "DOES NOT FIT"
-        print(f"  {'host RAM per node: sleeping engines weights':<96} {needed / GIB:8.2f} GiB  {verdict} in "
-              f"{_gib(limit)}")
+        label = "host RAM per node: in-memory adapters" + (", sleeping engines' weights" if plan.notes else "")
+        verdict = ("(layout.rollout.mem unset: not checked)" if limit is None else
+                   f"{'fits' if needed <= limit else 'DOES NOT FIT'} in {_gib(limit)}")
+        print(f"  {label:<96} {needed / GIB:8.2f} GiB  {verdict}")
     for note in plan.notes:
         print(f"  note: {note}")
 
@@ -499,7 +594,7 @@ def print_dry_run(job, model_name: str, inputs: TrainerInputs, model: str | None
                                       ("steady (weights, adapters, optimizer)", memory.steady, result.steady_bytes),
                                       ("a step adds (activations, logits)", memory.activations + memory.logits,
                                        result.step_added_bytes),
-                                      ("peak", memory.total, result.steady_peak_bytes)):
+                                      ("peak", memory.step_peak, result.steady_peak_bytes)):
         print(f"  {label:<40} {estimate / GIB:8.2f} / {measured / GIB:8.2f} GiB ({estimate / measured - 1:+.1%})")
     print(f"  delta flatten adds {_gib(result.delta_peak_bytes)}; {result.host_syncs_per_step} device-to-host "
           f"syncs per step")

@@ -15,6 +15,14 @@ Trainer rank (one TP rank of a trainer group; every rank of the group holds the 
                      chunks of LOGITS_CHUNK_BYTES: the trainer's head computes log-softmax a chunk of tokens at a
                      time, forward and backward (trainer/lm_head.py)
     score buffer     attention 'dense' only: megatron keeps its largest [rows x heads, s, s] score buffer
+    flex mask        attention 'flex': the block mask a micro-batch keeps (int32 block indices), and the chunk of
+                     booleans its build evaluates at once (transient, before the first layer: not at the peak)
+    delta buffers    the leader only, broadcast on NCCL: up to DELTA_IN_FLIGHT flat float32 copies of a whole
+                     adapter posted and not yet completed (runtime/delta/broadcast.py MAX_IN_FLIGHT)
+    NCCL             per communicator (TP group, DP group, the leader's delta channel): NCCL's buffers, an
+                     estimate from its defaults (`NCCL_BYTES_PER_COMMUNICATOR`)
+    reserve          the caching allocator's memory over live tensors (fragmentation): trainer.allocator_reserve
+                     of the rest
 
 The activation and logits terms follow the code; tests/test_plan.py checks them against the GPU dry run
 (dry_run.py), which runs the trainer's GPU path on fake CUDA tensors. The micro-batch is `rows` rows of
@@ -38,6 +46,19 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 ATTENTION_KERNELS = ("flex", "dense")
 LOGITS_CHUNK_BYTES = 256 << 20
 """trainer/lm_head.py's: float32 logits the LM head computes at once (repeated here: that module imports torch)."""
+FLEX_BLOCK = 128
+"""trainer/attention.py's FlexAttention block (repeated here: that module imports torch)."""
+FLEX_MASK_CHUNK_ELEMENTS = 1 << 24
+"""trainer/attention.py's MASK_CHUNK_ELEMENTS: booleans of the visibility rule its block mask evaluates at once;
+the build holds about five tensors of that size at its peak."""
+DELTA_IN_FLIGHT = 16
+"""runtime/delta/broadcast.py's DeltaChannel.MAX_IN_FLIGHT: broadcasts a leader posts before it waits (repeated
+here: that module imports torch; tests/test_plan.py checks they agree)."""
+NCCL_BYTES_PER_COMMUNICATOR = 16 * 2 * ((4 << 20) + (4608 << 10) + (256 << 10))
+"""An estimate of one NCCL communicator's device buffers: per channel and per peer connection, one buffer per
+protocol at NCCL's defaults (Simple: NCCL_BUFFSIZE 4 MiB; LL128 ~4.5 MiB; LL 256 KiB); 16 channels (what NCCL
+typically opens within an NVLink node; NCCL_MAX_NCHANNELS bounds it) of 2 connections (a ring's two neighbours):
+~283 MiB. Measured on a GPU it can be more (more channels) or less (NCCL_BUFFSIZE lowered)."""
 
 
 def padded_vocab(dims: ModelShape, tp: int) -> int:
@@ -64,6 +85,12 @@ class TrainerInputs:
     recompute: bool
     attention: str
     """'flex' or 'dense' (trainer.attention resolved for a GPU: 'auto' is 'flex')."""
+    delta_buffers: int = 0
+    """Flat adapter copies this rank holds in flight on the GPU (a leader broadcasting on NCCL: DELTA_IN_FLIGHT)."""
+    communicators: int = 0
+    """NCCL communicators this rank is a member of."""
+    allocator_reserve: float = 0.0
+    """The caching allocator's reserve, as a share of what the tensors take."""
 
     @property
     def width(self) -> int:
@@ -98,6 +125,12 @@ class TrainerMemory:
     activations: int
     logits: int
     score_buffer: int
+    flex_mask: int = 0
+    """The block mask a micro-batch keeps (flex attention)."""
+    flex_mask_build: int = 0
+    """The block mask's build, transient: before the first layer, so never at the step's peak."""
+    delta_in_flight: int = 0
+    nccl: int = 0
 
     @property
     def adapters(self) -> int:
@@ -110,15 +143,53 @@ class TrainerMemory:
         return self.base_weights + self.adapters + self.score_buffer
 
     @property
+    def step_peak(self) -> int:
+        """What the trainer's tensors take at a step's peak (the mask's build comes before it, on less): what the
+        GPU dry run measures."""
+        peak = self.steady + self.activations + self.logits + self.flex_mask
+        return max(peak, self.steady + self.flex_mask_build)
+
+    @property
+    def tensors(self) -> int:
+        """Every tensor at the peak: the step's and the leader's delta buffers in flight."""
+        return self.step_peak + self.delta_in_flight
+
+    @property
+    def reserve(self) -> int:
+        return int(self.inputs.allocator_reserve * self.tensors)
+
+    @property
     def total(self) -> int:
-        return self.steady + self.activations + self.logits
+        return self.tensors + self.reserve + self.nccl
 
 
 def trainer_memory(inputs: TrainerInputs) -> TrainerMemory:
     lora = 4 * lora_elements(inputs.dims, inputs.tensor_parallel, inputs.lora_rank)
+    kept, build = flex_mask_bytes(inputs)
     return TrainerMemory(inputs=inputs, base_weights=base_weight_bytes(inputs), lora_per_task=lora,
                          optimizer_per_task=3 * lora, activations=activation_bytes(inputs),
-                         logits=logits_bytes(inputs), score_buffer=score_buffer_bytes(inputs))
+                         logits=logits_bytes(inputs), score_buffer=score_buffer_bytes(inputs), flex_mask=kept,
+                         flex_mask_build=build, delta_in_flight=inputs.delta_buffers * adapter_bytes(inputs),
+                         nccl=inputs.communicators * NCCL_BYTES_PER_COMMUNICATOR)
+
+
+def adapter_bytes(inputs: TrainerInputs) -> int:
+    """One task's whole adapter as one flat float32 buffer: what a delta broadcast sends (every TP shard gathered,
+    in PEFT's form: A and B of each of the seven projections)."""
+    return 4 * vllm_lora_elements(inputs.dims, 1, inputs.lora_rank)
+
+
+def flex_mask_bytes(inputs: TrainerInputs) -> tuple[int, int]:
+    """(kept, build) of a micro-batch's FlexAttention block mask: the kept part is two int32 [rows, q blocks,
+    kv blocks] index tensors (partial and full blocks) and their counts; the build evaluates at most
+    FLEX_MASK_CHUNK_ELEMENTS booleans at once (at least one query block of every row) and holds about five such
+    tensors (trainer/attention.py flex_block_mask). Nothing on the dense path."""
+    if inputs.attention != "flex":
+        return 0, 0
+    blocks = -(-inputs.width // FLEX_BLOCK)
+    kept = 2 * 4 * inputs.rows * blocks * (blocks + 1)
+    chunk = max(FLEX_MASK_CHUNK_ELEMENTS, inputs.rows * FLEX_BLOCK * inputs.width)
+    return kept, 5 * chunk
 
 
 def base_weight_bytes(inputs: TrainerInputs) -> int:
