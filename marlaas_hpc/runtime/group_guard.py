@@ -158,10 +158,17 @@ class GroupGuard:
     def run(self, stage: str, body, tasks=()):
         """body() on this rank, as every rank of the group runs it (collective). Returns its result once every
         rank's returned; restores `tasks` (trainer state) and raises, or runs it again, as the module doc says."""
-        saved = self.trainer.snapshot(tasks)
+        saved = None
+
+        def section():
+            nonlocal saved
+            if saved is None:  # inside the attempt: a snapshot that runs out of memory is one rank's failure too
+                saved = self.trainer.snapshot(tasks)
+            return body()
+
         for attempt in range(1, self.MAX_ATTEMPTS + 1):
             started = time.time()
-            result, mine = self._attempt(body)
+            result, mine = self._attempt(section)
             votes = self._vote(mine)
             if all(kind == OK for kind, _ in votes):
                 return result
@@ -271,7 +278,8 @@ class GroupGuard:
             if self.size > 1:
                 self._take_down()
                 self.trainer.remake_groups()
-            self.trainer.restore(saved)
+            if saved is not None:  # (None: this rank failed in the snapshot, before anything changed)
+                self.trainer.restore(saved)
         except Exception as exc:
             raise GroupGaveUp(f"trainer group rank {self.rank}: its groups could not be made again: "
                               f"{describe(exc)}") from exc

@@ -181,9 +181,11 @@ def _item_ranges(chunk: list[tuple[str, Trajectory]]) -> dict[str, tuple[int, in
 
 
 def _to_host(value):
-    """`value` with every tensor in it copied to host memory (new containers; other leaves shared)."""
+    """`value` with every tensor in it copied to host memory (new containers; other leaves shared). A CUDA tensor's
+    copy is asynchronous, into pinned memory (torch pins the destination of a non-blocking copy to the host):
+    the caller synchronises once for all of them."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu", non_blocking=True) if value.is_cuda else value.detach().clone()
     if isinstance(value, dict):
         return {key: _to_host(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -615,14 +617,20 @@ class MultiLoraTrainer:
         state["optimizer"] = copy.deepcopy(state["optimizer"])  # the live dict aliases Adam moments
         return state
 
-    def _state(self, task_id: str) -> dict[str, Any]:
-        """`state_dict` whose optimizer state is the live one (its tensors are Adam's moments)."""
+    def _state(self, task_id: str, live: bool = False) -> dict[str, Any]:
+        """`state_dict` whose optimizer state is the live one (its tensors are Adam's moments); `live`: the
+        adapters' too (no copy on the device, for `snapshot`)."""
         task = self._task(task_id)
+
+        def adapter(name: str) -> dict[str, torch.Tensor]:
+            if live:
+                return {key: param.detach() for key, param in self.lora.named_parameters(name)}
+            return self.lora.local_state_dict(name)
+
         return {"lora": dataclasses.asdict(task.lora), "algo": dataclasses.asdict(task.algo),
-                "adapter": self.lora.local_state_dict(task_id), "optimizer": task.optimizer.state_dict(),
+                "adapter": adapter(task_id), "optimizer": task.optimizer.state_dict(),
                 "version": task.version, "tensor_parallel": self.tp_size, "tp_rank": self.tp_rank,
-                "bound": task.bound,
-                "snapshots": {v: self.lora.local_state_dict(_snapshot_name(task_id, v)) for v in task.snapshots}}
+                "bound": task.bound, "snapshots": {v: adapter(_snapshot_name(task_id, v)) for v in task.snapshots}}
 
     def load_state_dict(self, task_id: str, state: dict[str, Any]) -> None:
         """Restores a task saved by `state_dict` on the same TP rank of a trainer with the same TP size."""
@@ -645,7 +653,11 @@ class MultiLoraTrainer:
     def snapshot(self, task_ids: Sequence[str]) -> dict[str, dict | None]:
         """Host copies of these tasks' states (None: no such task), for `restore`: what a step may change before it
         fails on some rank (runtime/group_guard.py)."""
-        return {task_id: _to_host(self._state(task_id)) if task_id in self.tasks else None for task_id in task_ids}
+        snapshot = {task_id: _to_host(self._state(task_id, live=True)) if task_id in self.tasks else None
+                    for task_id in task_ids}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies to the host have landed
+        return snapshot
 
     def restore(self, snapshot: dict[str, dict | None]) -> None:
         """Puts these tasks back as `snapshot` found them (a task absent then is removed)."""
