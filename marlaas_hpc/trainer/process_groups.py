@@ -20,6 +20,7 @@ marker in `roots` replaced by the new group of the same name."""
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,12 +49,18 @@ CONTROL_TIMEOUT = timedelta(hours=3)
 publication of its versions)."""
 
 
+_prefixes = itertools.count()
+"""Store prefixes of this process's control groups and remade groups: every rank of a trainer group makes them in the
+same order (a test may build several trainers over one store), and a prefix used once keeps its rendezvous keys."""
+
+
 def control_group(store, rank: int, size: int):
     """The trainer group's control group: gloo over `store` under a prefix of its own, outside torch's registry (no
     `take_down` reaches it). Made by every rank of the trainer group as its trainer is built."""
     if size == 1:
         return None
-    group = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size, CONTROL_SETUP_TIMEOUT)
+    group = dist.ProcessGroupGloo(dist.PrefixStore(f"control{next(_prefixes)}/", store), rank, size,
+                                  CONTROL_SETUP_TIMEOUT)
     group.set_timeout(CONTROL_TIMEOUT)
     return group
 
@@ -151,12 +158,13 @@ def _swap_defaults(replace) -> None:
                 function.__defaults__ = tuple(replace(value) for value in defaults)
 
 
-def remake(roots, store, prefix: str, backend: str, rank: int, size: int, tensor_parallel: int,
+def remake(roots, store, backend: str, rank: int, size: int, tensor_parallel: int,
            timeout: timedelta | None = None) -> None:
-    """The default group again from `store` under `prefix`, megatron's groups split from it, and each TakenDown
-    marker in `roots` replaced by the new group of its name (collective over the trainer group's ranks)."""
+    """The default group again from `store` under a fresh prefix, megatron's groups split from it, and each
+    TakenDown marker in `roots` replaced by the new group of its name (collective over the trainer group's ranks)."""
     from megatron.core import parallel_state
 
+    prefix = f"regroup{next(_prefixes)}/"
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=size,
                             **({"timeout": timeout} if timeout is not None else {}))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,

@@ -680,8 +680,8 @@ class MultiLoraTrainer:
     def remake_groups(self) -> None:
         """Makes the groups again in place (collective over the trainer group's ranks, after `take_down_groups`)."""
         self.group_epoch += 1
-        process_groups.remake(self._group_roots(), self.group_store, f"regroup{self.group_epoch}/", self.backend,
-                              self.group_rank, self.group_size, self.tp_size)
+        process_groups.remake(self._group_roots(), self.group_store, self.backend, self.group_rank, self.group_size,
+                              self.tp_size)
 
     def close(self) -> None:
         """Removes the LoRA hooks (the process groups stay up: they belong to the process)."""
