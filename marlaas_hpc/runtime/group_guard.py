@@ -79,10 +79,13 @@ class Failure:
             kind = PEER
         else:
             kind = TASK
-        link = exc
-        while link is not None:
-            link.__traceback__ = None
-            link = link.__cause__ or link.__context__
+        chain, seen = [exc], set()
+        while chain:  # the error and every error it was raised from or while handling
+            link = chain.pop()
+            if link is not None and id(link) not in seen:
+                seen.add(id(link))
+                link.__traceback__ = None
+                chain += [link.__cause__, link.__context__]
         return cls(kind, describe(exc), exc)
 
     @property
