@@ -29,7 +29,7 @@ INJECTOR = Path(__file__).resolve().parent / "trainer_faults"
 
 
 def _run(tmp_path: Path, faults: list[dict], **over) -> tuple[subprocess.CompletedProcess, Path]:
-    config = small_config(fault={"hang_timeout_s": 60}, **over)  # a group split by a fault hangs: end it soon
+    config = small_config(fault={"hang_timeout_s": 120}, **over)  # a group split by a fault hangs: end it sooner
     for task in config["tasks"]:
         task["total_steps"] = STEPS
     path, run_dir = tmp_path / "job.yaml", tmp_path / "run"
