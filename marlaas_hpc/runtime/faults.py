@@ -24,6 +24,17 @@ class RankLostError(ConnectionError):
         self.rank, self.kind = rank, kind
 
 
+class GroupFault(ConnectionError):
+    """A trainer group gave up on a step that failed on another of its ranks (runtime/group_guard.py): this rank
+    ends with it (a consequence, like a peer lost; the failed rank names the cause)."""
+
+
+class GroupGaveUp(RuntimeError):
+    """This rank's own failure (out of memory, or a peer's take-down it could not recover from) kept failing the
+    same step on every try: the rank ends, and its trainer group's tasks go back to their checkpoints, failing none
+    of them."""
+
+
 class JobCannotGoOn(RuntimeError):
     """Rank 0, after a rank's loss that the job does not survive (the last rank of a kind, a trainer group with
     no other to take its tasks): the job stops, and the supervisor names the lost rank, with this as the why."""
@@ -31,7 +42,7 @@ class JobCannotGoOn(RuntimeError):
 
 def is_peer_lost(exc: BaseException) -> bool:
     """A collective or message failed because another rank died (a consequence, not a cause)."""
-    if isinstance(exc, (RankLostError, JobCannotGoOn)):
+    if isinstance(exc, (RankLostError, JobCannotGoOn, GroupFault)):
         return True
     try:
         import torch.distributed as dist
@@ -67,9 +78,29 @@ def storage_error(exc: BaseException, what: str) -> OSError:
     return OSError(code, f"{os.strerror(code)}: cannot write {what}")
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A device or host allocation failed: this rank's state, not the task's (the leader alone holds posted delta
+    buffers; another task's batch may be what filled the device)."""
+    return isinstance(exc, (MemoryError, _torch_oom())) or (
+        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in OOM_MARKERS))
+
+
+OOM_MARKERS = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED")
+"""Text of allocation failures raised as plain RuntimeErrors (the CPU allocator, cuBLAS, NCCL's own buffers)."""
+
+
+def _torch_oom() -> type:
+    try:
+        import torch
+
+        return torch.OutOfMemoryError
+    except ImportError:
+        return MemoryError
+
+
 def is_job_fault(exc: BaseException) -> bool:
     """No task caused it: re-raise instead of failing the task (or tasks) at hand."""
-    return is_peer_lost(exc) or is_storage_error(exc)
+    return is_peer_lost(exc) or is_storage_error(exc) or isinstance(exc, GroupGaveUp)
 
 
 def describe(exc: BaseException) -> str:

@@ -218,7 +218,10 @@ def trainer_groups(stats: list, scheduler, wall_s: float) -> dict:
             out[str(group)] = {"ranks": stat.extra["ranks"], "busy_fraction": stat.busy_s / max(wall_s, 1e-9),
                                "tasks": sorted(t for t, s in scheduler.tasks.items() if s.trainer_group == group),
                                # the leader's delta plane: versions sent, seconds blocked in sending them
-                               "delta": stat.extra.get("delta", {})}
+                               "delta": stat.extra.get("delta", {}),
+                               # sections of its ops that failed on some rank and were settled together
+                               # (runtime/group_guard.py): redone, or failed alike on every rank
+                               "regroups": stat.extra.get("regroups", [])}
     return dict(sorted(out.items(), key=lambda item: int(item[0])))
 
 

@@ -31,6 +31,7 @@ from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, recv_wait, write_
 from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_shards, rng_state, save_torch,
                                             trainer_rng_path, trainer_shard_path)
 from marlaas_hpc.runtime.faults import RankLostError, is_job_fault, is_storage_error, storage_error
+from marlaas_hpc.runtime.group_guard import RANK, GroupGuard, TaskFault
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER, AdmitOp,
                                           Checkpoint, CheckpointDone, CheckpointOp, DeltaPlaneFailed, Handover,
                                           MoveInOp, MoveOutOp, ForgetOp, PublishOp, RanksChanged, RankStats, RemoveOp,
@@ -90,6 +91,9 @@ class TrainerRank:
         """Task -> the name its versions are published under (Admit.adapter_key: a new one after a rollback)."""
         self.acked = True
         """Whether every follower's acknowledgement of the last durable op said it went through."""
+        self.guard = GroupGuard(trainer, clock=self.clock, before_retry=self._before_retry)
+        """Every stretch of an op that issues TP/DP collectives ends on every rank of the group together
+        (runtime/group_guard.py): redone after one rank's error, or failed alike on all."""
 
     # ---- every TP rank executes the same ops in the same order ----
     def execute(self, op: TrainerOp):
@@ -99,15 +103,20 @@ class TrainerRank:
         return self._admit(op.admit)
 
     def _run_train(self, op: TrainOp) -> dict:
-        """One fused step over several tasks' orders (shared base forward/backward), then each is published."""
+        """One fused step over several tasks' orders (shared base forward/backward), then each is published: two
+        sections the group agrees on, so that a version is published only once every rank has it."""
         for order, trajectories in op.batches:
             check_bound(order, trajectories, self.trainer.version(order.task_id))
-        metrics = self.trainer.train_steps({order.task_id: trajectories for order, trajectories in op.batches})
-        for order, _ in op.batches:
-            task_metrics = metrics[order.task_id]
-            if math.isfinite(task_metrics.get("loss", 0.0)) and self._publish(order.task_id) is None:
-                task_metrics["diverged"] = "non-finite adapter weights after the step (not published)"
+        batches = {order.task_id: trajectories for order, trajectories in op.batches}
+        metrics = self.guard.run("train", lambda: self.trainer.train_steps(batches), list(batches))
+        self.guard.run("publish", lambda: self._publish_step(metrics))
         return metrics
+
+    def _publish_step(self, metrics: dict[str, dict]) -> None:
+        """Publishes each task of a step whose loss is finite; one whose adapter is not is marked diverged."""
+        for task_id, task_metrics in metrics.items():
+            if math.isfinite(task_metrics.get("loss", 0.0)) and self._publish(task_id) is None:
+                task_metrics["diverged"] = "non-finite adapter weights after the step (not published)"
 
     def _run_save(self, op: SaveOp) -> dict[str, int]:
         return self._save(op.task_ids)
@@ -134,8 +143,7 @@ class TrainerRank:
             self.specs.pop(task_id, None)
 
     def _run_publish(self, op: PublishOp) -> None:
-        for task_id in op.task_ids:
-            self._publish(task_id, write=False)
+        self.guard.run("publish", lambda: [self._publish(task_id, write=False) for task_id in op.task_ids])
 
     def _run_move_out(self, op: MoveOutOp) -> None:
         self._send_state(op.task_id, op.target_ranks)
@@ -154,6 +162,14 @@ class TrainerRank:
         spec = admit.spec
         self.specs[spec.task_id] = spec
         self.adapter_keys[spec.task_id] = admit.adapter_key or spec.task_id
+        version = self.guard.run("admit", lambda: self._install(admit), [spec.task_id])
+        if self.policy is not None:
+            self.policy.admitted(spec.task_id, version)
+        return version
+
+    def _install(self, admit: Admit) -> int:
+        """The task's adapter on this rank, new or from its shard, then published (collective over TP)."""
+        spec = admit.spec
         if admit.resume_version is None:
             # shards left by an earlier job in this run dir must not pass for this task's
             prune_shards(trainer_shard_path(self.run_dir, spec, self.trainer.tp_rank, 0).parent,
@@ -169,8 +185,6 @@ class TrainerRank:
         if version is None:
             raise FloatingPointError(f"adapter of {spec.task_id} v{self.trainer.version(spec.task_id)} has "
                                      "non-finite weights")
-        if self.policy is not None:
-            self.policy.admitted(spec.task_id, version)
         return version
 
     def _save(self, task_ids: list[str]) -> dict[str, int]:
@@ -252,7 +266,8 @@ class TrainerRank:
                 except Exception as exc:
                     if is_job_fault(exc):
                         raise
-                    # a task's fault: the leader hits the same error in the same op and reports it
+                    # a task's fault: the leader met the same end of the same op (the group agreed on it:
+                    # runtime/group_guard.py) and reports it
                 if op.durable:  # this rank's shard is written (a job fault above never acks)
                     self.comm.send((op.stage, result), dest=self.leader, tag=TAG_TRAINER)
 
@@ -287,7 +302,7 @@ class TrainerRank:
         self.delta.close()  # the last versions' broadcasts (or pushes), before this rank leaves
         self.outbox.send(RankStats(self.rank, "trainer", self.clock.busy, self.clock.wall(),
                                    {"trainer_group": self.group, "ranks": self.groups[self.group],
-                                    "delta": self.delta.stats()}),
+                                    "delta": self.delta.stats(), "regroups": self.guard.regroups}),
                          0, TAG_EVENT)
         self.outbox.flush()
         write_timeline(self.run_dir, self.rank, "trainer", self.clock)
@@ -386,24 +401,37 @@ class TrainerRank:
         if not batches:
             return True
         start = time.time()
+        tokens = sum(len(t.completion_ids) + len(t.prompt_ids) for _, trajs in batches for t in trajs)
+        with self.clock.track("train", [o.task_id for o, _ in batches], tokens=tokens,
+                              samples=sum(len(trajs) for _, trajs in batches)):
+            outcomes = self._train(batches)
+        train_s = time.time() - start
+        trained = [(order, trajs) for order, trajs in batches if not isinstance(outcomes[order.task_id], Exception)]
+        for order, _ in batches:
+            if isinstance(outcomes[order.task_id], Exception):
+                self._fail(order.task_id, outcomes[order.task_id])
+        saved = self._save_due([order for order, _ in trained if self._stepped(outcomes[order.task_id])])
+        for order, trajectories in trained:
+            if order.task_id in saved:
+                self.outbox.send(TaskSaved(order.task_id, saved[order.task_id]), 0, TAG_EVENT)
+            self._step_done(order, trajectories, outcomes[order.task_id], train_s, len(batches))
+        return True
+
+    def _train(self, batches: list) -> dict:
+        """Each task's metrics from one fused step, or the error that fails it. A step that raised the same error on
+        every rank (TaskFault) left its tasks as they were: it runs again task by task, and only a task whose own
+        step raises fails; the tenants fused with it go on."""
         try:
-            tokens = sum(len(t.completion_ids) + len(t.prompt_ids) for _, trajs in batches for t in trajs)
-            with self.clock.track("train", [o.task_id for o, _ in batches], tokens=tokens,
-                                  samples=sum(len(trajs) for _, trajs in batches)):
-                metrics = self._everyone(TrainOp(batches))
+            return self._everyone(TrainOp(batches))
         except Exception as exc:
             if is_job_fault(exc):
                 raise
-            for order, _ in batches:
-                self._fail(order.task_id, exc)
-            return True
-        train_s = time.time() - start
-        saved = self._save_due([order for order, _ in batches if self._stepped(metrics[order.task_id])])
-        for order, trajectories in batches:
-            if order.task_id in saved:
-                self.outbox.send(TaskSaved(order.task_id, saved[order.task_id]), 0, TAG_EVENT)
-            self._step_done(order, trajectories, metrics[order.task_id], train_s, len(batches))
-        return True
+            if not (isinstance(exc, TaskFault) and exc.stage == "train" and len(batches) > 1):
+                return {order.task_id: exc for order, _ in batches}
+        outcomes = {}
+        for batch in batches:
+            outcomes.update(self._train([batch]))
+        return outcomes
 
     @staticmethod
     def _stepped(metrics: dict) -> bool:
@@ -421,7 +449,14 @@ class TrainerRank:
             return self._everyone(SaveOp(due))
 
     def _fail(self, task_id: str, exc: Exception) -> None:
-        self.outbox.send(TaskFailed(task_id, f"trainer: {type(exc).__name__}: {exc}"), 0, TAG_EVENT)
+        reason = exc.reason if isinstance(exc, TaskFault) else f"{type(exc).__name__}: {exc}"
+        self.outbox.send(TaskFailed(task_id, f"trainer: {reason}"), 0, TAG_EVENT)
+
+    def _before_retry(self, failure) -> None:
+        """Before a failed section runs again: a leader that ran out of memory lets its posted delta broadcasts
+        complete, freeing their buffers (up to 16 adapters' worth)."""
+        if self.delta is not None and failure is not None and failure.kind == RANK:
+            self.delta.flush()
 
     def _step_done(self, order: Train, trajectories, metrics: dict, train_s: float, fused: int) -> None:
         if not math.isfinite(metrics.get("loss", 0.0)):

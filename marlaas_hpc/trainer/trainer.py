@@ -30,6 +30,7 @@ from marlaas_hpc.trainer.attention import (ATTENTION_KINDS, RowAttention, causal
 from marlaas_hpc.trainer.lm_head import LmHead
 from marlaas_hpc.trainer.model import build_gpt_model, final_hidden_states, init_distributed, training_mode
 from marlaas_hpc.trainer.packing import PackedBatch, pack
+from marlaas_hpc.trainer import process_groups
 from marlaas_hpc.trainer.peft_io import read_peft_adapter, write_peft_adapter
 from marlaas_hpc.trajectory import Trajectory
 
@@ -179,6 +180,19 @@ def _item_ranges(chunk: list[tuple[str, Trajectory]]) -> dict[str, tuple[int, in
     return ranges
 
 
+def _to_host(value):
+    """`value` with every tensor in it copied to host memory (new containers; other leaves shared). A CUDA tensor's
+    copy is asynchronous, into pinned memory (torch pins the destination of a non-blocking copy to the host):
+    the caller synchronises once for all of them."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", non_blocking=True) if value.is_cuda else value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(item) for item in value)
+    return value
+
+
 def _scale(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
@@ -197,6 +211,14 @@ class MultiLoraTrainer:
         if self.device.type == "cuda":  # before NCCL starts: the process group binds to the current device
             torch.cuda.set_device(self.device)
         init_distributed(config.tensor_parallel, seed=config.seed, data_parallel=config.data_parallel, store=store)
+        self.group_store = dist.distributed_c10d._get_default_store()
+        """The trainer group's rendezvous: its groups are made again from it (`remake_groups`)."""
+        self.group_rank, self.group_size, self.backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+        self.group_epoch = 0
+        """How many times the groups were made again."""
+        self.control_group = process_groups.control_group(self.group_store, self.group_rank, self.group_size)
+        """gloo over the same store, for the ranks' agreement after each section of an op (runtime/group_guard.py):
+        never taken down, so it works whatever state the TP/DP communicators are in. None for a world of one."""
         loaded = build_gpt_model(config.model_path, device=self.device, dtype=config.torch_dtype(self.device),
                                  recompute=config.recompute, load_weights=config.load_weights)
         self.model, self.hf_config = loaded.model, loaded.hf_config
@@ -591,12 +613,24 @@ class MultiLoraTrainer:
     def state_dict(self, task_id: str) -> dict[str, Any]:
         """This rank's resumable state of a task: adapter shards, optimizer state, version, specs, and the older
         adapter versions TIS keeps (a task that moves to another trainer group still trains samples of them)."""
+        state = self._state(task_id)
+        state["optimizer"] = copy.deepcopy(state["optimizer"])  # the live dict aliases Adam moments
+        return state
+
+    def _state(self, task_id: str, live: bool = False) -> dict[str, Any]:
+        """`state_dict` whose optimizer state is the live one (its tensors are Adam's moments); `live`: the
+        adapters' too (no copy on the device, for `snapshot`)."""
         task = self._task(task_id)
+
+        def adapter(name: str) -> dict[str, torch.Tensor]:
+            if live:
+                return {key: param.detach() for key, param in self.lora.named_parameters(name)}
+            return self.lora.local_state_dict(name)
+
         return {"lora": dataclasses.asdict(task.lora), "algo": dataclasses.asdict(task.algo),
-                "adapter": self.lora.local_state_dict(task_id), "optimizer": copy.deepcopy(task.optimizer.state_dict()),  # the live dict aliases Adam moments
+                "adapter": adapter(task_id), "optimizer": task.optimizer.state_dict(),
                 "version": task.version, "tensor_parallel": self.tp_size, "tp_rank": self.tp_rank,
-                "bound": task.bound,
-                "snapshots": {v: self.lora.local_state_dict(_snapshot_name(task_id, v)) for v in task.snapshots}}
+                "bound": task.bound, "snapshots": {v: adapter(_snapshot_name(task_id, v)) for v in task.snapshots}}
 
     def load_state_dict(self, task_id: str, state: dict[str, Any]) -> None:
         """Restores a task saved by `state_dict` on the same TP rank of a trainer with the same TP size."""
@@ -615,6 +649,39 @@ class MultiLoraTrainer:
             self._add_snapshot(task_id, task, version, shards)
         task.optimizer.load_state_dict(state["optimizer"])
         task.version = int(state["version"])
+
+    def snapshot(self, task_ids: Sequence[str]) -> dict[str, dict | None]:
+        """Host copies of these tasks' states (None: no such task), for `restore`: what a step may change before it
+        fails on some rank (runtime/group_guard.py)."""
+        snapshot = {task_id: _to_host(self._state(task_id, live=True)) if task_id in self.tasks else None
+                    for task_id in task_ids}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies to the host have landed
+        return snapshot
+
+    def restore(self, snapshot: dict[str, dict | None]) -> None:
+        """Puts these tasks back as `snapshot` found them (a task absent then is removed)."""
+        for task_id, state in snapshot.items():
+            if state is not None:
+                self.load_state_dict(task_id, state)
+            elif task_id in self.tasks:
+                self.remove_task(task_id)
+
+    # -- process groups -----------------------------------------------------------------------------------
+    def _group_roots(self) -> list:
+        """Everything that holds a process group (trainer/process_groups.py)."""
+        return [self, self.head, self.lora, *self.lora.sites, self.attention, *self.model.modules()]
+
+    def take_down_groups(self) -> list[str]:
+        """Ends this rank's TP/DP groups (a peer waiting in one of them is freed); returns the names of any that
+        something still holds."""
+        return process_groups.take_down(self._group_roots())
+
+    def remake_groups(self) -> None:
+        """Makes the groups again in place (collective over the trainer group's ranks, after `take_down_groups`)."""
+        self.group_epoch += 1
+        process_groups.remake(self._group_roots(), self.group_store, self.backend, self.group_rank, self.group_size,
+                              self.tp_size)
 
     def close(self) -> None:
         """Removes the LoRA hooks (the process groups stay up: they belong to the process)."""
