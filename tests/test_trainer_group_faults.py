@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_runtime_mpi import ROOT, _env, small_config
+from support.configs import small_config
+from support.jobs import ROOT, job_env as _env
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 STEPS = 8
