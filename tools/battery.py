@@ -284,7 +284,7 @@ def _job_modules(ctx: Context) -> tuple[str, ...]:
 
 
 STEPS = (
-    Step(name="checkpoints", part=1, timeout_s=60, cpu_timeout_s=15, argv=_checkpoints_argv(1),
+    Step(name="checkpoints", part=1, timeout_s=60, cpu_timeout_s=20, argv=_checkpoints_argv(1),
          modules=lambda ctx: ("torch", "transformers", "safetensors"), figures=lambda ctx: {}),
     Step(name="gpu_tests", part=1, timeout_s=150, cpu_timeout_s=25, argv=_gpu_tests_argv("gpu_tests"),
          modules=lambda ctx: ("torch", "pytest"), figures=_gpu_tests_figures("gpu_tests")),
@@ -299,7 +299,7 @@ STEPS = (
          modules=lambda ctx: TRAINER_MODULES, figures=_trainer_figures),
     Step(name="engine", part=2, timeout_s=40, cpu_timeout_s=65, argv=_engine_argv,
          modules=lambda ctx: ("torch", "transformers", "vllm"), gpu_fraction=lambda ctx: ENGINE_SHARE),
-    Step(name="coresident", part=2, timeout_s=45, cpu_timeout_s=45, argv=_coresident_argv,
+    Step(name="coresident", part=2, timeout_s=45, cpu_timeout_s=40, argv=_coresident_argv,
          modules=lambda ctx: ("torch", "transformers", "peft", *(("vllm",) if ctx.side_engine == "vllm" else ())),
          gpu_fraction=lambda ctx: 2 * CORESIDENT_SHARE if ctx.side_engine == "vllm" else 0.0),
     Step(name="job", part=2, timeout_s=65, cpu_timeout_s=35, argv=lambda ctx: [

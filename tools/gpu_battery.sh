@@ -14,9 +14,10 @@
 # --help (--steps, --without).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case " $* " in *" --cpu "*) threads=1 ;; *) threads=4 ;; esac  # --cpu: a 2-core CI machine
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads}
-export MARLAAS_CACHE=${MARLAAS_CACHE:-/tmp/marlaas_cache}
+# --cpu: a 2-core CI machine, whose model cache the tests filled; a GPU node: a fresh cache under /tmp
+case " $* " in *" --cpu "*) cpu=1 ;; *) cpu=0 ;; esac
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-$([ $cpu = 1 ] && echo 1 || echo 4)}
+[ $cpu = 1 ] || export MARLAAS_CACHE=${MARLAAS_CACHE:-/tmp/marlaas_cache}
 if [ "$(id -u)" = 0 ]; then  # the job step's mpirun refuses root without these (device machines run as root)
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
