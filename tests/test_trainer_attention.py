@@ -133,3 +133,34 @@ def test_attention_settings_are_validated(tiny_model_path):
     with pytest.raises(SpecError) as info:
         TrainerSettings(attention="flash").validate()
     assert info.value.field == "trainer.attention"
+
+
+def test_compiled_flex_over_30_micro_batches_equals_dense(trainers):
+    """The flex trainer with its kernel compiled (dynamo's aot_eager backend on CPU: the graphs and guards inductor
+    gets on CUDA) over 30 varied micro-batches (tools/flex_compiles.py's: 1 to ~10 rows, widths changing every
+    step, one-block single rows among them): a few graphs, no call falls back, logprobs equal the dense path's."""
+    import sys
+    from pathlib import Path
+
+    from marlaas_hpc.trainer.attention import FlexKernel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from flex_compiles import dynamo_enabled, micro_batches
+
+    dense, flex = trainers["dense"], trainers["flex"]
+    torch._dynamo.reset()
+    try:
+        with dynamo_enabled():
+            flex.attention.kernel = kernel = FlexKernel("aot_eager")
+            _compare_logprobs(dense, flex, micro_batches(30, seed=5, longest=200))  # positions < 256
+    finally:
+        flex.attention.kernel = None
+    print(f"flex kernel over 30 micro-batches: {kernel.stats()}")
+    assert kernel.fallbacks == 0 and 1 <= kernel.compiles <= torch._dynamo.config.recompile_limit // 2
+
+
+def _compare_logprobs(dense, flex, batches) -> None:
+    for seed, items in batches:
+        trajectories = [traj for _, traj in items]
+        for a, b in zip(dense.logprobs("ka", trajectories), flex.logprobs("ka", trajectories)):
+            assert max(abs(x - y) for x, y in zip(a, b)) < TOL * 10

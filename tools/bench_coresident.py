@@ -3,6 +3,7 @@ co-resident rows (tools/studies/coresident.py, issue #28), measured instead of a
 
     python tools/bench_coresident.py [--engine vllm|hf] [--model PATH|random:SHAPE] [--batch 1 32 256]
                                      [--new-tokens 128] [--gpu-memory-utilization 0.35] [--cuda-graphs]
+                                     [--json PATH]
 
 Two processes each build one engine of the model (on a GPU each is a CUDA context of its own, as two models'
 engine cores are under `vllm.engine_process: own`), then, per batch size, decode `--batch` rows of exactly
@@ -11,11 +12,12 @@ together). Printed per batch: each run's seconds and the interference s = (A's t
 the share of the other engine's work an engine waited for (0: perfect overlap; 1: none, the two ran one after
 the other), and the same for B. The simulator's rows take one s for every batch; read the figure at the batch
 sizes a job's engines hold. On this CPU machine the two engines compete for the same cores, so s is near 1 and
-says nothing about a GPU: run it on one (tools/gpu_battery.sh step 5).
+says nothing about a GPU: run it on one (tools/gpu_battery.sh, step coresident).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import sys
@@ -115,19 +117,13 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="vllm: default bfloat16 on a GPU, float32 on CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="vllm on a GPU: each engine's")
     parser.add_argument("--cuda-graphs", action="store_true", help="vllm on a GPU: CUDA graphs (enforce_eager off)")
+    parser.add_argument("--json", type=Path, help="write the times and interference figures there too")
     args = parser.parse_args()
     _quiet()
     import torch
 
-    from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, ensure_random_checkpoint
-    from marlaas_hpc.tiny_model import ensure_tiny_model
-
     on_gpu = torch.cuda.is_available()
-    args.model = args.model or ("random:qwen3-0.6b" if on_gpu else None)
-    if args.model is None:
-        args.model = str(ensure_tiny_model())
-    elif args.model.startswith(RANDOM_PREFIX):
-        args.model = str(ensure_random_checkpoint(args.model[len(RANDOM_PREFIX):]))
+    args.model = resolve_model(args.model)
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     device = torch.cuda.get_device_name() if on_gpu else "CPU"
     print(f"two {args.engine} engines of {args.model} on one {device}; {args.new_tokens} new tokens per row")
@@ -141,6 +137,28 @@ def main() -> None:
               f"{times[(batch, 'both', 'A')]:>10.3f} | {times[(batch, 'both', 'B')]:>10.3f} | {s_a:>6.2f} | "
               f"{s_b:>6.2f}")
     print(f"({time.perf_counter() - start:.1f} s wall, engine starts included)")
+    if args.json:
+        rows = [{"batch": batch, **{f"{phase} {name}": times[(batch, phase, name)] for phase, name in
+                                    (("A alone", "A"), ("B alone", "B"), ("both", "A"), ("both", "B"))},
+                 "interference": dict(zip("AB", interference(times, batch)))} for batch in args.batch]
+        args.json.write_text(json.dumps({"engine": args.engine, "model": args.model, "device": device,
+                                         "new_tokens": args.new_tokens, "rows": rows}, indent=1))
+
+
+def resolve_model(model: str | None) -> str:
+    """A checkpoint directory for --model: random:SHAPE built once into the cache; by default the tiny model on
+    CPU, random:qwen3-0.6b on a GPU."""
+    import torch
+
+    from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, ensure_random_checkpoint
+    from marlaas_hpc.tiny_model import ensure_tiny_model
+
+    model = model or ("random:qwen3-0.6b" if torch.cuda.is_available() else None)
+    if model is None:
+        return str(ensure_tiny_model())
+    if model.startswith(RANDOM_PREFIX):
+        return str(ensure_random_checkpoint(model[len(RANDOM_PREFIX):]))
+    return model
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ machine: tokens/s of each and the peak RSS of each process. Prints figures; asse
 
     python tools/bench_real.py [--shape qwen3-0.6b] [--prompts 4] [--group 4] [--prompt-tokens 64]
                                [--new-tokens 64] [--lora-rank 32] [--tp 1] [--device cpu|cuda]
-                               [--engine vllm|hf] [--steps 1]
+                               [--engine vllm|hf] [--steps 1] [--no-rollout] [--json PATH]
 
 The checkpoint (28 layers, 151,936-word vocabulary, tied embeddings, ~0.6B parameters, 2.4 GB in fp32) is built
 once into the cache (`model: random:qwen3-0.6b`). Each part runs in a process of its own, so each peak RSS is
@@ -22,7 +22,8 @@ memory in the heap, and RSS no longer follows the live tensors.
 `--device cuda` runs both parts on the GPU instead (one GPU, --tp 1): the trainer in bf16 with the attention it
 picks on CUDA (FlexAttention), the rollout engine in bf16, and the figures are torch's CUDA allocator peaks
 (max_memory_allocated: the CUDA context and the allocator's cache left out, as in the plan) against `marlaas plan`'s
-GPU estimate of the same step. `--steps N` times the last of N steps (the first compiles FlexAttention's kernels).
+GPU estimate of the same step, and max_memory_reserved (the allocator's cache and fragmentation included) against
+the same estimate. `--steps N` times the last of N steps (the first compiles FlexAttention's kernels).
 `--engine hf` generates with transformers + PEFT where vLLM is not installed.
 """
 from __future__ import annotations
@@ -97,6 +98,7 @@ def _train(rank: int, model_path: str, tp: int, trajectories, lora_rank: int, ou
     tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
     gpu_figures = {} if gpu is None else {
         "gpu_load_gib": gpu.load / 2**30, "gpu_peak_gib": gpu.peak() / 2**30,
+        "gpu_reserved_gib": gpu.reserved() / 2**30,
         "gpu_estimate_gib": _trainer_estimate(model_path, tp, trajectories, lora_rank, dtype_bytes=2,
                                               attention="flex") / 2**30,
         "gpu_name": gpu.name}
@@ -126,6 +128,10 @@ class _CudaPeaks:
 
     def peak(self) -> int:
         return self.torch.cuda.max_memory_allocated()
+
+    def reserved(self) -> int:
+        """What the caching allocator held at most: allocated plus its cache and fragmentation."""
+        return self.torch.cuda.max_memory_reserved()
 
 
 def _trainer_estimate(model_path: str, tp: int, trajectories, lora_rank: int, dtype_bytes: int = 4,
@@ -213,6 +219,8 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both parts run")
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="rollout engine")
     parser.add_argument("--steps", type=int, default=1, help="trainer steps; the last is timed")
+    parser.add_argument("--no-rollout", action="store_true", help="the trainer part only")
+    parser.add_argument("--json", type=Path, help="write the trainer's (and rollout's) figures there too")
     parser.add_argument("--part", choices=["trainer", "rollout"], help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--adapter", help=argparse.SUPPRESS)
@@ -237,9 +245,14 @@ def main() -> int:
                "steps")]
     with tempfile.TemporaryDirectory() as work:
         trainer = _child(common + ["--part=trainer", f"--model-path={model_path}", f"--work-dir={work}"])
-        rollout = _child(common + ["--part=rollout", f"--model-path={model_path}", f"--adapter={trainer['adapter']}",
-                                   f"--work-dir={work}/vllm"])
+        rollout = None if args.no_rollout else _child(common + [
+            "--part=rollout", f"--model-path={model_path}", f"--adapter={trainer['adapter']}",
+            f"--work-dir={work}/vllm"])
     rows = args.prompts * args.group
+    if args.json:
+        args.json.write_text(json.dumps({"shape": args.shape, "device": args.device, "rows": rows,
+                                         "lora_rank": args.lora_rank, **trainer,
+                                         **({} if rollout is None else {"rollout": rollout})}, indent=1))
     if args.device == "cuda":
         return _print_gpu(args, trainer, rollout, rows)
     print(f"[bench_real] {args.shape}: {trainer['params'] / 1e6:.0f}M parameters (this TP rank), "
@@ -251,6 +264,8 @@ def main() -> int:
     print(f"         step peak RSS {trainer['step_peak_rss_gib']:.2f} GiB; marlaas plan: baseline "
           f"{trainer['baseline_gib']:.2f} + estimate = {trainer['estimate_gib']:.2f} GiB "
           f"({trainer['estimate_gib'] / trainer['step_peak_rss_gib'] - 1:+.0%})")
+    if rollout is None:
+        return 0
     print(f"rollout  {args.engine} fp32, LoRA r{args.lora_rank}, {rollout['sequences']} sequences x {args.new_tokens} new tokens: "
           f"batch {rollout['batch_s']:.1f} s = {rollout['tokens_per_s']:.1f} generated tokens/s "
           f"(engine start {rollout['start_s']:.1f} s), peak RSS {rollout['peak_rss_gib']:.2f} GiB")
@@ -262,14 +277,18 @@ def main() -> int:
     return 0
 
 
-def _print_gpu(args, trainer: dict, rollout: dict, rows: int) -> int:
+def _print_gpu(args, trainer: dict, rollout: dict | None, rows: int) -> int:
     print(f"[bench_real] {args.shape} on {trainer['gpu_name']}: {trainer['params'] / 1e6:.0f}M parameters")
     print(f"trainer  bf16 flex, LoRA r{args.lora_rank}, {rows} rows x {args.prompt_tokens}+{args.new_tokens} tokens: "
           f"step {trainer['step_s']:.2f} s = {trainer['tokens_per_s']:.0f} tokens/s (step {args.steps} of "
           f"{args.steps}; load {trainer['load_s']:.1f} s)")
     print(f"         GPU allocated: {trainer['gpu_load_gib']:.2f} GiB loaded, peak {trainer['gpu_peak_gib']:.2f} GiB; "
           f"marlaas plan {trainer['gpu_estimate_gib']:.2f} GiB "
-          f"({trainer['gpu_estimate_gib'] / trainer['gpu_peak_gib'] - 1:+.1%})")
+          f"({trainer['gpu_estimate_gib'] / trainer['gpu_peak_gib'] - 1:+.1%}); CUDA max_memory_reserved "
+          f"{trainer['gpu_reserved_gib']:.2f} GiB "
+          f"({trainer['gpu_estimate_gib'] / trainer['gpu_reserved_gib'] - 1:+.1%})")
+    if rollout is None:
+        return 0
     print(f"rollout  {args.engine} bf16, LoRA r{args.lora_rank}, {rollout['sequences']} sequences x "
           f"{args.new_tokens} new tokens: batch {rollout['batch_s']:.2f} s = {rollout['tokens_per_s']:.0f} generated "
           f"tokens/s (engine start {rollout['start_s']:.1f} s); GPU allocated {rollout['gpu_load_gib']:.2f} GiB "

@@ -96,14 +96,18 @@ class _Row:
         return start
 
 
-def pack(items: Sequence[tuple[str | None, Trajectory]], min_width: int, pad_id: int) -> PackedBatch:
+def pack(items: Sequence[tuple[str | None, Trajectory]], min_width: int, pad_id: int,
+         width_multiple: int = 1, min_rows: int = 1) -> PackedBatch:
     """Lays out `items` ((task, trajectory), grouped by task) in rows of one task each (first fit, a prompt's
-    completions longest first, each next to an occurrence of its prompt when one has room)."""
+    completions longest first, each next to an occurrence of its prompt when one has room); rows are as wide as
+    the longest item (at least `min_width`), rounded up to a multiple of `width_multiple`, and rows of padding
+    (the last row's adapter) make up `min_rows`."""
     for _, traj in items:
         traj.check()
         if not traj.prompt_ids:
             raise ValueError(f"trajectory of {traj.task_id}: empty prompt")
     width = max([min_width, 2] + [len(t.prompt_ids) + len(t.completion_ids) for _, t in items])
+    width = -(-width // width_multiple) * width_multiple
     rows: list[_Row] = []
     placed: dict[int, tuple[int, int]] = {}  # item -> (row, first position of its completion)
     for task in dict.fromkeys(task for task, _ in items):
@@ -116,6 +120,7 @@ def pack(items: Sequence[tuple[str | None, Trajectory]], min_width: int, pad_id:
             for i in sorted(members, key=lambda i: -len(items[i][1].completion_ids)):
                 row = _row_for(rows, first, task, prompt, len(items[i][1].completion_ids), width)
                 placed[i] = (row, rows[row].add_completion(prompt, i, list(items[i][1].completion_ids)))
+    rows += [_Row(rows[-1].task if rows else None) for _ in range(min_rows - len(rows))]
     return _tensors(items, rows, placed, width, pad_id)
 
 

@@ -26,7 +26,7 @@ from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
 from marlaas_hpc.trainer.objectives import OBJECTIVES, Objective, Tokens
 from marlaas_hpc.trainer.lora import MultiLora
 from marlaas_hpc.trainer.attention import (ATTENTION_KINDS, RowAttention, causal_segments, min_row_tokens,
-                                           resolve_attention)
+                                           min_rows, resolve_attention, row_multiple, row_width)
 from marlaas_hpc.trainer.lm_head import LmHead
 from marlaas_hpc.trainer.model import build_gpt_model, final_hidden_states, init_distributed, training_mode
 from marlaas_hpc.trainer.packing import PackedBatch, pack
@@ -331,14 +331,16 @@ class MultiLoraTrainer:
                 batches.append([index])
         return [sorted(batch) for batch in batches]  # items come grouped by task: keep each task's rows together
 
-    @staticmethod
-    def _length(traj: Trajectory) -> int:
-        return len(traj.prompt_ids) + len(traj.completion_ids)
+    def _length(self, traj: Trajectory) -> int:
+        """What the trajectory takes in the micro-batch budget (trainer/attention.py `row_width`)."""
+        return row_width(self.attention.kind, len(traj.prompt_ids) + len(traj.completion_ids))
 
     def _pack(self, items: Sequence[tuple[str | None, Trajectory]]) -> PackedBatch:
-        """A micro-batch packed into rows of one task each (trainer/packing.py), on this trainer's device; rows
-        are at least as wide as the attention kernel wants (trainer/attention.py `min_row_tokens`)."""
-        return pack(items, min_row_tokens(self.attention.kind), self.pad_id).to(self.device)
+        """A micro-batch packed into rows of one task each (trainer/packing.py), on this trainer's device, in as many
+        rows as wide as the attention kernel wants (trainer/attention.py `min_row_tokens`, `flex_shape`)."""
+        kind = self.attention.kind
+        return pack(items, min_row_tokens(kind), self.pad_id, width_multiple=row_multiple(kind),
+                    min_rows=min_rows(kind)).to(self.device)
 
     @torch.no_grad()
     def logprobs(self, task_id: str | None, trajectories: Sequence[Trajectory],
