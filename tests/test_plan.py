@@ -196,11 +196,16 @@ def test_the_shipped_plan_counts_delta_buffers_and_the_allocator_reserve(tmp_pat
     assert relay.delta_buffers == 0 and relay.communicators == 1  # the relay's links are gloo, host memory: TP only
 
 
-def test_the_leader_s_in_flight_bound_is_the_channel_s():
-    from marlaas_hpc.plan.estimate import DELTA_IN_FLIGHT
+def test_the_plan_s_copies_of_the_code_s_constants_agree():
+    """estimate.py repeats what it needs of modules that import torch: the leader's in-flight bound, FlexAttention's
+    block and its mask's build chunk."""
+    from marlaas_hpc.plan import estimate
     from marlaas_hpc.runtime.delta.broadcast import DeltaChannel
+    from marlaas_hpc.trainer import attention
 
-    assert DELTA_IN_FLIGHT == DeltaChannel.MAX_IN_FLIGHT
+    assert estimate.DELTA_IN_FLIGHT == DeltaChannel.MAX_IN_FLIGHT
+    assert (estimate.FLEX_BLOCK, estimate.FLEX_MASK_CHUNK_ELEMENTS) == (attention.FLEX_BLOCK,
+                                                                         attention.MASK_CHUNK_ELEMENTS)
 
 
 @pytest.mark.parametrize("gpu, gib", [({}, 79.6), ({"gpu_type": "h200"}, 139.0), ({"gpu_type": "a100-40gb"}, 39.4),

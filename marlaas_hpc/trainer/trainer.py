@@ -216,9 +216,12 @@ class MultiLoraTrainer:
         self.group_rank, self.group_size, self.backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
         self.group_epoch = 0
         """How many times the groups were made again."""
-        self.control_group = process_groups.control_group(self.group_store, self.group_rank, self.group_size)
+        # the GPU dry run's fake process group (plan/dry_run.py) has a store no gloo group can meet over
+        self.control_group = (process_groups.control_group(self.group_store, self.group_rank, self.group_size)
+                              if self.backend != "fake" else None)
         """gloo over the same store, for the ranks' agreement after each section of an op (runtime/group_guard.py):
-        never taken down, so it works whatever state the TP/DP communicators are in. None for a world of one."""
+        never taken down, so it works whatever state the TP/DP communicators are in. None for a world of one (and
+        for the dry run's fake group)."""
         loaded = build_gpt_model(config.model_path, device=self.device, dtype=config.torch_dtype(self.device),
                                  recompute=config.recompute, load_weights=config.load_weights)
         self.model, self.hf_config = loaded.model, loaded.hf_config
