@@ -46,9 +46,9 @@ from marlaas_hpc.env.shaping import score_group
 from marlaas_hpc.env.tenant_code import SandboxConfig
 from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EvalDone, GroupTurn,
-                                          GroupEnded, RanksChanged, RankStats, ScoredGroup, Shutdown)
-from marlaas_hpc.scheduler import Admit, Move, Scored, TaskFailed
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, Admit, ContinueGroup, EvalDone, GroupEnded,
+                                          GroupTurn, Move, RankStats, RanksChanged, Scored, ScoredGroup, Shutdown,
+                                          TaskFailed)
 from marlaas_hpc.trajectory import Trajectory
 
 

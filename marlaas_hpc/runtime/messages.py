@@ -1,9 +1,19 @@
-"""What travels between ranks (pickled by mpi4py). Control plane: small, to/from rank 0.
-Data plane: token arrays worker -> worker (rollout -> env -> trainer), never through rank 0."""
+"""Every message that travels between ranks (pickled by mpi4py), in one module. Control plane: small, to/from rank 0.
+Data plane: token arrays worker -> worker (rollout -> env -> trainer), never through rank 0.
+
+The scheduler's events and commands (scheduler/events.py) do not travel as they are: their wire forms are defined
+here (the last section, same names and fields), and rank 0 translates at its edge (`to_wire` for each command it
+sends, `to_event` for each event it receives). So the pure core can change what it keeps without changing what
+travels over MPI; tests/test_wire.py checks each wire form against its scheduler form.
+"""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
+from marlaas_hpc.rollout.base import Generation, GenerationRequest
+from marlaas_hpc.tasks.spec import TaskSpec
 from marlaas_hpc.trajectory import Trajectory
 
 TAG_CMD = 11
@@ -433,3 +443,178 @@ class EngineRestarted:
     cause: str
     restarts: int
     requests: int
+
+
+@dataclass
+class RepackGroup:
+    """A prompt group handed over, rollout rank -> tail rank (TAG_DATA; runtime/repack.py): what its G completions
+    have so far."""
+
+    source: int
+    work: GenerateWork
+    """The group's work (its `groups` just this one)."""
+    group: PromptGroup
+    version: int
+    """The group's pinned adapter version: every continuation names it."""
+    done: dict[int, Generation]
+    """Episode -> its finished completion."""
+    continuations: dict[int, GenerationRequest]
+    """Episode -> its request as cut (`partial_ids`, `partial_logprobs`)."""
+    newest: int | None
+    t0: float
+    """When the group started on the source rank."""
+
+
+# ---- the scheduler's events and commands as they travel (module doc; their meaning: scheduler/events.py) ----
+@dataclass(slots=True)
+class Generated:
+    """rollout rank -> rank 0 (TAG_EVENT): a turn of these groups left the engine, with the versions used."""
+
+    rollout_rank: int
+    group_ids: tuple[str, ...]
+    versions: tuple[int | None, ...] = ()
+
+
+@dataclass(slots=True)
+class Resumed:
+    """rollout rank -> rank 0: a multi-turn group's next turn entered the engine."""
+
+    rollout_rank: int
+    group_ids: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class Scored:
+    """env rank -> rank 0: a group is scored."""
+
+    group_id: str
+    reward_mean: float
+    informative: bool = True
+
+
+@dataclass(slots=True)
+class StepDone:
+    """trainer leader -> rank 0: `version` is published (v0 at admission; after a step, with its metrics)."""
+
+    task_id: str
+    version: int
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TaskFailed:
+    """env rank or trainer leader -> rank 0: the task's own fault."""
+
+    task_id: str
+    error: str
+
+
+@dataclass(slots=True)
+class Moved:
+    """new trainer leader -> rank 0: the moved task's state has arrived."""
+
+    task_id: str
+    trainer_group: int
+
+
+@dataclass(slots=True)
+class Served:
+    """rollout rank -> rank 0: its engine of `model` is awake, and what the switch cost."""
+
+    rollout_rank: int
+    model: str
+    sleep_s: float = 0.0
+    wake_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Admit:
+    """rank 0 -> every env rank and the owning leader (TAG_CMD): create (or restore) the task's adapter."""
+
+    spec: TaskSpec
+    resume_version: int | None = None
+    trainer_group: int = 0
+    adapter_key: str | None = None
+
+
+@dataclass(slots=True)
+class Train:
+    """rank 0 -> the owning leader: one optimizer step from `from_version` over `group_ids`."""
+
+    task_id: str
+    from_version: int
+    group_ids: tuple[str, ...]
+    behaviour_versions: tuple[int, ...]
+    bound: int
+    trainer_group: int = 0
+    in_use_from: int | None = None
+
+
+@dataclass(slots=True)
+class Move:
+    """rank 0 -> the old leader and every env rank: the task changes trainer group at a step boundary."""
+
+    task_id: str
+    from_group: int
+    to_group: int
+    version: int
+
+
+@dataclass(slots=True)
+class Discard:
+    """rank 0 -> the owning leader: groups that will never be trained."""
+
+    task_id: str
+    group_ids: tuple[str, ...]
+    reason: str
+
+
+@dataclass(slots=True)
+class TaskEnded:
+    """rank 0 -> the owning leader: done, failed or cancelled."""
+
+    task_id: str
+    status: str
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Serve:
+    """rank 0 -> a rollout rank: serve `model` from now on, then answer Served."""
+
+    rollout_rank: int
+    model: str
+
+
+def _wire_forms() -> dict[type, type]:
+    """The scheduler's form -> its wire form, for each event and command that travels."""
+    from marlaas_hpc.scheduler import events
+    from marlaas_hpc.scheduler import rank_models
+
+    pairs = [(events.Generated, Generated), (events.Resumed, Resumed), (events.Scored, Scored),
+             (events.StepDone, StepDone), (events.TaskFailed, TaskFailed), (events.Moved, Moved),
+             (rank_models.Served, Served), (events.Admit, Admit), (events.Train, Train), (events.Move, Move),
+             (events.Discard, Discard), (events.TaskEnded, TaskEnded), (rank_models.Serve, Serve)]
+    return dict(pairs)
+
+
+WIRE_FORMS = _wire_forms()
+"""Scheduler event or command type -> the type that travels."""
+SCHEDULER_FORMS = {wire: core for core, wire in WIRE_FORMS.items()}
+"""Wire type -> the scheduler's event or command type it stands for."""
+
+
+def _copy(obj: Any, target: type) -> Any:
+    return target(**{spec.name: getattr(obj, spec.name) for spec in dataclasses.fields(target) if spec.init})
+
+
+def to_wire(command: Any) -> Any:
+    """What rank 0 sends for a scheduler command (a message of another type goes as it is)."""
+    target = WIRE_FORMS.get(type(command))
+    return command if target is None else _copy(command, target)
+
+
+def to_event(message: Any) -> Any:
+    """The scheduler's event for a message rank 0 received (a message of another type stays as it is)."""
+    target = SCHEDULER_FORMS.get(type(message))
+    return message if target is None else _copy(message, target)

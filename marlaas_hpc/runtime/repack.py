@@ -30,30 +30,10 @@ import itertools
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from marlaas_hpc.rollout import Generation, GenerationRequest
-from marlaas_hpc.runtime.messages import GenerateWork, PromptGroup
+
 
 LENGTHS_KEPT = 512
 """Finished completion lengths a rank keeps per task for its quantile (the newest)."""
-
-
-@dataclass
-class RepackGroup:
-    """A prompt group handed over, rollout rank -> tail rank (TAG_DATA): what its G completions have so far."""
-
-    source: int
-    work: GenerateWork
-    """The group's work (its `groups` just this one)."""
-    group: PromptGroup
-    version: int
-    """The group's pinned adapter version: every continuation names it."""
-    done: dict[int, Generation]
-    """Episode -> its finished completion."""
-    continuations: dict[int, GenerationRequest]
-    """Episode -> its request as cut (`partial_ids`, `partial_logprobs`)."""
-    newest: int | None
-    t0: float
-    """When the group started on the source rank."""
 
 
 class Repacker:

@@ -39,11 +39,8 @@ from marlaas_hpc.rollout import AdapterRef, Generation, GenerationRequest
 from marlaas_hpc.rollout.model_engines import ModelEngines
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, ContinueGroup, EngineRestarted, FeedWeights,
-                                          GenerateWork, GroupTurn, GroupEnded, PromptGroup, RanksChanged, RankStats,
-                                          Shutdown)
-from marlaas_hpc.runtime.repack import RepackGroup
-from marlaas_hpc.scheduler import Generated, Resumed
-from marlaas_hpc.scheduler.rank_models import Serve, Served
+                                          GenerateWork, Generated, GroupEnded, GroupTurn, PromptGroup, RankStats,
+                                          RanksChanged, RepackGroup, Resumed, Serve, Served, Shutdown)
 
 
 def turn_seed(job_seed: int, group_id: str, turn: int) -> int:

@@ -20,7 +20,8 @@ from marlaas_hpc.model import TextCodec
 from marlaas_hpc.runtime.checkpoint import PreemptFlag, mark_preempted
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, poll, write_timeline
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_EVENT, CheckpointDone, DeltaPlaneFailed, EngineRestarted,
-                                          EvalDone, Joining, RankStats, Shutdown, TaskSaved, WeightsWanted)
+                                          EvalDone, Joining, RankStats, Shutdown, TaskSaved, WeightsWanted, to_event,
+                                          to_wire)
 from marlaas_hpc.runtime.outputs import QuietLog, RunBooks, write_summary
 from marlaas_hpc.runtime.rank0.elastic import ElasticRanks
 from marlaas_hpc.runtime.rank0.evals import Evals
@@ -176,8 +177,10 @@ class SchedulerRank:
         return summary
 
     # ---- events ----
-    def _event(self, event) -> None:
-        """A worker's event: to the component it concerns, or to the scheduler (its commands go out)."""
+    def _event(self, message) -> None:
+        """A worker's event (its wire form made the scheduler's: `to_event`): to the component it concerns, or to
+        the scheduler (its commands go out)."""
+        event = to_event(message)
         answer = self.ANSWERS.get(type(event))
         if answer is not None:
             answer(self, event)
@@ -212,28 +215,30 @@ class SchedulerRank:
         return self.ranks.leaders[self.scheduler.trainer_group(task_id) or 0]
 
     def _execute(self, commands: list) -> None:
+        """Each command to the ranks it concerns, in its wire form (`to_wire`)."""
         leaders, env_ranks = self.ranks.leaders, self.ranks.members.alive
         for command in commands:
+            wire = to_wire(command)
             if isinstance(command, Admit):
                 for rank in env_ranks("env") + [leaders[command.trainer_group]]:
-                    self.outbox.send(command, rank, TAG_CMD)
+                    self.outbox.send(wire, rank, TAG_CMD)
                 self.evals.admitted(command.spec.task_id)
             elif isinstance(command, Generate):
                 self.outbox.send(self.inputs.work(command), command.rollout_rank, TAG_CMD)
                 self.evals.generated(command.task_id)  # after the task's first groups, not before
             elif isinstance(command, Train):
-                self.outbox.send(command, leaders[command.trainer_group], TAG_CMD)
+                self.outbox.send(wire, leaders[command.trainer_group], TAG_CMD)
             elif isinstance(command, Serve):  # before any Generate of its model to the rank (same tag: in order)
                 now = time.time()
                 self.busy.note("serve", (), now, now, rollout_rank=command.rollout_rank, model=command.model)
-                self.outbox.send(command, command.rollout_rank, TAG_CMD)
+                self.outbox.send(wire, command.rollout_rank, TAG_CMD)
             elif isinstance(command, Discard):
-                self.outbox.send(command, self._leader_of(command.task_id), TAG_CMD)
+                self.outbox.send(wire, self._leader_of(command.task_id), TAG_CMD)
             elif isinstance(command, Move):  # the old group hands the task over; env ranks send its data anew
                 self.log(f"[{command.task_id}] moves from trainer group {command.from_group} to "
                          f"{command.to_group} at v{command.version}")
                 for rank in [leaders[command.from_group]] + env_ranks("env"):
-                    self.outbox.send(command, rank, TAG_CMD)
+                    self.outbox.send(wire, rank, TAG_CMD)
             elif isinstance(command, TaskEnded):
                 self._ended(command)
 
@@ -245,7 +250,7 @@ class SchedulerRank:
                  + (f": {command.error}" if command.error else ""))
         if task.version > 0 and command.status != "failed":
             self.evals.send(command.task_id, task.version)
-        self.outbox.send(command, self._leader_of(command.task_id), TAG_CMD)
+        self.outbox.send(to_wire(command), self._leader_of(command.task_id), TAG_CMD)
 
     # ---- several base models: rank 0's model pool (scheduler/rank_models.py) ----
     def _plan_models(self) -> None:

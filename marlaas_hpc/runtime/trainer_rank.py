@@ -32,12 +32,12 @@ from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_
                                             trainer_rng_path, trainer_shard_path)
 from marlaas_hpc.runtime.faults import RankLostError, is_job_fault, is_storage_error, storage_error
 from marlaas_hpc.runtime.group_guard import RANK, GroupGuard, TaskFault
-from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER, AdmitOp,
-                                          Checkpoint, CheckpointDone, CheckpointOp, DeltaPlaneFailed, Handover,
-                                          MoveInOp, MoveOutOp, ForgetOp, PublishOp, RanksChanged, RankStats, RemoveOp,
-                                          SaveOp, ScoredGroup, Shutdown, ShutdownOp, TaskSaved, TrainerOp, TrainOp)
+from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER, Admit,
+                                          AdmitOp, Checkpoint, CheckpointDone, CheckpointOp, DeltaPlaneFailed, Discard,
+                                          ForgetOp, Handover, Move, MoveInOp, MoveOutOp, Moved, PublishOp, RankStats,
+                                          RanksChanged, RemoveOp, SaveOp, ScoredGroup, Shutdown, ShutdownOp, StepDone,
+                                          TaskEnded, TaskFailed, TaskSaved, Train, TrainOp, TrainerOp)
 from marlaas_hpc.runtime.retention import RetentionConfig, in_flight_versions, prune_adapters
-from marlaas_hpc.scheduler import Admit, Discard, Move, Moved, StepDone, TaskEnded, TaskFailed, Train
 from marlaas_hpc.scheduler.staleness import within_bound
 from marlaas_hpc.trainer.peft_io import write_peft_adapter
 
