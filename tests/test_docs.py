@@ -237,7 +237,15 @@ def _check_flags_of(path: Path, flags: list[str], module: str | None = None) -> 
     if missing and path.suffix == ".py":  # a flag defined elsewhere (a shared parser): ask the tool itself
         options = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", _script_help(path, module)))
         missing = [f for f in missing if f not in options]
+    target = _exec_target(path) if missing and path.suffix == ".sh" else None
+    if target is not None:  # a shell wrapper that ends in `exec "$PY" tool.py "$@"` takes the tool's flags
+        return _check_flags_of(target, missing)
     return [f"{path.relative_to(ROOT)} has no flag {f}" for f in missing]
+
+
+def _exec_target(path: Path) -> Path | None:
+    match = re.search(r'^exec \S+ (\S+\.py) "\$@"', path.read_text(), re.M)
+    return ROOT / match.group(1) if match and (ROOT / match.group(1)).is_file() else None
 
 
 def check_script(args: list[str]) -> list[str]:
