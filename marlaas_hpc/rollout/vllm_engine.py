@@ -44,6 +44,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -51,6 +52,7 @@ from pathlib import Path
 from marlaas_hpc.model.checkpoint import stop_token_ids
 from marlaas_hpc.model.tokenizer_file import load_tokenizer
 from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
+from marlaas_hpc.rollout.vllm_liveness import CoreWatch
 from marlaas_hpc.tasks.spec import QWEN3_LORA_TARGETS
 
 MEMORY_SCHEME = "memory:"
@@ -92,22 +94,27 @@ def start_llm(LLM, model: str, own_process: bool, **kwargs):
     (the in-memory adapters, the KV scrub) pickled to the core over its local ZMQ socket:
     VLLM_ALLOW_INSECURE_SERIALIZATION=1, process-wide (vLLM refuses a function otherwise). The core process loads
     vLLM's general plugins, where this package's (rollout/vllm_plugin.py, a pyproject.toml entry point) installs
-    the CPU LoRA wrapper (an `install()` in this process would not reach it) and makes the process die with its
-    parent (MARLAAS_ENGINE_PARENT names this process while vLLM spawns). Adapter tensors go to the core packed
-    (`_hold`): vLLM's msgpack utility calls would turn them into lists."""
-    if not own_process:
-        return LLM(model, **kwargs)
-    from vllm import envs
-
+    the CPU LoRA wrapper (an `install()` in this process would not reach it), makes the process die with its
+    parent and ignore USR2, the ranks' preemption signal (MARLAAS_ENGINE_PARENT names this process while vLLM
+    spawns, for in-process engines too: a tensor-parallel engine's workers are processes of their own). USR2 stays
+    blocked in this thread while vLLM starts, so that every process it spawns starts with it blocked (the mask is
+    inherited) until the plugin ignores it; this rank still takes a USR2 meanwhile (another thread runs the C
+    handler, or it is delivered once the mask is restored). Adapter tensors go to the core packed (`_hold`):
+    vLLM's msgpack utility calls would turn them into lists."""
     from marlaas_hpc.rollout.vllm_plugin import PARENT_ENV
 
-    envs.disable_envs_cache()  # an in-process engine core froze vLLM's environment when it started
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if own_process:
+        from vllm import envs
+
+        envs.disable_envs_cache()  # an in-process engine core froze vLLM's environment when it started
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ[PARENT_ENV] = str(os.getpid())
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     try:
         return LLM(model, **kwargs)
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         del os.environ[PARENT_ENV]
 
@@ -221,7 +228,8 @@ class VllmEngine(RolloutEngine):
         enable_prefix_caching: reuse KV blocks of shared prefixes (None: vLLM's default).
         kv_cache_gib: CPU only: KV cache size in GiB (vLLM zeroes all of it at start: ~0.3 s per GiB).
         warmup: run a few tiny generations at start (vLLM compiles sampling ops on first use).
-        own_process: run vLLM's engine core (and its workers) in a process of their own (`start_llm`).
+        own_process: run vLLM's engine core (and its workers) in a process of their own (`start_llm`); its death
+            is seen at once (rollout/vllm_liveness.py): the calls waiting on it raise EngineCoreDied.
         llm_kwargs: passed to `vllm.LLM` as-is.
     """
 
@@ -273,6 +281,7 @@ class VllmEngine(RolloutEngine):
         self.own_process = own_process
         self.llm = start_llm(LLM, str(model_path), own_process, **kwargs)
         self.engine = self.llm.llm_engine
+        self._core_watch = CoreWatch.of(self.llm) if own_process else None
         # generation_config="vllm" keeps the checkpoint's sampling defaults out, and with them its eos list:
         # every request names the stop ids itself (the tokenizer's eos + generation_config.json's)
         self.stop_ids = stop_token_ids(model_path, load_tokenizer(model_path))
@@ -402,8 +411,16 @@ class VllmEngine(RolloutEngine):
             raise
 
     def step(self) -> list[Generation]:
+        if self._core_watch is not None:
+            self._core_watch.check()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            if self._core_watch is not None:
+                self._core_watch.check()  # a core that died meanwhile: its cause, not vLLM's generic EngineDeadError
+            raise
         done = []
-        for out in self.engine.step():
+        for out in outputs:
             if not out.finished or out.request_id not in self._samples:
                 continue
             run = self._samples.pop(out.request_id)
@@ -445,6 +462,8 @@ class VllmEngine(RolloutEngine):
         """Shuts the engine down and frees vLLM's torch.distributed state (another engine may start later)."""
         if getattr(self, "llm", None) is None:
             return
+        if self._core_watch is not None:
+            self._core_watch.stop()  # the cores' ends that follow are expected
         try:
             self.engine.engine_core.shutdown()
         finally:
