@@ -230,6 +230,9 @@ class VllmEngine(RolloutEngine):
         warmup: run a few tiny generations at start (vLLM compiles sampling ops on first use).
         own_process: run vLLM's engine core (and its workers) in a process of their own (`start_llm`); its death
             is seen at once (rollout/vllm_liveness.py): the calls waiting on it raise EngineCoreDied.
+        seeded_sampling: give each sampled request its own seed (reproducible sampling; vLLM then samples the
+            seeded rows one by one, off its FlashInfer sampler); False: requests sample from the engine's seed
+            (`vllm.seeded_sampling`, rollout/vllm_settings.py).
         llm_kwargs: passed to `vllm.LLM` as-is.
     """
 
@@ -239,7 +242,7 @@ class VllmEngine(RolloutEngine):
                  max_model_len: int | None = None, enforce_eager: bool = True,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int | None = None,
                  enable_prefix_caching: bool | None = None, kv_cache_gib: float = 1, warmup: bool = True,
-                 own_process: bool = False, **llm_kwargs):
+                 own_process: bool = False, seeded_sampling: bool = True, **llm_kwargs):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         LLM = import_vllm(Path(cache_dir) if cache_dir else self.work_dir)
@@ -279,6 +282,7 @@ class VllmEngine(RolloutEngine):
         # (~0.15 s each). Frozen now, they are left out: vLLM freezes the heap after start anyway.
         gc.freeze()
         self.own_process = own_process
+        self.seeded_sampling = seeded_sampling
         self.llm = start_llm(LLM, str(model_path), own_process, **kwargs)
         self.engine = self.llm.llm_engine
         self._core_watch = CoreWatch.of(self.llm) if own_process else None
@@ -372,7 +376,7 @@ class VllmEngine(RolloutEngine):
                     else self._lora_requests[(first.task_id, first.adapter_version)]
                 params = SamplingParams(
                     n=len(run), temperature=first.temperature, top_p=1.0, top_k=0, min_p=0.0,
-                    max_tokens=first.remaining_tokens, seed=None if first.temperature == 0 else first.seed, logprobs=0,
+                    max_tokens=first.remaining_tokens, seed=self._seed_of(first), logprobs=0,
                     detokenize=False, stop_token_ids=[] if first.ignore_stop else self.stop_ids,
                     ignore_eos=first.ignore_stop, output_kind=RequestOutputKind.FINAL_ONLY)
                 # a continuation (issue #29 repack) is prefilled with its partial tokens; seeded, it draws a new
@@ -388,6 +392,10 @@ class VllmEngine(RolloutEngine):
                 if req.adapter_version is not None:
                     self._retire(self.versions.release(req.task_id, req.adapter_version))
             raise
+
+    def _seed_of(self, request: GenerationRequest) -> int | None:
+        """The request's own seed when sampling is seeded; None (the engine's generator) when greedy or not."""
+        return request.seed if self.seeded_sampling and request.temperature != 0 else None
 
     def _acquire_all(self, requests: list[GenerationRequest]) -> None:
         """Pins every request's adapter version, all or none (KeyError for an unknown version)."""

@@ -430,7 +430,7 @@ def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, devic
         on_gpu, models = device.startswith("cuda"), len(job.model_names())
         kwargs = {"work_dir": work_dir, "cache_dir": default_cache_dir() / "vllm",
                   **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness()),
-                  "own_process": job.vllm.own_process(models, on_gpu)}
+                  "own_process": job.vllm.own_process(models, on_gpu), "seeded_sampling": job.vllm.seeded(on_gpu)}
         if models > 1 and on_gpu:  # an EngineSet's engines sleep and wake (vLLM's sleep mode, cumem allocator)
             from marlaas_hpc.rollout.engine_set import SLEEP_MODE_KWARGS
 
