@@ -67,6 +67,23 @@ def test_a_daemon_starts_in_its_component_with_what_its_ranks_hold_there():
     assert env_daemon[-5:] == ["unshare", "--uts", "/bin/sh", "-c", "hostname c2; trap '' USR2; prted"]
 
 
+def test_gpu_daemons_are_bound_to_their_cpus_and_the_cpu_twin_floats():
+    """A daemon of a GPU component on a real cluster is bound to the CPUs Slurm gave it on the node (its ranks inherit
+    them and each narrows to those near its GPU: launch/devices.py); CPU components, and every daemon on emulated
+    nodes (the CPU twin oversubscribes its cores), float. PRRTE binds nothing (it cannot know a rank's GPU)."""
+    from marlaas_hpc.launch.mpi import LocalMpi
+    from marlaas_hpc.launch.ulfm_slurm import mpiexec_argv
+
+    plan = make_plan(BATCH_ENV, cpus=[2, 1, 2, 4], gpus=[0, 0, 1, 1])
+    binding = {host: [a for a in agent_argv(plan, host, ["prted"], emulated=False) if a.startswith("--cpu-bind")]
+               for host in ("c1", "c2", "g1", "g3")}
+    assert binding == {"c1": ["--cpu-bind=none"], "c2": ["--cpu-bind=none"], "g1": ["--cpu-bind=cores"],
+                       "g3": ["--cpu-bind=cores"]}
+    assert "--cpu-bind=none" in agent_argv(plan, "g3", ["prted"], emulated=True)
+    argv = mpiexec_argv(LocalMpi("ulfm", "/u/bin/mpiexec", Path("/u")), plan, Path("/h"), Path("/a"), "python x")
+    assert argv[argv.index("--bind-to") + 1] == "none"
+
+
 def _survives_usr2(argv: list[str], env: dict | None = None) -> bool:
     """Starts `argv` (which runs `sleep 30` in a shell) in a process group of its own, sends USR2 to the group (as
     Slurm signals every process of a step), and tells whether the shell and its child are still there."""

@@ -94,11 +94,15 @@ own handler (runtime/checkpoint.py PreemptFlag)."""
 
 
 def agent_argv(plan: dict, host: str, command: list[str], emulated: bool) -> list[str]:
-    """The srun that starts one PRRTE daemon on `host` in its het component, with what the component holds there."""
+    """The srun that starts one PRRTE daemon on `host` in its het component, with what the component holds there.
+    CPUs: a component with GPUs on a real cluster is bound to the CPUs Slurm gave it on the node (`--cpu-bind=cores`:
+    its ranks inherit them, and each narrows to those near its GPUs, launch/devices.py); the CPU components, and
+    every component on emulated nodes (the CPU twin oversubscribes the machine's cores), float (`none`)."""
     group, tasks = next((g, n) for g, h, n in plan["nodes"] if h == host)
     script = IGNORE_USR2 + " ".join(command)
+    bind = "cores" if plan["gpus"][group] and not emulated else "none"
     argv = ["srun", *([f"--het-group={group}"] if plan["het"] else []), "-w", host, "-N1", "-n1", "--overlap",
-            "--kill-on-bad-exit=0", "--mpi=none", "--cpu-bind=none", f"--cpus-per-task={plan['cpus'][group] * tasks}"]
+            "--kill-on-bad-exit=0", "--mpi=none", f"--cpu-bind={bind}", f"--cpus-per-task={plan['cpus'][group] * tasks}"]
     if plan["gpus"][group]:
         argv.append(f"--gres=gpu:{plan['gpus'][group] * tasks}")
     if emulated:
