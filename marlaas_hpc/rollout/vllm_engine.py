@@ -64,6 +64,7 @@ def _set_vllm_env(cache_dir: Path) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core (~2.5 s start, no spawn)
     os.environ["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm_cache")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor_cache")
+    os.environ["TRITON_CACHE_DIR"] = str(cache_dir / "triton_cache")  # GPU kernels; its default is under ~/.triton
     # the KV cache size goes to the engine as kv_cache_memory_bytes (this legacy variable takes whole GiB only)
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
