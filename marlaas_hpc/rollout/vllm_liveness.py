@@ -25,9 +25,9 @@ class EngineCoreDied(RuntimeError):
 
 
 def describe_exit(exitcode: int | None) -> str:
-    """'killed by signal 9 (SIGKILL)', 'exit status 1'."""
+    """'killed by signal 9 (SIGKILL)', 'exit status 1'; None: reaped by another thread (vLLM's own monitor)."""
     if exitcode is None:
-        return "still running"
+        return "ended (exit status not known here)"
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
