@@ -178,7 +178,7 @@ class JobConfig(SchedulerSettings):
     vllm: VllmSettings = field(default_factory=VllmSettings)
     """The vLLM engine of every rollout rank (engine: vllm): dtype, gpu_memory_utilization, max_model_len,
     enforce_eager, tensor_parallel_size, max_num_seqs, max_loras, max_cpu_loras, enable_prefix_caching,
-    cpu_kv_cache_gib (rollout/vllm_settings.py documents each)."""
+    cpu_kv_cache_gib, engine_process, seeded_sampling (rollout/vllm_settings.py documents each)."""
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     """Trainer precision and memory: base dtype, micro-batch token budget, activation recompute, attention kernel."""
     env_pool: EnvPoolConfig = field(default_factory=EnvPoolConfig)
@@ -379,6 +379,7 @@ class JobConfig(SchedulerSettings):
         if not isinstance(self.vllm, VllmSettings):
             raise SpecError("vllm", f"must be a VllmSettings, got {type(self.vllm).__name__}")
         self.vllm.validate("vllm")
+        self.vllm.decide_seeding(self.layout.accelerator)
         gpus = self.layout.rollout.gpus_per_task
         if self.engine == "hf" and gpus > 1:
             raise SpecError("layout.rollout.gpus_per_task", f"is {gpus}, but the hf engine runs on one device")

@@ -293,8 +293,11 @@ layout = JobLayout(rollout_ranks=1, trainer_tp=1, share_gpus=True).validate()
 binding = bind_device(os.environ, 3, layout, driver_gpus=count_driver_gpus(), node_ranks=range(4))
 apply_binding(binding)
 import torch
+from marlaas_hpc.launch.devices import gpu_local_cpus, pci_address
 print(json.dumps({"driver": count_driver_gpus(), "device": binding.device, "gpus": binding.gpus,
-                  "torch_count": torch.cuda.device_count(), "current": torch.cuda.current_device()}))
+                  "torch_count": torch.cuda.device_count(), "current": torch.cuda.current_device(),
+                  "affinity": sorted(os.sched_getaffinity(0)), "node_cpus": os.cpu_count(),
+                  "gpu_cpus": sorted(gpu_local_cpus([pci_address(torch.cuda.get_device_properties(0))]) or [])}))
 """
 
 
@@ -315,6 +318,10 @@ def test_device_binding_applied_on_a_real_gpu():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["driver"] >= 1 and result["device"] == "cuda:0" and len(result["gpus"]) == 1
     assert result["torch_count"] == 1 and result["current"] == 0
+    assert result["gpu_cpus"], "the kernel lists the CPUs near the GPU (sysfs local_cpulist of its PCI address)"
+    assert set(result["affinity"]) <= set(result["gpu_cpus"]), "the rank runs on the CPUs near its GPU"
+    print(f"\nGPU rank affinity: {len(result['affinity'])} of {result['node_cpus']} CPUs, near the GPU: "
+          f"{len(result['gpu_cpus'])}")
 
 
 @pytest.mark.mpi
@@ -371,3 +378,46 @@ def test_device_placement_from_launcher_variables_checked_against_mpi():
     assert placement_mismatch(env, layout, 0, no_driver, 4, cyclic) is None  # every rank on the CPU anyway
     wrong_rank = placement_mismatch(env, layout, 4, applied, 5, range(6))  # MPI's rank is not the launcher's
     assert "world rank 4" in wrong_rank and "as world rank 5" in wrong_rank
+
+
+# ---- CPUs near the GPUs: a fake sysfs (this machine has no GPU; tests/test_launch_devices.py's GPU test reads a
+# real one)
+def _sysfs(tmp_path, devices: dict[str, str]) -> Path:
+    for address, cpulist in devices.items():
+        (tmp_path / address).mkdir(parents=True)
+        (tmp_path / address / "local_cpulist").write_text(cpulist + "\n")
+    return tmp_path
+
+
+def test_cpus_near_a_gpu_come_from_its_pci_devices_local_cpulist(tmp_path):
+    from marlaas_hpc.launch.devices import cpus_near, gpu_local_cpus, parse_cpulist
+
+    assert parse_cpulist("0-3,8-11") == {0, 1, 2, 3, 8, 9, 10, 11} and parse_cpulist("5\n") == {5}
+    sysfs = _sysfs(tmp_path, {"0000:1b:00.0": "0-23,96-119", "0000:9c:00.0": "48-71,144-167"})
+    assert gpu_local_cpus(["0000:9C:00.0"], sysfs) == set(range(48, 72)) | set(range(144, 168))
+    assert gpu_local_cpus(["0000:1b:00.0", "0000:9c:00.0"], sysfs) == parse_cpulist("0-23,48-71,96-119,144-167")
+    assert gpu_local_cpus(["0000:aa:00.0"], sysfs) is None, "a device the kernel does not list: nothing known"
+    node = set(range(192))
+    assert cpus_near(node, gpu_local_cpus(["0000:9c:00.0"], sysfs)) == set(range(48, 72)) | set(range(144, 168))
+    assert cpus_near({48, 49, 50, 0}, {48, 49, 50, 51}) == {48, 49, 50}, "within what the launcher allowed"
+    assert cpus_near({0, 1}, {48, 49}) is None, "nothing in common: the rank keeps its CPUs"
+    assert cpus_near({0, 1}, None) is None and cpus_near({48, 49}, {48, 49, 50}) is None
+
+
+def test_a_gpu_rank_binds_itself_to_the_cpus_near_its_gpu(tmp_path):
+    """In a fresh process (its affinity is the test's to change): the CPUs near the GPU among those allowed."""
+    import os
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to narrow from")
+    sysfs = _sysfs(tmp_path, {"0000:9c:00.0": str(allowed[-1])})
+    code = ("import json, os; from marlaas_hpc.launch.devices import bind_cpus_near; "
+            f"chosen = bind_cpus_near(['0000:9c:00.0'], {str(sysfs)!r}); "
+            "print(json.dumps([sorted(chosen or []), sorted(os.sched_getaffinity(0))]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == [[allowed[-1]], [allowed[-1]]]

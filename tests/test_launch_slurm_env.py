@@ -114,3 +114,36 @@ def test_in_slurm_step_tells_srun_tasks_from_other_processes():
     assert in_slurm_step(env)
     batch_script = {k: v for k, v in env.items() if not k.startswith("SLURM_STEP") and k != "SLURM_PROCID"}
     assert not in_slurm_step(batch_script) and not in_slurm_step({})
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, "HOME_CACHE"),  # local mode: the project's cache (the home directory is this machine's)
+    ({"SLURM_JOB_ID": "7"}, "/tmp/marlaas_hpc-UID/compile"),
+    ({"SLURM_JOB_ID": "7", "TMPDIR": "/local/job7"}, "/local/job7/marlaas_hpc-UID/compile"),
+    ({"SLURM_JOB_ID": "7", "TMPDIR": "/local/job7", "SLURM_TMPDIR": "/scratch/7"}, "/scratch/7/marlaas_hpc-UID/compile"),
+    ({"SLURM_JOB_ID": "7", "TMPDIR": ""}, "/tmp/marlaas_hpc-UID/compile"),
+    ({"SLURM_JOB_ID": "7", "TMPDIR": "/local", "MARLAAS_COMPILE_CACHE": "/nfs/shared"}, "/nfs/shared"),
+    ({"MARLAAS_COMPILE_CACHE": "/elsewhere"}, "/elsewhere"),
+])
+def test_compile_caches_go_to_node_local_storage_under_slurm(environ, expected):
+    """Under the home directory (NFS on clusters) every rank of every node shared one compile cache."""
+    import os
+
+    from marlaas_hpc.launch.slurm_env import compile_cache_dir
+
+    home_cache = Path("/home/u/.cache/marlaas_hpc/vllm")
+    expected = str(home_cache) if expected == "HOME_CACHE" else expected.replace("UID", str(os.getuid()))
+    assert compile_cache_dir(environ, home_cache) == Path(expected)
+
+
+def test_the_vllm_engine_puts_every_compile_cache_under_its_cache_dir(tmp_path, monkeypatch):
+    from marlaas_hpc.rollout.vllm_engine import _set_vllm_env
+
+    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(name, raising=False)
+    _set_vllm_env(tmp_path)
+    import os
+
+    assert {name: os.environ[name] for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")} \
+        == {"VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor_cache"),
+            "TRITON_CACHE_DIR": str(tmp_path / "triton_cache")}

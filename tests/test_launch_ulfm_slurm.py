@@ -61,10 +61,74 @@ def test_a_daemon_starts_in_its_component_with_what_its_ranks_hold_there():
     argv = agent_argv(plan, "g3", ["PRTE_PREFIX=/x;", "prted", "--x"], emulated=False)
     assert argv[:2] == ["srun", "--het-group=3"] and "--kill-on-bad-exit=0" in argv and "--overlap" in argv
     assert "--cpus-per-task=8" in argv and "--gres=gpu:2" in argv
-    assert argv[-3:] == ["/bin/sh", "-c", "PRTE_PREFIX=/x; prted --x"]
+    assert argv[-3:] == ["/bin/sh", "-c", "trap '' USR2; PRTE_PREFIX=/x; prted --x"]
     env_daemon = agent_argv(plan, "c2", ["prted"], emulated=True)
     assert not any(a.startswith("--gres") for a in env_daemon) and "--cpus-per-task=1" in env_daemon
-    assert env_daemon[-5:] == ["unshare", "--uts", "/bin/sh", "-c", "hostname c2; prted"]
+    assert env_daemon[-5:] == ["unshare", "--uts", "/bin/sh", "-c", "hostname c2; trap '' USR2; prted"]
+
+
+def test_gpu_daemons_are_bound_to_their_cpus_and_the_cpu_twin_floats():
+    """A daemon of a GPU component on a real cluster is bound to the CPUs Slurm gave it on the node (its ranks inherit
+    them and each narrows to those near its GPU: launch/devices.py); CPU components, and every daemon on emulated
+    nodes (the CPU twin oversubscribes its cores), float. PRRTE binds nothing (it cannot know a rank's GPU)."""
+    from marlaas_hpc.launch.mpi import LocalMpi
+    from marlaas_hpc.launch.ulfm_slurm import mpiexec_argv
+
+    plan = make_plan(BATCH_ENV, cpus=[2, 1, 2, 4], gpus=[0, 0, 1, 1])
+    binding = {host: [a for a in agent_argv(plan, host, ["prted"], emulated=False) if a.startswith("--cpu-bind")]
+               for host in ("c1", "c2", "g1", "g3")}
+    assert binding == {"c1": ["--cpu-bind=none"], "c2": ["--cpu-bind=none"], "g1": ["--cpu-bind=cores"],
+                       "g3": ["--cpu-bind=cores"]}
+    assert "--cpu-bind=none" in agent_argv(plan, "g3", ["prted"], emulated=True)
+    argv = mpiexec_argv(LocalMpi("ulfm", "/u/bin/mpiexec", Path("/u")), plan, Path("/h"), Path("/a"), "python x")
+    assert argv[argv.index("--bind-to") + 1] == "none"
+
+
+def _survives_usr2(argv: list[str], env: dict | None = None) -> bool:
+    """Starts `argv` (which runs `sleep 30` in a shell) in a process group of its own, sends USR2 to the group (as
+    Slurm signals every process of a step), and tells whether the shell and its child are still there."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen(argv, start_new_session=True, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert psutil.Process(proc.pid).name() == "sh", "the shell runs, its sleep under it"
+        group = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children()]
+        os.killpg(proc.pid, signal.SIGUSR2)
+        time.sleep(0.5)
+        return proc.poll() is None and all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in group)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_daemons_shell_survives_usr2():
+    """Slurm's --signal=USR2@lead signals every process of the daemon's srun step: its shell died of it, which ended
+    the step and every rank of the node."""
+    plan = make_plan(BATCH_ENV, cpus=[2, 1, 2, 4], gpus=[0, 0, 1, 1])
+    shell = agent_argv(plan, "g3", ["sleep", "30;", "true"], emulated=False)[-3:]
+    assert _survives_usr2(shell)
+
+
+def test_the_shell_around_each_rank_survives_usr2():
+    """`ulfm_slurm rank -- /bin/sh -c COMMAND`: PRRTE took the shell's death for the rank's."""
+    import os
+    import sys
+
+    from marlaas_hpc.launch.ulfm_slurm import PLAN_ENV
+
+    plan = make_plan(BATCH_ENV, cpus=[2, 1, 2, 4], gpus=[0, 0, 1, 1])
+    env = {**os.environ, **BATCH_ENV, PLAN_ENV: json.dumps(plan), "OMPI_COMM_WORLD_RANK": "2",
+           "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    assert _survives_usr2([sys.executable, "-m", "marlaas_hpc.launch.ulfm_slurm", "rank", "--", "/bin/sh", "-c",
+                           "sleep 30; true"], env)
 
 
 def test_the_batch_script_runs_ulfms_mpiexec_instead_of_srun():

@@ -80,6 +80,36 @@ def test_vllm_samples_of_one_prompt_go_in_as_one_request_and_equal_separate_ones
     assert [len(run) for run in _samples_of_one_prompt(skipped_seed)] == [2, 1, 1]
 
 
+def _seeds_in_the_scheduler(engine) -> dict[str, int | None]:
+    """Request id -> the seed of the SamplingParams vLLM's scheduler holds (an in-process engine core; a prompt
+    group's samples are child requests of their own)."""
+    scheduler = engine.engine.engine_core.engine_core.scheduler
+    return {request.request_id: request.sampling_params.seed for request in scheduler.requests.values()}
+
+
+def test_vllm_requests_carry_their_seed_only_when_sampling_is_seeded(vllm_engine, codec):
+    """`vllm.seeded_sampling` off (GPUs): no sampled request reaches vLLM with a seed of its own (any one turns its
+    batched sampler off), greedy ones never do; on (the CPU twin): each sample has its own, seed + i."""
+    prompt = codec.encode_prompt(PROMPTS[0])
+    seen = {}
+    for seeded in (True, False):
+        requests = [GenerationRequest(f"seeded-{seeded}#{j}", "t1", 0, prompt, temperature=1.0, max_new_tokens=4,
+                                      seed=700 + j) for j in range(3)]
+        requests.append(GenerationRequest(f"greedy-{seeded}", "t1", 0, prompt, temperature=0.0, max_new_tokens=4,
+                                          seed=900))
+        vllm_engine.seeded_sampling = seeded
+        try:
+            vllm_engine.submit(requests)
+            seen[seeded] = _seeds_in_the_scheduler(vllm_engine)
+            while vllm_engine.has_unfinished():
+                vllm_engine.step()
+        finally:
+            vllm_engine.seeded_sampling = True
+    assert len(seen[True]) == len(seen[False]) == 4, seen
+    assert sorted(seen[True].values(), key=str) == [700, 701, 702, None], seen
+    assert list(seen[False].values()) == [None] * 4, seen
+
+
 def test_vllm_version_pinning_and_retirement(vllm_engine, adapters, codec):
     engine, prompt = vllm_engine, codec.encode_prompt(PROMPTS[1])
     engine.add_adapter(AdapterRef("pin", 0, str(adapters["t1"])))

@@ -76,6 +76,7 @@ vllm: {dtype: bfloat16, gpu_memory_utilization: 0.9, max_model_len: 2048, enforc
     ({"vllm": {"max_num_seqs": "many"}}, "vllm.max_num_seqs", "integer"),
     ({"vllm": {"enforce_eager": "no"}}, "vllm.enforce_eager", "true or false"),
     ({"vllm": {"enable_prefix_caching": 1}}, "vllm.enable_prefix_caching", "true or false"),
+    ({"vllm": {"seeded_sampling": "yes"}}, "vllm.seeded_sampling", "true or false"),
     ({"vllm": {"tensor_parallel_size": 0}}, "vllm.tensor_parallel_size", ">= 1"),
     ({"vllm": {"cpu_kv_cache_gib": -1}}, "vllm.cpu_kv_cache_gib", "in (0.0, 1024.0]"),
     ({"vllm": {"cpu_kv_cache_gib": 0}}, "vllm.cpu_kv_cache_gib", "in (0.0, 1024.0]"),
@@ -98,6 +99,21 @@ def test_vllm_settings_and_device_fields_refused_naming_the_field(data, field, w
     with pytest.raises(SpecError) as info:
         JobConfig.from_dict(data)
     assert info.value.field == field and words in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("accelerator, given, decided, on_cpu, on_gpu", [
+    ("cpu", None, True, True, True),  # the CPU twin: every run samples the same tokens
+    ("cuda", None, False, False, False),  # GPUs: vLLM's batched FlashInfer sampler, not seeded rows one by one
+    ("auto", None, None, True, False),  # decided by each rank from the device it was given
+    ("auto", False, False, False, False),
+    ("cpu", False, False, False, False),
+    ("cuda", True, True, True, True),
+])
+def test_seeded_sampling_defaults_to_the_accelerator(accelerator, given, decided, on_cpu, on_gpu):
+    vllm = {} if given is None else {"seeded_sampling": given}
+    job = JobConfig.from_dict({"vllm": vllm, "layout": {"accelerator": accelerator}})
+    assert job.vllm.seeded_sampling is decided
+    assert (job.vllm.seeded(on_gpu=False), job.vllm.seeded(on_gpu=True)) == (on_cpu, on_gpu)
 
 
 def test_vllm_settings_tp_equal_to_the_rollout_gpus_is_valid():

@@ -1,12 +1,15 @@
 """Issue 25 under Slurm: with `layout.mpi: ulfm` (launch/ulfm_slurm.py) a SIGKILLed rollout rank of a running
 het job on the local cluster stops no task: the job finishes by itself (every component COMPLETED, no requeue),
-one line names the rank and what was issued again, and every version of every task is trained exactly once."""
+one line names the rank and what was issued again, and every version of every task is trained exactly once.
+USR2 to every process of the job's steps (what `--signal=USR2@lead` does) checkpoints it: the daemons' shells
+survive it, the job requeues itself and resumes."""
 from __future__ import annotations
 
 import collections
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -42,6 +45,28 @@ def test_a_killed_rollout_rank_stops_no_task_under_ulfm(cluster, tmp_path):  # n
     assert loss["rank"] == 2 and loss["role"] == "rollout" and loss["cause"].startswith("died")
     audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
     assert not any(r["group_id"] in loss["groups_reissued"] for r in audit), "a lost group is never trained"
+
+
+def test_usr2_to_every_process_of_a_ulfm_job_checkpoints_requeues_and_resumes(cluster, tmp_path):  # noqa: F811
+    """`scancel --signal=USR2` signals every process of every step, as Slurm's `--signal=USR2@lead` does: under ULFM
+    the steps are the PRRTE daemons' sruns, whose shells died of it and took every rank of their node along. Now
+    they ignore it: rank 0 checkpoints every task, the job requeues itself, the rerun resumes, and every version of
+    every task is trained exactly once."""
+    steps = 14
+    config = slurm_small_config(steps)
+    config["layout"].update(mpi="ulfm")
+    job_id, run_dir, _ = submit(config, tmp_path)
+    assert preempt_at_step(job_id, run_dir, 3) is None, "the job ended before its third step"
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    states = wait_final(job_id, run_dir, 600)
+
+    assert states == ["COMPLETED"] * 4, states
+    from marlaas_hpc.runtime.records import read_records
+
+    records = read_records(run_dir)
+    assert [run["ended"] for run in records["runs"]] == ["preempted", "finished"]
+    assert not records["ranks_lost"] and not (run_dir / "crash.json").exists(), "no rank died of the USR2"
+    _check_audit(config, run_dir, steps)
 
 
 def _rank0_log(run_dir, job_id: str) -> list[str]:

@@ -59,3 +59,107 @@ def test_the_engine_processes_die_with_the_rank_that_owns_them(tiny_model_path, 
         for process in _descendants(os.getpid()):
             if "VLLM" in process.name():
                 process.kill()
+
+
+def _alive(process) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _engine_cores(pid: int) -> set:
+    return {p for p in _descendants(pid) if p.name() == "VLLM::EngineCore"}
+
+
+class _Deadline:
+    """SIGALRM after `seconds`: a call blocked on a dead core (vLLM's client waits without a timeout) fails the test
+    instead of hanging it (lock waits are interrupted by the handler's exception)."""
+
+    def __init__(self, seconds: int):
+        self.seconds = seconds
+
+    def __enter__(self):
+        def expire(*_):
+            raise TimeoutError(f"still blocked {self.seconds} s later (waiting on a dead engine core)")
+
+        self.previous = signal.signal(signal.SIGALRM, expire)
+        signal.alarm(self.seconds)
+
+    def __exit__(self, *_):
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, self.previous)
+
+
+def _own_process_engine(tiny_model_path, tmp_path, built: list):
+    """A rollout rank's engine (RestartingEngine over an own-process VllmEngine), each build's time in `built`."""
+    from marlaas_hpc.rollout import make_engine
+    from marlaas_hpc.rollout.restart import RestartingEngine
+
+    def factory():
+        built.append(time.monotonic())
+        return make_engine("vllm", tiny_model_path, work_dir=tmp_path / "engine", kv_cache_gib=1 / 16,
+                           own_process=True, warmup=False, max_loras=2)
+
+    return RestartingEngine(factory)
+
+
+def _long_requests(tag: str, count: int = 6):
+    from marlaas_hpc.rollout import GenerationRequest
+
+    return [GenerationRequest(f"{tag}{i}", "base", None, [1 + i, 2, 3], temperature=1.0, max_new_tokens=48,
+                              ignore_stop=True, seed=100 + i) for i in range(count)]
+
+
+def test_usr2_to_every_engine_process_kills_none(tiny_model_path, tmp_path):
+    """Slurm's --signal signals every process of the step, a local launcher each rank's process group: the
+    engine's processes ignore USR2 (rollout/vllm_plugin.py), and the engine goes on generating."""
+    pytest.importorskip("vllm")
+    engine = _own_process_engine(tiny_model_path, tmp_path, [])
+    try:
+        processes = _descendants(os.getpid())
+        assert _engine_cores(os.getpid()), "the engine core runs in a process of its own"
+        for process in processes:
+            process.send_signal(signal.SIGUSR2)
+        time.sleep(1.0)
+        dead = [f"{p.pid}" for p in processes if not _alive(p)]
+        assert not dead, f"USR2 killed engine processes {dead} of {[p.pid for p in processes]}"
+        with _Deadline(120):
+            done = engine.generate(_long_requests("after-usr2-"))
+        assert len(done) == 6 and all(len(g.completion_ids) == 48 for g in done) and engine.restarts == 0
+    finally:
+        engine.close()
+
+
+def test_a_killed_engine_core_is_seen_at_once_and_rebuilt(tiny_model_path, tmp_path):
+    """SIGKILL of the engine core mid-generation: the rank's next step raises at once (rollout/vllm_liveness.py),
+    RestartingEngine builds a new engine and re-issues the requests in flight, which all finish; nothing waits for
+    the job's hang watchdog (fault.hang_timeout_s, 600 s)."""
+    pytest.importorskip("vllm")
+    built, restarts = [], []
+    engine = _own_process_engine(tiny_model_path, tmp_path, built)
+    engine.on_restart = lambda cause, count, requests: restarts.append((time.monotonic(), cause, requests))
+    try:
+        (core,) = _engine_cores(os.getpid())
+        requests = _long_requests("r")
+        engine.submit(requests)
+        done = engine.step()
+        in_flight = len(requests) - len(done)
+        core.kill()
+        killed = time.monotonic()
+        with _Deadline(150):
+            while engine.has_unfinished():
+                done += engine.step()
+        assert len(built) == 2 and built[1] - killed < 5, f"the dead core was seen {built[1] - killed:.1f} s later"
+        ((rebuilt, cause, reissued),) = restarts
+        assert "died: killed by signal 9 (SIGKILL)" in cause, cause
+        assert reissued == in_flight > 0, "the requests in flight were issued again"
+        assert sorted(g.request_id for g in done) == sorted(r.request_id for r in requests), "each finished once"
+        assert all(len(g.completion_ids) == 48 for g in done)
+        (new_core,) = _engine_cores(os.getpid())
+        assert new_core.pid != core.pid
+        print(f"\ncore SIGKILLed: seen after {built[1] - killed:.2f} s, engine rebuilt after {rebuilt - killed:.1f} s")
+    finally:
+        engine.close()

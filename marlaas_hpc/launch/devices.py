@@ -26,6 +26,12 @@ connects to devices this process cannot see through CUDA IPC (nccl src/transport
 breaks P2P is a devices cgroup that hides the peers' device files (srun --gpus-per-task on sites with
 ConstrainDevices, NVIDIA/nccl#1066): the trainer component asks for GPUs per node instead (launch/sbatch.py).
 
+CPUs: a GPU rank narrows its CPU affinity to the CPUs the kernel lists as local to its GPU(s) (their PCI device's
+`local_cpulist`: the socket or NUMA node the GPU hangs off), within what its launcher allowed it (`bind_cpus_near`).
+The ULFM launcher starts ranks with `--bind-to none` (PRRTE cannot know which GPU a rank will drive), so a rank
+driving GPU 7 otherwise floated over every core of the node, the other socket's included. A CPU rank, and a rank
+whose GPUs' CPUs lie outside what it was allowed, keeps its affinity (the CPU twin oversubscribes its cores).
+
 The binding is applied before MPI_Init (runtime/process.py `bind_rank_device`): a CUDA-aware MPI transport (UCX)
 may start CUDA inside MPI_Init, after which CUDA_VISIBLE_DEVICES no longer counts. So the rank and the ranks
 sharing its node come from the launcher's variables (`world_rank_from_env`, `node_ranks_from_env`: SLURM_PROCID
@@ -319,3 +325,49 @@ def apply_binding(binding: DeviceBinding, environ: MutableMapping[str, str] = os
         raise RuntimeError(f"rank {binding.rank}: CUDA sees {count} device(s) after CUDA_VISIBLE_DEVICES="
                            f"{binding.cuda_visible_devices!r}: CUDA was started before the device binding")
     torch.cuda.set_device(0)
+    bind_cpus_near([pci_address(torch.cuda.get_device_properties(i)) for i in range(count)])
+
+
+# ------------------------------------------------------------------------------------------ CPUs near the GPUs
+def pci_address(properties) -> str:
+    """The sysfs name of a CUDA device's PCI function ('0000:8a:00.0'), from torch's device properties."""
+    return f"{properties.pci_domain_id:04x}:{properties.pci_bus_id:02x}:{properties.pci_device_id:02x}.0"
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """The kernel's CPU list format: '0-3,8-11' -> {0, 1, 2, 3, 8, 9, 10, 11}."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def gpu_local_cpus(addresses: Sequence[str], sysfs: str | Path = "/sys/bus/pci/devices") -> set[int] | None:
+    """The CPUs local to any of these PCI devices (the kernel's `local_cpulist`); None when one is not listed."""
+    cpus: set[int] = set()
+    for address in addresses:
+        path = Path(sysfs) / address.lower() / "local_cpulist"
+        if not path.is_file():
+            return None
+        cpus |= parse_cpulist(path.read_text())
+    return cpus
+
+
+def cpus_near(allowed: set[int], local: set[int] | None) -> set[int] | None:
+    """The CPUs a GPU rank narrows to: those near its GPUs among those it may use; None to keep its affinity
+    (nothing known, nothing in common, or nothing to narrow)."""
+    if not local:
+        return None
+    chosen = allowed & local
+    return chosen if chosen and chosen != allowed else None
+
+
+def bind_cpus_near(addresses: Sequence[str], sysfs: str | Path = "/sys/bus/pci/devices") -> set[int] | None:
+    """Narrows this process's CPU affinity to the CPUs near its GPUs (`cpus_near`); returns the new set, or None
+    when it kept its affinity. Threads and processes started later inherit it (vLLM's workers, torch's pools)."""
+    chosen = cpus_near(os.sched_getaffinity(0), gpu_local_cpus(addresses, sysfs))
+    if chosen is not None:
+        os.sched_setaffinity(0, chosen)
+    return chosen

@@ -7,8 +7,10 @@ SLURM_JOB_ID is the het leader's id in every component (what submitit's file nam
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 from marlaas_hpc.launch.layout import COMPONENTS, JobLayout, assign_role
@@ -109,6 +111,30 @@ def placement_from_env(environ: Mapping[str, str]) -> SlurmPlacement:
                           component_rank=rank - start, component_sizes=sizes, component_nodes=nodes,
                           step_nodes=step_nodes, node_name=environ.get("SLURMD_NODENAME"),
                           restart_count=_int(environ, "SLURM_RESTART_COUNT", 0))
+
+
+COMPILE_CACHE_ENV = "MARLAAS_COMPILE_CACHE"
+"""Overrides where the rollout engines' compile caches go (`compile_cache_dir`), in and out of Slurm: set it in
+`layout.exports` for a shared or persistent directory of one's choice."""
+NODE_TMP_VARIABLES = ("SLURM_TMPDIR", "TMPDIR")
+"""Node-local scratch a site may name for a job, in order of preference (SLURM_TMPDIR: a job's own local dir on
+sites that make one; TMPDIR: Slurm's job_container/tmpfs and most prologs), before /tmp."""
+
+
+def compile_cache_dir(environ: Mapping[str, str], outside_slurm: Path) -> Path:
+    """The root of vLLM's and inductor's compile caches (VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR and
+    TRITON_CACHE_DIR go under it: rollout/vllm_engine.py): MARLAAS_COMPILE_CACHE when set; in a Slurm job
+    (SLURM_JOB_ID), node-local storage, `<$SLURM_TMPDIR or $TMPDIR or /tmp>/marlaas_hpc-<uid>/compile`; else
+    `outside_slurm` (the project's cache under the home directory). Under the home directory, usually an NFS
+    share, every rank of every node read and wrote one cache (file locks, small writes over the network, and one
+    node's half-written entry read by another); node-local, a node compiles once and its later jobs start warm
+    where /tmp outlives a job."""
+    if environ.get(COMPILE_CACHE_ENV):
+        return Path(environ[COMPILE_CACHE_ENV])
+    if not environ.get("SLURM_JOB_ID"):
+        return Path(outside_slurm)
+    base = next((environ[name] for name in NODE_TMP_VARIABLES if environ.get(name)), "/tmp")
+    return Path(base) / f"marlaas_hpc-{os.getuid()}" / "compile"
 
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")

@@ -86,12 +86,23 @@ def rank_hosts(plan: dict) -> list[str]:
     return [host for _, host, tasks in plan["nodes"] for _ in range(tasks)]
 
 
+IGNORE_USR2 = "trap '' USR2; "
+"""The daemon's shell ignores USR2, the ranks' preemption signal: Slurm's `--signal=USR2@lead` signals every process
+of the daemon's srun step, and the shell's death (USR2's default action) ended the step and, with it, every rank of
+the node. prted inherits the disposition (an ignored signal stays ignored across exec); the ranks install their
+own handler (runtime/checkpoint.py PreemptFlag)."""
+
+
 def agent_argv(plan: dict, host: str, command: list[str], emulated: bool) -> list[str]:
-    """The srun that starts one PRRTE daemon on `host` in its het component, with what the component holds there."""
+    """The srun that starts one PRRTE daemon on `host` in its het component, with what the component holds there.
+    CPUs: a component with GPUs on a real cluster is bound to the CPUs Slurm gave it on the node (`--cpu-bind=cores`:
+    its ranks inherit them, and each narrows to those near its GPUs, launch/devices.py); the CPU components, and
+    every component on emulated nodes (the CPU twin oversubscribes the machine's cores), float (`none`)."""
     group, tasks = next((g, n) for g, h, n in plan["nodes"] if h == host)
-    script = " ".join(command)
+    script = IGNORE_USR2 + " ".join(command)
+    bind = "cores" if plan["gpus"][group] and not emulated else "none"
     argv = ["srun", *([f"--het-group={group}"] if plan["het"] else []), "-w", host, "-N1", "-n1", "--overlap",
-            "--kill-on-bad-exit=0", "--mpi=none", "--cpu-bind=none", f"--cpus-per-task={plan['cpus'][group] * tasks}"]
+            "--kill-on-bad-exit=0", "--mpi=none", f"--cpu-bind={bind}", f"--cpus-per-task={plan['cpus'][group] * tasks}"]
     if plan["gpus"][group]:
         argv.append(f"--gres=gpu:{plan['gpus'][group] * tasks}")
     if emulated:
@@ -184,6 +195,15 @@ def launch(command: str, cpus: list[int], gpus: list[int], environ=os.environ) -
         return proc.wait()
 
 
+def exec_rank(program: list[str], env: dict) -> None:
+    """Replaces this process by a rank's program (`/bin/sh -c COMMAND`) with USR2 ignored: the shell then survives
+    the USR2 that Slurm sends every process of the daemon's step (PRRTE would take the shell's death for the
+    rank's), and the rank's Python inherits the disposition until it installs its handler (runtime/main.py does
+    that first: a USR2 before it is lost rather than fatal)."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    os.execvpe(program[0], program, env)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`launch --cpus 2,8,8,8 --gpus 0,0,1,1 -- COMMAND` (batch script), `agent HOST WORDS...` (PRRTE),
     `rank -- PROGRAM ARGS...` (each rank), `join SLOT -- PROGRAM ARGS...` (a rank spawned into the live job)."""
@@ -195,12 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         os.execvp(argv_[0], argv_)
     if mode == "rank":
         program = args[args.index("--") + 1:]
-        os.execvpe(program[0], program, rank_environ(os.environ, json.loads(os.environ[PLAN_ENV])))
+        exec_rank(program, rank_environ(os.environ, json.loads(os.environ[PLAN_ENV])))
     if mode == "join":
         slot, program = int(args[0]), args[args.index("--") + 1:]
         env = slot_environ(os.environ, json.loads(os.environ[PLAN_ENV]), slot)
         env[JOIN_SLOT_ENV] = str(slot)
-        os.execvpe(program[0], program, env)
+        exec_rank(program, env)
     if mode == "launch":
         counts = {args[i]: [int(x) for x in args[i + 1].split(",")] for i in range(0, args.index("--"), 2)}
         return launch(" ".join(args[args.index("--") + 1:]), counts["--cpus"], counts["--gpus"])

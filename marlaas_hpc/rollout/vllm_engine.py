@@ -44,6 +44,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -51,6 +52,7 @@ from pathlib import Path
 from marlaas_hpc.model.checkpoint import stop_token_ids
 from marlaas_hpc.model.tokenizer_file import load_tokenizer
 from marlaas_hpc.rollout.base import AdapterRef, AdapterVersions, Generation, GenerationRequest, RolloutEngine
+from marlaas_hpc.rollout.vllm_liveness import CoreWatch
 from marlaas_hpc.tasks.spec import QWEN3_LORA_TARGETS
 
 MEMORY_SCHEME = "memory:"
@@ -62,6 +64,7 @@ def _set_vllm_env(cache_dir: Path) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core (~2.5 s start, no spawn)
     os.environ["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm_cache")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor_cache")
+    os.environ["TRITON_CACHE_DIR"] = str(cache_dir / "triton_cache")  # GPU kernels; its default is under ~/.triton
     # the KV cache size goes to the engine as kv_cache_memory_bytes (this legacy variable takes whole GiB only)
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
@@ -92,22 +95,27 @@ def start_llm(LLM, model: str, own_process: bool, **kwargs):
     (the in-memory adapters, the KV scrub) pickled to the core over its local ZMQ socket:
     VLLM_ALLOW_INSECURE_SERIALIZATION=1, process-wide (vLLM refuses a function otherwise). The core process loads
     vLLM's general plugins, where this package's (rollout/vllm_plugin.py, a pyproject.toml entry point) installs
-    the CPU LoRA wrapper (an `install()` in this process would not reach it) and makes the process die with its
-    parent (MARLAAS_ENGINE_PARENT names this process while vLLM spawns). Adapter tensors go to the core packed
-    (`_hold`): vLLM's msgpack utility calls would turn them into lists."""
-    if not own_process:
-        return LLM(model, **kwargs)
-    from vllm import envs
-
+    the CPU LoRA wrapper (an `install()` in this process would not reach it), makes the process die with its
+    parent and ignore USR2, the ranks' preemption signal (MARLAAS_ENGINE_PARENT names this process while vLLM
+    spawns, for in-process engines too: a tensor-parallel engine's workers are processes of their own). USR2 stays
+    blocked in this thread while vLLM starts, so that every process it spawns starts with it blocked (the mask is
+    inherited) until the plugin ignores it; this rank still takes a USR2 meanwhile (another thread runs the C
+    handler, or it is delivered once the mask is restored). Adapter tensors go to the core packed (`_hold`):
+    vLLM's msgpack utility calls would turn them into lists."""
     from marlaas_hpc.rollout.vllm_plugin import PARENT_ENV
 
-    envs.disable_envs_cache()  # an in-process engine core froze vLLM's environment when it started
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if own_process:
+        from vllm import envs
+
+        envs.disable_envs_cache()  # an in-process engine core froze vLLM's environment when it started
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ[PARENT_ENV] = str(os.getpid())
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     try:
         return LLM(model, **kwargs)
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         del os.environ[PARENT_ENV]
 
@@ -221,7 +229,11 @@ class VllmEngine(RolloutEngine):
         enable_prefix_caching: reuse KV blocks of shared prefixes (None: vLLM's default).
         kv_cache_gib: CPU only: KV cache size in GiB (vLLM zeroes all of it at start: ~0.3 s per GiB).
         warmup: run a few tiny generations at start (vLLM compiles sampling ops on first use).
-        own_process: run vLLM's engine core (and its workers) in a process of their own (`start_llm`).
+        own_process: run vLLM's engine core (and its workers) in a process of their own (`start_llm`); its death
+            is seen at once (rollout/vllm_liveness.py): the calls waiting on it raise EngineCoreDied.
+        seeded_sampling: give each sampled request its own seed (reproducible sampling; vLLM then samples the
+            seeded rows one by one, off its FlashInfer sampler); False: requests sample from the engine's seed
+            (`vllm.seeded_sampling`, rollout/vllm_settings.py).
         llm_kwargs: passed to `vllm.LLM` as-is.
     """
 
@@ -231,7 +243,7 @@ class VllmEngine(RolloutEngine):
                  max_model_len: int | None = None, enforce_eager: bool = True,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int | None = None,
                  enable_prefix_caching: bool | None = None, kv_cache_gib: float = 1, warmup: bool = True,
-                 own_process: bool = False, **llm_kwargs):
+                 own_process: bool = False, seeded_sampling: bool = True, **llm_kwargs):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         LLM = import_vllm(Path(cache_dir) if cache_dir else self.work_dir)
@@ -271,8 +283,10 @@ class VllmEngine(RolloutEngine):
         # (~0.15 s each). Frozen now, they are left out: vLLM freezes the heap after start anyway.
         gc.freeze()
         self.own_process = own_process
+        self.seeded_sampling = seeded_sampling
         self.llm = start_llm(LLM, str(model_path), own_process, **kwargs)
         self.engine = self.llm.llm_engine
+        self._core_watch = CoreWatch.of(self.llm) if own_process else None
         # generation_config="vllm" keeps the checkpoint's sampling defaults out, and with them its eos list:
         # every request names the stop ids itself (the tokenizer's eos + generation_config.json's)
         self.stop_ids = stop_token_ids(model_path, load_tokenizer(model_path))
@@ -363,7 +377,7 @@ class VllmEngine(RolloutEngine):
                     else self._lora_requests[(first.task_id, first.adapter_version)]
                 params = SamplingParams(
                     n=len(run), temperature=first.temperature, top_p=1.0, top_k=0, min_p=0.0,
-                    max_tokens=first.remaining_tokens, seed=None if first.temperature == 0 else first.seed, logprobs=0,
+                    max_tokens=first.remaining_tokens, seed=self._seed_of(first), logprobs=0,
                     detokenize=False, stop_token_ids=[] if first.ignore_stop else self.stop_ids,
                     ignore_eos=first.ignore_stop, output_kind=RequestOutputKind.FINAL_ONLY)
                 # a continuation (issue #29 repack) is prefilled with its partial tokens; seeded, it draws a new
@@ -379,6 +393,10 @@ class VllmEngine(RolloutEngine):
                 if req.adapter_version is not None:
                     self._retire(self.versions.release(req.task_id, req.adapter_version))
             raise
+
+    def _seed_of(self, request: GenerationRequest) -> int | None:
+        """The request's own seed when sampling is seeded; None (the engine's generator) when greedy or not."""
+        return request.seed if self.seeded_sampling and request.temperature != 0 else None
 
     def _acquire_all(self, requests: list[GenerationRequest]) -> None:
         """Pins every request's adapter version, all or none (KeyError for an unknown version)."""
@@ -402,8 +420,16 @@ class VllmEngine(RolloutEngine):
             raise
 
     def step(self) -> list[Generation]:
+        if self._core_watch is not None:
+            self._core_watch.check()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            if self._core_watch is not None:
+                self._core_watch.check()  # a core that died meanwhile: its cause, not vLLM's generic EngineDeadError
+            raise
         done = []
-        for out in self.engine.step():
+        for out in outputs:
             if not out.finished or out.request_id not in self._samples:
                 continue
             run = self._samples.pop(out.request_id)
@@ -445,6 +471,8 @@ class VllmEngine(RolloutEngine):
         """Shuts the engine down and frees vLLM's torch.distributed state (another engine may start later)."""
         if getattr(self, "llm", None) is None:
             return
+        if self._core_watch is not None:
+            self._core_watch.stop()  # the cores' ends that follow are expected
         try:
             self.engine.engine_core.shutdown()
         finally:

@@ -56,6 +56,15 @@ class VllmSettings:
     process of its own that vLLM spawns: rollout/vllm_engine.py `start_llm`), or 'auto': 'own' on a GPU rank that
     holds the engines of several base models (vLLM's sleep mode acts on a whole process: in one process their
     engines could not sleep apart), 'in_process' everywhere else."""
+    seeded_sampling: bool | None = None
+    """Give every sampled request its own seed (runtime/rollout_rank.py `turn_seed`: the job's seed, the group's id
+    and turn), so that a job samples the same tokens run after run. The cost is vLLM's: any request with a seed
+    turns its FlashInfer sampler off and it samples the seeded rows one at a time in Python (vLLM 0.32,
+    v1/sample/ops/topk_topp_sampler.py), up to max_num_seqs rows over the whole vocabulary (151,936 words for Qwen3)
+    per step. false: requests sample from their engine's generator (seeded with the job's seed and the rank), fast
+    but not reproducible. Unset: on where the engines run on the CPU (the twin: its tests compare runs token for
+    token), off on GPUs; config validation decides it from layout.accelerator ('cpu': on, 'cuda': off) and, under
+    'auto', each rollout rank from the device it was given (`seeded`)."""
 
     def validate(self, prefix: str = "vllm") -> "VllmSettings":
         if self.dtype not in VLLM_DTYPES:
@@ -69,13 +78,23 @@ class VllmSettings:
         for name, low in (("max_model_len", 1), ("max_num_seqs", 1), ("max_loras", 1), ("max_cpu_loras", 1)):
             if getattr(self, name) is not None:
                 _integer(getattr(self, name), f"{prefix}.{name}", low)
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "seeded_sampling"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (value is None and name == "enable_prefix_caching"):
+            if not isinstance(value, bool) and not (value is None and name != "enforce_eager"):
                 raise SpecError(f"{prefix}.{name}", f"must be true or false, got {value!r}")
         if self.max_cpu_loras is not None and self.max_loras is not None and self.max_cpu_loras < self.max_loras:
             raise SpecError(f"{prefix}.max_cpu_loras", f"{self.max_cpu_loras} is below max_loras {self.max_loras}")
         return self
+
+    def decide_seeding(self, accelerator: str) -> None:
+        """Sets an unset `seeded_sampling` where the job's `layout.accelerator` fixes the engines' device: on for
+        'cpu', off for 'cuda'; under 'auto' it stays unset, for each rank to decide (`seeded`)."""
+        if self.seeded_sampling is None and accelerator in ("cpu", "cuda"):
+            self.seeded_sampling = accelerator == "cpu"
+
+    def seeded(self, on_gpu: bool) -> bool:
+        """Whether a rank's engine seeds each sampled request: `seeded_sampling`, or when unset, off on GPU."""
+        return (not on_gpu) if self.seeded_sampling is None else self.seeded_sampling
 
     def own_process(self, models: int, on_gpu: bool) -> bool:
         """Whether a rank's engines run their cores in processes of their own (`engine_process`), for a rank that

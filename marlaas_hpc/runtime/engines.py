@@ -3,6 +3,7 @@ if it fails (rollout/restart.py), one per base model in a job of several (rollou
 in repack (runtime/repack.py)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from marlaas_hpc.config import JobConfig
@@ -38,17 +39,19 @@ def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, devic
                    model: str | None = None):
     """A rollout rank's engine, rebuilt in place if it fails (rollout/restart.py). `model`: its name, in a job
     of several (its vLLM work dir)."""
+    from marlaas_hpc.launch.slurm_env import compile_cache_dir
     from marlaas_hpc.model.cache import default_cache_dir
     from marlaas_hpc.rollout import make_engine
     from marlaas_hpc.rollout.restart import RestartingEngine
 
-    # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start)
+    # compiled-kernel caches persist across runs (a cold inductor cache costs tens of seconds at start); under
+    # Slurm on node-local storage, not the home directory's NFS share (compile_cache_dir)
     if job.engine == "vllm":  # vLLM finds its GPUs through CUDA_VISIBLE_DEVICES (all of them: its TP size)
         work_dir = run_dir / "rollout" / f"rank{rank}" / (model or "")
         on_gpu, models = device.startswith("cuda"), len(job.model_names())
-        kwargs = {"work_dir": work_dir, "cache_dir": default_cache_dir() / "vllm",
+        kwargs = {"work_dir": work_dir, "cache_dir": compile_cache_dir(os.environ, default_cache_dir() / "vllm"),
                   **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness()),
-                  "own_process": job.vllm.own_process(models, on_gpu)}
+                  "own_process": job.vllm.own_process(models, on_gpu), "seeded_sampling": job.vllm.seeded(on_gpu)}
         if models > 1 and on_gpu:  # an EngineSet's engines sleep and wake (vLLM's sleep mode, cumem allocator)
             from marlaas_hpc.rollout.engine_set import SLEEP_MODE_KWARGS
 
