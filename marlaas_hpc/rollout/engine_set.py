@@ -40,12 +40,13 @@ sleep itself on GPU is read from vLLM's source (worker `sleep` / `wake_up` throu
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 from marlaas_hpc.rollout.base import AdapterRef, RolloutEngine
 
@@ -85,7 +86,9 @@ class EngineSet:
     before the next one starts (vLLM on GPU starts only if the device's free memory covers its share), then
     `awake` (default: the first model) is woken."""
 
-    def __init__(self, factories: dict[str, Callable[[], RolloutEngine]], awake: str | None = None):
+    def __init__(self, factories: dict[str, Callable[[], RolloutEngine]], awake: str | None = None,
+                 turn: Callable[[str], ContextManager] | None = None):
+        """`turn(what)`: held while an engine sleeps or wakes (a GPU trainers share: launch/gpu_share.py)."""
         if not factories:
             raise ValueError("an engine set needs at least one model")
         self._members: dict[str, _Member] = {}
@@ -93,6 +96,7 @@ class EngineSet:
         self.switches: list[SwitchCost] = []
         """Every switch so far (the start's switch back to `awake` first, unless `awake` was built last)."""
         self._retired: list[AdapterRef] = []
+        self._turn = turn or (lambda what: contextlib.nullcontext())
         if awake is not None and awake not in factories:
             raise KeyError(f"model {awake!r} has no engine factory (models: {list(factories)})")
         try:
@@ -138,7 +142,8 @@ class EngineSet:
             raise RuntimeError(f"the engine of model {model!r} has requests in flight: it sleeps only when idle "
                                "(their KV cache would be lost)")
         start = time.perf_counter()
-        _sleep_engine(member.engine)
+        with self._turn(f"model {model}'s sleep"):
+            _sleep_engine(member.engine)
         member.asleep = True
         self._awake = None
         return time.perf_counter() - start
@@ -152,7 +157,8 @@ class EngineSet:
         if self._awake is not None:
             raise RuntimeError(f"model {self._awake!r} is awake on this rank: put it to sleep first (or `switch`)")
         start = time.perf_counter()
-        _wake_engine(member.engine)
+        with self._turn(f"model {model}'s wake"):
+            _wake_engine(member.engine)
         member.asleep = False
         self._awake = model
         queued, member.queued = member.queued, {}

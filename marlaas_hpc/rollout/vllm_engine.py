@@ -131,6 +131,11 @@ def _zero_non_finite_kv(worker) -> int:
     return count
 
 
+def _kv_cache_bytes(worker) -> int | None:
+    """Runs inside each vLLM worker (collective_rpc): what its GPU worker's profiling gave the KV cache."""
+    return getattr(worker, "available_kv_cache_memory_bytes", None)
+
+
 # ---- run inside each vLLM worker (collective_rpc): in-memory adapters (see the module docstring) ----
 def _install_memory_loader(worker) -> None:
     """Makes the worker's LoRA manager build `memory:` adapters from the tensors it holds (idempotent)."""
@@ -302,6 +307,12 @@ class VllmEngine(RolloutEngine):
         self.startup_s = time.perf_counter() - start
         if warmup:
             self._warmup()
+
+    def kv_cache_bytes(self) -> int | None:
+        """Bytes of KV cache the engine's GPU workers sized at start (the smallest), which a rebuild beside a live
+        trainer reuses (launch/gpu_share.py); None on the CPU, where the job sets it (vllm.cpu_kv_cache_gib)."""
+        sizes = [size for size in self.llm.collective_rpc(_kv_cache_bytes) if size]
+        return min(sizes) if sizes else None
 
     # ----------------------------------------------------------------- adapters
     def add_adapter(self, adapter: AdapterRef) -> None:

@@ -3,21 +3,24 @@ if it fails (rollout/restart.py), one per base model in a job of several (rollou
 in repack (runtime/repack.py)."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 from marlaas_hpc.config import JobConfig
+from marlaas_hpc.launch.gpu_share import GpuTurns
 
 
-def model_engines(job: JobConfig, model_paths: dict[str, Path], rank: int, seed: int, device: str, run_dir: Path):
+def model_engines(job: JobConfig, model_paths: dict[str, Path], rank: int, seed: int, device: str, run_dir: Path,
+                  turns: GpuTurns | None = None):
     """A rollout rank's engines of a job of several base models: one per model, the first awake
-    (rollout/model_engines.py)."""
+    (rollout/model_engines.py); on a shared GPU each sleep and wake in its turn (launch/gpu_share.py)."""
     from marlaas_hpc.rollout.engine_set import EngineSet
     from marlaas_hpc.rollout.model_engines import ModelEngines
 
     return ModelEngines(EngineSet({
-        name: (lambda path=path, name=name: rollout_engine(job, path, rank, seed, device, run_dir, name))
-        for name, path in model_paths.items()}))
+        name: (lambda path=path, name=name: rollout_engine(job, path, rank, seed, device, run_dir, name, turns))
+        for name, path in model_paths.items()}, turn=turns.engine_change if turns else None))
 
 
 def repack_roles(job: JobConfig, rank: int, rollout_ranks: list[int]) -> dict:
@@ -36,9 +39,9 @@ def repack_roles(job: JobConfig, rank: int, rollout_ranks: list[int]) -> dict:
 
 
 def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, device: str, run_dir: Path,
-                   model: str | None = None):
+                   model: str | None = None, turns: GpuTurns | None = None):
     """A rollout rank's engine, rebuilt in place if it fails (rollout/restart.py). `model`: its name, in a job
-    of several (its vLLM work dir)."""
+    of several (its vLLM work dir); `turns`: on a GPU trainers may share, each start waits for its turn."""
     from marlaas_hpc.launch.slurm_env import compile_cache_dir
     from marlaas_hpc.model.cache import default_cache_dir
     from marlaas_hpc.rollout import make_engine
@@ -60,4 +63,47 @@ def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, devic
         kwargs = {"device": device}
         if job.repack.enabled:  # requests cut every step_tokens tokens, so that a tail can be handed over
             kwargs["step_tokens"] = job.repack.step_tokens
-    return RestartingEngine(lambda: make_engine(job.engine, model_path, seed=seed + rank, **kwargs))
+
+    def build(**extra):
+        return make_engine(job.engine, model_path, seed=seed + rank, **kwargs, **extra)
+
+    if turns is None:
+        return RestartingEngine(build)
+    sized = job.engine == "vllm" and device.startswith("cuda")  # vLLM sizes its KV cache from the device's memory
+    return RestartingEngine(TurnTakingBuild(build, turns, job.vllm.gpu_memory_utilization,
+                                            functools.partial(cuda_memory, device) if sized else None))
+
+
+def cuda_memory(device: str) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device, as the driver counts them (every process's use included)."""
+    import torch
+
+    return torch.cuda.mem_get_info(torch.device(device))
+
+
+class TurnTakingBuild:
+    """Builds a rollout engine on a GPU that trainers may share (launch/gpu_share.py): each start in its turn
+    (no training step runs meanwhile), and every start after the first (a rebuild, beside a live trainer) with the
+    KV cache the first start sized, asking vLLM only for the memory that is free."""
+
+    def __init__(self, build, turns: GpuTurns, utilization: float, device_memory=None):
+        """`device_memory()`: (free, total) bytes of the engine's GPU, for a vLLM engine on a GPU (None: the
+        engine sizes nothing from the device)."""
+        self.build, self.turns = build, turns
+        self.utilization, self.device_memory = utilization, device_memory
+        self.kv_cache_bytes: int | None = None
+        """What the first start's profiling gave the KV cache (vLLM on a GPU; None before it, or elsewhere)."""
+        self.starts = 0
+
+    def __call__(self):
+        from marlaas_hpc.launch.gpu_share import rebuild_engine_kwargs
+
+        with self.turns.engine_change("the engine's start" if not self.starts else "the engine's rebuild"):
+            extra = {}
+            if self.starts and self.device_memory is not None:
+                extra = rebuild_engine_kwargs(self.kv_cache_bytes, self.utilization, *self.device_memory())
+            engine = self.build(**extra)
+        if not self.starts and self.device_memory is not None:
+            self.kv_cache_bytes = engine.kv_cache_bytes()
+        self.starts += 1
+        return engine

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from marlaas_hpc.launch.devices import apply_binding, joined_binding
+from marlaas_hpc.launch.gpu_share import gpu_turns
 from marlaas_hpc.launch.ulfm_slurm import JOIN_SLOT_ENV
 from marlaas_hpc.runtime.engines import model_engines, rollout_engine
 from marlaas_hpc.runtime.process import end_lost_rank, end_rank, load_job, record_rank, report_crash, roles_of
@@ -72,8 +73,9 @@ def _serve(live, job, rank: int, run_path: Path, binding) -> None:
     if job.layout.join_weights == "peer":  # one base model only (config.py)
         model_dir, planned = _weights_from_peer(live, rank, run_path, disk)
     weights_in = time.time()
-    engine = (model_engines(job, paths, rank, job.seed + 7919 * rank, device, run_path) if len(paths) > 1 else
-              rollout_engine(job, model_dir, rank, job.seed + 7919 * rank, device, run_path))
+    turns = gpu_turns(job.layout.share_gpus, binding, run_path, log=lambda line: print(line, flush=True))
+    engine = (model_engines(job, paths, rank, job.seed + 7919 * rank, device, run_path, turns) if len(paths) > 1
+              else rollout_engine(job, model_dir, rank, job.seed + 7919 * rank, device, run_path, turns=turns))
     engine_up = time.time()
     leaders = _link_up(live, rank)
     from marlaas_hpc.launch.layout import trainer_group_ranks

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.launch.layout import assign_role, trainer_group_ranks
+from marlaas_hpc.launch.gpu_share import cap_trainer_memory, gpu_turns, trainer_memory_fraction
 from marlaas_hpc.runtime.comm import quiet_barrier, recv_wait
 from marlaas_hpc.runtime.engines import model_engines, repack_roles, rollout_engine
 from marlaas_hpc.runtime.process import roles_of
@@ -139,9 +140,10 @@ def run_rollout(setup: RankSetup, binding) -> None:
     comm, job, roles = setup.comm, setup.job, setup.roles
     rank, run_dir, seed = comm.Get_rank(), setup.run_dir, setup.seed
     t0 = time.time()
-    engine = (model_engines(job, setup.model_paths, rank, seed, binding.device, run_dir)
+    turns = gpu_turns(job.layout.share_gpus, binding, run_dir, log=setup.log)
+    engine = (model_engines(job, setup.model_paths, rank, seed, binding.device, run_dir, turns)
               if len(setup.model_paths) > 1 else
-              rollout_engine(job, setup.model_path, rank, seed, binding.device, run_dir))
+              rollout_engine(job, setup.model_path, rank, seed, binding.device, run_dir, turns=turns))
     engine_up = time.time()
     if job.layout.share_gpus:
         _engine_is_up(comm, roles["trainer"])
@@ -160,8 +162,11 @@ def run_trainer(setup: RankSetup, binding) -> None:
     comm, job, roles, role = setup.comm, setup.job, setup.roles, setup.role
     rank = comm.Get_rank()
     mine = setup.groups[role.group]
+    turns = gpu_turns(job.layout.share_gpus, binding, setup.run_dir, log=setup.log)
     if job.layout.share_gpus:
         _wait_for_engines(comm, roles["rollout"])
+    if turns is not None:  # its allocator keeps out of vLLM's share of the GPU (launch/gpu_share.py)
+        cap_trainer_memory(trainer_memory_fraction(job.vllm.gpu_memory_utilization), binding.device)
     t0 = time.time()
     trainer = build_trainer(comm, job, mine, setup.model_paths[job.group_models()[role.group]], binding.device)
     built = time.time()
@@ -170,14 +175,15 @@ def run_trainer(setup: RankSetup, binding) -> None:
 
         delta = setup.delta_plane().for_leader(comm, binding.device, job.group_models()[role.group])
         worker = TrainerRank(comm, trainer, setup.run_dir, rank, mine[1:], delta, groups=setup.groups,
-                             group=role.group, policy=CheckpointPolicy(job.checkpoint), retention=job.adapters)
+                             group=role.group, policy=CheckpointPolicy(job.checkpoint), retention=job.adapters,
+                             turns=turns)
         worker.clock.note("build_model", (), t0, built)
         _ready(comm, rank, "trainer", setup.start)
         comm.start_heartbeat(worker.clock)
         worker.run_leader()
     else:
         worker = TrainerRank(comm, trainer, setup.run_dir, mine[0], [], groups=setup.groups, group=role.group,
-                             retention=job.adapters)
+                             retention=job.adapters, turns=turns)
         worker.clock.note("build_model", (), t0, built)
         setup.delta_plane().for_bystander(comm)
         _ready(comm, rank, "trainer", setup.start)

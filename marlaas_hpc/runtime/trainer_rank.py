@@ -25,6 +25,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from marlaas_hpc.launch.gpu_share import GpuTurns
 from marlaas_hpc.rundir import adapter_dir, task_dir
 from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, recv_wait, write_timeline
@@ -60,8 +61,10 @@ def check_bound(order: Train, trajectories, trainer_version: int) -> None:
 class TrainerRank:
     def __init__(self, comm, trainer, run_dir: Path, leader: int, followers: list[int], delta_channel=None,
                  groups: list[list[int]] | None = None, group: int = 0, policy: CheckpointPolicy | None = None,
-                 retention: RetentionConfig | None = None):
+                 retention: RetentionConfig | None = None, turns: GpuTurns | None = None):
         self.comm, self.trainer, self.run_dir = comm, trainer, Path(run_dir)
+        self.turns = turns
+        """On a GPU an engine may share (layout.share_gpus): each training step in its turn (launch/gpu_share.py)."""
         self.policy = policy
         """Leader only: which task is due for a periodic save after its step (None: only preemption saves)."""
         self.retention = retention
@@ -108,9 +111,15 @@ class TrainerRank:
         for order, trajectories in op.batches:
             check_bound(order, trajectories, self.trainer.version(order.task_id))
         batches = {order.task_id: trajectories for order, trajectories in op.batches}
-        metrics = self.guard.run("train", lambda: self.trainer.train_steps(batches), list(batches))
+        metrics = self.guard.run("train", lambda: self._train_in_turn(batches), list(batches))
         self.guard.run("publish", lambda: self._publish_step(metrics))
         return metrics
+
+    def _train_in_turn(self, batches: list) -> dict:
+        if self.turns is None:
+            return self.trainer.train_steps(batches)
+        with self.turns.training_step():  # no engine on this GPU starts, sleeps or wakes meanwhile
+            return self.trainer.train_steps(batches)
 
     def _publish_step(self, metrics: dict[str, dict]) -> None:
         """Publishes each task of a step whose loss is finite; one whose adapter is not is marked diverged."""
