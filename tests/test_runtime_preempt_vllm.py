@@ -151,7 +151,9 @@ def test_usr2_checkpoints_a_job_with_own_process_engines_and_resume_trains_every
     from marlaas_hpc.runtime.records import load_job_checkpoint
 
     saved = {task: record["saved"]["version"] for task, record in load_job_checkpoint(job.run_dir)["tasks"].items()}
-    assert sorted(saved) == sorted(job.tasks) and all(2 <= v < STEPS for v in saved.values()), saved
+    # a task may finish before the signal (tasks run at their own pace): the job itself was cut short
+    assert sorted(saved) == sorted(job.tasks) and all(2 <= v <= STEPS for v in saved.values()), saved
+    assert min(saved.values()) < STEPS, f"every task had finished before USR2: {saved}"
 
     resumed = marlaas("run", "--resume", str(job.run_dir), timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

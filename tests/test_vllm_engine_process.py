@@ -154,7 +154,9 @@ def test_a_killed_engine_core_is_seen_at_once_and_rebuilt(tiny_model_path, tmp_p
                 done += engine.step()
         assert len(built) == 2 and built[1] - killed < 5, f"the dead core was seen {built[1] - killed:.1f} s later"
         ((rebuilt, cause, reissued),) = restarts
-        assert "died: killed by signal 9 (SIGKILL)" in cause, cause
+        # vLLM's own monitor may reap the core first: then its exit status is not known to this process
+        assert f"(pid {core.pid}) died: " in cause and ("killed by signal 9 (SIGKILL)" in cause
+                                                       or "ended (exit status not known here)" in cause), cause
         assert reissued == in_flight > 0, "the requests in flight were issued again"
         assert sorted(g.request_id for g in done) == sorted(r.request_id for r in requests), "each finished once"
         assert all(len(g.completion_ids) == 48 for g in done)
