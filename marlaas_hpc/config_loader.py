@@ -147,6 +147,11 @@ def check_bounds(obj: Any, prefix: str = "", error: type[SpecError] = SpecError)
         if bounds is None:
             continue
         value, hint = getattr(obj, spec.name), hints[spec.name]
+        args = typing.get_args(hint)
+        if _is_union(typing.get_origin(hint)) and type(None) in args:  # `int | None`: None means "not set"
+            if value is None:
+                continue
+            hint = next(arg for arg in args if arg is not type(None))
         try:
             _scalar(value, hint) if hint in (bool, int, float, str) else _plain(value, hint)
             ok = bounds.allows(value)

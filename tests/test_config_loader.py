@@ -245,6 +245,8 @@ def test_bounds_declared_beside_each_field_are_checked_by_one_validator_with_one
         wait_s: float = bounded(10.0, gt=0, unit="seconds")
         kind: str = bounded("a", choices=("a", "b"))
         on: bool = bounded(True)
+        cap: int | None = bounded(None, ge=1)  # None: not set
+        switch: bool | None = bounded(None)
         free: int = 7  # no bounds: not checked here
 
         def validate(self, prefix=""):
@@ -259,9 +261,12 @@ def test_bounds_declared_beside_each_field_are_checked_by_one_validator_with_one
                 ({"wait_s": float("nan")}, "part.wait_s: must be a number of seconds > 0, got nan"),
                 ({"wait_s": float("inf")}, "part.wait_s: must be a number of seconds > 0, got inf"),
                 ({"kind": "c"}, "part.kind: must be one of ['a', 'b'], got 'c'"),
-                ({"on": "yes"}, "part.on: must be true or false, got 'yes'")]
+                ({"on": "yes"}, "part.on: must be true or false, got 'yes'"),
+                ({"cap": 0}, "part.cap: must be an integer >= 1, got 0"),
+                ({"switch": 1}, "part.switch: must be true or false, got 1")]
     for change, message in refusals:
         with pytest.raises(SpecError) as refused:
             dc.replace(Part(), **change).validate("part")
         assert str(refused.value) == message
     assert Part(free=-1).validate() is not None
+    assert Part(cap=4, switch=False).validate().cap == 4

