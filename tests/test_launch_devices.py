@@ -223,7 +223,7 @@ def test_device_refuses_malformed_visible_devices(value):
 
 
 def test_device_layout_fields_are_validated():
-    with pytest.raises(LayoutError, match="'auto', 'cpu' or 'cuda'") as info:
+    with pytest.raises(LayoutError, match=r"one of \['auto', 'cpu', 'cuda'\]") as info:
         JobLayout(accelerator="gpu").validate()
     assert info.value.field == "accelerator"
     with pytest.raises(LayoutError, match="trainer rank drives one GPU") as info:

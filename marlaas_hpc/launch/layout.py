@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from marlaas_hpc.config_loader import SpecError, fields_under, load_config
+from marlaas_hpc.config_loader import SpecError, bounded, check_bounds, fields_under, load_config
 
 COMPONENTS = ("control", "env", "rollout", "trainer")
 """Het-group order; index = Slurm het group = position in the MPI world."""
@@ -80,14 +80,14 @@ DEFAULT_GPU_TYPE = "h100-80gb"
 class ComponentResources:
     """What one het component asks Slurm for (one `#SBATCH` block)."""
 
-    nodes: int = 1
+    nodes: int = bounded(1, ge=1)
     """Nodes of this component (het components never share a node)."""
-    ntasks: int | None = None
+    ntasks: int | None = bounded(None, ge=0)
     """MPI ranks of this component. None: derived from the layout (control 1, env `env_ranks`, rollout
     `rollout_ranks`, trainer `trainer_groups * trainer_dp * trainer_tp`); when given it must equal that number."""
-    cpus_per_task: int = 1
+    cpus_per_task: int = bounded(1, ge=1)
     """CPU cores per rank (--cpus-per-task, in the component's block and in its part of the srun step)."""
-    gpus_per_task: int = 0
+    gpus_per_task: int = bounded(0, ge=0)
     """GPUs per rank (--gpus-per-task); only rollout and trainer may ask for GPUs. Rollout: the GPUs of one
     engine (= vllm.tensor_parallel_size when above 1); trainer: at most 1 (one GPU per TP rank; with trainer_tp
     above 1 rendered per node, --gpus-per-node, so that the node's TP ranks keep NVLink: launch/sbatch.py). Also
@@ -109,7 +109,7 @@ class ComponentResources:
     gpu_type: str | None = None
     """The GPU model of this component's nodes, one of GPU_MEMORY_GIB's names ('h100-80gb', 'h200', 'a100-80gb',
     ...): what `gpu_memory_gib` defaults to. None: an 80 GB H100."""
-    gpu_memory_gib: float | None = None
+    gpu_memory_gib: float | None = bounded(None, gt=0, le=4096, unit="GiB")
     """Memory of each of this component's GPUs as CUDA reports it, in GiB (a site's own figure); None: what
     `gpu_type` reports (GPU_MEMORY_GIB). Rollout and trainer only: `marlaas plan` checks each rank's estimated
     device memory against it, and `marlaas run` / `submit` refuse a job whose GPU ranks would not fit
@@ -123,15 +123,7 @@ class ComponentResources:
         return GPU_MEMORY_GIB[self.gpu_type or DEFAULT_GPU_TYPE]
 
     def validate(self, name: str) -> None:
-        _int_at_least(self.nodes, 1, f"{name}.nodes")
-        if self.ntasks is not None:
-            _int_at_least(self.ntasks, 0, f"{name}.ntasks")
-        _int_at_least(self.cpus_per_task, 1, f"{name}.cpus_per_task")
-        _int_at_least(self.gpus_per_task, 0, f"{name}.gpus_per_task")
-        if self.gpu_memory_gib is not None and (isinstance(self.gpu_memory_gib, bool) or not isinstance(
-                self.gpu_memory_gib, (int, float)) or not 0 < self.gpu_memory_gib <= 4096):
-            raise LayoutError(f"{name}.gpu_memory_gib", f"must be a number of GiB in (0, 4096], got "
-                                                        f"{self.gpu_memory_gib!r}")
+        check_bounds(self, name, LayoutError)  # each field's bounds, beside it above
         if self.gpu_type is not None and self.gpu_type not in GPU_MEMORY_GIB:
             raise LayoutError(f"{name}.gpu_type", f"unknown GPU {self.gpu_type!r}; known: {sorted(GPU_MEMORY_GIB)} "
                                                   "(or give gpu_memory_gib)")
@@ -166,12 +158,12 @@ class JobLayout:
     """Env ranks (CPU: tools, multi-turn, rewards)."""
     rollout_ranks: int = 1
     """Rollout ranks, one vLLM engine each."""
-    trainer_tp: int = 1
+    trainer_tp: int = bounded(1, ge=1)
     """Tensor-parallel size of the trainer (a TP group should sit inside one node)."""
-    trainer_dp: int = 1
+    trainer_dp: int = bounded(1, ge=1)
     """Data-parallel replicas inside each trainer group: a task's batch is split over them and its LoRA
     gradients are all-reduced over the DP group."""
-    trainer_groups: int = 1
+    trainer_groups: int = bounded(1, ge=1)
     """Independent trainer groups (each trainer_dp x trainer_tp ranks, its own megatron world). Every task is
     owned by one group (its adapter shards and optimizer live there); the scheduler places each new task on
     the least-loaded group by tokens per step. Trainer ranks = trainer_groups * trainer_dp * trainer_tp."""
@@ -187,15 +179,15 @@ class JobLayout:
     """Het group 2: rollout ranks (GPU partition on a cluster)."""
     trainer: ComponentResources = field(default_factory=ComponentResources)
     """Het group 3: trainer ranks (GPU partition on a cluster)."""
-    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    accelerator: Literal["auto", "cpu", "cuda"] = bounded("auto", choices=("auto", "cpu", "cuda"))
     """Devices of rollout and trainer ranks (launch/devices.py): 'auto' runs them on GPUs where the driver lists
     GPUs and the rank is given some, else on the CPU; 'cuda' refuses to start a rollout or trainer rank without
     its GPU(s); 'cpu' never uses GPUs. Scheduler and env ranks always run on the CPU."""
-    rollout_replace: bool = False
+    rollout_replace: bool = bounded(False)
     """A lost rollout rank is replaced by a new one that joins the live job (on the fault-tolerant MPI:
     runtime/scaling.py); its groups go to the survivors meanwhile. Under Slurm (`mpi: ulfm`) the replacement runs on
     the dead rank's node with its GPU(s), once per job; under plain srun it is not replaced."""
-    join_weights: str = "disk"
+    join_weights: str = bounded("disk", choices=JOIN_WEIGHTS)
     """Where a rollout rank that joins the live job (`marlaas scale`, `rollout_replace`) reads the base model's
     files: 'disk' (the model directory) or 'peer' (from a live rollout rank over MPI, chunked and pipelined;
     joiners started together form a chain, each link carrying the model once; runtime/peer_weights.py; a peer
@@ -203,7 +195,7 @@ class JobLayout:
     contends for (λScale); it needs node-local tmp space ($TMPDIR) for one copy of the model per joined rank, and
     on one machine, where the disk is the page cache, it was no faster (tools/bench_join_weights.py): hence not
     the default. One base model only."""
-    share_gpus: bool = False
+    share_gpus: bool = bounded(False)
     """Let rollout and trainer ranks on one node share GPUs when the node has fewer GPUs than they need (e.g. one
     vLLM engine and a TP=1 trainer on a one-GPU machine). Without it such a node is refused. Trainer ranks among
     themselves and engines among themselves still get distinct GPUs; leave room for the trainer with
@@ -223,7 +215,7 @@ class JobLayout:
     network_interface: str | None = None
     """NIC for MPI/NCCL/gloo TCP traffic (OMPI_MCA_*_if_include, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME),
     e.g. 'ib0'; None: let each library choose."""
-    emulated_nodes: bool = False
+    emulated_nodes: bool = bounded(False)
     """Several emulated slurmd on one machine (slurm/local-cluster): exports the Open MPI settings that a
     step spanning them needs (ob1 + tcp over lo; the shared-memory transport segfaults otherwise); with
     `mpi: ulfm`, MARLAAS_EMULATED_NODES=1 instead (each daemon runs under its node's name: launch/ulfm_slurm.py)."""
@@ -285,9 +277,7 @@ class JobLayout:
     def _validate(self) -> None:
         _int_at_least(self.env_ranks, 1, "env_ranks", "a job needs at least one env rank to score rollouts")
         _int_at_least(self.rollout_ranks, 1, "rollout_ranks", "a job needs at least one rollout rank to generate")
-        _int_at_least(self.trainer_tp, 1, "trainer_tp")
-        _int_at_least(self.trainer_dp, 1, "trainer_dp")
-        _int_at_least(self.trainer_groups, 1, "trainer_groups")
+        check_bounds(self, "", LayoutError)  # each field's bounds, beside it above
         models = self.trainer_group_models
         if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
             raise LayoutError("trainer_group_models", f"must be a list of model names, got {models!r}")
@@ -302,14 +292,6 @@ class JobLayout:
             raise LayoutError("time", str(exc)) from None
         if self.mpi not in MPI_PLUGINS:
             raise LayoutError("mpi", f"unknown MPI start {self.mpi!r}; use one of {list(MPI_PLUGINS)}")
-        if self.accelerator not in ("auto", "cpu", "cuda"):
-            raise LayoutError("accelerator", f"must be 'auto', 'cpu' or 'cuda', got {self.accelerator!r}")
-        if not isinstance(self.share_gpus, bool):
-            raise LayoutError("share_gpus", f"must be true or false, got {self.share_gpus!r}")
-        if self.join_weights not in JOIN_WEIGHTS:
-            raise LayoutError("join_weights", f"must be one of {list(JOIN_WEIGHTS)}, got {self.join_weights!r}")
-        if not isinstance(self.rollout_replace, bool):
-            raise LayoutError("rollout_replace", f"must be true or false, got {self.rollout_replace!r}")
         _int_at_least(self.signal_lead_s, 0, "signal_lead_s")
         _int_at_least(self.srun_grace_s, 1, "srun_grace_s")
         if self.emulated_nodes and self.network_interface not in (None, "lo"):
