@@ -158,7 +158,10 @@ def check_bounds(obj: Any, prefix: str = "", error: type[SpecError] = SpecError)
         except (_Mismatch, TypeError):
             ok = False
         if not ok:
-            raise error(join(prefix, spec.name), f"must be {bounds.describe(hint)}, got {value!r}")
+            wanted = bounds.describe(hint)
+            if isinstance(value, float) and not math.isfinite(value):  # YAML's .nan / .inf
+                wanted = wanted.replace("a number", "a finite number", 1)
+            raise error(join(prefix, spec.name), f"must be {wanted}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------- building

@@ -6,12 +6,11 @@ reject it with a clear message without touching any running task.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from marlaas_hpc.config_loader import SpecError, check_fields, fields_under, load_config
+from marlaas_hpc.config_loader import SpecError, bounded, check_bounds, check_fields, fields_under, load_config
 
 __all__ = ["AlgoSpec", "DatasetSpec", "LoraSpec", "OverlongSpec", "PromptSpec", "SpecError", "TaskSpec",
            "check_fields"]
@@ -24,17 +23,15 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 @dataclass(kw_only=True)
 class LoraSpec:
-    rank: int = 8
+    rank: int = bounded(8, gt=0, le=MAX_LORA_RANK)
     """LoRA rank r (> 0)."""
-    alpha: float = 16.0
+    alpha: float = bounded(16.0, gt=0.0)
     """LoRA alpha; the update is scaled by alpha / rank, as in PEFT."""
     target_modules: tuple[str, ...] = QWEN3_LORA_TARGETS
     """HF module names (per decoder layer) that get an adapter."""
 
     def validate(self, prefix: str = "lora") -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 < self.rank <= MAX_LORA_RANK:
-            raise SpecError(f"{prefix}.rank", f"must be a positive integer <= {MAX_LORA_RANK}, got {self.rank!r}")
-        _real_in(self.alpha, f"{prefix}.alpha", 0.0, None, low_open=True)
+        check_bounds(self, prefix)  # each field's bounds, beside it above
         if not self.target_modules:
             raise SpecError(f"{prefix}.target_modules", "must name at least one module")
         unknown = [m for m in self.target_modules if m not in QWEN3_LORA_TARGETS]
@@ -58,14 +55,13 @@ class OverlongSpec:
     L and |y| are `max_new_tokens` and the completion's tokens for a single-turn task; for a multi-turn (tool)
     task, `max_episode_tokens` and the episode's prompt + model + tool tokens (what that limit truncates)."""
 
-    buffer_tokens: int
+    buffer_tokens: int = bounded(ge=1, le=2**24)
     """L_cache: the tokens before the limit over which the penalty ramps from 0 to -penalty (>= 1)."""
-    penalty: float = 1.0
+    penalty: float = bounded(1.0, ge=0.0)
     """The penalty at the limit, in reward units (DAPO: 1, the reward of a right answer)."""
 
     def validate(self, prefix: str = "overlong") -> None:
-        _int_at_least(self.buffer_tokens, 1, f"{prefix}.buffer_tokens", high=2**24)
-        _real_in(self.penalty, f"{prefix}.penalty", 0.0, None)
+        check_bounds(self, prefix)
 
     def penalty_at(self, length: int, limit: int) -> float:
         """R_length of a completion of `length` tokens under a limit of `limit` (<= 0)."""
@@ -85,54 +81,54 @@ class AlgoSpec:
     """The objective: 'grpo' (token-level PPO-clip, token mean over the task's batch), 'dr_grpo' (Dr. GRPO: a
     constant length normaliser, no std normalisation), 'dapo' (DAPO: the token-level loss with clip-higher and
     dynamic sampling), 'gspo' (GSPO: one importance ratio per sequence, clipped per sequence)."""
-    group_size: int = 8
+    group_size: int = bounded(8, ge=2, le=4096)
     """G: completions sampled per prompt (>= 2: the advantage is relative to the group)."""
-    batch_prompts: int = 8
+    batch_prompts: int = bounded(8, ge=1, le=65536)
     """B: prompt groups per optimizer step."""
-    lr: float = 1e-3
+    lr: float = bounded(1e-3, gt=0.0)
     """AdamW learning rate of this task's adapter."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0.0, le=1.0)
     """AdamW weight decay."""
-    clip_eps: float | None = None
+    clip_eps: float | None = bounded(None, ge=0.0, le=1.0)  # the lower clip 1 - eps stays >= 0
     """PPO clip epsilon on the ratio pi_theta / pi_old: the ratio is clipped below at 1 - clip_eps (and above at
     1 + clip_eps_high). None: the objective's (0.2; gspo 3e-4)."""
-    clip_eps_high: float | None = None
+    clip_eps_high: float | None = bounded(None, ge=0.0, le=1.0)
     """Clip-higher (DAPO): the ratio's upper clip is 1 + clip_eps_high. None: clip_eps if that is set, else the
     objective's (dapo 0.28, gspo 4e-4, else 0.2)."""
-    kl_beta: float = 0.0
+    kl_beta: float = bounded(0.0, ge=0.0)
     """Weight of the KL penalty to the base model (adapter off); 0 disables it."""
     kl_estimator: str = "k3"
     """Per-token estimator of KL(pi_theta || pi_base), with d = log pi_base - log pi_theta: 'k1' (-d), 'k2'
     (d^2 / 2) or 'k3' (e^d - d - 1, unbiased and >= 0)."""
-    tis_cap: float | None = None
+    tis_cap: float | None = bounded(None, ge=1.0)  # below 1 it would scale down tokens both sides agree on
     """Truncated importance sampling: weight each token's loss by min(pi_trainer / pi_rollout, tis_cap), both at
     the token's behaviour version, and clip the ratio against pi_trainer (the rollout engine and the trainer
     compute different numbers for the same policy: bf16 kernels). >= 1; None: off, the ratio is taken against
     the rollout engine's logprobs (docs/architecture.md §10, how pi_trainer at the behaviour version is had)."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0.0, le=100.0)
     """Sampling temperature of rollouts; behaviour and trainer logprobs are taken at this temperature."""
-    max_new_tokens: int = 16
+    max_new_tokens: int = bounded(16, ge=1, le=2**20)
     """Longest completion sampled, in tokens (also Dr. GRPO's constant length normaliser)."""
-    normalize_adv_std: bool | None = None
+    normalize_adv_std: bool | None = bounded(None)
     """Divide group-relative advantages by the group's std (GRPO original); False only centres them.
     None: the objective's (False for dr_grpo, True otherwise)."""
-    dynamic_sampling: bool | None = None
+    dynamic_sampling: bool | None = bounded(None)
     """DAPO's dynamic sampling: a prompt group whose G rewards are all equal (no learning signal) is not
     trained, and the scheduler issues another prompt in its place, within the staleness bound, so each step
     still trains B informative groups. None: the objective's (True for dapo, False otherwise)."""
-    dynamic_sampling_patience: int = 8
+    dynamic_sampling_patience: int = bounded(8, ge=1, le=10**6)
     """Dynamic sampling gives up after this many batches (x B) of uninformative groups in a row and trains
     them as they come until an informative one arrives: a task whose rewards saturate (every sample right, or
     every one wrong) would otherwise draw prompts for ever."""
     overlong: OverlongSpec | None = None
     """DAPO's soft overlong punishment added to the reward of a completion near its length limit (the advantage
     is computed from it; `reward` in records stays the verifier's). None: off."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, ge=0.0)
     """Max global grad norm of the adapter; 0 disables clipping."""
-    max_turns: int = 4
+    max_turns: int = bounded(4, ge=1, le=1024)
     """Multi-turn (tool) tasks: model turns per episode; an episode still calling tools after its last turn
     ends with the env's truncation reward (0.0). Single-turn tasks ignore it."""
-    max_episode_tokens: int = 256
+    max_episode_tokens: int = bounded(256, ge=2, le=2**24)
     """Multi-turn (tool) tasks: prompt + model + tool tokens per episode; each turn is capped to fit and an
     observation that does not fit ends the episode with the truncation reward (0.0)."""
 
@@ -143,36 +139,14 @@ class AlgoSpec:
             raise SpecError(f"{prefix}.loss", f"unknown objective {self.loss!r}; known: {list(OBJECTIVES)}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise SpecError(f"{prefix}.kl_estimator", f"must be one of {list(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
-        _int_at_least(self.group_size, 2, f"{prefix}.group_size", high=4096)
-        _int_at_least(self.max_turns, 1, f"{prefix}.max_turns", high=1024)
-        _int_at_least(self.max_episode_tokens, 2, f"{prefix}.max_episode_tokens", high=2**24)
-        _int_at_least(self.batch_prompts, 1, f"{prefix}.batch_prompts", high=65536)
-        _int_at_least(self.max_new_tokens, 1, f"{prefix}.max_new_tokens", high=2**20)
-        _int_at_least(self.dynamic_sampling_patience, 1, f"{prefix}.dynamic_sampling_patience", high=10**6)
-        # NaN passes every comparison test and inf every lower bound: each number is checked finite first
-        _real_in(self.lr, f"{prefix}.lr", 0.0, None, low_open=True)
-        _real_in(self.temperature, f"{prefix}.temperature", 0.0, 100.0, low_open=True)
-        _real_in(self.weight_decay, f"{prefix}.weight_decay", 0.0, 1.0)
-        for name in ("kl_beta", "grad_clip"):
-            _real_in(getattr(self, name), f"{prefix}.{name}", 0.0, None)
-        self._validate_clip(prefix)
-        if self.tis_cap is not None:  # a cap below 1 would scale down even the tokens both sides agree on
-            _real_in(self.tis_cap, f"{prefix}.tis_cap", 1.0, None)
-        for name in ("normalize_adv_std", "dynamic_sampling"):
-            if getattr(self, name) not in (None, True, False):
-                raise SpecError(f"{prefix}.{name}", f"must be true, false or unset, got {getattr(self, name)!r}")
+        check_bounds(self, prefix)  # each field's bounds, beside it above (numbers finite)
+        if self.clip_high < self.clip_low:
+            raise SpecError(f"{prefix}.clip_eps_high", f"must be >= clip_eps ({self.clip_low:g}): clip-higher widens "
+                                                       f"the upper clip, got {self.clip_high:g}")
         if self.overlong is not None:
             if not isinstance(self.overlong, OverlongSpec):
                 raise SpecError(f"{prefix}.overlong", "must be a mapping {buffer_tokens, penalty}")
             self.overlong.validate(f"{prefix}.overlong")
-
-    def _validate_clip(self, prefix: str) -> None:
-        for name in ("clip_eps", "clip_eps_high"):
-            if getattr(self, name) is not None:  # the ratio's lower clip 1 - eps stays >= 0
-                _real_in(getattr(self, name), f"{prefix}.{name}", 0.0, 1.0)
-        if self.clip_high < self.clip_low:
-            raise SpecError(f"{prefix}.clip_eps_high", f"must be >= clip_eps ({self.clip_low:g}): clip-higher widens "
-                                                       f"the upper clip, got {self.clip_high:g}")
 
     def _default(self, index: int):
         from marlaas_hpc.tasks.registry import OBJECTIVE_DEFAULTS
@@ -224,20 +198,20 @@ class DatasetSpec:
     """'path/to/file.py:function' (relative to the spec; run only in env ranks' sandboxed workers) computing
     reward(sample, completion) -> float in [0, 1] (custom kind); for an env workload (gsm8k_tool, gsm8k_plain,
     hotpotqa, lookup) it replaces the built-in verifier of the final turn."""
-    seed: int = 0
+    seed: int = bounded(0, ge=0, le=2**63 - 1)
     """Seed of the train/eval split and of synthetic generation."""
-    eval_size: int = 128
+    eval_size: int = bounded(128, ge=1, le=10**7)
     """Held-out samples used for eval accuracy."""
     corpus: str | None = None
     """Search corpus JSONL for tool workloads (hotpotqa); None: the data file's own context documents."""
-    metric: str | None = None
+    metric: str | None = bounded(None, choices=("f1", "em"))
     """QA reward: 'f1' (default) or 'em' (exact match)."""
-    syntax: str | None = None
+    syntax: str | None = bounded(None, choices=("compact", "xml"))
     """Tool-call syntax of the lookup workload: 'compact' (default, for the tiny model) or 'xml'."""
-    answer_format: str | None = None
+    answer_format: str | None = bounded(None, choices=("hash", "boxed"))
     """GSM8K kinds: where the scored final answer is, and what chat prompts ask for: 'hash' (after '####'),
     'boxed' (the last \\boxed{...}), or None: after '####', else boxed, else the whole completion."""
-    tool_latency_s: float = 0.0
+    tool_latency_s: float = bounded(0.0, ge=0.0, le=60.0, unit="seconds")
     """Lookup workload: extra seconds every lookup call takes (a remote key-value service; tests and
     benchmarks of slow tools). 0: answer at once."""
 
@@ -246,16 +220,7 @@ class DatasetSpec:
 
         if self.kind not in TASK_KINDS:
             raise SpecError(f"{prefix}.kind", f"unknown task type {self.kind!r}; known: {sorted(TASK_KINDS)}")
-        _int_at_least(self.eval_size, 1, f"{prefix}.eval_size", high=10**7)
-        _int_at_least(self.seed, 0, f"{prefix}.seed", high=2**63 - 1)
-        if self.metric not in (None, "f1", "em"):
-            raise SpecError(f"{prefix}.metric", f"must be 'f1' or 'em', got {self.metric!r}")
-        if not isinstance(self.tool_latency_s, (int, float)) or not 0 <= self.tool_latency_s <= 60:
-            raise SpecError(f"{prefix}.tool_latency_s", f"must be seconds in [0, 60], got {self.tool_latency_s!r}")
-        if self.answer_format not in (None, "hash", "boxed"):
-            raise SpecError(f"{prefix}.answer_format", f"must be 'hash' or 'boxed' (or unset), got {self.answer_format!r}")
-        if self.syntax not in (None, "compact", "xml"):
-            raise SpecError(f"{prefix}.syntax", f"must be 'compact' or 'xml', got {self.syntax!r}")
+        check_bounds(self, prefix)  # each field's bounds, beside it above
         if self.kind in ("gsm8k", "math", "custom", "gsm8k_tool", "gsm8k_plain", "hotpotqa") and not self.path:
             raise SpecError(f"{prefix}.path", f"task type {self.kind!r} needs a data file")
         self._validate_columns(prefix)
@@ -326,11 +291,11 @@ class TaskSpec:
     """This task's adapter shape."""
     algo: AlgoSpec = field(default_factory=AlgoSpec)
     """The RL objective and its hyper-parameters."""
-    total_steps: int = 20
+    total_steps: int = bounded(20, ge=1, le=10**7)
     """Optimizer steps to run; the task is done at policy version == total_steps."""
-    max_staleness: int = 1
+    max_staleness: int = bounded(1, ge=0, le=10**6)
     """k: the step producing version v+1 may use samples from versions >= v - k (0 = on-policy)."""
-    priority: int = 0
+    priority: int = bounded(0, ge=-2**31, le=2**31 - 1)
     """Higher runs first when the scheduler orders by priority."""
     keep_versions: tuple[int, ...] = ()
     """Adapter versions of this task that its run dir keeps whatever the job's retention policy (`adapters:`
@@ -348,9 +313,7 @@ class TaskSpec:
             if not isinstance(value, str) or not _SAFE_NAME.match(value) or ".." in value:
                 raise SpecError(name, f"{value!r} is not a safe name (letters, digits, '_', '-', '.'; "
                                       "no path separators or '..', at most 64 chars)")
-        _int_at_least(self.total_steps, 1, "total_steps", high=10**7)
-        _int_at_least(self.max_staleness, 0, "max_staleness", high=10**6)
-        _int_at_least(self.priority, -2**31, "priority", high=2**31 - 1)
+        check_bounds(self)  # each field's bounds, beside it above
         if not isinstance(self.keep_versions, tuple):
             raise SpecError("keep_versions", f"must be a list of versions, got {self.keep_versions!r}")
         for i, version in enumerate(self.keep_versions):
@@ -389,15 +352,6 @@ def _int_at_least(value: Any, low: int, name: str, high: int | None = None) -> N
         raise SpecError(name, f"must be an integer >= {low}, got {value!r}")
     if high is not None and value > high:
         raise SpecError(name, f"must be an integer <= {high}, got {value!r}")
-
-
-def _real_in(value: Any, name: str, low: float, high: float | None, low_open: bool = False) -> None:
-    """A finite number in [low, high] ((low, high] with low_open; no upper bound for high=None)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SpecError(name, f"must be a finite number, got {value!r}")
-    if value < low or (low_open and value == low) or (high is not None and value > high):
-        span = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
-        raise SpecError(name, f"must be in {span}, got {value!r}")
 
 
 def check_base_model(base_model: str | None, models: dict[str, str], field: str = "base_model") -> str:
