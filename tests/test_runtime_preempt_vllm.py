@@ -11,6 +11,7 @@ hang watchdog (`fault.hang_timeout_s`) killed it and the job stopped with no rol
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import signal
 import subprocess
@@ -74,8 +75,18 @@ class _Job:
         root = psutil.Process(self.proc.pid)
         return [root, *root.children(recursive=True)]
 
-    def engine_cores(self) -> list[psutil.Process]:
-        return [p for p in self.processes() if p.name() == "VLLM::EngineCore"]
+    def engine_cores(self, wait_s: float = 60) -> list[psutil.Process]:
+        """The job's vLLM engine cores, waited for while the job runs (a core names itself once it is up)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            cores = []
+            for process in self.processes():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if process.name() == "VLLM::EngineCore":
+                        cores.append(process)
+            if cores or time.monotonic() > deadline or self.proc.poll() is not None:
+                return cores
+            time.sleep(0.5)
 
     def finish(self, timeout_s: float = 600) -> int:
         try:
