@@ -14,5 +14,7 @@ fi
 # --durations=30: the 30 slowest tests of each run, where the suite's time goes.
 # vLLM runs in a pytest process of its own: its kernel-override scan of sys.modules trips over llvmlite
 # objects that bm25s (env tests) imports. Rollout ranks never import bm25s.
-.venv/bin/python -m pytest -q -ra --durations=30 -m "not vllm" "$@"
+# -n 2 --dist loadfile: two workers (the 2-core CI machine), each test file whole on one of them (tests/conftest.py
+# `pytest_xdist_make_scheduler`: a file's module-scoped job runs once; the Slurm files share one worker).
+.venv/bin/python -m pytest -q -ra --durations=30 -n "${MARLAAS_TEST_WORKERS:-2}" --dist loadfile -m "not vllm" "$@"
 .venv/bin/python -m pytest -q -ra --durations=30 -m vllm "$@"
