@@ -22,6 +22,9 @@ QUIET_MESSAGES = (
     # math-verify off the main thread (an env pool's worker): its SIGALRM timeouts cannot run there, so the env
     # pool's per-call timeout bounds the call instead (tasks/gsm8k.py); the library says so once per process
     ("math_verify.grader", "Timeout is disabled as timeout_seconds is None"),
+    # vLLM 0.32's LLM renders a chat template as it starts; the engines start with skip_tokenizer_init (prompts go
+    # in as token ids, rollout/vllm_engine.py), so there is no tokenizer to render with, and it warns with a traceback
+    ("vllm.renderers.base", "Chat template warmup failed"),
 )
 PYTHON_WARNINGS = "ignore::UserWarning:multiprocessing.resource_tracker"
 """PYTHONWARNINGS for the processes a rank starts (read by each new interpreter): an engine core in a process of
