@@ -68,6 +68,16 @@ def receive_until(fan: DeltaFanIn, wanted: set[tuple[str, int]], timeout_s: floa
     return ok and not wanted
 
 
+def wait_posted(fan: DeltaFanIn, wanted: set[tuple[str, int]]) -> None:
+    """Polls until every (task, version) wanted has been posted here: still pending, or already complete (gloo
+    completes a broadcast on a member once the root has sent it its part, whoever else is missing; NCCL may not:
+    waiting for it to stay pending raced with its completion)."""
+    while wanted:
+        wanted -= {(announce.task_id, announce.version) for announce, _ in fan.poll()}
+        wanted -= {(p.announce.task_id, p.announce.version) for queue in fan.pending.values() for p in queue}
+        time.sleep(0.002)
+
+
 def outlast_watchdog(since: float, fan: DeltaFanIn | None = None) -> None:
     """Waits (polling, as a live rank would) until the watchdog's timeout has passed since `since`."""
     while time.monotonic() < since + WATCHDOG_S + 1.5:
@@ -96,9 +106,7 @@ def one_leader(mode: str) -> dict:
         fan = fanin(comm, [0], [1, 2])
         ok = receive_until(fan, {("t", 1)})
         comm.Barrier()
-        while not fan.pending[0]:  # version 2's broadcast posted here, waiting for rank 2
-            list(fan.poll())
-            time.sleep(0.002)
+        wait_posted(fan, {("t", 2)})  # version 2's broadcast posted here (the leader's waits for rank 2)
         pending_since = time.monotonic()
         comm.Barrier()
         ok &= receive_until(fan, {("t", 3)})
@@ -180,9 +188,7 @@ def several_leaders() -> dict:
         fan = fanin(comm, [0, 1], [2, 3])
         ok = receive_until(fan, {("t0", 1), ("t1", 1)})
         comm.Barrier()
-        while not (fan.pending[0] and fan.pending[1]):
-            list(fan.poll())
-            time.sleep(0.002)
+        wait_posted(fan, {("t0", 2), ("t1", 2)})
         pending_since = time.monotonic()
         comm.Barrier()
         ok &= receive_until(fan, {("t0", 3), ("t1", 3)})
