@@ -117,9 +117,11 @@ def test_usr2_to_every_engine_process_kills_none(tiny_model_path, tmp_path):
     """Slurm's --signal signals every process of the step, a local launcher each rank's process group: the
     engine's processes ignore USR2 (rollout/vllm_plugin.py), and the engine goes on generating."""
     pytest.importorskip("vllm")
+    # processes an earlier test of this pytest process left (Python's resource tracker) are not the engine's
+    before = {p.pid for p in _descendants(os.getpid())}
     engine = _own_process_engine(tiny_model_path, tmp_path, [])
     try:
-        processes = _descendants(os.getpid())
+        processes = [p for p in _descendants(os.getpid()) if p.pid not in before]
         assert _engine_cores(os.getpid()), "the engine core runs in a process of its own"
         for process in processes:
             process.send_signal(signal.SIGUSR2)
