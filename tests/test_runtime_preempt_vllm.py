@@ -187,6 +187,7 @@ def test_a_killed_engine_core_is_rebuilt_by_its_rank_and_the_job_finishes(tmp_pa
     summary = _check_every_version_trained_once(config, job.run_dir)
     assert summary["engine_restarts"] == {"2": 1}, summary["engine_restarts"]
     restart = [line for line in out.splitlines() if "restarted" in line and "rank 2" in line]
-    assert restart and "killed by signal 9" in restart[0], out[-4000:]
+    # the cause: CoreWatch names the signal, unless vLLM's own monitor saw the death first (EngineDeadError)
+    assert restart and ("killed by signal 9" in restart[0] or "EngineDeadError" in restart[0]), out[-4000:]
     assert not summary.get("ranks_lost"), "the rank was not lost: it rebuilt its engine"
     print(f"\nengine core SIGKILLed: the job finished {time.monotonic() - killed:.0f} s later; {restart[0]}")
