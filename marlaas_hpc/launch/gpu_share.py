@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-NODE_TMP_VARIABLES = ("SLURM_TMPDIR", "TMPDIR")
-"""Node-local scratch, in order of preference (flock on NFS is unreliable: the lock files stay on the node)."""
+from marlaas_hpc.launch.slurm_env import node_scratch
+
 
 
 class GpuTurns:
@@ -99,9 +99,8 @@ class GpuTurns:
 def turns_dir(run_dir: Path, environ: Mapping[str, str] = os.environ) -> Path:
     """Node-local directory of one job's lock files: `<$SLURM_TMPDIR or $TMPDIR or /tmp>/marlaas_hpc-<uid>/
     gpu-turns/<hash of the run dir>` (every rank of the job on the node finds the same one)."""
-    base = next((environ[name] for name in NODE_TMP_VARIABLES if environ.get(name)), "/tmp")
     job = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-    return Path(base) / f"marlaas_hpc-{os.getuid()}" / "gpu-turns" / job
+    return node_scratch(environ) / "gpu-turns" / job  # node-local: flock on NFS is unreliable
 
 
 def gpu_turns(share_gpus: bool, binding, run_dir: Path, environ: Mapping[str, str] = os.environ,

@@ -121,6 +121,12 @@ NODE_TMP_VARIABLES = ("SLURM_TMPDIR", "TMPDIR")
 sites that make one; TMPDIR: Slurm's job_container/tmpfs and most prologs), before /tmp."""
 
 
+def node_scratch(environ: Mapping[str, str]) -> Path:
+    """This user's node-local scratch directory: `<$SLURM_TMPDIR or $TMPDIR or /tmp>/marlaas_hpc-<uid>`."""
+    base = next((environ[name] for name in NODE_TMP_VARIABLES if environ.get(name)), "/tmp")
+    return Path(base) / f"marlaas_hpc-{os.getuid()}"
+
+
 def compile_cache_dir(environ: Mapping[str, str], outside_slurm: Path) -> Path:
     """The root of vLLM's and inductor's compile caches (VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR and
     TRITON_CACHE_DIR go under it: rollout/vllm_engine.py): MARLAAS_COMPILE_CACHE when set; in a Slurm job
@@ -133,8 +139,7 @@ def compile_cache_dir(environ: Mapping[str, str], outside_slurm: Path) -> Path:
         return Path(environ[COMPILE_CACHE_ENV])
     if not environ.get("SLURM_JOB_ID"):
         return Path(outside_slurm)
-    base = next((environ[name] for name in NODE_TMP_VARIABLES if environ.get(name)), "/tmp")
-    return Path(base) / f"marlaas_hpc-{os.getuid()}" / "compile"
+    return node_scratch(environ) / "compile"
 
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
