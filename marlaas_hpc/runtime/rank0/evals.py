@@ -38,7 +38,7 @@ class Evals:
         """Greedy accuracy on the eval split: base model (before) or the task's final version (after)."""
         spec = self.scheduler.tasks[task_id].spec
         rollout, env = self.ranks()
-        groups = self.inputs.eval_groups(task_id)
+        groups = self.inputs.eval_groups(task_id, version)
         self.pending[(task_id, "before" if version is None else "after")] = len(groups)
         task = self.scheduler.tasks[task_id]
         work = GenerateWork(task_id, version, env, groups, 1, 0.0, spec.algo.max_new_tokens, eval=True,

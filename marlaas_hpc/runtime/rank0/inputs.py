@@ -49,8 +49,11 @@ class TaskInputs:
             return {}
         return {"multi_turn": True, "episode_tokens": self.scheduler.tasks[task_id].spec.algo.max_episode_tokens}
 
-    def eval_groups(self, task_id: str) -> list[PromptGroup]:
-        """The task's eval split as prompt groups of one greedy sample each."""
+    def eval_groups(self, task_id: str, version: int | None) -> list[PromptGroup]:
+        """The task's eval split as prompt groups of one greedy sample each, of the base model (`version` None) or
+        of a version. Their ids name which: a task that ends before its base eval is answered has both out at once
+        (rank 0 tracks each prompt by its id, and a rollout rank its open groups)."""
         data, codec = self.data[task_id], self.codecs[task_id]
-        return [PromptGroup(f"{task_id}/eval{s.index}", s.index, codec.encode_prompt(first_prompt(data, s)))
+        which = "base" if version is None else f"v{version}"
+        return [PromptGroup(f"{task_id}/eval{s.index}-{which}", s.index, codec.encode_prompt(first_prompt(data, s)))
                 for s in data.eval_samples()]
