@@ -80,7 +80,8 @@ class AlgoSpec:
     loss: str = "grpo"
     """The objective: 'grpo' (token-level PPO-clip, token mean over the task's batch), 'dr_grpo' (Dr. GRPO: a
     constant length normaliser, no std normalisation), 'dapo' (DAPO: the token-level loss with clip-higher and
-    dynamic sampling), 'gspo' (GSPO: one importance ratio per sequence, clipped per sequence)."""
+    dynamic sampling), 'gspo' (GSPO: one importance ratio per sequence, clipped per sequence), 'cispo' (CISPO:
+    the clipped ratio as a coefficient without gradient, so every token keeps its gradient)."""
     group_size: int = bounded(8, ge=2, le=4096)
     """G: completions sampled per prompt (>= 2: the advantage is relative to the group)."""
     batch_prompts: int = bounded(8, ge=1, le=65536)
@@ -91,10 +92,10 @@ class AlgoSpec:
     """AdamW weight decay."""
     clip_eps: float | None = bounded(None, ge=0.0, le=1.0)  # the lower clip 1 - eps stays >= 0
     """PPO clip epsilon on the ratio pi_theta / pi_old: the ratio is clipped below at 1 - clip_eps (and above at
-    1 + clip_eps_high). None: the objective's (0.2; gspo 3e-4)."""
+    1 + clip_eps_high). None: the objective's (0.2; gspo 3e-4; cispo 1.0, no lower clip)."""
     clip_eps_high: float | None = bounded(None, ge=0.0, le=1.0)
     """Clip-higher (DAPO): the ratio's upper clip is 1 + clip_eps_high. None: clip_eps if that is set, else the
-    objective's (dapo 0.28, gspo 4e-4, else 0.2)."""
+    objective's (dapo and cispo 0.28, gspo 4e-4, else 0.2)."""
     kl_beta: float = bounded(0.0, ge=0.0)
     """Weight of the KL penalty to the base model (adapter off); 0 disables it."""
     kl_estimator: str = "k3"
@@ -140,7 +141,8 @@ class AlgoSpec:
         if self.kl_estimator not in KL_ESTIMATORS:
             raise SpecError(f"{prefix}.kl_estimator", f"must be one of {list(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         check_bounds(self, prefix)  # each field's bounds, beside it above (numbers finite)
-        if self.clip_high < self.clip_low:
+        # cispo clips an importance weight, not the update, and leaves its lower side open (clip_eps 1.0)
+        if self.loss != "cispo" and self.clip_high < self.clip_low:
             raise SpecError(f"{prefix}.clip_eps_high", f"must be >= clip_eps ({self.clip_low:g}): clip-higher widens "
                                                        f"the upper clip, got {self.clip_high:g}")
         if self.overlong is not None:

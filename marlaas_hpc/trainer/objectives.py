@@ -15,6 +15,9 @@ eps_l, eps_h the ratio's clip (`algo.clip_low`, `algo.clip_high`) and w the TIS 
              and its code; its other fix, advantages without the std, is its default)               unit: sequence
     gspo     per sequence: s = exp(mean_t log r_t), -w_s min(s A, clip(s, 1 - eps_l, 1 + eps_h) A)
              [+ beta mean_t KL], averaged over sequences (GSPO's objective)                     unit: sequence
+    cispo    -w sg(clip(r, 1 - eps_l, 1 + eps_h)) A log pi_theta [+ beta KL] per token, averaged over the task's
+             trained tokens (MiniMax-M1's CISPO; sg: no gradient through the clipped ratio, so no token loses
+             its gradient to the clip; default eps_l 1.0: no lower clip)                        unit: token
 
 Each returns its loss normalised over the micro-batch's own units (its trained tokens, or its sequences with
 trained tokens) and its statistics. The trainer weights each micro-batch's loss by its share of the task's units
@@ -100,15 +103,28 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, algo: Algo
     return torch.minimum(ratio * advantages, torch.clamp(ratio, 1 - algo.clip_low, 1 + algo.clip_high) * advantages)
 
 
+def _ppo_clip_term(ratio: torch.Tensor, logp: torch.Tensor, advantages: torch.Tensor, algo: AlgoSpec) -> torch.Tensor:
+    """grpo, dapo, dr_grpo: -min(r A, clip(r) A); a token whose clip binds gets no gradient."""
+    return -_clipped_surrogate(ratio, advantages, algo)
+
+
+def _cispo_term(ratio: torch.Tensor, logp: torch.Tensor, advantages: torch.Tensor, algo: AlgoSpec) -> torch.Tensor:
+    """CISPO: -sg(clip(r)) A log pi_theta. The clipped ratio is a coefficient without gradient, so a token whose
+    ratio is clipped still has the gradient -clip(r) A of its log-probability (PPO-clip would give it none)."""
+    weight = torch.clamp(ratio, 1 - algo.clip_low, 1 + algo.clip_high).detach()
+    return -weight * advantages * logp
+
+
 def _outside_clip(ratio: torch.Tensor, algo: AlgoSpec) -> torch.Tensor:
     return (ratio - 1 > algo.clip_high) | (1 - ratio > algo.clip_low)
 
 
 def _token_terms(tokens: Tokens, algo: AlgoSpec, mask: torch.Tensor, n_tokens: torch.Tensor,
-                 stats: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each token's loss term, each token's ratio) of the token-level objectives."""
+                 stats: dict[str, float], term=_ppo_clip_term) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's loss term, each token's ratio) of the token-level objectives; `term` is the objective's
+    term of one token from its ratio, logprob and advantage."""
     ratio = torch.exp(tokens.logp - (tokens.behaviour if tokens.old is None else tokens.old))
-    per_token = -_clipped_surrogate(ratio, tokens.advantages.to(tokens.logp.dtype), algo)
+    per_token = term(ratio, tokens.logp, tokens.advantages.to(tokens.logp.dtype), algo)
     if tokens.old is not None:
         weight = tis_weight(tokens.old, tokens.behaviour, algo.tis_cap)
         per_token = per_token * weight
@@ -145,10 +161,19 @@ def _token_stats(loss, ratio, mask, n_tokens, algo: AlgoSpec, stats: dict[str, f
 # ---------------------------------------------------------------------------------------------- objectives
 def grpo_loss(tokens: Tokens, algo: AlgoSpec) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip averaged over every trained token (grpo, dapo)."""
+    return _token_mean(tokens, algo, _ppo_clip_term)
+
+
+def cispo_loss(tokens: Tokens, algo: AlgoSpec) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1): -sg(clip(r)) A log pi_theta averaged over every trained token."""
+    return _token_mean(tokens, algo, _cispo_term)
+
+
+def _token_mean(tokens: Tokens, algo: AlgoSpec, term) -> tuple[torch.Tensor, dict[str, float]]:
     mask = tokens.mask.to(tokens.logp.dtype)
     n_tokens = mask.sum().clamp(min=1.0)
     stats: dict[str, float] = {}
-    per_token, ratio = _token_terms(tokens, algo, mask, n_tokens, stats)
+    per_token, ratio = _token_terms(tokens, algo, mask, n_tokens, stats, term)
     loss = (per_token * mask).sum() / n_tokens
     return loss, _token_stats(loss, ratio, mask, n_tokens, algo, stats)
 
@@ -216,6 +241,7 @@ OBJECTIVES: dict[str, Objective] = {
     "dr_grpo": Objective(dr_grpo_loss, "sequence"),
     "dapo": Objective(grpo_loss, "token"),
     "gspo": Objective(gspo_loss, "sequence"),
+    "cispo": Objective(cispo_loss, "token"),
 }
 if set(OBJECTIVES) != set(OBJECTIVE_NAMES):  # the names a spec may give are the ones computed here
     raise ImportError(f"objectives {sorted(OBJECTIVES)} differ from tasks/registry.py's {sorted(OBJECTIVE_NAMES)}")
