@@ -1,7 +1,7 @@
 """Each objective (trainer/objectives.py) against a reference written from its paper's formula, in float64 loops
 over sequences and tokens, on fixed tensors: masks (a tool token mid-sequence, padding), per-token and
-per-sequence advantages, ratios clipped on both sides and ratios the clip does not bind; CISPO by hand; TIS,
-KL estimators; and 'grpo' bit for bit against the loss the trainer used before objectives existed."""
+per-sequence advantages, ratios clipped on both sides and ratios the clip does not bind; CISPO and IcePop by hand;
+TIS, KL estimators; and 'grpo' bit for bit against the loss the trainer used before objectives existed."""
 import math
 
 import pytest
@@ -228,6 +228,46 @@ def test_cispo_equals_the_paper_on_the_shared_tensors():
     assert ((RATIOS > 1.2) | (RATIOS < 0.8))[moving].any() and (logp.grad[moving] != 0).all()
 
 
+def test_icepop_masks_exactly_the_tokens_outside_its_band_by_hand():
+    """k = pi_trainer / pi_rollout = 0.25, 0.5, 1, 2, 4 against the band [0.4, 3]: the first and the last are
+    masked, the others weighted by k. pi_theta = pi_trainer (r = 1, inside the clip), A = 1:
+        loss = -(1/5) sum_t w_t r_t A = -(0 + 0.5 + 1 + 2 + 0) / 5 = -0.7
+        d loss / d log pi_t = -w_t r_t A / 5 = 0, -0.1, -0.2, -0.4, 0
+    The masked tokens still count in the normaliser (1/5, not 1/3), as in IcePop's objective."""
+    algo = AlgoSpec(loss="grpo", icepop_band=(0.4, 3.0))
+    assert algo.mismatch_correction == "IcePop"
+    log_k = [math.log(k) for k in (0.25, 0.5, 1.0, 2.0, 4.0)]
+    logp, tokens = _one_row([1.0] * 5, [0.2] * 5, [1.0] * 5, old_minus_behaviour=log_k)
+    loss, stats = OBJECTIVES["grpo"].loss(tokens, algo)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-0.7, rel=1e-12)
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -0.1, -0.2, -0.4, 0.0], rel=1e-12)
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 4] == 0
+    assert stats["icepop_masked"] == pytest.approx(0.4) and stats["tis_weight"] == pytest.approx(0.7)
+    # CISPO the same: its weight c = 1 at r = 1, so the gradient is the same; with a KL term a masked token
+    # still gets none (it is out of the loss)
+    base = torch.log(torch.full((1, 5), 0.3, dtype=torch.float64))
+    logp, tokens = _one_row([1.0] * 5, [0.2] * 5, [1.0] * 5, old_minus_behaviour=log_k, base=base)
+    OBJECTIVES["cispo"].loss(tokens, AlgoSpec(loss="cispo", icepop_band=(0.4, 3.0), kl_beta=0.1))[0].backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 4] == 0 and (logp.grad[0, 1:4] != 0).all()
+
+
+def test_icepop_masks_gspo_by_the_sequences_k():
+    """gspo weighs a sequence, by k of its geometric mean (as its ratio): k = (0.25, 4) gives 1, kept; (4, 4) gives
+    4, masked. r = 1, A = 1: loss = -(1 + 0) / 2 = -0.5; d loss / d log pi_t = -(1/2) s A / |y| = -0.25 for the
+    first sequence's tokens, 0 for the second's."""
+    algo = AlgoSpec(loss="gspo", icepop_band=(0.5, 2.0))
+    behaviour = torch.log(torch.full((2, 2), 0.2, dtype=torch.float64))
+    old = behaviour + torch.log(torch.tensor([[0.25, 4.0], [4.0, 4.0]], dtype=torch.float64))
+    logp = old.clone().requires_grad_()
+    tokens = Tokens.from_rows(logp, behaviour, torch.ones(2, dtype=torch.float64), torch.ones(2, 2), old)
+    loss, stats = OBJECTIVES["gspo"].loss(tokens, algo)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-0.5, rel=1e-12)
+    assert logp.grad.reshape(-1).tolist() == pytest.approx([-0.25, -0.25, 0.0, 0.0], rel=1e-12)
+    assert stats["icepop_masked"] == 0.5
+
+
 # ---------------------------------------------------------------------------------------------- TIS and KL
 def test_tis_weights_and_ratios_against_the_trainers_logprobs():
     old = BEHAVIOUR + torch.tensor([0.4, -0.3, 0.1, 2.0, 0.0]).expand(4, 5).double()  # weight 2.0 capped at 1.6
@@ -242,14 +282,16 @@ def test_tis_weights_and_ratios_against_the_trainers_logprobs():
     _check(value, logp, reference_gspo(reference, ADV_SEQ, 3e-4, 4e-4, old=old, cap=1.6), reference)
 
 
+@pytest.mark.parametrize("correction", [{"tis_cap": 2.0}, {"icepop_band": (0.5, 2.0)}], ids=["tis", "icepop"])
 @pytest.mark.parametrize("loss", sorted(OBJECTIVE_NAMES))
-def test_tis_leaves_the_update_unchanged_when_the_two_logprobs_are_equal(loss):
-    """pi_trainer = pi_rollout at the behaviour version: weight 1, the same ratio, bit for bit."""
+def test_tis_leaves_the_update_unchanged_when_the_two_logprobs_are_equal(loss, correction):
+    """pi_trainer = pi_rollout at the behaviour version: weight 1 (IcePop: k = 1 is in its band), the same ratio,
+    bit for bit."""
     plain_logp, plain = _tokens(ADV_TOKEN if loss != "gspo" else ADV_SEQ)
     value, _ = OBJECTIVES[loss].loss(plain, AlgoSpec(loss=loss))
     value.backward()
     tis_logp, tis = _tokens(ADV_TOKEN if loss != "gspo" else ADV_SEQ, old=BEHAVIOUR)
-    tis_value, _ = OBJECTIVES[loss].loss(tis, AlgoSpec(loss=loss, tis_cap=2.0))
+    tis_value, _ = OBJECTIVES[loss].loss(tis, AlgoSpec(loss=loss, **correction))
     tis_value.backward()
     assert torch.equal(value, tis_value) and torch.equal(plain_logp.grad, tis_logp.grad)
 
@@ -327,6 +369,14 @@ def test_grpo_is_todays_loss_bit_for_bit(kl_beta, advantages):
     ({"overlong": {"buffer_tokens": 4, "penalty": -1}}, "algo.overlong.penalty"),
     ({"max_new_tokens": 8, "overlong": {"buffer_tokens": 9}}, "algo.overlong.buffer_tokens"),
     ({"loss": "cispo", "clip_eps_high": 1.5}, "algo.clip_eps_high"),
+    ({"icepop_band": [1.5, 2.0]}, "algo.icepop_band"),  # the band must hold k = 1 (the engines agree)
+    ({"icepop_band": [0.5, 1.0]}, "algo.icepop_band"),
+    ({"icepop_band": [0.0, 2.0]}, "algo.icepop_band"),
+    ({"icepop_band": [2.0, 0.5]}, "algo.icepop_band"),
+    ({"icepop_band": [0.5, float("inf")]}, "algo.icepop_band"),
+    ({"icepop_band": [0.5]}, "algo.icepop_band"),
+    ({"icepop_band": 2.0}, "algo.icepop_band"),
+    ({"icepop_band": [0.5, 2.0], "tis_cap": 2.0}, "algo.icepop_band"),  # both weigh the token: one of them
 ])
 def test_bad_objective_fields_are_refused_naming_the_field(algo, field):
     with pytest.raises(SpecError) as error:
@@ -341,6 +391,8 @@ def test_objective_fields_load_from_yaml_data():
     assert (algo.loss, algo.tis_cap, algo.kl_estimator, algo.filters_groups) == ("dapo", 2.0, "k2", True)
     assert algo.overlong.penalty_at(256 - 64, 256) == 0.0 and algo.overlong.penalty_at(256 - 32, 256) == -0.25
     assert algo.overlong.penalty_at(256, 256) == -0.5  # multi-turn: the episode budget is the limit
+    algo = TaskSpec.from_dict({"task_id": "t", "algo": {"loss": "cispo", "icepop_band": [0.5, 5]}}).algo
+    assert (algo.loss, algo.icepop_band, algo.mismatch_correction) == ("cispo", (0.5, 5.0), "IcePop")
     # cispo's lower clip may stay wider than its upper one (its paper leaves it open); the PPO-clip ones' not
     assert TaskSpec.from_dict({"task_id": "t", "algo": {"loss": "cispo", "clip_eps": 0.5}}).algo.clip_high == 0.5
     spec = TaskSpec.from_dict({"task_id": "t", "algo": {"loss": "cispo", "clip_eps": 0.5, "clip_eps_high": 0.2}})

@@ -6,6 +6,7 @@ reject it with a clear message without touching any running task.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +107,12 @@ class AlgoSpec:
     the token's behaviour version, and clip the ratio against pi_trainer (the rollout engine and the trainer
     compute different numbers for the same policy: bf16 kernels). >= 1; None: off, the ratio is taken against
     the rollout engine's logprobs (docs/architecture.md §10, how pi_trainer at the behaviour version is had)."""
+    icepop_band: tuple[float, float] | None = None
+    """IcePop masking, [low, high], for the same mismatch as TIS (larger on MoE models, whose routing the two
+    engines may decide differently): a token whose k = pi_trainer / pi_rollout, both at its behaviour version,
+    lies outside [low, high] gets no gradient (its term, KL included, is 0; it still counts in the normaliser);
+    one inside is weighted by k; the ratio is clipped against pi_trainer, as with TIS (gspo: k of the sequence,
+    as its ratio). 0 < low < 1 < high, e.g. [0.5, 5.0]; None: off. Not with tis_cap: both weigh the token."""
     temperature: float = bounded(1.0, gt=0.0, le=100.0)
     """Sampling temperature of rollouts; behaviour and trainer logprobs are taken at this temperature."""
     max_new_tokens: int = bounded(16, ge=1, le=2**20)
@@ -145,10 +152,32 @@ class AlgoSpec:
         if self.loss != "cispo" and self.clip_high < self.clip_low:
             raise SpecError(f"{prefix}.clip_eps_high", f"must be >= clip_eps ({self.clip_low:g}): clip-higher widens "
                                                        f"the upper clip, got {self.clip_high:g}")
+        self._validate_icepop(prefix)
         if self.overlong is not None:
             if not isinstance(self.overlong, OverlongSpec):
                 raise SpecError(f"{prefix}.overlong", "must be a mapping {buffer_tokens, penalty}")
             self.overlong.validate(f"{prefix}.overlong")
+
+    def _validate_icepop(self, prefix: str) -> None:
+        band = self.icepop_band
+        if band is None:
+            return
+        numbers = isinstance(band, (tuple, list)) and len(band) == 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in band)
+        if not numbers or not 0 < band[0] < 1 < band[1]:
+            raise SpecError(f"{prefix}.icepop_band", f"must be [low, high] with 0 < low < 1 < high (a band around "
+                                                     f"pi_trainer = pi_rollout), got {band!r}")
+        if self.tis_cap is not None:
+            raise SpecError(f"{prefix}.icepop_band", f"conflicts with {prefix}.tis_cap ({self.tis_cap:g}): both set "
+                                                     "each token's mismatch weight; set one of them")
+
+    @property
+    def mismatch_correction(self) -> str | None:
+        """'TIS' (`tis_cap`) or 'IcePop' (`icepop_band`): the loss corrects the rollout engine / trainer mismatch,
+        and needs the trainer's logprobs at each token's behaviour version; None: it does not."""
+        if self.tis_cap is not None:
+            return "TIS"
+        return "IcePop" if self.icepop_band is not None else None
 
     def _default(self, index: int):
         from marlaas_hpc.tasks.registry import OBJECTIVE_DEFAULTS
