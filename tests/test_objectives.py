@@ -1,7 +1,7 @@
 """Each objective (trainer/objectives.py) against a reference written from its paper's formula, in float64 loops
 over sequences and tokens, on fixed tensors: masks (a tool token mid-sequence, padding), per-token and
-per-sequence advantages, ratios clipped on both sides and ratios the clip does not bind; TIS, KL estimators;
-and 'grpo' bit for bit against the loss the trainer used before objectives existed."""
+per-sequence advantages, ratios clipped on both sides and ratios the clip does not bind; CISPO and IcePop by hand;
+TIS, KL estimators; and 'grpo' bit for bit against the loss the trainer used before objectives existed."""
 import math
 
 import pytest
@@ -111,7 +111,7 @@ def _reference_logp():
 
 # ---------------------------------------------------------------------------------------------- the objectives
 def test_the_registry_computes_every_objective_a_spec_may_name():
-    assert set(OBJECTIVES) == set(OBJECTIVE_NAMES) == {"grpo", "dr_grpo", "dapo", "gspo"}
+    assert set(OBJECTIVES) == set(OBJECTIVE_NAMES) == {"grpo", "dr_grpo", "dapo", "gspo", "cispo"}
 
 
 @pytest.mark.parametrize("advantages", [ADV_SEQ, ADV_TOKEN], ids=["per-sequence", "per-token"])
@@ -181,6 +181,93 @@ def test_gspo_defaults_are_the_papers():
     assert AlgoSpec(loss="gspo", clip_eps=0.1).clip_high == 0.1  # the paper's pair applies only as a pair
 
 
+def _one_row(ratios, behaviour, advantages, mask=None, old_minus_behaviour=None, base=None):
+    """Tokens of one sequence, float64: log pi_theta = log pi_old + log r, where pi_old is the behaviour
+    probability, or with `old_minus_behaviour` (log k per token) the trainer's: behaviour + log k."""
+    behaviour = torch.log(torch.tensor([behaviour], dtype=torch.float64))
+    old = None if old_minus_behaviour is None else behaviour + torch.tensor([old_minus_behaviour], dtype=torch.float64)
+    logp = ((behaviour if old is None else old) + torch.log(torch.tensor([ratios], dtype=torch.float64)))
+    logp = logp.clone().requires_grad_()
+    mask = torch.ones_like(behaviour) if mask is None else torch.tensor([mask], dtype=torch.float64)
+    return logp, Tokens.from_rows(logp, behaviour, torch.tensor([advantages], dtype=torch.float64), mask, old, base)
+
+
+def test_cispo_by_hand():
+    """CISPO's defaults: eps_l 1.0 (the clip's lower side at 0: none), eps_h 0.28. Ratios 2, 1, 0.5 and a tool
+    token; pi_old 0.5, so log pi_theta = log(0.5 r) = 0, log 0.5, log 0.25. Clipped weights c = 1.28, 1, 0.5.
+        loss = -(1/3) sum_t c_t A_t log pi_t = -(1/3) (1.28 * 1 * 0 + 1 * (-1) * log 0.5 + 0.5 * 2 * log 0.25)
+             = -(1/3) (ln 2 - 2 ln 2) = ln 2 / 3
+        d loss / d log pi_t = -c_t A_t / 3 = -1.28/3, 1/3, -1/3, and 0 for the tool token.
+    Token 0 is clipped with A > 0: PPO-clip gives it no gradient, CISPO its clipped weight's. Differentiating
+    the coefficient as well would give token 1 -(A r (log pi + 1)) / 3 = (1 - ln 2) / 3 instead of 1/3."""
+    algo = AlgoSpec(loss="cispo")
+    assert (algo.clip_low, algo.clip_high, algo.std_normalized, algo.filters_groups) == (1.0, 0.28, True, False)
+    assert OBJECTIVES["cispo"].unit == "token"
+    logp, tokens = _one_row([2.0, 1.0, 0.5, 1.5], [0.5] * 4, [1.0, -1.0, 2.0, 1.0], mask=[1, 1, 1, 0])
+    loss, stats = OBJECTIVES["cispo"].loss(tokens, algo)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(math.log(2) / 3, rel=1e-12)
+    assert logp.grad[0].tolist() == pytest.approx([-1.28 / 3, 1 / 3, -1 / 3, 0.0], rel=1e-12, abs=1e-15)
+    assert stats["clip_frac"] == pytest.approx(1 / 3) and stats["tokens"] == 3.0
+    logp, tokens = _one_row([2.0, 1.0, 0.5, 1.5], [0.5] * 4, [1.0, -1.0, 2.0, 1.0], mask=[1, 1, 1, 0])
+    OBJECTIVES["dapo"].loss(tokens, AlgoSpec(loss="dapo"))[0].backward()
+    assert logp.grad[0, 0] == 0  # the same token under PPO-clip (eps_h 0.28): clipped, no gradient
+
+
+def test_cispo_equals_the_paper_on_the_shared_tensors():
+    """Against MiniMax-M1's objective written out over (sequence, token), with a lower clip set (0.8 .. 1.2): every
+    trained token with A != 0 has a gradient, clipped or not."""
+    algo = AlgoSpec(loss="cispo", clip_eps=0.2)
+    logp, tokens = _tokens(ADV_TOKEN)
+    value, _ = OBJECTIVES["cispo"].loss(tokens, algo)
+    reference = _reference_logp()
+    terms = [-torch.clamp(torch.exp(reference[i, t] - BEHAVIOUR[i, t]), 0.8, 1.2).detach() * adv * reference[i, t]
+             for i, t, adv in _rows(ADV_TOKEN)]
+    _check(value, logp, sum(terms) / len(terms), reference)
+    moving = MASK.bool() & (ADV_TOKEN != 0)
+    assert ((RATIOS > 1.2) | (RATIOS < 0.8))[moving].any() and (logp.grad[moving] != 0).all()
+
+
+def test_icepop_masks_exactly_the_tokens_outside_its_band_by_hand():
+    """k = pi_trainer / pi_rollout = 0.25, 0.5, 1, 2, 4 against the band [0.4, 3]: the first and the last are
+    masked, the others weighted by k. pi_theta = pi_trainer (r = 1, inside the clip), A = 1:
+        loss = -(1/5) sum_t w_t r_t A = -(0 + 0.5 + 1 + 2 + 0) / 5 = -0.7
+        d loss / d log pi_t = -w_t r_t A / 5 = 0, -0.1, -0.2, -0.4, 0
+    The masked tokens still count in the normaliser (1/5, not 1/3), as in IcePop's objective."""
+    algo = AlgoSpec(loss="grpo", icepop_band=(0.4, 3.0))
+    assert algo.mismatch_correction == "IcePop"
+    log_k = [math.log(k) for k in (0.25, 0.5, 1.0, 2.0, 4.0)]
+    logp, tokens = _one_row([1.0] * 5, [0.2] * 5, [1.0] * 5, old_minus_behaviour=log_k)
+    loss, stats = OBJECTIVES["grpo"].loss(tokens, algo)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-0.7, rel=1e-12)
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -0.1, -0.2, -0.4, 0.0], rel=1e-12)
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 4] == 0
+    assert stats["icepop_masked"] == pytest.approx(0.4) and stats["tis_weight"] == pytest.approx(0.7)
+    # CISPO the same: its weight c = 1 at r = 1, so the gradient is the same; with a KL term a masked token
+    # still gets none (it is out of the loss)
+    base = torch.log(torch.full((1, 5), 0.3, dtype=torch.float64))
+    logp, tokens = _one_row([1.0] * 5, [0.2] * 5, [1.0] * 5, old_minus_behaviour=log_k, base=base)
+    OBJECTIVES["cispo"].loss(tokens, AlgoSpec(loss="cispo", icepop_band=(0.4, 3.0), kl_beta=0.1))[0].backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 4] == 0 and (logp.grad[0, 1:4] != 0).all()
+
+
+def test_icepop_masks_gspo_by_the_sequences_k():
+    """gspo weighs a sequence, by k of its geometric mean (as its ratio): k = (0.25, 4) gives 1, kept; (4, 4) gives
+    4, masked. r = 1, A = 1: loss = -(1 + 0) / 2 = -0.5; d loss / d log pi_t = -(1/2) s A / |y| = -0.25 for the
+    first sequence's tokens, 0 for the second's."""
+    algo = AlgoSpec(loss="gspo", icepop_band=(0.5, 2.0))
+    behaviour = torch.log(torch.full((2, 2), 0.2, dtype=torch.float64))
+    old = behaviour + torch.log(torch.tensor([[0.25, 4.0], [4.0, 4.0]], dtype=torch.float64))
+    logp = old.clone().requires_grad_()
+    tokens = Tokens.from_rows(logp, behaviour, torch.ones(2, dtype=torch.float64), torch.ones(2, 2), old)
+    loss, stats = OBJECTIVES["gspo"].loss(tokens, algo)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-0.5, rel=1e-12)
+    assert logp.grad.reshape(-1).tolist() == pytest.approx([-0.25, -0.25, 0.0, 0.0], rel=1e-12)
+    assert stats["icepop_masked"] == 0.5
+
+
 # ---------------------------------------------------------------------------------------------- TIS and KL
 def test_tis_weights_and_ratios_against_the_trainers_logprobs():
     old = BEHAVIOUR + torch.tensor([0.4, -0.3, 0.1, 2.0, 0.0]).expand(4, 5).double()  # weight 2.0 capped at 1.6
@@ -195,14 +282,16 @@ def test_tis_weights_and_ratios_against_the_trainers_logprobs():
     _check(value, logp, reference_gspo(reference, ADV_SEQ, 3e-4, 4e-4, old=old, cap=1.6), reference)
 
 
+@pytest.mark.parametrize("correction", [{"tis_cap": 2.0}, {"icepop_band": (0.5, 2.0)}], ids=["tis", "icepop"])
 @pytest.mark.parametrize("loss", sorted(OBJECTIVE_NAMES))
-def test_tis_leaves_the_update_unchanged_when_the_two_logprobs_are_equal(loss):
-    """pi_trainer = pi_rollout at the behaviour version: weight 1, the same ratio, bit for bit."""
+def test_tis_leaves_the_update_unchanged_when_the_two_logprobs_are_equal(loss, correction):
+    """pi_trainer = pi_rollout at the behaviour version: weight 1 (IcePop: k = 1 is in its band), the same ratio,
+    bit for bit."""
     plain_logp, plain = _tokens(ADV_TOKEN if loss != "gspo" else ADV_SEQ)
     value, _ = OBJECTIVES[loss].loss(plain, AlgoSpec(loss=loss))
     value.backward()
     tis_logp, tis = _tokens(ADV_TOKEN if loss != "gspo" else ADV_SEQ, old=BEHAVIOUR)
-    tis_value, _ = OBJECTIVES[loss].loss(tis, AlgoSpec(loss=loss, tis_cap=2.0))
+    tis_value, _ = OBJECTIVES[loss].loss(tis, AlgoSpec(loss=loss, **correction))
     tis_value.backward()
     assert torch.equal(value, tis_value) and torch.equal(plain_logp.grad, tis_logp.grad)
 
@@ -279,6 +368,15 @@ def test_grpo_is_todays_loss_bit_for_bit(kl_beta, advantages):
     ({"overlong": {"penalty": 1.0}}, "algo.overlong.buffer_tokens"),
     ({"overlong": {"buffer_tokens": 4, "penalty": -1}}, "algo.overlong.penalty"),
     ({"max_new_tokens": 8, "overlong": {"buffer_tokens": 9}}, "algo.overlong.buffer_tokens"),
+    ({"loss": "cispo", "clip_eps_high": 1.5}, "algo.clip_eps_high"),
+    ({"icepop_band": [1.5, 2.0]}, "algo.icepop_band"),  # the band must hold k = 1 (the engines agree)
+    ({"icepop_band": [0.5, 1.0]}, "algo.icepop_band"),
+    ({"icepop_band": [0.0, 2.0]}, "algo.icepop_band"),
+    ({"icepop_band": [2.0, 0.5]}, "algo.icepop_band"),
+    ({"icepop_band": [0.5, float("inf")]}, "algo.icepop_band"),
+    ({"icepop_band": [0.5]}, "algo.icepop_band"),
+    ({"icepop_band": 2.0}, "algo.icepop_band"),
+    ({"icepop_band": [0.5, 2.0], "tis_cap": 2.0}, "algo.icepop_band"),  # both weigh the token: one of them
 ])
 def test_bad_objective_fields_are_refused_naming_the_field(algo, field):
     with pytest.raises(SpecError) as error:
@@ -293,6 +391,12 @@ def test_objective_fields_load_from_yaml_data():
     assert (algo.loss, algo.tis_cap, algo.kl_estimator, algo.filters_groups) == ("dapo", 2.0, "k2", True)
     assert algo.overlong.penalty_at(256 - 64, 256) == 0.0 and algo.overlong.penalty_at(256 - 32, 256) == -0.25
     assert algo.overlong.penalty_at(256, 256) == -0.5  # multi-turn: the episode budget is the limit
+    algo = TaskSpec.from_dict({"task_id": "t", "algo": {"loss": "cispo", "icepop_band": [0.5, 5]}}).algo
+    assert (algo.loss, algo.icepop_band, algo.mismatch_correction) == ("cispo", (0.5, 5.0), "IcePop")
+    # cispo's lower clip may stay wider than its upper one (its paper leaves it open); the PPO-clip ones' not
+    assert TaskSpec.from_dict({"task_id": "t", "algo": {"loss": "cispo", "clip_eps": 0.5}}).algo.clip_high == 0.5
+    spec = TaskSpec.from_dict({"task_id": "t", "algo": {"loss": "cispo", "clip_eps": 0.5, "clip_eps_high": 0.2}})
+    assert (spec.algo.clip_low, spec.algo.clip_high) == (0.5, 0.2)
 
 
 # ---------------------------------------------------------------------------------------------- rewards

@@ -26,6 +26,10 @@ OBJECTIVE_DEFAULTS = {
     "dr_grpo": (0.2, 0.2, False, False),  # Liu et al. 2025, arXiv 2503.20783: no std normalisation
     "dapo": (0.2, 0.28, True, True),  # Yu et al. 2025, arXiv 2503.14476 §4.1: clip-higher, dynamic sampling
     "gspo": (3e-4, 4e-4, True, False),  # Zheng et al. 2025, arXiv 2507.18071 §5.1: sequence ratios stay near 1
+    # MiniMax 2025, arXiv 2506.13585 §3.1: no lower bound on the IS weight (eps_low large: 1 - 1.0 = 0) and a
+    # tuned eps_high the paper does not give: DAPO's 0.28 (Trinity-RFT's CISPO default), so cispo and dapo
+    # differ only in the objective, the comparison the paper makes
+    "cispo": (1.0, 0.28, True, False),
 }
 """Every objective a task may name in `algo.loss`, with the values its unset fields take."""
 OBJECTIVES = tuple(OBJECTIVE_DEFAULTS)

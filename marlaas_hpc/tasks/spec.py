@@ -6,6 +6,7 @@ reject it with a clear message without touching any running task.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +81,8 @@ class AlgoSpec:
     loss: str = "grpo"
     """The objective: 'grpo' (token-level PPO-clip, token mean over the task's batch), 'dr_grpo' (Dr. GRPO: a
     constant length normaliser, no std normalisation), 'dapo' (DAPO: the token-level loss with clip-higher and
-    dynamic sampling), 'gspo' (GSPO: one importance ratio per sequence, clipped per sequence)."""
+    dynamic sampling), 'gspo' (GSPO: one importance ratio per sequence, clipped per sequence), 'cispo' (CISPO:
+    the clipped ratio as a coefficient without gradient, so every token keeps its gradient)."""
     group_size: int = bounded(8, ge=2, le=4096)
     """G: completions sampled per prompt (>= 2: the advantage is relative to the group)."""
     batch_prompts: int = bounded(8, ge=1, le=65536)
@@ -91,10 +93,10 @@ class AlgoSpec:
     """AdamW weight decay."""
     clip_eps: float | None = bounded(None, ge=0.0, le=1.0)  # the lower clip 1 - eps stays >= 0
     """PPO clip epsilon on the ratio pi_theta / pi_old: the ratio is clipped below at 1 - clip_eps (and above at
-    1 + clip_eps_high). None: the objective's (0.2; gspo 3e-4)."""
+    1 + clip_eps_high). None: the objective's (0.2; gspo 3e-4; cispo 1.0, no lower clip)."""
     clip_eps_high: float | None = bounded(None, ge=0.0, le=1.0)
     """Clip-higher (DAPO): the ratio's upper clip is 1 + clip_eps_high. None: clip_eps if that is set, else the
-    objective's (dapo 0.28, gspo 4e-4, else 0.2)."""
+    objective's (dapo and cispo 0.28, gspo 4e-4, else 0.2)."""
     kl_beta: float = bounded(0.0, ge=0.0)
     """Weight of the KL penalty to the base model (adapter off); 0 disables it."""
     kl_estimator: str = "k3"
@@ -105,6 +107,12 @@ class AlgoSpec:
     the token's behaviour version, and clip the ratio against pi_trainer (the rollout engine and the trainer
     compute different numbers for the same policy: bf16 kernels). >= 1; None: off, the ratio is taken against
     the rollout engine's logprobs (docs/architecture.md §10, how pi_trainer at the behaviour version is had)."""
+    icepop_band: tuple[float, float] | None = None
+    """IcePop masking, [low, high], for the same mismatch as TIS (larger on MoE models, whose routing the two
+    engines may decide differently): a token whose k = pi_trainer / pi_rollout, both at its behaviour version,
+    lies outside [low, high] gets no gradient (its term, KL included, is 0; it still counts in the normaliser);
+    one inside is weighted by k; the ratio is clipped against pi_trainer, as with TIS (gspo: k of the sequence,
+    as its ratio). 0 < low < 1 < high, e.g. [0.5, 5.0]; None: off. Not with tis_cap: both weigh the token."""
     temperature: float = bounded(1.0, gt=0.0, le=100.0)
     """Sampling temperature of rollouts; behaviour and trainer logprobs are taken at this temperature."""
     max_new_tokens: int = bounded(16, ge=1, le=2**20)
@@ -140,13 +148,36 @@ class AlgoSpec:
         if self.kl_estimator not in KL_ESTIMATORS:
             raise SpecError(f"{prefix}.kl_estimator", f"must be one of {list(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         check_bounds(self, prefix)  # each field's bounds, beside it above (numbers finite)
-        if self.clip_high < self.clip_low:
+        # cispo clips an importance weight, not the update, and leaves its lower side open (clip_eps 1.0)
+        if self.loss != "cispo" and self.clip_high < self.clip_low:
             raise SpecError(f"{prefix}.clip_eps_high", f"must be >= clip_eps ({self.clip_low:g}): clip-higher widens "
                                                        f"the upper clip, got {self.clip_high:g}")
+        self._validate_icepop(prefix)
         if self.overlong is not None:
             if not isinstance(self.overlong, OverlongSpec):
                 raise SpecError(f"{prefix}.overlong", "must be a mapping {buffer_tokens, penalty}")
             self.overlong.validate(f"{prefix}.overlong")
+
+    def _validate_icepop(self, prefix: str) -> None:
+        band = self.icepop_band
+        if band is None:
+            return
+        numbers = isinstance(band, (tuple, list)) and len(band) == 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in band)
+        if not numbers or not 0 < band[0] < 1 < band[1]:
+            raise SpecError(f"{prefix}.icepop_band", f"must be [low, high] with 0 < low < 1 < high (a band around "
+                                                     f"pi_trainer = pi_rollout), got {band!r}")
+        if self.tis_cap is not None:
+            raise SpecError(f"{prefix}.icepop_band", f"conflicts with {prefix}.tis_cap ({self.tis_cap:g}): both set "
+                                                     "each token's mismatch weight; set one of them")
+
+    @property
+    def mismatch_correction(self) -> str | None:
+        """'TIS' (`tis_cap`) or 'IcePop' (`icepop_band`): the loss corrects the rollout engine / trainer mismatch,
+        and needs the trainer's logprobs at each token's behaviour version; None: it does not."""
+        if self.tis_cap is not None:
+            return "TIS"
+        return "IcePop" if self.icepop_band is not None else None
 
     def _default(self, index: int):
         from marlaas_hpc.tasks.registry import OBJECTIVE_DEFAULTS

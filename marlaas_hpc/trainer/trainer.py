@@ -115,7 +115,7 @@ class _Task:
     bound: int = 0
     """The task's staleness bound k: a step from v trains samples of versions v - k .. v."""
     snapshots: list[int] = field(default_factory=list)
-    """TIS: the older versions whose adapters this rank keeps (`_keep_snapshot`), oldest first."""
+    """TIS, IcePop: the older versions whose adapters this rank keeps (`_keep_snapshot`), oldest first."""
 
 
 def _snapshot_name(task_id: str, version: int) -> str:
@@ -166,7 +166,7 @@ class _MicroBatchInputs:
     base: dict[float, torch.Tensor]
     """KL: the base model's logprobs of the trained tokens, per temperature."""
     lagged: dict[int, torch.Tensor]
-    """TIS: the trainer's logprobs of the trained tokens `lag` versions back (`_lagged_logprobs`)."""
+    """TIS, IcePop: the trainer's logprobs of the trained tokens `lag` versions back (`_lagged_logprobs`)."""
     items: dict[str, tuple[int, int]]
     """Each task's items (first, end) in the micro-batch."""
     units: dict[str, int]
@@ -242,7 +242,8 @@ class MultiLoraTrainer:
     # -- tasks --------------------------------------------------------------------------------------------
     def add_task(self, task_id: str, lora: LoraSpec, algo: AlgoSpec, max_staleness: int = 0) -> None:
         """Creates the task's adapter (B = 0: starts as the base model) and its AdamW (lr from algo).
-        `max_staleness` (the spec's k) says how many older adapter versions TIS keeps (`algo.tis_cap`)."""
+        `max_staleness` (the spec's k) says how many older adapter versions TIS or IcePop keeps (`algo.tis_cap`,
+        `algo.icepop_band`)."""
         if task_id in self.tasks:
             raise KeyError(f"task {task_id!r} already exists")
         lora.validate()
@@ -476,7 +477,7 @@ class MultiLoraTrainer:
         logp = self._token_logprobs(hidden[span], batch.targets[span], algo.temperature)
         first_item, end_item = extra.items[task_id]
         old = None
-        if algo.tis_cap is not None:  # the trainer's logprobs at each token's behaviour version
+        if algo.mismatch_correction is not None:  # the trainer's logprobs at each token's behaviour version
             old = logp.detach()
             for lag, lagged in extra.lagged.items():
                 old = torch.where(batch.versions[span] == task.version - lag, lagged[span], old)
@@ -487,17 +488,19 @@ class MultiLoraTrainer:
 
     @torch.no_grad()
     def _lagged_logprobs(self, batch: PackedBatch, chunk: list[tuple[str, Trajectory]], mask) -> dict[int, torch.Tensor]:
-        """TIS: the trainer's logprobs of the trained tokens `lag` versions before their task's train version, for
-        each lag > 0 that a TIS task's sample in the micro-batch has: one forward per lag (no gradient), each row
-        on its task's kept adapter of that version (`_keep_snapshot`). Lag 0 is the step's own forward."""
+        """TIS, IcePop: the trainer's logprobs of the trained tokens `lag` versions before their task's train
+        version, for each lag > 0 that a TIS or IcePop task's sample in the micro-batch has: one forward per lag
+        (no gradient), each row on its task's kept adapter of that version (`_keep_snapshot`). Lag 0 is the
+        step's own forward."""
         lags = set()
         for task_id, traj in chunk:
             task = self.tasks[task_id]
             lag = task.version - traj.behaviour_version
-            if task.algo.tis_cap is not None and lag > 0:
+            if task.algo.mismatch_correction is not None and lag > 0:
                 if traj.behaviour_version not in task.snapshots:
-                    raise RuntimeError(f"{task_id}: TIS needs the adapter of v{traj.behaviour_version} for "
-                                       f"{traj.group_id}, kept: {task.snapshots} (staleness bound {task.bound})")
+                    raise RuntimeError(f"{task_id}: {task.algo.mismatch_correction} needs the adapter of "
+                                       f"v{traj.behaviour_version} for {traj.group_id}, kept: {task.snapshots} "
+                                       f"(staleness bound {task.bound})")
                 lags.add(lag)
         out = {}
         for lag in sorted(lags):
@@ -519,9 +522,9 @@ class MultiLoraTrainer:
         return _snapshot_name(task_id, version) if version in task.snapshots else None
 
     def _keep_snapshot(self, task_id: str, task: _Task) -> None:
-        """TIS, before the step from v: keeps this rank's shards of the adapter at v (a few MB: an adapter, no
-        optimizer state) under its own name, and drops those no later step may need (older than v + 1 - k)."""
-        if task.algo.tis_cap is None or task.bound == 0:
+        """TIS, IcePop, before the step from v: keeps this rank's shards of the adapter at v (a few MB: an adapter,
+        no optimizer state) under its own name, and drops those no later step may need (older than v + 1 - k)."""
+        if task.algo.mismatch_correction is None or task.bound == 0:
             return
         self._add_snapshot(task_id, task, task.version, self.lora.local_state_dict(task_id))
         while task.snapshots and task.snapshots[0] < task.version + 1 - task.bound:
@@ -617,7 +620,8 @@ class MultiLoraTrainer:
     # -- resume -------------------------------------------------------------------------------------------
     def state_dict(self, task_id: str) -> dict[str, Any]:
         """This rank's resumable state of a task: adapter shards, optimizer state, version, specs, and the older
-        adapter versions TIS keeps (a task that moves to another trainer group still trains samples of them)."""
+        adapter versions TIS or IcePop keeps (a task that moves to another trainer group still trains samples of
+        them)."""
         state = self._state(task_id)
         state["optimizer"] = copy.deepcopy(state["optimizer"])  # the live dict aliases Adam moments
         return state
