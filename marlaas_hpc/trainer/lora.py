@@ -363,7 +363,10 @@ class MultiLora:
         for layer_module in model.decoder.layers:
             layer = layer_module.layer_number - 1
             for site, path in SITE_MODULES.items():
-                module = layer_module.get_submodule(path)
+                try:
+                    module = layer_module.get_submodule(path)
+                except AttributeError:  # a mixture-of-experts layer: no mlp.linear_fc1 / fc2 (trainer/moe.py)
+                    continue
                 self.sites.append(LoraSite(module, layer, site, self.ctx, self.tp_group))
 
     def add_adapter(self, name: str, spec: LoraSpec, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -374,10 +377,20 @@ class MultiLora:
         unknown = set(spec.target_modules) - set(QWEN3_LORA_TARGETS)
         if unknown:
             raise ValueError(f"unknown target modules {sorted(unknown)}")
+        self._check_sites(spec)
         for site in self.sites:
             site.add(name, spec, seed)
         self.adapters[name] = _AdapterInfo(spec=spec, seed=seed)
         return self.parameters(name)
+
+    def _check_sites(self, spec: LoraSpec) -> None:
+        """Every targeted module has a site in every layer: a mixture-of-experts layer has no MLP sites."""
+        layers = {site.layer for site in self.sites}
+        for part in spec.target_modules:
+            missing = layers - {site.layer for site in self.sites if part in site.parts}
+            if missing:
+                raise ValueError(f"lora.target_modules: {part} has no LoRA site in layers {sorted(missing)} "
+                                 f"(mixture-of-experts layers: LoRA on the experts is not built yet)")
 
     def remove_adapter(self, name: str) -> None:
         for site in self.sites:

@@ -1,0 +1,72 @@
+"""The trainer on mixture-of-experts checkpoints (qwen3_moe), one run per TP size in spawned gloo processes; the
+tests in tests/test_trainer_moe.py compare its records with transformers / PEFT and with each other."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from marlaas_hpc.model.families import ATTENTION_PROJECTIONS
+from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
+from marlaas_hpc.trajectory import Trajectory
+
+LORA = LoraSpec(rank=4, alpha=8.0, target_modules=ATTENTION_PROJECTIONS)
+ALGO = AlgoSpec(lr=5e-3, kl_beta=0.05)
+STEPS = 2
+
+
+def moe_per_checkpoint(rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
+    """`moe_scenario` of each checkpoint (args: model_path, tp, probe, batch, out_dir) in this process."""
+    import traceback
+
+    out = {}
+    for checkpoint, args in runs.items():
+        try:
+            out[checkpoint] = moe_scenario(rank, *args)
+        except Exception:  # noqa: BLE001 (reported to the checkpoint's tests, which fail with it)
+            out[checkpoint] = {"error": traceback.format_exc()}
+    return out
+
+
+def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], batch: list[Trajectory],
+                 out_dir: str) -> dict:
+    """Base logits and logprobs; an expert-targeting LoRA refused; STEPS GRPO steps of an attention LoRA with
+    megatron's aux-loss hook watched; the trained adapter's logits and its PEFT export."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, seed=7, dtype="float32"))
+    base_before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    record: dict = {"base_logits": trainer.logits(None, probe), "base_logprobs": trainer.logprobs(None, batch),
+                    "base_logprobs_t07": trainer.logprobs(None, batch, 0.7)}
+    try:
+        trainer.add_task("experts", LoraSpec(rank=2), ALGO)  # the default targets include gate/up/down_proj
+        record["refusal"] = None
+    except ValueError as exc:
+        record["refusal"] = str(exc)
+    trainer.add_task("a", LORA, ALGO)
+    aux_calls = [0]
+    apply = moe_utils.MoEAuxLossAutoScaler.apply
+
+    def counting_apply(*args):
+        aux_calls[0] += 1
+        return apply(*args)
+
+    moe_utils.MoEAuxLossAutoScaler.apply = counting_apply
+    try:
+        record["steps"] = []
+        for _ in range(STEPS):
+            metrics = trainer.train_step("a", batch)
+            record["steps"].append({"metrics": metrics, "grads": trainer.adapter_tensors("a", grads=True)})
+    finally:
+        moe_utils.MoEAuxLossAutoScaler.apply = apply
+    record["aux_loss_calls"] = aux_calls[0]
+    base_after = {k: v.detach() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    record["base_untouched"] = base_before.keys() == base_after.keys() and all(
+        torch.equal(base_before[k], base_after[k]) for k in base_before)
+    record["router_grads"] = [name for name, param in trainer.model.named_parameters() if param.grad is not None]
+    record["logits"] = trainer.logits("a", probe)
+    record["export"] = str(trainer.export_adapter("a", Path(out_dir) / f"tp{tp}"))
+    trainer.close()
+    return record
