@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from support.checks import max_diff
-from support.moe_scenarios import ALGO, LORA, STEPS, moe_per_checkpoint
+from support.moe_scenarios import ALGO, EXPERT_LORA, LORA, STEPS, moe_per_checkpoint
 from support.trainer_scenarios import make_trajectories, probe_ids
 
 LOGIT_TOL = 1e-4
@@ -185,11 +185,14 @@ def test_moe_tp2_equals_tp1_losses_and_grads(runs):
     one, two = runs[1][0], runs[2][0]
     assert len(one["steps"]) == STEPS
     for step_one, step_two in zip(one["steps"], two["steps"]):
-        for key in ("loss", "grad_norm", "kl", "tokens"):
-            m1, m2 = step_one["metrics"][key], step_two["metrics"][key]
-            assert abs(m1 - m2) < TP_TOL * max(1.0, abs(m1)), (key, m1, m2)
-        assert max_diff(step_one["grads"], step_two["grads"]) < TP_TOL
-    assert all(one["steps"][-1]["grads"][k].abs().max() > 0 for k in one["steps"][-1]["grads"])
+        for task in ("a", "e"):
+            for key in ("loss", "grad_norm", "kl", "tokens"):
+                m1, m2 = step_one[task]["metrics"][key], step_two[task]["metrics"][key]
+                assert abs(m1 - m2) < TP_TOL * max(1.0, abs(m1)), (task, key, m1, m2)
+            assert max_diff(step_one[task]["grads"], step_two[task]["grads"]) < TP_TOL
+    assert all(one["steps"][-1]["a"]["grads"][k].abs().max() > 0 for k in one["steps"][-1]["a"]["grads"])
+    expert_grads = [v for k, v in one["steps"][-1]["e"]["grads"].items() if ".mlp.experts." in k]
+    assert expert_grads and sum(float(g.abs().max() > 0) for g in expert_grads) > len(expert_grads) / 2
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -202,9 +205,19 @@ def test_moe_base_stays_frozen_without_aux_loss(runs, tp):
         assert record["base_untouched"]
 
 
-def test_moe_expert_lora_is_refused_naming_the_field(runs):
+def test_moe_missing_target_is_refused_naming_the_field(runs):
     refusal = runs[1][0]["refusal"]
-    assert refusal is not None and "lora.target_modules" in refusal and "experts" in refusal, refusal
+    assert refusal is not None and "target_modules" in refusal and "w1" in refusal, refusal
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_one_adapter_per_row(runs, tp):
+    """Rows of one forward on different adapters (the expert sites find each routed token's row) equal each
+    adapter's forward alone."""
+    record = runs[tp][0]
+    mixed = record["mixed_logits"]
+    assert float((mixed[0] - record["logits"]["e"][0]).abs().max()) <= TP_TOL
+    assert float((mixed[1] - record["logits"]["a"][1]).abs().max()) <= TP_TOL
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -216,14 +229,102 @@ def test_moe_attention_adapter_loads_in_plain_peft(runs, checkpoint, inputs, tp)
     from marlaas_hpc.trainer.lora import peft_key
 
     record = runs[tp][0]
-    tensors = load_file(f"{record['export']}/adapter_model.safetensors")
+    tensors = load_file(f"{record['export']['a']}/adapter_model.safetensors")
     layers = json.loads((Path(inputs[checkpoint][0]) / "config.json").read_text())["num_hidden_layers"]
     assert set(tensors) == {peft_key(layer, m, w) for layer in range(layers) for m in LORA.target_modules
                             for w in "AB"}
     base = AutoModelForCausalLM.from_pretrained(str(inputs[checkpoint][0]), dtype=torch.float32)
-    peft = PeftModel.from_pretrained(base, record["export"]).eval()
+    peft = PeftModel.from_pretrained(base, record["export"]["a"]).eval()
     with torch.no_grad():
         reference = peft(input_ids=torch.tensor(inputs[checkpoint][1])).logits
-    assert float((record["logits"] - reference).abs().max()) <= LOGIT_TOL
-    assert float((record["logits"] - record["base_logits"]).abs().max()) > 1e-3  # the adapter acts
-    assert ALGO.kl_beta > 0 and record["steps"][-1]["metrics"]["kl"] > 0
+    assert float((record["logits"]["a"] - reference).abs().max()) <= LOGIT_TOL
+    assert float((record["logits"]["a"] - record["base_logits"]).abs().max()) > 1e-3  # the adapter acts
+    assert ALGO.kl_beta > 0 and record["steps"][-1]["a"]["metrics"]["kl"] > 0
+
+
+def _expert_adapter_keys(config: dict) -> set[str]:
+    """The keys of a default-target adapter on a Qwen3-MoE: attention everywhere, every expert's gate/up/down in a
+    routed layer (the per-expert form), none on a dense layer's MLP (PEFT on transformers 5 would not load it)."""
+    from marlaas_hpc.model.families import experts_of
+    from marlaas_hpc.trainer.lora import expert_peft_key, peft_key
+
+    spec = experts_of(config)
+    keys = set()
+    for layer, routed in enumerate(spec.expert_layers):
+        keys |= {peft_key(layer, m, w) for m in ("q_proj", "k_proj", "v_proj", "o_proj") for w in "AB"}
+        if routed:
+            keys |= {expert_peft_key(layer, n, part, w) for part in ("gate_proj", "up_proj", "down_proj")
+                     for n in range(spec.num_experts) for w in "AB"}
+    return keys
+
+
+def _peft_model(base_path, adapter):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(_hf_model(base_path), str(adapter)).eval()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_expert_adapter_loads_in_plain_peft(runs, checkpoint, inputs, tp, tmp_path):
+    """The default-target adapter (experts included) loads in transformers 5.19 + PEFT with every LoRA key used,
+    and computes the trainer's logprobs; with its expert LoRA zeroed it does not (the experts' part counts)."""
+    from safetensors.torch import load_file, save_file
+
+    from marlaas_hpc.trainer.objectives import token_logprobs
+
+    record = runs[tp][0]
+    export, (path, probe, batch) = Path(record["export"]["e"]), inputs[checkpoint]
+    tensors = load_file(str(export / "adapter_model.safetensors"))
+    assert set(tensors) == _expert_adapter_keys(json.loads((Path(path) / "config.json").read_text()))
+    assert max(float(v.abs().max()) for k, v in tensors.items() if ".mlp.experts." in k and "lora_B" in k) > 0
+    peft = _peft_model(path, export)
+    loaded = peft.load_adapter(str(export), adapter_name="check")
+    assert [k for k in loaded.missing_keys if "lora_" in k] == [] and loaded.unexpected_keys == []
+    worst = 0.0
+    for traj, trained in zip(batch, record["logprobs_e"]):
+        with torch.no_grad():
+            logits = peft(input_ids=torch.tensor([traj.prompt_ids + traj.completion_ids])).logits[0]
+        reference = token_logprobs(logits[len(traj.prompt_ids) - 1:-1], torch.tensor(traj.completion_ids), 1.0)
+        worst = max(worst, max(abs(x - y) for x, y in zip(trained, reference.tolist())))
+    with torch.no_grad():
+        logits_diff = float((peft(input_ids=torch.tensor(probe)).logits - record["logits"]["e"]).abs().max())
+    print(f"{checkpoint} TP={tp} expert LoRA: max |logprob diff| {worst:.2e}, max |logit diff| {logits_diff:.2e}")
+    assert worst <= LOGIT_TOL and logits_diff <= LOGIT_TOL
+    without = tmp_path / "no-experts"
+    shutil.copytree(export, without)
+    save_file({k: torch.zeros_like(v) if ".mlp.experts." in k and "lora_B" in k else v for k, v in tensors.items()},
+              str(without / "adapter_model.safetensors"))
+    with torch.no_grad():
+        ignored = _peft_model(path, without)(input_ids=torch.tensor(probe)).logits
+    assert float((ignored - record["logits"]["e"]).abs().max()) > 100 * LOGIT_TOL
+
+
+def test_moe_expert_adapter_keys_are_what_vllm_reads(runs, checkpoint, inputs):
+    """Stock vLLM 0.32 reads Qwen3-MoE expert LoRA per expert (its 2D `FusedMoEWithLoRA`: Qwen3MoeForCausalLM has
+    no `is_3d_moe_weight`): its own loader takes the export with the modules its worker expects, one per expert
+    and projection (pack_moe then stacks them; it runs on GPU only, not here)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    from marlaas_hpc.model.families import experts_of
+
+    config = json.loads((Path(inputs[checkpoint][0]) / "config.json").read_text())
+    spec = experts_of(config)
+    assert not Qwen3MoeForCausalLM.is_3d_moe_weight
+    # what vLLM's worker expects (worker_manager._load_adapter): packed qkv_proj's parts, dense MLPs' parts, and
+    # the "experts" packing of Qwen3-MoE's expert mapping
+    per_expert = {name.rstrip(".") for _, name, _, _ in RoutedExperts.build_expert_params_mapping(
+        "gate_proj", "down_proj", "up_proj", spec.num_experts, routed_experts_prefix="")}
+    expected = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts", *per_expert}
+    export = runs[1][0]["export"]["e"]
+    lora = LoRAModel.from_local_checkpoint(export, expected, PEFTHelper.from_local_dir(export, None), device="cpu",
+                                           dtype=torch.float32,
+                                           weights_mapper=Qwen3MoeForCausalLM.hf_to_vllm_mapper.get_rename_mapper())
+    routed = [layer for layer, is_routed in enumerate(spec.expert_layers) if is_routed]
+    want = {f"model.layers.{layer}.mlp.experts.{n}.{part}" for layer in routed for n in range(spec.num_experts)
+            for part in ("gate_proj", "up_proj", "down_proj")}
+    assert want <= set(lora.loras)
+    one = lora.loras[f"model.layers.{routed[0]}.mlp.experts.0.gate_proj"]
+    assert one.lora_a.shape == (EXPERT_LORA.rank, config["hidden_size"]) and one.scaling == EXPERT_LORA.scaling

@@ -22,6 +22,9 @@ GPU: the same SequentialMLP for now (a loop over experts). megatron-core's group
 `grouped_gemm` package (GroupedMLP) or Transformer Engine (TEGroupedMLP), neither installed; torch's own
 `torch._grouped_mm` (CPU and CUDA in torch 2.13) is the candidate for a grouped module of this project's.
 
+LoRA on the experts (trainer/lora.py `ExpertLoraSite`): one site per expert's fc1 / fc2, hooked like the dense
+sites; the router stays frozen in float32 and takes no adapter.
+
 Imports megatron at import: trainer/model.py imports it once the CPU shims are in (`apply_cpu_shims`).
 
 Tensor parallelism without sequence parallelism (the trainer's layout): every TP rank holds every token, so
@@ -147,11 +150,12 @@ def check_frozen_routing(router) -> None:
         raise ValueError("the frozen router has no expert bias and computes in float32")
 
 
-class _SumGradOverTP(torch.autograd.Function):
+class SumGradOverTP(torch.autograd.Function):
     """Identity forward, gradient summed over the TP group backward. megatron's
     `copy_to_tensor_model_parallel_region` all-reduces `grad.contiguous()` and returns `grad`: a non-contiguous
     gradient (the routing weights' is a transpose, from the dispatcher's `probs.T.contiguous()`) comes back
-    unreduced, each rank keeping its own shard's part."""
+    unreduced, each rank keeping its own shard's part. Also applied to the experts' replicated LoRA factors
+    (trainer/lora.py `ExpertLoraSite`)."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
@@ -170,7 +174,7 @@ class ReplicatedTokenDispatcher(MoEAllGatherTokenDispatcher):
     gather; each rank runs its TP shard of the experts on its tokens and the partial outputs are summed.
 
     Gradients: the experts' linears skip their own TP communication (megatron's `explicit_expert_comm`), so the
-    hidden states and the routing weights enter through `_SumGradOverTP` (identity forward, all-reduce backward:
+    hidden states and the routing weights enter through `SumGradOverTP` (identity forward, all-reduce backward:
     each rank's shard contributes to their gradient); the output leaves through
     `reduce_from_tensor_model_parallel_region` (all-reduce forward, identity backward)."""
 
@@ -179,10 +183,17 @@ class ReplicatedTokenDispatcher(MoEAllGatherTokenDispatcher):
         if self.ep_size > 1:
             raise ValueError("expert parallelism is not built (expert_model_parallel_size must be 1)")
 
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """megatron's permutation to expert order, and each local expert's token indices in it
+        (`expert_token_ids`): the LoRA expert sites (trainer/lora.py) find each token's batch row from them."""
+        permuted, tokens_per_expert, permuted_probs = super().dispatch_postprocess(hidden_states, probs)
+        self.expert_token_ids = torch.split(self.reversed_local_input_permutation_mapping, tokens_per_expert.tolist())
+        return permuted, tokens_per_expert, permuted_probs
+
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         if self.tp_size > 1:
-            hidden_states = _SumGradOverTP.apply(hidden_states, self.tp_group)
-            probs = _SumGradOverTP.apply(probs, self.tp_group)
+            hidden_states = SumGradOverTP.apply(hidden_states, self.tp_group)
+            probs = SumGradOverTP.apply(probs, self.tp_group)
         return hidden_states, probs
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 tests in tests/test_trainer_moe.py compare its records with transformers / PEFT and with each other."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,6 +12,9 @@ from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
 from marlaas_hpc.trajectory import Trajectory
 
 LORA = LoraSpec(rank=4, alpha=8.0, target_modules=ATTENTION_PROJECTIONS)
+"""Task "a": attention only (a task's explicit choice on an MoE model)."""
+EXPERT_LORA = LoraSpec(rank=4, alpha=8.0)
+"""Task "e": the default targets, every expert's gate/up/down_proj with the attention projections."""
 ALGO = AlgoSpec(lr=5e-3, kl_beta=0.05)
 STEPS = 2
 
@@ -30,8 +34,9 @@ def moe_per_checkpoint(rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
 
 def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], batch: list[Trajectory],
                  out_dir: str) -> dict:
-    """Base logits and logprobs; an expert-targeting LoRA refused; STEPS GRPO steps of an attention LoRA with
-    megatron's aux-loss hook watched; the trained adapter's logits and its PEFT export."""
+    """Base logits and logprobs; STEPS fused GRPO steps of two tasks in one batch (an attention LoRA "a" and a
+    default-target one "e", experts included) with megatron's aux-loss hook watched; the trained adapters' logits
+    (one adapter per row too), "e"'s logprobs, both PEFT exports; a target the model lacks refused."""
     from megatron.core.transformer.moe import moe_utils
 
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
@@ -40,12 +45,9 @@ def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], ba
     base_before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
     record: dict = {"base_logits": trainer.logits(None, probe), "base_logprobs": trainer.logprobs(None, batch),
                     "base_logprobs_t07": trainer.logprobs(None, batch, 0.7)}
-    try:
-        trainer.add_task("experts", LoraSpec(rank=2), ALGO)  # the default targets include gate/up/down_proj
-        record["refusal"] = None
-    except ValueError as exc:
-        record["refusal"] = str(exc)
     trainer.add_task("a", LORA, ALGO)
+    trainer.add_task("e", EXPERT_LORA, ALGO)
+    batches = {"a": batch, "e": [replace(traj, task_id="e", group_id="e" + traj.group_id) for traj in batch]}
     aux_calls = [0]
     apply = moe_utils.MoEAuxLossAutoScaler.apply
 
@@ -57,8 +59,9 @@ def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], ba
     try:
         record["steps"] = []
         for _ in range(STEPS):
-            metrics = trainer.train_step("a", batch)
-            record["steps"].append({"metrics": metrics, "grads": trainer.adapter_tensors("a", grads=True)})
+            metrics = trainer.train_steps(batches)
+            record["steps"].append({t: {"metrics": metrics[t], "grads": trainer.adapter_tensors(t, grads=True)}
+                                    for t in batches})
     finally:
         moe_utils.MoEAuxLossAutoScaler.apply = apply
     record["aux_loss_calls"] = aux_calls[0]
@@ -66,7 +69,14 @@ def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], ba
     record["base_untouched"] = base_before.keys() == base_after.keys() and all(
         torch.equal(base_before[k], base_after[k]) for k in base_before)
     record["router_grads"] = [name for name, param in trainer.model.named_parameters() if param.grad is not None]
-    record["logits"] = trainer.logits("a", probe)
-    record["export"] = str(trainer.export_adapter("a", Path(out_dir) / f"tp{tp}"))
+    record["logits"] = {t: trainer.logits(t, probe) for t in batches}
+    record["mixed_logits"] = trainer.logits(["e", "a"], probe)
+    record["logprobs_e"] = trainer.logprobs("e", batches["e"])
+    record["export"] = {t: str(trainer.export_adapter(t, Path(out_dir) / f"tp{tp}-{t}")) for t in batches}
+    try:
+        trainer.add_task("x", LoraSpec(rank=2, target_modules=("q_proj", "w1")), ALGO)
+        record["refusal"] = None
+    except ValueError as exc:
+        record["refusal"] = str(exc)
     trainer.close()
     return record
