@@ -367,10 +367,6 @@ class JobConfig(SchedulerSettings):
             if name is not None and check_base_model(task.base_model, self.model_names()) != name:
                 continue
             outside = [m for m in task.lora.target_modules if m not in family.lora_targets]
-            if outside and family.experts:
-                raise SpecError(f"tasks[{i}].lora.target_modules", f"{outside}: LoRA on a {family.name} model's "
-                                                                   f"experts is not built yet; LoRA targets: "
-                                                                   f"{list(family.lora_targets)}")
             if outside:
                 raise SpecError(f"tasks[{i}].lora.target_modules", f"{family.name} models have no module(s) {outside}"
                                                                    f"; LoRA targets: {list(family.lora_targets)}")

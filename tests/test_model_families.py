@@ -150,3 +150,13 @@ def test_checkpoints_outside_the_families_are_refused_naming_the_config_key(tmp_
         check_checkpoint(read_checkpoint(tmp_path), trainer_tp=1)
     assert info.value.field == "model"
     assert f"config.json {key}:" in info.value.reason and reason in info.value.reason, info.value.reason
+
+
+def test_qwen3_moe_default_lora_targets_include_the_experts():
+    """An MoE task's default targets are the seven names, gate/up/down_proj meaning every expert's; attention
+    only stays a task's choice."""
+    from marlaas_hpc.model.families import ATTENTION_PROJECTIONS, DECODER_PROJECTIONS, FAMILIES
+    from marlaas_hpc.tasks.spec import LoraSpec
+
+    assert FAMILIES["qwen3_moe"].lora_targets == DECODER_PROJECTIONS == LoraSpec().target_modules
+    assert set(ATTENTION_PROJECTIONS) < set(FAMILIES["qwen3_moe"].lora_targets)

@@ -16,8 +16,9 @@ decoder layer (q/k/v/o, gate/up/down), the LoRA targets. Tied input/output embed
 qwen3_moe replaces a layer's MLP by `num_experts` SwiGLU experts of width `moe_intermediate_size`, of which a
 softmax router (`mlp.gate`, no bias) picks `num_experts_per_tok` per token, their weights renormalised to sum to 1
 when `norm_topk_prob`; a layer listed in `mlp_only_layers`, or off the `decoder_sparse_step`, keeps a dense MLP of
-`intermediate_size` (`expert_layers`). Its LoRA targets are the attention projections only: LoRA on the experts
-is not built yet (issue #38).
+`intermediate_size` (`expert_layers`). Its LoRA targets are the dense families' seven names: q/k/v/o_proj, and
+gate/up/down_proj of every expert (and of the dense MLP layers); attention only is a task's choice
+(`lora.target_modules`: ATTENTION_PROJECTIONS). The router takes no adapter.
 
 `family_of(config)` reads a config.json dict (no transformers import) and refuses, naming the config key and the
 reason, anything the trainer's bridge and the rollout engine would not reproduce exactly: another model type
@@ -45,7 +46,7 @@ MOE_MODEL_TYPES = ("qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4
 is refused anyway)."""
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-"""The LoRA targets of a mixture-of-experts family: its attention projections (experts: not built yet)."""
+"""The attention projections: a task's LoRA on a mixture-of-experts model that leaves the experts alone."""
 
 
 class UnservedCheckpoint(ValueError):
@@ -78,7 +79,7 @@ class ModelFamily:
 FAMILIES = {family.name: family for family in (
     ModelFamily("qwen3", qk_norm=True, qkv_bias=False, rope_types=("default",), head_dim_in_config=True),
     ModelFamily("qwen3_moe", qk_norm=True, qkv_bias=False, rope_types=("default",), head_dim_in_config=True,
-                lora_targets=ATTENTION_PROJECTIONS, experts=True),
+                experts=True),
     ModelFamily("qwen2", qk_norm=False, qkv_bias=True, rope_types=("default",), head_dim_in_config=False),
     ModelFamily("llama", qk_norm=False, qkv_bias=False, rope_types=("default", "llama3"), head_dim_in_config=True),
 )}
