@@ -328,3 +328,23 @@ def test_moe_expert_adapter_keys_are_what_vllm_reads(runs, checkpoint, inputs):
     assert want <= set(lora.loras)
     one = lora.loras[f"model.layers.{routed[0]}.mlp.experts.0.gate_proj"]
     assert one.lora_a.shape == (EXPERT_LORA.rank, config["hidden_size"]) and one.scaling == EXPERT_LORA.scaling
+
+
+def test_moe_expert_adapter_in_memory_on_the_hf_engine(runs, checkpoint, inputs):
+    """The rollout path without a directory: the `hf` engine takes the trainer's tensors as broadcast (PEFT's
+    set_peft_model_state_dict converts the per-expert form) and computes the trainer's logits."""
+    from safetensors.torch import load_file
+
+    from marlaas_hpc.rollout.base import AdapterRef
+    from marlaas_hpc.rollout.hf_engine import HfEngine
+
+    if not (Path(inputs[checkpoint][0]) / "tokenizer_config.json").is_file():
+        pytest.skip("the engine needs a tokenizer: only the random checkpoint has one")
+    record = runs[2][0]
+    engine = HfEngine(inputs[checkpoint][0], device="cpu")
+    tensors = load_file(f"{record['export']['e']}/adapter_model.safetensors")
+    engine.add_adapter(AdapterRef("e", 1, tensors=tensors, lora=EXPERT_LORA))
+    engine.model.set_adapter(engine.adapter_name("e", 1))
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor(inputs[checkpoint][1])).logits
+    assert float((logits - record["logits"]["e"]).abs().max()) <= LOGIT_TOL

@@ -17,7 +17,7 @@ qwen3_moe replaces a layer's MLP by `num_experts` SwiGLU experts of width `moe_i
 softmax router (`mlp.gate`, no bias) picks `num_experts_per_tok` per token, their weights renormalised to sum to 1
 when `norm_topk_prob`; a layer listed in `mlp_only_layers`, or off the `decoder_sparse_step`, keeps a dense MLP of
 `intermediate_size` (`expert_layers`). Its LoRA targets are the dense families' seven names: q/k/v/o_proj, and
-gate/up/down_proj of every expert (and of the dense MLP layers); attention only is a task's choice
+gate/up/down_proj of every expert (not of a dense layer's MLP: trainer/lora.py); attention only is a task's choice
 (`lora.target_modules`: ATTENTION_PROJECTIONS). The router takes no adapter.
 
 `family_of(config)` reads a config.json dict (no transformers import) and refuses, naming the config key and the
