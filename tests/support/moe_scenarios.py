@@ -36,7 +36,8 @@ def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], ba
                  out_dir: str) -> dict:
     """Base logits and logprobs; STEPS fused GRPO steps of two tasks in one batch (an attention LoRA "a" and a
     default-target one "e", experts included) with megatron's aux-loss hook watched; the trained adapters' logits
-    (one adapter per row too), "e"'s logprobs, both PEFT exports; a target the model lacks refused."""
+    (one adapter per row too), "e"'s logprobs, both PEFT exports, "e" loaded back from its export; a target the
+    model lacks refused."""
     from megatron.core.transformer.moe import moe_utils
 
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
@@ -73,6 +74,8 @@ def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], ba
     record["mixed_logits"] = trainer.logits(["e", "a"], probe)
     record["logprobs_e"] = trainer.logprobs("e", batches["e"])
     record["export"] = {t: str(trainer.export_adapter(t, Path(out_dir) / f"tp{tp}-{t}")) for t in batches}
+    trainer.load_adapter("e-reloaded", record["export"]["e"], ALGO)
+    record["reloaded_logits"] = trainer.logits("e-reloaded", probe)
     try:
         trainer.add_task("x", LoraSpec(rank=2, target_modules=("q_proj", "w1")), ALGO)
         record["refusal"] = None
