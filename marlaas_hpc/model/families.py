@@ -3,20 +3,28 @@
 Each family is one transformers `model_type`, one mbridge bridge (HF names <-> megatron names), one megatron
 layer layout and one set of LoRA target modules:
 
-    family  model_type  checkpoints (HF)                        qk-norm  q/k/v bias  RoPE               head_dim
-    qwen3   qwen3       Qwen3-0.6B .. 32B (dense)                yes      no          default            config
-    qwen2   qwen2       Qwen2 / Qwen2.5 (-Instruct, -Math)       no       yes         default            hidden/heads
-    llama   llama       Llama 3, 3.1, 3.2, 3.3                   no       no          default or llama3  config
+    family     model_type  checkpoints (HF)                     qk-norm  q/k/v bias  RoPE               head_dim
+    qwen3      qwen3       Qwen3-0.6B .. 32B (dense)             yes      no          default            config
+    qwen3_moe  qwen3_moe   Qwen3-30B-A3B, 235B-A22B (experts)    yes      no          default            config
+    qwen2      qwen2       Qwen2 / Qwen2.5 (-Instruct, -Math)    no       yes         default            hidden/heads
+    llama      llama       Llama 3, 3.1, 3.2, 3.3                no       no          default or llama3  config
 
-All three have SwiGLU MLPs and RMSNorm, no bias anywhere else, and the same seven projections per decoder layer
-(q/k/v/o, gate/up/down), the LoRA targets. Tied input/output embeddings are a per-checkpoint trait
+All have SwiGLU MLPs and RMSNorm and no bias anywhere else. The dense families have the same seven projections per
+decoder layer (q/k/v/o, gate/up/down), the LoRA targets. Tied input/output embeddings are a per-checkpoint trait
 (`tie_word_embeddings`: Qwen2.5 up to 3B, Qwen3 up to 4B, Llama 3.2 1B/3B), as is GQA.
+
+qwen3_moe replaces a layer's MLP by `num_experts` SwiGLU experts of width `moe_intermediate_size`, of which a
+softmax router (`mlp.gate`, no bias) picks `num_experts_per_tok` per token, their weights renormalised to sum to 1
+when `norm_topk_prob`; a layer listed in `mlp_only_layers`, or off the `decoder_sparse_step`, keeps a dense MLP of
+`intermediate_size` (`expert_layers`). Its LoRA targets are the dense families' seven names: q/k/v/o_proj, and
+gate/up/down_proj of every expert (not of a dense layer's MLP: trainer/lora.py); attention only is a task's choice
+(`lora.target_modules`: ATTENTION_PROJECTIONS). The router takes no adapter.
 
 `family_of(config)` reads a config.json dict (no transformers import) and refuses, naming the config key and the
 reason, anything the trainer's bridge and the rollout engine would not reproduce exactly: another model type
-(mixture-of-experts checkpoints included), another activation, RoPE scaling other than Llama 3's, sliding-window
-attention, biases outside Qwen2's q/k/v. The trainer (trainer/model.py) and intake (model/checkpoint.py) use
-the same check.
+(the other mixture-of-experts families included: Mixtral, DeepSeek, Qwen2-MoE...), another activation, RoPE
+scaling other than Llama 3's, sliding-window attention, biases outside Qwen2's q/k/v. The trainer
+(trainer/model.py) and intake (model/checkpoint.py) use the same check.
 """
 from __future__ import annotations
 
@@ -32,9 +40,13 @@ LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origin
 """The llama3 RoPE parameters megatron-core 0.16's RotaryEmbedding hard-codes (only `factor` is an argument);
 every released Llama 3.1 / 3.2 / 3.3 checkpoint has them (factor 8 or 32)."""
 
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4", "gpt_oss",
+MOE_MODEL_TYPES = ("qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4", "gpt_oss",
                    "olmoe", "glm4_moe")
-"""Mixture-of-experts model types named in the refusal (any model type outside FAMILIES is refused anyway)."""
+"""Mixture-of-experts model types outside FAMILIES, named as such in the refusal (any model type outside FAMILIES
+is refused anyway)."""
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""The attention projections: a task's LoRA on a mixture-of-experts model that leaves the experts alone."""
 
 
 class UnservedCheckpoint(ValueError):
@@ -60,10 +72,14 @@ class ModelFamily:
     transformers and vLLM compute it for Qwen2."""
     lora_targets: tuple[str, ...] = DECODER_PROJECTIONS
     """HF module names a task's LoRA may target."""
+    experts: bool = False
+    """Mixture-of-experts MLPs (qwen3_moe): config.json declares the experts (`experts_of`)."""
 
 
 FAMILIES = {family.name: family for family in (
     ModelFamily("qwen3", qk_norm=True, qkv_bias=False, rope_types=("default",), head_dim_in_config=True),
+    ModelFamily("qwen3_moe", qk_norm=True, qkv_bias=False, rope_types=("default",), head_dim_in_config=True,
+                experts=True),
     ModelFamily("qwen2", qk_norm=False, qkv_bias=True, rope_types=("default",), head_dim_in_config=False),
     ModelFamily("llama", qk_norm=False, qkv_bias=False, rope_types=("default", "llama3"), head_dim_in_config=True),
 )}
@@ -87,8 +103,11 @@ def family_of(config: dict[str, Any]) -> ModelFamily:
             if model_type in MOE_MODEL_TYPES or _experts(config) else "not a served family"
         raise UnservedCheckpoint("model_type", f"{model_type!r} is {why} (served: {sorted(FAMILIES)})")
     family = FAMILIES[model_type]
-    if _experts(config):
-        raise UnservedCheckpoint(_experts(config), "mixture-of-experts layers are not served (dense MLPs only)")
+    if family.experts:
+        experts_of(config)
+    elif _experts(config):
+        raise UnservedCheckpoint(_experts(config), f"mixture-of-experts layers are not served in {model_type} "
+                                                   f"models (served with experts: qwen3_moe)")
     if config.get("hidden_act", "silu") != "silu":
         raise UnservedCheckpoint("hidden_act", f"{config['hidden_act']!r}; the bridge builds SwiGLU (silu) MLPs")
     for key in ("attention_bias", "mlp_bias"):  # Llama's attention_bias also biases o_proj: no megatron twin
@@ -103,6 +122,46 @@ def family_of(config: dict[str, Any]) -> ModelFamily:
         raise UnservedCheckpoint("rope_scaling", f"rope_type {rope.scaling!r} is not served for {model_type} "
                                                  f"(served: {list(family.rope_types)})")
     return family
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """The mixture-of-experts part of a config.json (qwen3_moe)."""
+
+    num_experts: int
+    """Routed experts per MoE layer (`num_experts`; transformers 5 writes `num_local_experts`)."""
+    experts_per_token: int
+    """Experts each token is routed to (`num_experts_per_tok`)."""
+    intermediate_size: int
+    """Each expert's SwiGLU width (`moe_intermediate_size`)."""
+    norm_topk_prob: bool
+    """The top-k routing weights are renormalised to sum to 1 (else: their softmax over all experts)."""
+    expert_layers: tuple[bool, ...]
+    """Per decoder layer: MoE (True) or a dense MLP of `intermediate_size` (False)."""
+
+
+def experts_of(config: dict[str, Any]) -> ExpertsSpec:
+    """The experts of a qwen3_moe config.json, as transformers builds them (UnservedCheckpoint naming the key)."""
+    key = _experts(config)
+    if key is None:
+        raise UnservedCheckpoint("num_experts", "missing or 0; a qwen3_moe model needs its experts")
+    if config.get("shared_expert_intermediate_size"):  # Qwen2-MoE's shared expert: no Qwen3-MoE has one
+        raise UnservedCheckpoint("shared_expert_intermediate_size", "shared experts are not served")
+    number, per_token = int(config[key]), int(config.get("num_experts_per_tok") or 0)
+    if not 0 < per_token <= number:
+        raise UnservedCheckpoint("num_experts_per_tok", f"{config.get('num_experts_per_tok')!r}; must be 1.."
+                                                        f"{key}={number}")
+    width = int(config.get("moe_intermediate_size") or 0)
+    if width <= 0:
+        raise UnservedCheckpoint("moe_intermediate_size", f"{config.get('moe_intermediate_size')!r}; must be > 0")
+    step = int(config.get("decoder_sparse_step", 1) or 0)
+    if step <= 0:
+        raise UnservedCheckpoint("decoder_sparse_step", f"{config.get('decoder_sparse_step')!r}; must be >= 1")
+    dense = set(config.get("mlp_only_layers") or [])
+    # transformers' Qwen3MoeDecoderLayer: experts unless the layer is listed or off the sparse step
+    layers = tuple(layer not in dense and (layer + 1) % step == 0 for layer in range(int(config.get("num_hidden_layers") or 0)))
+    return ExpertsSpec(num_experts=number, experts_per_token=per_token, intermediate_size=width,
+                       norm_topk_prob=bool(config.get("norm_topk_prob", False)), expert_layers=layers)
 
 
 def head_dim_of(config: dict[str, Any]) -> int:

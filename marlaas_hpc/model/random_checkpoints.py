@@ -1,5 +1,5 @@
-"""Random-weight checkpoints with the traits of real Qwen3, Qwen2.5 and Llama 3.x models, built locally (nothing
-is downloaded).
+"""Random-weight checkpoints with the traits of real Qwen3 (dense and MoE), Qwen2.5 and Llama 3.x models, built
+locally (nothing is downloaded).
 
 The project's tiny model has a 128-char vocabulary and untied embeddings; real checkpoints differ in every way
 that breaks code written only for it. These checkpoints keep each family's real traits and shrink the rest:
@@ -11,11 +11,15 @@ that breaks code written only for it. These checkpoints keep each family's real 
 - tied input/output embeddings (Qwen3-0.6B..4B, Qwen2.5-0.5B..3B, Llama 3.2 1B/3B) or untied ones (Qwen3-8B,
   Qwen2.5-7B, Llama 3.1 8B and up);
 - grouped-query attention; Qwen3's qk-norm and head_dim decoupled from hidden_size / heads; Qwen2's q/k/v
-  biases; Llama 3's `llama3` RoPE scaling (factor 32 for 3.2, 8 for 3.1) and rope_theta 500,000.
+  biases; Llama 3's `llama3` RoPE scaling (factor 32 for 3.2, 8 for 3.1) and rope_theta 500,000;
+- Qwen3-MoE's experts (Qwen3-30B-A3B: every layer routed, top-k weights renormalised, untied), saved per expert
+  (`mlp.experts.N.gate_proj.weight`, router `mlp.gate.weight`) as transformers 5 writes them.
 
 Weights are random (transformers' init), and then every RMSNorm weight and bias is drawn away from its
 constant init (1 and 0): a checkpoint whose norms are all ones and biases all zeros cannot tell a mis-mapped
-norm or bias from a right one.
+norm or bias from a right one. Router weights are drawn wider than the init (`ROUTER_STD`): with transformers'
+0.02 every token's expert logits nearly tie, and a last-bit difference between two implementations would pick
+other experts, where a trained router's choices have margins.
 
 Shapes: `qwen3-0.6b` is the full Qwen3-0.6B shape (28 layers: benchmarks only); `qwen3-8b` the full Qwen3-8B
 shape (its published dims), for `marlaas plan` and the GPU dry run, which read config.json only (`write_config`;
@@ -43,7 +47,9 @@ __all__ = ["ENDOFTEXT_ID", "IM_END_ID", "IM_START_ID", "RANDOM_PREFIX", "SHAPES"
 
 RANDOM_PREFIX = "random:"
 """`JobConfig.model` prefix naming one of SHAPES, e.g. 'random:qwen3-0.6b-mini'."""
-FAMILY_VOCABULARY = {"qwen3": QWEN3, "qwen2": QWEN2, "llama": LLAMA3}
+FAMILY_VOCABULARY = {"qwen3": QWEN3, "qwen3_moe": QWEN3, "qwen2": QWEN2, "llama": LLAMA3}
+ROUTER_STD = 0.3
+"""Std of the random router weights: logits of std ~0.3 * sqrt(hidden) (3.4 at width 128) over normed inputs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +57,7 @@ class RandomModel:
     """A random-weight checkpoint's recipe: a family, its shape and its RoPE."""
 
     family: str
-    """Model family (model/families.py): 'qwen3', 'qwen2' or 'llama'."""
+    """Model family (model/families.py): 'qwen3', 'qwen3_moe', 'qwen2' or 'llama'."""
     shape: ModelShape
     """Widths, depth, heads (Qwen3 decouples head_dim from hidden_size / num_heads; Qwen2 and Llama do not),
     the family's vocabulary rows, tied or untied embeddings, context length and the family's qk-norm / biases."""
@@ -78,6 +84,10 @@ def _qwen3(**kw) -> RandomModel:
     return _model("qwen3", rope_theta=1_000_000.0, **kw)
 
 
+def _qwen3_moe(**kw) -> RandomModel:
+    return _model("qwen3_moe", rope_theta=1_000_000.0, **kw)
+
+
 def _qwen2(**kw) -> RandomModel:
     return _model("qwen2", rope_theta=1_000_000.0, max_position_embeddings=32768, **kw)
 
@@ -95,6 +105,11 @@ SHAPES = {
                               intermediate_size=256, tied=True, max_position_embeddings=4096),
     "qwen3-8b-mini": _qwen3(hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64,
                             intermediate_size=320, tied=False, max_position_embeddings=4096),
+    # Qwen3-30B-A3B's traits (128 experts of 768, top 8 renormalised, every layer routed, untied) in small
+    "qwen3-30b-a3b-mini": _qwen3_moe(hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64,
+                                     intermediate_size=256, tied=False, max_position_embeddings=4096,
+                                     num_experts=8, experts_per_token=2, expert_intermediate_size=64,
+                                     norm_topk_prob=True),
     "qwen2.5-0.5b-mini": _qwen2(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                                 intermediate_size=256, tied=True),
     "qwen2.5-7b-mini": _qwen2(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -108,7 +123,7 @@ SHAPES = {
 
 def hf_config(model: RandomModel):
     """The transformers config of a random model, with the family's real ids and traits."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     vocab, shape = model.vocabulary, model.shape
     common = dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
@@ -130,6 +145,12 @@ def hf_config(model: RandomModel):
     if model.family == "qwen2":
         assert shape.head_dim * shape.num_heads == shape.hidden_size
         return Qwen2Config(**common, **qwen)
+    if model.family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **qwen, head_dim=shape.head_dim, attention_bias=False,
+                              num_experts=shape.num_experts, num_experts_per_tok=shape.experts_per_token,
+                              moe_intermediate_size=shape.expert_intermediate_size,
+                              norm_topk_prob=shape.norm_topk_prob, decoder_sparse_step=1,
+                              mlp_only_layers=list(shape.dense_layers))
     return Qwen3Config(**common, **qwen, head_dim=shape.head_dim, attention_bias=False)
 
 
@@ -165,6 +186,8 @@ def build_random_checkpoint(out_dir: str | Path, recipe: RandomModel, seed: int 
                 param.normal_(1.0, 0.1)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
+            elif name.endswith("mlp.gate.weight"):  # a router (qwen3_moe)
+                param.normal_(0.0, ROUTER_STD)
     vocab = recipe.vocabulary
     # the Instruct checkpoints' generation_config.json: an eos list and sampling defaults a rollout engine must
     # not apply

@@ -8,6 +8,11 @@ Every decoder layer has four adapter *sites*, one per megatron linear:
     fc1    mlp.linear_fc1                  column    gate_proj, up_proj (fused, [gate; up] per TP shard)
     fc2    mlp.linear_fc2                  row       down_proj
 
+A mixture-of-experts layer (trainer/moe.py) has no mlp.linear_fc1 / fc2; each expert N has its own fc1 / fc2 pair
+(mlp.experts.local_experts.N.linear_fc{1,2}, HF `mlp.experts.N.{gate,up,down}_proj`), split over TP like a dense
+MLP's, and one `ExpertLoraSite` each (below: no activation communication, the replicated factor's gradient
+summed over TP instead).
+
 A site holds N named adapters (one per task), each with its own rank r and scaling alpha / r (as PEFT):
 
 * column-parallel: A [r, in] replicated on every TP rank, B [out/tp, r] sharded exactly like W's rows. The
@@ -55,6 +60,12 @@ def peft_key(layer: int, part: str, which: str) -> str:
     return f"base_model.model.model.layers.{layer}.{HF_PREFIX[part]}.{part}.lora_{which}.weight"
 
 
+def expert_peft_key(layer: int, expert: int, part: str, which: str) -> str:
+    """An expert's key in the per-expert form both stock vLLM and PEFT on transformers 5 load (docs/architecture.md
+    §MoE), e.g. base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight."""
+    return f"base_model.model.model.layers.{layer}.mlp.experts.{expert}.{part}.lora_{which}.weight"
+
+
 class LoraContext:
     """Which adapter each batch row uses during the current forward (None: base only)."""
 
@@ -62,6 +73,7 @@ class LoraContext:
         self._rows: tuple[str | None, ...] | None = None
         self._groups: dict[torch.device, list[tuple[str, torch.Tensor | None]]] = {}
         self._runs: list[tuple[str | None, int, int]] | None = None
+        self._codes: dict[torch.device, torch.Tensor] = {}
 
     @property
     def rows(self) -> tuple[str | None, ...] | None:
@@ -74,12 +86,12 @@ class LoraContext:
             if batch is None:
                 raise ValueError("a single adapter name needs the batch size")
             rows = [rows] * batch
-        previous = (self._rows, self._groups, self._runs)
-        self._rows, self._groups, self._runs = tuple(rows), {}, _runs_of(tuple(rows))
+        previous = (self._rows, self._groups, self._runs, self._codes)
+        self._rows, self._groups, self._runs, self._codes = tuple(rows), {}, _runs_of(tuple(rows)), {}
         try:
             yield
         finally:
-            self._rows, self._groups, self._runs = previous
+            self._rows, self._groups, self._runs, self._codes = previous
 
     @property
     def runs(self) -> list[tuple[str | None, int, int]] | None:
@@ -100,6 +112,15 @@ class LoraContext:
                     (n, torch.tensor([i for i, r in enumerate(self._rows) if r == n], dtype=torch.long,
                                      device=device)) for n in names]
         return self._groups[device]
+
+    def row_codes(self, device: torch.device) -> tuple[list[str], torch.Tensor]:
+        """(adapter names in use, each batch row's index into them or -1 for base only): expert sites look
+        their tokens' rows up in it (a routed expert's tokens come from any rows, interleaved)."""
+        names = [n for n in dict.fromkeys(self._rows or ()) if n is not None]
+        if device not in self._codes:
+            self._codes[device] = torch.tensor([names.index(r) if r is not None else -1 for r in self._rows],
+                                               dtype=torch.long, device=device)
+        return names, self._codes[device]
 
 
 def _runs_of(rows: tuple[str | None, ...]) -> list[tuple[str | None, int, int]] | None:
@@ -176,6 +197,8 @@ class LoraSite:
 
     def __init__(self, module: torch.nn.Module, layer: int, site: str, ctx: LoraContext, tp_group):
         self.module, self.layer, self.site, self.ctx, self.tp_group = module, layer, site, ctx, tp_group
+        self.label = site
+        """The site's name within its layer (parameter names, A's seed)."""
         self.parts = SITE_PARTS[site]
         self.column = site in ("qkv", "fc1")
         self.tp_size = dist.get_world_size(tp_group)
@@ -212,7 +235,7 @@ class LoraSite:
         if not targeted:
             return None
         weight = self.module.weight
-        a_full = kaiming_uniform_a(spec.rank, self.in_full, _seed_for(seed, name, self.layer, self.site))
+        a_full = kaiming_uniform_a(spec.rank, self.in_full, _seed_for(seed, name, self.layer, self.label))
         if self.column:
             a = a_full
         else:
@@ -285,6 +308,9 @@ class LoraSite:
         return out + torch.cat(pieces, dim=1)
 
     # -- HF layout ----------------------------------------------------------------------------------------
+    def peft_key(self, part: str, which: str) -> str:
+        return peft_key(self.layer, part, which)
+
     def _gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         if self.tp_size == 1:
             return tensor.detach().clone()
@@ -310,11 +336,11 @@ class LoraSite:
         out = {}
         for index, part in enumerate(self.parts):
             if part in spec.target_modules:
-                out[peft_key(self.layer, part, "A")] = a_host.clone()  # own storage per part
+                out[self.peft_key(part, "A")] = a_host.clone()  # own storage per part
                 # rows picked by host indices: a boolean mask of device values has a data-dependent size (a
                 # device-to-host sync per part on GPU; no size at all on the GPU dry run's fake tensors)
                 rows = torch.tensor([row for row, of in enumerate(part_of_rows) if of == index])
-                out[peft_key(self.layer, part, "B")] = b_host.index_select(0, rows)
+                out[self.peft_key(part, "B")] = b_host.index_select(0, rows)
         return out
 
     @torch.no_grad()
@@ -322,26 +348,85 @@ class LoraSite:
         """Loads adapter `name` from full PEFT-layout tensors (every rank holds them all; no communication)."""
         adapter = self.adapters[name]
         targeted = [(i, p) for i, p in enumerate(self.parts) if p in spec.target_modules]
-        a_list = [tensors[peft_key(self.layer, p, "A")] for _, p in targeted]
+        a_list = [tensors[self.peft_key(p, "A")] for _, p in targeted]
         for other in a_list[1:]:
             if not torch.equal(other, a_list[0]):
                 raise ValueError(f"layer {self.layer}: lora_A of {[p for _, p in targeted]} differ; the fused "
-                                 f"megatron site '{self.site}' shares one A across them")
+                                 f"megatron site '{self.label}' shares one A across them")
         a_full = a_list[0]
         part_ids = self.part_ids(full=True)
         b_full = torch.zeros(len(part_ids), spec.rank, dtype=torch.float32)
         for index, part in targeted:
-            b_full[part_ids == index] = tensors[peft_key(self.layer, part, "B")].to(b_full.dtype)
+            b_full[part_ids == index] = tensors[self.peft_key(part, "B")].to(b_full.dtype)
         if self.column:
             a_local, b_local = a_full, b_full.chunk(self.tp_size, dim=0)[self.tp_rank]
         else:
             a_local, b_local = a_full.chunk(self.tp_size, dim=1)[self.tp_rank], b_full
         if a_local.shape != adapter.lora_A.shape or b_local.shape != adapter.lora_B.shape:
-            raise ValueError(f"layer {self.layer} site {self.site}: shapes {tuple(a_local.shape)}, "
+            raise ValueError(f"layer {self.layer} site {self.label}: shapes {tuple(a_local.shape)}, "
                              f"{tuple(b_local.shape)} do not fit {tuple(adapter.lora_A.shape)}, "
                              f"{tuple(adapter.lora_B.shape)}")
         adapter.lora_A.copy_(a_local)
         adapter.lora_B.copy_(b_local)
+
+
+class ExpertLoraSite(LoraSite):
+    """The adapters of one expert's fc1 (column: gate/up) or fc2 (row: down), sharded over TP as the dense sites.
+
+    Communication differs from a dense site: megatron runs the experts' linears without their own TP
+    communication, and the dispatcher (trainer/moe.py `ReplicatedTokenDispatcher`) sums the ranks' partial input
+    gradients at the layer's entry and their partial outputs at its exit. The LoRA path's partial results ride on
+    those two sums, so it moves no activation; only the factor every rank holds whole (A at fc1, B at fc2) gets a
+    partial gradient on each rank (its product with this rank's shard), summed over TP by `SumGradOverTP`.
+
+    Tokens reach an expert in routing order, not by batch row: the dispatcher records each expert's token
+    indices (seq-major, as megatron flattens [seq, batch, hidden]), so a token's row is its index mod batch."""
+
+    def __init__(self, module: torch.nn.Module, layer: int, site: str, ctx: LoraContext, tp_group, expert: int,
+                 dispatcher):
+        super().__init__(module, layer, site, ctx, tp_group)
+        self.expert, self.dispatcher = expert, dispatcher
+        self.label = f"experts.{expert}.{site}"
+
+    def peft_key(self, part: str, which: str) -> str:
+        return expert_peft_key(self.layer, self.expert, part, which)
+
+    def _delta(self, adapter: LoraAdapter, x: torch.Tensor) -> torch.Tensor:
+        from marlaas_hpc.trainer.moe import SumGradOverTP
+
+        a, b = adapter.lora_A, adapter.scaled_b()
+        if self.tp_size > 1:
+            if self.column:
+                a = SumGradOverTP.apply(a, self.tp_group)
+            else:
+                b = SumGradOverTP.apply(b, self.tp_group)
+        hidden = F.linear(x, a) if x.dtype == a.dtype else _Float32Down.apply(x, a)
+        return F.linear(hidden, b)
+
+    def _hook(self, module, args, kwargs, output):
+        if not self.adapters or not self.ctx.rows:
+            return output
+        x = args[0] if args else kwargs["input_"]
+        out, bias = output
+        groups = self.ctx.groups(module.weight.device)
+        if len(groups) == 1 and groups[0][1] is None:  # one adapter on every row: all of this expert's tokens
+            adapter = self.adapters.get(groups[0][0])
+            return (out if adapter is None else out + self._delta(adapter, x).to(out.dtype)), bias
+        names, codes = self.ctx.row_codes(module.weight.device)
+        batch = self.dispatcher.hidden_shape[1]
+        if batch != len(self.ctx.rows):
+            raise ValueError(f"layer {self.layer}: the MoE layer's batch is {batch} rows, the LoRA context names "
+                             f"{len(self.ctx.rows)}")
+        token_codes = codes[self.dispatcher.expert_token_ids[self.expert] % batch]
+        for code, name in enumerate(names):
+            adapter = self.adapters.get(name)
+            if adapter is None:
+                continue
+            # every rank routes the same tokens (replicated hidden states), so every rank runs the same deltas
+            # and their gradient sums over TP match
+            positions = (token_codes == code).nonzero().squeeze(1)
+            out = out.index_add(0, positions, self._delta(adapter, x.index_select(0, positions)).to(out.dtype))
+        return out, bias
 
 
 @dataclass
@@ -360,11 +445,28 @@ class MultiLora:
         self.tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
         self.sites: list[LoraSite] = []
         self.adapters: dict[str, _AdapterInfo] = {}
-        for layer_module in model.decoder.layers:
+        layers = list(model.decoder.layers)
+        # In a mixture-of-experts model gate/up/down_proj name the experts only: PEFT on transformers 5 moves those
+        # names to the fused expert parameters, so a dense layer's MLP (`mlp_only_layers`) takes no adapter there
+        # and would compute otherwise than the trainer
+        routed = any(getattr(layer_module.mlp, "experts", None) is not None for layer_module in layers)
+        for layer_module in layers:
             layer = layer_module.layer_number - 1
             for site, path in SITE_MODULES.items():
-                module = layer_module.get_submodule(path)
-                self.sites.append(LoraSite(module, layer, site, self.ctx, self.tp_group))
+                if routed and site in ("fc1", "fc2"):
+                    continue
+                self.sites.append(LoraSite(layer_module.get_submodule(path), layer, site, self.ctx, self.tp_group))
+            self.sites.extend(self._expert_sites(layer_module, layer))
+
+    def _expert_sites(self, layer_module, layer: int) -> list["ExpertLoraSite"]:
+        """fc1 and fc2 of every expert of a mixture-of-experts layer (none in a dense layer)."""
+        experts = getattr(layer_module.mlp, "experts", None)
+        if experts is None:
+            return []
+        dispatcher = layer_module.mlp.token_dispatcher
+        return [ExpertLoraSite(expert.get_submodule(f"linear_{site}"), layer, site, self.ctx, self.tp_group,
+                               index, dispatcher)
+                for index, expert in enumerate(experts.local_experts) for site in ("fc1", "fc2")]
 
     def add_adapter(self, name: str, spec: LoraSpec, seed: int = 0) -> list[torch.nn.Parameter]:
         """Creates adapter `name` (A: seeded kaiming-uniform, identical on every TP rank; B: zeros)."""
@@ -374,10 +476,17 @@ class MultiLora:
         unknown = set(spec.target_modules) - set(QWEN3_LORA_TARGETS)
         if unknown:
             raise ValueError(f"unknown target modules {sorted(unknown)}")
+        self._check_sites(spec)
         for site in self.sites:
             site.add(name, spec, seed)
         self.adapters[name] = _AdapterInfo(spec=spec, seed=seed)
         return self.parameters(name)
+
+    def _check_sites(self, spec: LoraSpec) -> None:
+        """Every targeted module has a site in the model (dense layers of an MoE model have no MLP site)."""
+        missing = [part for part in spec.target_modules if not any(part in site.parts for site in self.sites)]
+        if missing:
+            raise ValueError(f"lora.target_modules: {missing} have no LoRA site in this model")
 
     def remove_adapter(self, name: str) -> None:
         for site in self.sites:
@@ -393,8 +502,8 @@ class MultiLora:
         for site in self.sites:
             adapter = site.adapters.get(name)
             if adapter is not None:
-                out.append((f"{site.layer}.{site.site}.lora_A", adapter.lora_A))
-                out.append((f"{site.layer}.{site.site}.lora_B", adapter.lora_B))
+                out.append((f"{site.layer}.{site.label}.lora_A", adapter.lora_A))
+                out.append((f"{site.layer}.{site.label}.lora_B", adapter.lora_B))
         return out
 
     def parameters(self, name: str) -> list[torch.nn.Parameter]:
@@ -427,7 +536,7 @@ class MultiLora:
     def load_hf_state_dict(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         """Loads adapter `name` from full PEFT-layout tensors (keys as `peft_key`)."""
         spec = self.adapters[name].spec
-        expected = {peft_key(s.layer, p, w) for s in self.sites if name in s.adapters
+        expected = {s.peft_key(p, w) for s in self.sites if name in s.adapters
                     for p in s.parts if p in spec.target_modules for w in "AB"}
         missing, extra = expected - set(tensors), set(tensors) - expected
         if missing or extra:

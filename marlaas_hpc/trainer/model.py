@@ -1,12 +1,14 @@
 """The trainer's base network: a megatron-core GPTModel (local layer spec) loaded from an HF checkpoint of a
-served family (model/families.py: Qwen3 dense, Qwen2 / Qwen2.5, Llama 3.x).
+served family (model/families.py: Qwen3 dense and MoE, Qwen2 / Qwen2.5, Llama 3.x).
 
 mbridge maps HF names <-> megatron names and splits weights over tensor-parallel ranks. Its bridges (Qwen3Bridge,
 Qwen2Bridge, LLaMABridge) target the Transformer Engine spec (fused `linear_qkv.layer_norm_weight`); here each is
 pointed at the local spec, whose norms are separate modules (`input_layernorm`, `pre_mlp_layernorm`), built with
 the family's qk-norm (Qwen3) and q/k/v biases (Qwen2), and given the checkpoint's RoPE (Llama 3's `llama3`
 scaling through megatron-core's own RotaryEmbedding). `bridge.get_model()` is not used (it calls `.cuda()`): the
-GPTModel is built directly and the bridge only loads weights.
+GPTModel is built directly and the bridge only loads weights. Qwen3-MoE starts from the Qwen3 bridge (attention,
+norms, embeddings) and maps its routers and experts itself (trainer/moe.py): mbridge's Qwen3MoEBridge names the
+experts of Transformer Engine's grouped-GEMM module, and reads only per-expert checkpoint tensors.
 
 Process groups (docs/architecture.md §2): the default torch.distributed group (gloo on CPU, nccl on GPU) spans one
 trainer group's ranks, TP x DP (TP-major: TP groups are consecutive ranks); megatron's parallel state splits it into
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from marlaas_hpc.model.checkpoint import checkpoint_family, read_checkpoint
-from marlaas_hpc.model.families import ModelFamily, rope_of
+from marlaas_hpc.model.families import ExpertsSpec, ModelFamily, experts_of, rope_of
 from marlaas_hpc.trainer.cpu_shims import apply_cpu_shims
 from marlaas_hpc.trainer.frozen_base import skip_frozen_weight_grads
 
@@ -98,12 +100,13 @@ def _bridge_base_cls(family: ModelFamily):
     from mbridge.models.qwen2 import Qwen2Bridge
     from mbridge.models.qwen3 import Qwen3Bridge
 
-    return {"qwen3": Qwen3Bridge, "qwen2": Qwen2Bridge, "llama": LLaMABridge}[family.name]
+    return {"qwen3": Qwen3Bridge, "qwen3_moe": Qwen3Bridge, "qwen2": Qwen2Bridge, "llama": LLaMABridge}[family.name]
 
 
-def local_spec_bridge(family: ModelFamily, hf_config, dtype: torch.dtype):
+def local_spec_bridge(family: ModelFamily, hf_config, dtype: torch.dtype, experts: ExpertsSpec | None = None):
     """The family's mbridge bridge pointed at the local (non-TE) layer spec, whose norms are separate modules
-    (`input_layernorm`, `pre_mlp_layernorm`) instead of Transformer Engine's fused `layer_norm_weight`s."""
+    (`input_layernorm`, `pre_mlp_layernorm`) instead of Transformer Engine's fused `layer_norm_weight`s.
+    `experts`: the checkpoint's experts (qwen3_moe), mapped by trainer/moe.py."""
     base = _bridge_base_cls(family)
 
     class LocalSpecBridge(base):
@@ -120,7 +123,16 @@ def local_spec_bridge(family: ModelFamily, hf_config, dtype: torch.dtype):
             super().__init__(*args, **kwargs)
 
         def _get_transformer_layer_spec(self, vp_stage=None):
-            return local_layer_spec(family)
+            return local_layer_spec(family, experts)
+
+        def _get_safetensor_io(self, weights_path: str):
+            return _safetensor_io(self._get_actual_hf_path(weights_path)) if experts else \
+                super()._get_safetensor_io(weights_path)
+
+        def _weight_name_mapping_mlp(self, name: str) -> list[str]:
+            from marlaas_hpc.trainer.moe import moe_hf_names
+
+            return (moe_hf_names(name) if experts else None) or super()._weight_name_mapping_mlp(name)
 
         def _get_gptmodel_args(self) -> dict:
             rope = rope_of(self.hf_config.to_dict())
@@ -135,10 +147,46 @@ def local_spec_bridge(family: ModelFamily, hf_config, dtype: torch.dtype):
     return LocalSpecBridge(hf_config, dtype=dtype)
 
 
-def local_layer_spec(family: ModelFamily):
+def local_layer_spec(family: ModelFamily, experts: ExpertsSpec | None = None):
+    """The decoder layer's local spec (dense families), or every layer's (a TransformerBlockSubmodules: MoE
+    layers and the checkpoint's dense ones)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
+    dense = get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
+    if experts is None:
+        return dense
+    from marlaas_hpc.trainer.moe import decoder_block_spec
+
+    return decoder_block_spec(dense, experts, family.qk_norm)
+
+
+def _safetensor_io(model_dir: str):
+    """mbridge's checkpoint reader, also reading per-expert tensors out of fused 3D experts
+    (trainer/moe.py `fused_expert_slice`) when the checkpoint stores those."""
+    from mbridge.core.safetensor_io import SafeTensorIO
+
+    from marlaas_hpc.trainer.moe import fused_expert_slice
+
+    class ExpertsIO(SafeTensorIO):
+        def load_some_hf_weight(self, hf_weight_names: list[str]) -> dict:
+            stored = set(self.load_hf_weight_names())
+            out = super().load_some_hf_weight([name for name in hf_weight_names if name in stored])
+            fused: dict[str, torch.Tensor] = {}
+
+            def read(key: str) -> torch.Tensor:
+                if key not in fused:
+                    fused[key] = super(ExpertsIO, self).load_some_hf_weight([key])[key]
+                return fused[key]
+
+            for name in hf_weight_names:
+                if name not in stored:
+                    tensor = fused_expert_slice(name, read)
+                    if tensor is None:
+                        raise ValueError(f"{model_dir}: the checkpoint has no tensor {name}")
+                    out[name] = tensor.contiguous()
+            return out
+
+    return ExpertsIO(model_dir)
 
 
 @dataclass
@@ -155,10 +203,15 @@ class LoadedModel:
     """Rows of the megatron embedding / output layer: vocab_size padded to a multiple of 128 * TP."""
 
 
-def check_tensor_parallel(hf_config, tensor_parallel: int) -> None:
-    """Refuses a TP size that does not split the checkpoint's heads, KV heads and MLP evenly (the vocabulary is
-    padded instead)."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+def check_tensor_parallel(hf_config, tensor_parallel: int, experts: ExpertsSpec | None = None) -> None:
+    """Refuses a TP size that does not split the checkpoint's heads, KV heads, dense MLPs and experts evenly (the
+    vocabulary is padded instead)."""
+    names = ["num_attention_heads", "num_key_value_heads"]
+    if experts is None or not all(experts.expert_layers):
+        names.append("intermediate_size")
+    if experts is not None:
+        names.append("moe_intermediate_size")
+    for name in names:
         value = getattr(hf_config, name)
         if value % tensor_parallel:
             raise ValueError(f"tensor_parallel={tensor_parallel} must divide {name}={value}")
@@ -186,21 +239,15 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     skip_frozen_weight_grads()
     device = torch.device(device)
     # the intake check, again where the weights load (the trainer reads no tokenizer)
-    family = checkpoint_family(read_checkpoint(model_path, tokenizer=False))
+    info = read_checkpoint(model_path, tokenizer=False)
+    family = checkpoint_family(info)
+    experts = experts_of(info.config) if family.experts else None
     hf_config = AutoConfig.from_pretrained(str(model_path))
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    bridge = local_spec_bridge(family, hf_config, dtype)
-    recompute_args = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if recompute else {}
-    bridge.set_extra_args(
-        sequence_parallel=False, use_cpu_initialization=device.type == "cpu", perform_initialization=False,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        cross_entropy_loss_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
-        attention_softmax_in_fp32=True, variable_seq_lengths=True, **recompute_args)
+    bridge = local_spec_bridge(family, hf_config, dtype, experts)
+    bridge.set_extra_args(**_config_args(device, dtype, recompute, experts))
     tp = bridge.mpu.tp_size
-    check_tensor_parallel(hf_config, tp)
+    check_tensor_parallel(hf_config, tp, experts)
     vocab = int(hf_config.vocab_size)
     padded = padded_vocab_size(vocab, tp)
     bridge.make_vocab_size_divisible_by = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp  # mbridge pads with zero rows
@@ -209,7 +256,7 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     if device.type == "cuda":  # megatron allocates non-CPU-initialised parameters on the current device
         torch.cuda.set_device(device)
     with torch.device(device):  # the local spec's norms take no device argument: built on `device` at once
-        model = GPTModel(config=bridge.config, transformer_layer_spec=local_layer_spec(family),
+        model = GPTModel(config=bridge.config, transformer_layer_spec=local_layer_spec(family, experts),
                          share_embeddings_and_output_weights=tied, pre_process=True, post_process=True, **args)
     _norms_in_base_dtype(model, dtype)
     if any(tensor.device != device for tensor in (*model.parameters(), *model.buffers())):
@@ -222,6 +269,26 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
         param.requires_grad_(False)
     model.eval()  # the trainer's default; training_mode around a forward and its backward
     return LoadedModel(model=model, hf_config=hf_config, bridge=bridge, vocab_size=vocab, padded_vocab_size=padded)
+
+
+def _config_args(device: torch.device, dtype: torch.dtype, recompute: bool, experts: ExpertsSpec | None) -> dict:
+    """The TransformerConfig fields the trainer sets over mbridge's (CPU-safe: no fusion, no dropout)."""
+    args = dict(
+        sequence_parallel=False, use_cpu_initialization=device.type == "cpu", perform_initialization=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
+        attention_softmax_in_fp32=True, variable_seq_lengths=True)
+    if recompute:
+        args.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if experts is not None:
+        from marlaas_hpc.trainer.moe import moe_config_args
+
+        # variable_seq_lengths only sizes pipeline-parallel sends (the trainer has no pipeline stages), and
+        # megatron's config refuses it with the all-gather dispatcher, whose gather trainer/moe.py skips
+        args.update(moe_config_args(experts), variable_seq_lengths=False)
+    return args
 
 
 def _norms_in_base_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -1,6 +1,8 @@
 """PEFT-format adapter files: `adapter_config.json` + `adapter_model.safetensors`, as peft's save_pretrained.
 
-Keys: `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight` (fp32). The config is
+Keys: `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight` (fp32); a mixture-of-experts
+layer's experts one by one, `...layers.{i}.mlp.experts.{n}.{gate|up|down}_proj.lora_{A|B}.weight`, the form stock
+vLLM reads and PEFT converts to transformers 5's fused experts on load (docs/architecture.md §10). The config is
 written by peft's own `LoraConfig`, so transformers+PEFT and vLLM load the directory directly.
 """
 from __future__ import annotations

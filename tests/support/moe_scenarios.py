@@ -1,0 +1,85 @@
+"""The trainer on mixture-of-experts checkpoints (qwen3_moe), one run per TP size in spawned gloo processes; the
+tests in tests/test_trainer_moe.py compare its records with transformers / PEFT and with each other."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from marlaas_hpc.model.families import ATTENTION_PROJECTIONS
+from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
+from marlaas_hpc.trajectory import Trajectory
+
+LORA = LoraSpec(rank=4, alpha=8.0, target_modules=ATTENTION_PROJECTIONS)
+"""Task "a": attention only (a task's explicit choice on an MoE model)."""
+EXPERT_LORA = LoraSpec(rank=4, alpha=8.0)
+"""Task "e": the default targets, every expert's gate/up/down_proj with the attention projections."""
+ALGO = AlgoSpec(lr=5e-3, kl_beta=0.05)
+STEPS = 2
+
+
+def moe_per_checkpoint(rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
+    """`moe_scenario` of each checkpoint (args: model_path, tp, probe, batch, out_dir) in this process."""
+    import traceback
+
+    out = {}
+    for checkpoint, args in runs.items():
+        try:
+            out[checkpoint] = moe_scenario(rank, *args)
+        except Exception:  # noqa: BLE001 (reported to the checkpoint's tests, which fail with it)
+            out[checkpoint] = {"error": traceback.format_exc()}
+    return out
+
+
+def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], batch: list[Trajectory],
+                 out_dir: str) -> dict:
+    """Base logits and logprobs; STEPS fused GRPO steps of two tasks in one batch (an attention LoRA "a" and a
+    default-target one "e", experts included) with megatron's aux-loss hook watched; the trained adapters' logits
+    (one adapter per row too), "e"'s logprobs, both PEFT exports, "e" loaded back from its export; a target the
+    model lacks refused."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
+
+    trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, seed=7, dtype="float32"))
+    base_before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    record: dict = {"base_logits": trainer.logits(None, probe), "base_logprobs": trainer.logprobs(None, batch),
+                    "base_logprobs_t07": trainer.logprobs(None, batch, 0.7)}
+    trainer.add_task("a", LORA, ALGO)
+    trainer.add_task("e", EXPERT_LORA, ALGO)
+    batches = {"a": batch, "e": [replace(traj, task_id="e", group_id="e" + traj.group_id) for traj in batch]}
+    aux_calls = [0]
+    apply = moe_utils.MoEAuxLossAutoScaler.apply
+
+    def counting_apply(*args):
+        aux_calls[0] += 1
+        return apply(*args)
+
+    moe_utils.MoEAuxLossAutoScaler.apply = counting_apply
+    try:
+        record["steps"] = []
+        for _ in range(STEPS):
+            metrics = trainer.train_steps(batches)
+            record["steps"].append({t: {"metrics": metrics[t], "grads": trainer.adapter_tensors(t, grads=True)}
+                                    for t in batches})
+    finally:
+        moe_utils.MoEAuxLossAutoScaler.apply = apply
+    record["aux_loss_calls"] = aux_calls[0]
+    base_after = {k: v.detach() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    record["base_untouched"] = base_before.keys() == base_after.keys() and all(
+        torch.equal(base_before[k], base_after[k]) for k in base_before)
+    record["router_grads"] = [name for name, param in trainer.model.named_parameters() if param.grad is not None]
+    record["logits"] = {t: trainer.logits(t, probe) for t in batches}
+    record["mixed_logits"] = trainer.logits(["e", "a"], probe)
+    record["logprobs_e"] = trainer.logprobs("e", batches["e"])
+    record["export"] = {t: str(trainer.export_adapter(t, Path(out_dir) / f"tp{tp}-{t}")) for t in batches}
+    trainer.load_adapter("e-reloaded", record["export"]["e"], ALGO)
+    record["reloaded_logits"] = trainer.logits("e-reloaded", probe)
+    try:
+        trainer.add_task("x", LoraSpec(rank=2, target_modules=("q_proj", "w1")), ALGO)
+        record["refusal"] = None
+    except ValueError as exc:
+        record["refusal"] = str(exc)
+    trainer.close()
+    return record
