@@ -356,3 +356,40 @@ def test_moe_expert_adapter_in_memory_on_the_hf_engine(runs, checkpoint, inputs)
     with torch.no_grad():
         logits = engine.model(input_ids=torch.tensor(inputs[checkpoint][1])).logits
     assert float((logits - record["logits"]["e"]).abs().max()) <= LOGIT_TOL
+
+
+def test_moe_hf_engine_serves_several_adapters_in_one_step(runs, checkpoint, inputs):
+    """Rollouts of a two-task MoE job on the `hf` engine: an expert adapter, an attention adapter and the base
+    model (a task's eval before training) in one step. PEFT's wrapper of the fused experts takes no mixed batch
+    (it raises), so the engine batches per adapter; each row's greedy tokens and logprobs are those of its
+    adapter served alone."""
+    from marlaas_hpc.rollout.base import AdapterRef, GenerationRequest
+    from marlaas_hpc.rollout.hf_engine import HfEngine
+
+    if not (Path(inputs[checkpoint][0]) / "tokenizer_config.json").is_file():
+        pytest.skip("the engine needs a tokenizer: only the random checkpoint has one")
+    record, prompt = runs[1][0], inputs[checkpoint][1][0][:12]
+    adapters = {"e": (1, EXPERT_LORA), "a": (1, LORA), "base": (None, None)}
+
+    def engine_with(tasks):
+        engine = HfEngine(inputs[checkpoint][0], device="cpu")
+        for task in tasks:
+            version, lora = adapters[task]
+            if version is not None:
+                engine.add_adapter(AdapterRef(task, version, path=record["export"][task], lora=lora))
+        return engine
+
+    def request(task):
+        return GenerationRequest(request_id=task, task_id=task, adapter_version=adapters[task][0],
+                                 prompt_ids=prompt, temperature=0.0, max_new_tokens=6, ignore_stop=True)
+
+    together = engine_with(["e", "a"])
+    together.submit([request(task) for task in adapters])
+    rows = {gen.request_id: gen for gen in together.step()}
+    assert set(rows) == set(adapters)
+    for task in adapters:
+        alone = engine_with([task] if adapters[task][0] is not None else [])
+        alone.submit([request(task)])
+        (gen,) = alone.step()
+        assert rows[task].completion_ids == gen.completion_ids, task
+        assert max(abs(x - y) for x, y in zip(rows[task].logprobs, gen.logprobs)) < 1e-5, task

@@ -2,7 +2,9 @@
 
 One PeftModel over the base; every (task, version) is a separately named adapter, and one `generate` call
 serves a batch mixing adapters (`adapter_names=[...]`, "__base__" = no adapter). Prompts are left padded with
-an attention mask (transformers derives position ids from it).
+an attention mask (transformers derives position ids from it). An adapter on a mixture-of-experts model's
+experts is the exception: PEFT wraps the experts' fused 3D parameters (`ParamWrapper`), which refuses mixed
+adapter batches, so once one is loaded each batch holds one adapter's rows.
 
 Sampling is done here, not by transformers' warpers: `generate` runs greedy over a logits processor that
 draws each row's token from softmax(logits / T) with the row's own torch.Generator (seeded by the request,
@@ -16,7 +18,6 @@ in float32, copied to the host after every batch).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import warnings
 from pathlib import Path
 
@@ -107,6 +108,8 @@ class HfEngine(RolloutEngine):
         self.stop_ids = stop_token_ids(model_path, tok)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.model = None  # PeftModel once the first adapter is loaded
+        self._on_experts = False
+        """Whether an adapter on experts was ever loaded (PEFT's ParamWrapper: one adapter per batch from then)."""
         self.versions = AdapterVersions()
         self._name_of: dict[tuple[str, int], str] = {}  # adapters loaded in the PeftModel
         self._refs: dict[tuple[str, int], AdapterRef] = {}
@@ -126,14 +129,20 @@ class HfEngine(RolloutEngine):
         if not adapter.in_memory and not (Path(adapter.path) / "adapter_config.json").is_file():
             raise FileNotFoundError(f"no PEFT adapter at {adapter.path} ({adapter.task_id} v{adapter.version})")
         name = f"a{self.versions.check_new(adapter)}"  # task ids may hold '.', which module names cannot
-        if adapter.in_memory:
-            self._load_from_memory(adapter, name)
-        elif self.model is None:
-            self.model = PeftModel.from_pretrained(self.base, str(adapter.path), adapter_name=name,
-                                                   is_trainable=False).eval()
-        else:
-            self.model.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
+        with warnings.catch_warnings():
+            # PEFT converting an expert adapter for transformers 5's fused experts sets a rank and alpha pattern
+            # for `gate_up_proj`, then wraps the parameter under another name and warns that the pattern matched
+            # nothing; the wrapped adapter has the fused rank regardless (tests/test_trainer_moe.py)
+            warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match")
+            if adapter.in_memory:
+                self._load_from_memory(adapter, name)
+            elif self.model is None:
+                self.model = PeftModel.from_pretrained(self.base, str(adapter.path), adapter_name=name,
+                                                       is_trainable=False).eval()
+            else:
+                self.model.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
         retired = self.versions.add(adapter)
+        self._on_experts = self._on_experts or _wraps_parameters(self.model)
         key = (adapter.task_id, adapter.version)
         self._name_of[key] = name
         self._refs[key] = adapter
@@ -231,9 +240,7 @@ class HfEngine(RolloutEngine):
         # sampled (training) rows: a row's fp32 logprobs change in their last bits with its batch's make-up, and
         # an eval reaches the rank at a timing-dependent moment, so sharing its step would make a training
         # group's logprobs (and the adapters trained on them) differ between two runs of one job
-        for ignore_stop, greedy in itertools.product((False, True), (False, True)):
-            part = [(req, generator) for req, generator in queue
-                    if req.ignore_stop == ignore_stop and (req.temperature == 0) == greedy]
+        for part in self._parts(queue):
             size = self.max_batch_size or max(len(part), 1)
             for i in range(0, len(part), size):
                 finished, unfinished = self._generate_batch(part[i:i + size])
@@ -243,6 +250,30 @@ class HfEngine(RolloutEngine):
             if gen.adapter_version is not None:
                 self._retire(self.versions.release(gen.task_id, gen.adapter_version))
         return done
+
+    def _generate(self, reqs: list[GenerationRequest], kwargs: dict):
+        """`generate` with each row's adapter: named per row (a mixed batch), or, with adapters on experts, the
+        one adapter of the batch made the active one (the base model: every adapter disabled)."""
+        if self.model is None:
+            return self.base.generate(**kwargs)
+        names = [self.adapter_name(r.task_id, r.adapter_version) for r in reqs]
+        if not self._on_experts:
+            return self.model.generate(**kwargs, adapter_names=names)
+        if names[0] == BASE_ADAPTER:
+            with self.model.disable_adapter():
+                return self.model.generate(**kwargs)
+        self.model.set_adapter(names[0], inference_mode=True)
+        return self.model.generate(**kwargs)
+
+    def _parts(self, queue: list) -> list[list]:
+        """The queue split into what may share a batch: the same stop rule and greedy or sampled (above); and,
+        once an adapter on experts is loaded (PEFT's ParamWrapper takes one adapter per forward), one adapter."""
+        keys = {}
+        for req, generator in queue:
+            key = (req.ignore_stop, req.temperature == 0,
+                   None if not self._on_experts else self.adapter_name(req.task_id, req.adapter_version))
+            keys.setdefault(key, []).append((req, generator))
+        return [keys[key] for key in sorted(keys, key=str)]
 
     def has_unfinished(self) -> bool:
         return bool(self._queue)
@@ -278,12 +309,7 @@ class HfEngine(RolloutEngine):
         kwargs = dict(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                       generation_config=config, logits_processor=LogitsProcessorList([sampler]),
                       stopping_criteria=StoppingCriteriaList([_RowMaxNewTokens(width, limits, self.device)]))
-        if self.model is not None:
-            model = self.model
-            kwargs["adapter_names"] = [self.adapter_name(r.task_id, r.adapter_version) for r in reqs]
-        else:
-            model = self.base
-        out = model.generate(**kwargs)
+        out = self._generate(reqs, kwargs)
         new_tokens = out.sequences[:, width:].cpu()
         logprobs = torch.stack(sampler.logprobs, dim=1).cpu()  # [batch, steps]: one copy to the host per batch
         gens, unfinished, lengths = [], [], []
@@ -306,3 +332,10 @@ class HfEngine(RolloutEngine):
                                    logprobs=list(req.partial_logprobs) + lps, finish_reason=finish))
         self.decode.add_batch(lengths)
         return gens, unfinished
+
+
+def _wraps_parameters(model) -> bool:
+    """Whether PEFT wrapped a parameter of `model` (an MoE's fused experts), not only Linear modules."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return any(isinstance(module, ParamWrapper) for module in model.modules())
