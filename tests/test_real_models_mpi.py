@@ -6,8 +6,9 @@ chat prompts) on the project's small chat model (model/chat_mini.py: Qwen3, tied
 vocabulary padded at TP=2) raises each task's greedy eval accuracy, its '####' task stopping at <|im_end|> and its
 \\boxed{} task at <|endoftext|>. The same job, cut short, on a random-weight checkpoint of each served family
 (Qwen3, Qwen2.5, Llama 3.x), one task reading a verl-style parquet file, finishes every task with PEFT-loadable
-adapters. A checkpoint of another model type (mixture-of-experts), a TP size that does not divide the heads, a
-head_dim vLLM's CPU attention lacks, a missing path, or chat prompts on a tokenizer without a chat template:
+adapters. A checkpoint of another model type (a mixture-of-experts family not served: Mixtral), a TP size that does
+not divide the heads, a head_dim vLLM's CPU attention lacks, a Qwen3-MoE on vLLM's CPU backend (which cannot run
+MoE), a missing path, or chat prompts on a tokenizer without a chat template:
 `marlaas run` exits 2 with the field and the reason before mpirun starts."""
 import json
 import shutil
@@ -133,24 +134,27 @@ def _refusal(tmp_path, config: dict) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.parametrize("case", ["model_type", "trainer_tp", "head_dim", "missing", "chat_on_tiny"])
+@pytest.mark.parametrize("case", ["model_type", "trainer_tp", "head_dim", "moe_on_cpu_vllm", "missing", "chat_on_tiny"])
 def test_checkpoints_the_job_cannot_serve_are_refused_before_mpirun(tmp_path, qwen_path, case):
     import torch
 
-    if case == "head_dim" and torch.cuda.is_available():
-        pytest.skip("with CUDA, local vLLM runs on the GPU, whose attention has no such limit")
+    if case in ("head_dim", "moe_on_cpu_vllm") and torch.cuda.is_available():
+        pytest.skip("with CUDA, local vLLM runs on the GPU, which has no such limit")
     config = _small(yaml.safe_load(TWIN.read_text()), "random:qwen3-0.6b-mini")
-    expect = {"model_type": ("model:", "config.json model_type: 'qwen3_moe' is a mixture-of-experts model"),
+    expect = {"model_type": ("model:", "config.json model_type: 'mixtral' is a mixture-of-experts model"),
               "trainer_tp": ("layout.trainer_tp:", "8 does not divide num_key_value_heads=4"),
               "head_dim": ("model:", "head_dim 48 is not supported by vLLM's CPU attention"),
+              "moe_on_cpu_vllm": ("model:", "a mixture-of-experts model (8 experts) is not served by vLLM on CPU"),
               "missing": ("model:", "is not an HF checkpoint dir"),
               "chat_on_tiny": ("tasks[0].prompt.format:", "need a chat template")}[case]
     if case == "model_type":
-        config["model"] = str(_checkpoint_copy(qwen_path, tmp_path / "ckpt", model_type="qwen3_moe", num_experts=8))
+        config["model"] = str(_checkpoint_copy(qwen_path, tmp_path / "ckpt", model_type="mixtral", num_local_experts=8))
     elif case == "trainer_tp":
         config["layout"]["trainer_tp"] = 8
     elif case == "head_dim":
         config["model"] = str(_checkpoint_copy(qwen_path, tmp_path / "ckpt", head_dim=48))
+    elif case == "moe_on_cpu_vllm":  # served by the `hf` engine on CPU (tests/test_moe_mpi.py)
+        config["model"] = "random:qwen3-30b-a3b-mini"
     elif case == "missing":
         config["model"] = str(tmp_path / "not-downloaded-yet")
     else:

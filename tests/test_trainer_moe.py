@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from support.checks import max_diff
-from support.moe_scenarios import ALGO, EXPERT_LORA, LORA, STEPS, moe_per_checkpoint
+from support.moe_scenarios import ALGO, EXPERT_LORA, LORA, STEPS, moe_per_checkpoint, write_hf_moe_checkpoint
 from support.trainer_scenarios import make_trajectories, probe_ids
 
 LOGIT_TOL = 1e-4
@@ -31,31 +31,6 @@ TP_TOL = 1e-5
 HF_VOCAB = 1024
 CHECKPOINTS = ["random:qwen3-30b-a3b-mini", "hf", "hf-fused"]
 pytestmark = pytest.mark.slow
-
-
-def _write_hf_checkpoint(out: Path) -> Path:
-    """A Qwen3-MoE written by transformers itself; config.json rewritten with the published key names."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(11)
-    config = Qwen3MoeConfig(vocab_size=HF_VOCAB, hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
-                            decoder_sparse_step=1, tie_word_embeddings=False, max_position_embeddings=512,
-                            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    model = Qwen3MoeForCausalLM(config).float()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):  # decisive routing: no near-tie for a last bit to flip
-                param.normal_(0.0, 0.3)
-    model.save_pretrained(str(out))
-    published = json.loads((out / "config.json").read_text())
-    published["num_experts"] = published.pop("num_local_experts")
-    published["rope_theta"] = published.pop("rope_parameters")["rope_theta"]
-    (out / "config.json").write_text(json.dumps(published, indent=2))
-    return out
 
 
 def _write_fused(source: Path, out: Path) -> Path:
@@ -107,7 +82,7 @@ def inputs(tmp_path_factory) -> dict[str, tuple]:
     from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
 
     root = tmp_path_factory.mktemp("moe_checkpoints")
-    hf = _write_hf_checkpoint(root / "hf")
+    hf = write_hf_moe_checkpoint(root / "hf", HF_VOCAB)
     paths = {"random:qwen3-30b-a3b-mini": ensure_random_checkpoint("qwen3-30b-a3b-mini"), "hf": hf,
              "hf-fused": _write_fused(hf, root / "hf-fused")}
     out = {}

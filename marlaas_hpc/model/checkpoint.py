@@ -74,6 +74,9 @@ def check_checkpoint(info: CheckpointInfo, *, trainer_tp: int, rollout_tp: int =
         for name, value in (("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads)):
             if tp > 1 and value % tp:
                 raise SpecError(where, f"{tp} does not divide {name}={value} of {info.path}")
+    if vllm_on_cpu and shape.num_experts:  # its fused-MoE path reaches Triton, absent on CPU (AttributeError)
+        raise SpecError(field_name, f"{info.path}: a mixture-of-experts model ({shape.num_experts} experts) is not "
+                                    "served by vLLM on CPU (its fused-MoE kernels need a GPU); use engine: hf or GPUs")
     if vllm_on_cpu and shape.head_dim not in VLLM_CPU_HEAD_DIMS:
         raise SpecError(field_name, f"{info.path}: head_dim {shape.head_dim} is not supported by vLLM's CPU attention "
                                     f"(supported: {list(VLLM_CPU_HEAD_DIMS)}); use engine: hf or GPUs")

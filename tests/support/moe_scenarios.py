@@ -2,6 +2,7 @@
 tests in tests/test_trainer_moe.py compare its records with transformers / PEFT and with each other."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -83,3 +84,30 @@ def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], ba
         record["refusal"] = str(exc)
     trainer.close()
     return record
+
+
+def write_hf_moe_checkpoint(out: Path, vocab_size: int) -> Path:
+    """A Qwen3-MoE written by transformers itself (none of the project's builders), config.json then rewritten with
+    the published checkpoints' key names (`num_experts`, `rope_theta`); a dense MLP in layer 1 (`mlp_only_layers`),
+    top-k weights not renormalised (norm_topk_prob false)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(11)
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+                            decoder_sparse_step=1, tie_word_embeddings=False, max_position_embeddings=512,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    model = Qwen3MoeForCausalLM(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):  # decisive routing: no near-tie for a last bit to flip
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(str(out))
+    published = json.loads((out / "config.json").read_text())
+    published["num_experts"] = published.pop("num_local_experts")
+    published["rope_theta"] = published.pop("rope_parameters")["rope_theta"]
+    (out / "config.json").write_text(json.dumps(published, indent=2))
+    return out

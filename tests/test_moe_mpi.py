@@ -1,0 +1,74 @@
+"""A Qwen3-MoE job end to end (issue #38): a checkpoint written by transformers itself, in the published config.json
+form (none of the project's builders), through `marlaas run` with a TP=2 trainer and `hf` rollouts (vLLM on CPU
+does not run MoE: its fused-MoE kernels need Triton, and the job is refused up front, tests/test_real_models_mpi.py).
+Two tenants: one with the MoE default targets (every expert's gate/up/down with attention), one attention-only,
+in one rollout engine and one fused trainer step. Every task finishes every step inside its staleness bound, and
+each task's last adapter loads with plain transformers + PEFT, its LoRA on the experts for the first."""
+import json
+import shutil
+
+import pytest
+import yaml
+
+from support.jobs import ROOT, marlaas
+from support.moe_scenarios import write_hf_moe_checkpoint
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+TWIN = ROOT / "configs" / "qwen3-gsm8k-cpu.yaml"
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _checkpoint(tmp_path):
+    """transformers' own Qwen3-MoE at Qwen3's vocabulary, with the random Qwen3-MoE's BPE tokenizer and eos list."""
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
+
+    tokenizer = ensure_random_checkpoint("qwen3-30b-a3b-mini")
+    vocab = json.loads((tokenizer / "config.json").read_text())["vocab_size"]
+    path = write_hf_moe_checkpoint(tmp_path / "qwen3-moe", vocab)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(tokenizer / name, path / name)
+    return path
+
+
+def _job(tmp_path, model) -> dict:
+    config = yaml.safe_load(TWIN.read_text())
+    config.update(model=str(model), engine="hf")
+    config["layout"]["trainer_tp"] = 2
+    for task in config["tasks"]:
+        task["total_steps"] = 2
+        task["dataset"]["eval_size"] = 4
+        task["algo"].update(group_size=4, batch_prompts=2)
+    config["tasks"][1]["lora"]["target_modules"] = ATTENTION
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
+    return config
+
+
+def test_a_transformers_written_qwen3_moe_runs_end_to_end_with_lora_on_its_experts(tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = _checkpoint(tmp_path)
+    config = _job(tmp_path, model)
+    proc = marlaas("run", tmp_path / "job.yaml", "--run-dir", tmp_path / "run", timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["engine"] == "hf"
+    assert {t: (s["status"], s["steps_done"]) for t, s in summary["tasks"].items()} == \
+        {spec["task_id"]: ("done", 2) for spec in config["tasks"]}
+    audit = [json.loads(line) for line in (tmp_path / "run" / "audit.jsonl").read_text().splitlines()]
+    assert len(audit) == 2 * 2 * 2 * 4  # tasks x steps x B x G
+    assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] < r["trained_into"] for r in audit)
+    base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    for spec, on_experts in zip(config["tasks"], (True, False)):
+        last = sorted((tmp_path / "run" / "tasks" / spec["tenant"] / spec["task_id"] / "adapters").iterdir())[-1]
+        keys = load_file(str(last / "adapter_model.safetensors")).keys()
+        expert_keys = [k for k in keys if ".mlp.experts." in k]
+        # layer 1 is a dense MLP (mlp_only_layers): no MLP adapter there; layers 0 and 2 route to 8 experts each
+        assert len(expert_keys) == (2 * 8 * 3 * 2 if on_experts else 0), (spec["task_id"], sorted(keys)[:6])
+        peft = PeftModel.from_pretrained(base, str(last)).eval()
+        lora = [name for name, _ in peft.named_parameters() if "lora_" in name]
+        assert lora and any("experts" in name for name in lora) == on_experts, spec["task_id"]
+        base = peft.unload()
