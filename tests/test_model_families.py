@@ -12,6 +12,7 @@ from marlaas_hpc.model.checkpoint import check_checkpoint, read_checkpoint
 from marlaas_hpc.model.families import RopeSpec, experts_of, family_of, rope_of
 from marlaas_hpc.model.random_checkpoints import SHAPES, ensure_random_checkpoint
 from marlaas_hpc.tasks import SpecError
+from support.published_configs import QWEN3_30B_A3B
 
 FAMILY_SHAPES = {"qwen3": ("qwen3-0.6b-mini", "qwen3-8b-mini"), "qwen2": ("qwen2.5-0.5b-mini", "qwen2.5-7b-mini"),
                  "llama": ("llama3.2-1b-mini", "llama3.1-8b-mini"), "qwen3_moe": ("qwen3-30b-a3b-mini",)}
@@ -32,16 +33,6 @@ QWEN25_7B_INSTRUCT = {  # config.json of Qwen/Qwen2.5-7B-Instruct as released
     "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
     "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "use_sliding_window": False, "vocab_size": 152064}
-QWEN3_30B_A3B = {  # config.json of Qwen/Qwen3-30B-A3B as released (transformers 4.51 format)
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
-    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
-    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
-    "vocab_size": 151936}
 
 
 @pytest.mark.parametrize("family, name", [(f, n) for f, names in FAMILY_SHAPES.items() for n in names])

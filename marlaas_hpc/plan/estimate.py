@@ -32,12 +32,19 @@ The activation and logits terms follow the code; tests/test_plan.py checks them 
 Rollout rank (one vLLM engine): weights in vllm.dtype, LoRA slots (vllm max_loras x max_lora_rank on the seven
 projections of every layer, A and B as vLLM stacks them), an activation reserve for vLLM's profiling forward
 (`rollout_activation_bytes`: an estimate), and the KV cache that vllm.gpu_memory_utilization leaves.
+
+Mixture-of-experts models (Qwen3-MoE): the experts' terms are experts.py's, layer by layer where
+`ModelShape.is_expert_layer`; every expert on every rank (TP over the experts, no expert parallelism).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from marlaas_hpc.model.shape import ModelShape
+from marlaas_hpc.plan.experts import (expert_backward_bytes_per_token, expert_layer_bytes_per_token,
+                                      expert_layer_fixed_bytes, expert_lora_elements, expert_peft_elements,
+                                      moe_layers, rollout_expert_bytes_per_token, router_elements,
+                                      vllm_expert_slot_elements)
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -175,8 +182,8 @@ def trainer_memory(inputs: TrainerInputs) -> TrainerMemory:
 
 def adapter_bytes(inputs: TrainerInputs) -> int:
     """One task's whole adapter as one flat float32 buffer: what a delta broadcast sends (every TP shard gathered,
-    in PEFT's form: A and B of each of the seven projections)."""
-    return 4 * vllm_lora_elements(inputs.dims, 1, inputs.lora_rank)
+    in PEFT's form: A and B of each of the seven projections, every expert's in an MoE)."""
+    return 4 * peft_adapter_elements(inputs.dims, inputs.lora_rank)
 
 
 def flex_mask_bytes(inputs: TrainerInputs) -> tuple[int, int]:
@@ -199,25 +206,30 @@ def base_weight_bytes(inputs: TrainerInputs) -> int:
     shard_vocab = padded_vocab(dims, tp) // tp
     embeddings = shard_vocab * dims.hidden_size * (1 if dims.tied else 2)
     padding_mask = shard_vocab if padded_vocab(dims, tp) > dims.vocab_size else 0
-    layers = dims.num_layers * (dims.layer_weights() + dims.qkv_biases()) // tp
+    router = router_elements(dims)  # whole on every rank (0 in a dense model)
+    linears = sum(dims.layer_weights(layer) for layer in range(dims.num_layers)) - router
+    layers = (linears + dims.num_layers * dims.qkv_biases()) // tp + router
     return b * (embeddings + layers + dims.norm_weights()) + padding_mask + 4 * dims.head_dim // 2
 
 
 def lora_elements(dims: ModelShape, tp: int, rank: int) -> int:
     """One task's A and B on this TP rank, every layer, all seven projections (trainer/lora.py's layout: column
-    sites qkv and fc1 keep A whole and split B; row sites proj and fc2 split A and keep B whole)."""
+    sites qkv and fc1 keep A whole and split B; row sites proj and fc2 split A and keep B whole). In an MoE model
+    the MLP sites are every expert's (experts.py), and its dense layers take none."""
     h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // tp
     qkv_out = (dims.num_heads + 2 * dims.num_kv_heads) * d // tp
-    per_layer = rank * (h + qkv_out) + rank * (dims.num_heads * d // tp + h) + rank * (h + 2 * f) + rank * (f + h)
-    return dims.num_layers * per_layer
+    attention = rank * (h + qkv_out) + rank * (dims.num_heads * d // tp + h)
+    if dims.num_experts:
+        return dims.num_layers * attention + expert_lora_elements(dims, tp, rank)
+    return dims.num_layers * (attention + rank * (h + 2 * f) + rank * (f + h))
 
 
-def layer_bytes_per_token(inputs: TrainerInputs) -> int:
+def layer_bytes_per_token(inputs: TrainerInputs, layer: int = 0) -> int:
     """What one decoder layer keeps for backward per token of the micro-batch, as the trainer's code saves it:
     what torch's fused RMSNorm keeps (the norm weights are in the base dtype: trainer/model.py), the input of
     each LoRA site (its frozen base linear keeps none; proj's is
     FlexAttention's output, kept anyway) and its [r] hidden, megatron's RoPE cos/sin, the attention's inputs and
-    output, and the SwiGLU's input and output."""
+    output, and the SwiGLU's input and output; an MoE layer's MLP keeps its routed tokens' (experts.py)."""
     dims, b, r = inputs.dims, inputs.dtype_bytes, inputs.lora_rank
     h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // inputs.tensor_parallel
     q_heads, kv_heads = dims.num_heads // inputs.tensor_parallel, dims.num_kv_heads // inputs.tensor_parallel
@@ -225,10 +237,14 @@ def layer_bytes_per_token(inputs: TrainerInputs) -> int:
     # view of the fused qkv output (counted with the attention), the q norm's a copy (megatron reshapes the
     # query heads of each KV group into one tensor)
     norms = 2 * (b * h + 4) + (b * q_heads * d + 4 * q_heads + 4 * kv_heads if dims.qk_norm else 0)
-    lora = b * (h + h + f) + (b * q_heads * d if inputs.attention == "dense" else 0) + 4 * 4 * r
+    attention_lora = b * h + (b * q_heads * d if inputs.attention == "dense" else 0) + 2 * 4 * r
     rope = 4 * d * b
+    attention = norms + attention_lora + rope + attention_bytes_per_token(inputs)
+    if dims.is_expert_layer(layer):
+        return attention + expert_layer_bytes_per_token(dims, inputs.tensor_parallel, b, r)
+    mlp_lora = 0 if dims.num_experts else b * (h + f) + 2 * 4 * r  # an MoE's dense layers: no MLP adapter
     mlp = 4 * f * b  # fc1's output [2f] (SwiGLU's input), the SiLU output and the product
-    return norms + lora + rope + attention_bytes_per_token(inputs) + mlp
+    return attention + mlp_lora + mlp
 
 
 def attention_bytes_per_token(inputs: TrainerInputs) -> int:
@@ -250,32 +266,55 @@ def activation_bytes(inputs: TrainerInputs) -> int:
     rebuilt inside backward, after the LM head's backward has freed the logits."""
     dims, tokens = inputs.dims, inputs.tokens
     mask = inputs.rows * inputs.width * inputs.width if inputs.attention == "dense" else 0  # bool, shared
-    layer, backward = tokens * layer_bytes_per_token(inputs), tokens * backward_bytes_per_token(inputs)
+    kinds = layer_kinds(dims)  # one layer of each kind: what a layer keeps depends on its MLP only
+    layers = {kind: tokens * layer_bytes_per_token(inputs, kind) + scaled_b_bytes(inputs, kind) for kind in kinds}
+    backward = tokens * backward_bytes_per_token(inputs)
     if not inputs.recompute:
         # layer 0's input norm keeps nothing (the frozen embedding's output needs no gradient); the final norm
         # keeps as much
-        return dims.num_layers * (layer + scaled_b_bytes(inputs)) + mask + max(0, backward - logits_bytes(inputs))
+        kept = sum(layers[layer_kinds(dims, layer)] for layer in range(dims.num_layers))
+        return kept + mask + max(0, backward - logits_bytes(inputs))
     # each layer's input (the first one's: the embedding's output, made to require grad for megatron's reentrant
     # checkpoint) and the final norm's float32 input
     checkpoints = (dims.num_layers + 1) * tokens * dims.hidden_size * inputs.dtype_bytes \
         + tokens * (inputs.dtype_bytes * dims.hidden_size + 4)
+    layer = max(tokens * layer_bytes_per_token(inputs, kind) for kind in kinds)
     return checkpoints + mask + max(0, layer + backward - logits_bytes(inputs))
 
 
-def scaled_b_bytes(inputs: TrainerInputs) -> int:
-    """Per layer, each fused task's B x alpha / r of the four sites (float32 [out, r], kept for backward)."""
+def layer_kinds(dims: ModelShape, layer: int | None = None):
+    """A representative layer of each MLP kind the model has ({0} for a dense model), or that of `layer`."""
+    if layer is None:
+        return {layer_kinds(dims, index) for index in range(dims.num_layers)}
+    if not dims.num_experts:
+        return 0
+    if dims.is_expert_layer(layer):
+        return next(index for index in range(dims.num_layers) if dims.is_expert_layer(index))
+    return dims.dense_layers[0]
+
+
+def scaled_b_bytes(inputs: TrainerInputs, layer: int = 0) -> int:
+    """Per layer, each fused task's B x alpha / r of the four sites (float32 [out, r], kept for backward); an MoE
+    layer's MLP sites are every expert's, and it keeps its router weight's float32 copy (experts.py)."""
     dims, tp = inputs.dims, inputs.tensor_parallel
-    out = (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim // tp + 2 * dims.intermediate_size // tp \
-        + 2 * dims.hidden_size
-    return inputs.tasks_per_step * 4 * inputs.lora_rank * out
+    attention = (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim // tp + dims.hidden_size
+    tasks = inputs.tasks_per_step
+    if dims.is_expert_layer(layer):
+        return tasks * 4 * inputs.lora_rank * attention \
+            + expert_layer_fixed_bytes(dims, tp, inputs.lora_rank, tasks)
+    mlp = 0 if dims.num_experts else 2 * dims.intermediate_size // tp + dims.hidden_size
+    return tasks * 4 * inputs.lora_rank * (attention + mlp)
 
 
 def backward_bytes_per_token(inputs: TrainerInputs) -> int:
     """A layer's backward at its peak, on top of the activations (measured by the dry run): the float32 gradient
     of fc1's output and a hidden-size gradient; without recompute the last layer's backward also meets the final
     norm's float32 gradients; dense attention adds the bf16 gradients of the scores."""
-    dims = inputs.dims
-    extra = 8 * (dims.intermediate_size // inputs.tensor_parallel) + dims.hidden_size
+    dims, tp = inputs.dims, inputs.tensor_parallel
+    extra = 8 * (dims.intermediate_size // tp) + dims.hidden_size
+    if moe_layers(dims):  # the widest MLP's
+        expert = expert_backward_bytes_per_token(dims, tp, inputs.dtype_bytes)
+        extra = max(expert, extra) if dims.dense_layers else expert
     if not inputs.recompute:
         extra += 8 * dims.hidden_size
     if inputs.attention == "dense":
@@ -351,18 +390,36 @@ class RolloutMemory:
 
 def rollout_memory(inputs: RolloutInputs) -> RolloutMemory:
     dims, tp, b = inputs.dims, inputs.tensor_parallel, inputs.dtype_bytes
-    return RolloutMemory(inputs=inputs, weights=b * (dims.parameters() // tp),
+    router = router_elements(dims)  # vLLM replicates the router (0 in a dense model)
+    return RolloutMemory(inputs=inputs, weights=b * ((dims.parameters() - router) // tp + router),
                          lora_slots=b * inputs.max_loras * vllm_lora_elements(dims, tp, inputs.max_lora_rank),
                          activations=rollout_activation_bytes(inputs))
 
 
 def vllm_lora_elements(dims: ModelShape, tp: int, rank: int) -> int:
-    """One vLLM LoRA slot on a TP rank: A and B of each of the seven projections (q, k, v, o, gate, up, down)."""
+    """One vLLM LoRA slot on a TP rank: A and B of each of the seven projections (q, k, v, o, gate, up, down); in
+    an MoE model, every expert's gate, up and down in its routed layers (experts.py)."""
+    attention, mlp = vllm_layer_elements(dims, tp, rank)
+    dense_mlps = dims.num_layers - moe_layers(dims)
+    return dims.num_layers * attention + dense_mlps * mlp + vllm_expert_slot_elements(dims, tp, rank)
+
+
+def vllm_layer_elements(dims: ModelShape, tp: int, rank: int) -> tuple[int, int]:
+    """(attention, dense MLP) elements of one layer's vLLM LoRA slot on a TP rank: q, k, v and o; gate, up, down."""
     h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // tp
     q, kv = dims.num_heads * d // tp, dims.num_kv_heads * d // tp
-    column = 3 * rank * h + rank * (q + 2 * kv) + 2 * rank * h + 2 * rank * f  # q, k, v, gate, up
-    row = rank * (dims.num_heads * d // tp) + rank * h + rank * f + rank * h  # o, down
-    return dims.num_layers * (column + row)
+    attention = 3 * rank * h + rank * (q + 2 * kv) + rank * q + rank * h
+    mlp = 2 * rank * h + 2 * rank * f + rank * f + rank * h
+    return attention, mlp
+
+
+def peft_adapter_elements(dims: ModelShape, rank: int) -> int:
+    """One task's whole adapter in PEFT's form (TP gathered: an export, a delta broadcast, a rollout rank's
+    in-memory copy): the seven projections of every layer; in an MoE model the attention's of every layer and
+    every expert's gate/up/down (its dense layers take no MLP adapter: trainer/lora.py `MultiLora`)."""
+    if not dims.num_experts:
+        return vllm_lora_elements(dims, 1, rank)
+    return dims.num_layers * vllm_layer_elements(dims, 1, rank)[0] + expert_peft_elements(dims, rank)
 
 
 ROLLOUT_BATCHED_TOKENS = 8192
@@ -375,7 +432,10 @@ def rollout_activation_bytes(inputs: RolloutInputs) -> int:
     start; the KV cache gets the rest."""
     dims, tp, b = inputs.dims, inputs.tensor_parallel, inputs.dtype_bytes
     tokens = max(ROLLOUT_BATCHED_TOKENS, inputs.max_model_len)
-    per_token = b * (4 * dims.hidden_size + 3 * dims.intermediate_size // tp
-                     + (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim // tp)
+    mlp = b * (3 * dims.intermediate_size // tp)
+    if moe_layers(dims):  # the widest layer's
+        expert = rollout_expert_bytes_per_token(dims, tp, b)
+        mlp = max(expert, mlp) if dims.dense_layers else expert
+    per_token = b * (4 * dims.hidden_size + (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim // tp) + mlp
     sampler = 3 * 4 * inputs.max_num_seqs * dims.vocab_size
     return tokens * per_token + sampler
