@@ -589,8 +589,10 @@ def print_dry_runs(job, plans: list[RankPlan], dims: dict[str, ModelShape], row_
     for plan in (plan for plan in plans if plan.kind == "trainer"):
         name = plan.model or next(iter(dims))
         if dims[name].num_experts:
-            print(f"{'' if plan.model is None else f'model {plan.model}: '}no GPU dry run: it builds no "
-                  "mixture-of-experts layers yet (the estimate's expert terms are unchecked)")
+            # megatron's permute picks each expert's tokens with masked_select, whose output size depends on
+            # the routing: fake tensors cannot size it (DynamicOutputShapeException), so the dry run fails there
+            print(f"{'' if plan.model is None else f'model {plan.model}: '}no GPU dry run: it cannot route "
+                  "tokens to experts on fake tensors (the estimate's expert terms are unchecked)")
         else:
             print_dry_run(job, paths[name], trainer_inputs(job, dims[name], row_tokens, prompt_tokens, plan.model),
                           plan.model)

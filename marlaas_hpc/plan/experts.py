@@ -19,7 +19,8 @@ Trainer rank, per MoE layer:
                    (k x h, kept for the routing weights' gradient), the fc1/fc2 sites' float32 [r] hiddens, and the
                    router's float32 logits, softmax and routing map (tokens x experts); per layer the float32 copy
                    of the router's weight autograd keeps for the input's gradient, and each fused task's B x alpha / r
-                   of every expert site. An estimate after the code: the GPU dry run covers no experts yet.
+                   of every expert site. An estimate after the code, unchecked: the GPU dry run cannot route
+                   tokens on fake tensors (megatron's permute uses masked_select, sized by the routing).
 
 Rollout rank: vLLM holds every expert at its TP (no `enable_expert_parallel`), the router replicated; its LoRA slots
 (vllm/lora/layers/fused_moe.py `FusedMoEWithLoRA`) are per expert w1/w3 A [r, h], B [expert_intermediate / TP, r]
