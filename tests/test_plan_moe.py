@@ -86,10 +86,13 @@ def test_every_trainer_and_rollout_rank_is_printed_with_every_expert_at_tp(tmp_p
 
 
 def test_the_shipped_eight_tasks_do_not_fit_an_80_gb_trainer_at_tp2(tmp_path, qwen3_30b, capsys):
-    """Eight rank-32 tasks on every expert: 31 GiB of adapters and 93 GiB of optimizer state a rank at TP 2."""
+    """Eight rank-32 tasks on every expert: 31 GiB of adapters and 93 GiB of optimizer state a rank at TP 2; the refusal
+    says where the memory goes."""
     code, out, err = plan(capsys, job_file(tmp_path, qwen3_30b, **{"layout.trainer_tp": 2}))
     assert code == 1 and "DOES NOT FIT" in out
     assert "marlaas: layout.trainer_tp: a trainer rank needs" in err and "no single change fits it" in err
+    assert "each task's adapter on every expert takes 15.57 GiB a rank with its gradients and AdamW moments, " \
+           "8 tasks (max_adapters) 124.59 GiB" in err, err
 
 
 def test_tp1_holds_61_gb_of_weights_and_is_refused_naming_layout_trainer_tp(tmp_path, qwen3_30b, capsys):

@@ -270,8 +270,19 @@ def trainer_advice(job, inputs: TrainerInputs, total: int, limit: int) -> tuple[
         return "layout.trainer_tp", (f"a trainer rank needs {_gib(total)} of {_gib(limit)} and no single change fits "
                                      "it: raise layout.trainer_tp, lower trainer.micro_batch_tokens and set "
                                      "trainer.recompute: true together, or use larger GPUs "
-                                     "(layout.trainer.gpu_memory_gib)")
+                                     "(layout.trainer.gpu_memory_gib)" + expert_adapter_hint(inputs))
     return first, f"a trainer rank needs {_gib(total)} of {_gib(limit)}: " + ", or ".join(options)
+
+
+def expert_adapter_hint(inputs: TrainerInputs) -> str:
+    """An MoE's adapters: TP shrinks them little (each expert's fc1 A and fc2 B are whole on every rank), fewer or
+    smaller ones do ('' for a dense model)."""
+    if not inputs.dims.num_experts:
+        return ""
+    memory = trainer_memory(inputs)
+    return (f"; each task's adapter on every expert takes {_gib(memory.lora_per_task + memory.optimizer_per_task)} "
+            f"a rank with its gradients and AdamW moments, {inputs.max_adapters} tasks (max_adapters) "
+            f"{_gib(memory.adapters)}, little of it split by TP: fewer tasks or a lower max_lora_rank shrink it")
 
 
 def largest_micro_batch(inputs: TrainerInputs, limit: int, step: int = 256) -> int:
