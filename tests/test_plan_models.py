@@ -6,11 +6,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from marlaas_hpc.cli import main as marlaas
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.plan.command import check_fits, job_model_dims, job_plan, trainer_inputs
-from support.configs import with_changes
+from support.configs import run_plan as plan, with_changes
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "qwen3-0.6b-gsm8k.yaml"
@@ -31,12 +30,6 @@ def two_models(tmp_path, models=None, **changes) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(with_changes(data, changes), sort_keys=False))
     return path
-
-
-def plan(capsys, *args) -> tuple[int, str, str]:
-    code = marlaas(["plan", *map(str, args)])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def section(stdout: str, title_start: str) -> str:

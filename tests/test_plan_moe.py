@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from marlaas_hpc.cli import main as marlaas
 from marlaas_hpc.config import JobConfig
 from marlaas_hpc.config_loader import SpecError
 from marlaas_hpc.model.random_checkpoints import SHAPES, hf_config
 from marlaas_hpc.plan.command import check_fits, model_dims, trainer_inputs
-from marlaas_hpc.plan.estimate import (GIB, adapter_bytes, base_weight_bytes, lora_elements, padded_vocab,
+from marlaas_hpc.plan.estimate import (adapter_bytes, base_weight_bytes, lora_elements, padded_vocab,
                                        peft_adapter_elements, vllm_lora_elements)
-from support.configs import with_changes
+from support.configs import run_plan as plan, with_changes
 from support.published_configs import QWEN3_30B_A3B
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,12 +41,6 @@ def job_file(tmp_path, model: Path, tasks: int = 8, **changes) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(with_changes(data, changes), sort_keys=False))
     return path
-
-
-def plan(capsys, *args) -> tuple[int, str, str]:
-    code = marlaas(["plan", *map(str, args)])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_the_adapter_of_every_expert_is_counted_from_first_principles(qwen3_30b):

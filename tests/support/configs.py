@@ -59,3 +59,12 @@ def task_spec(task_id: str, k: int = 1, steps: int = 3, batch: int = 2, *, prior
 def pool_scheduler(ranks=(1, 2), slots=2) -> Scheduler:
     """A scheduler of rollout `ranks` with `slots` each, one env rank, its clock stopped at 0."""
     return Scheduler(SchedulerConfig(rollout_ranks=ranks, env_ranks=(9,), rollout_slots=slots), clock=lambda: 0.0)
+
+
+def run_plan(capsys, *args) -> tuple[int, str, str]:
+    """`marlaas plan ARGS` in this process: (exit code, stdout, stderr)."""
+    from marlaas_hpc.cli import main as marlaas
+
+    code = marlaas(["plan", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
