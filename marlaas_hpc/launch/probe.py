@@ -61,7 +61,7 @@ def hetjob_probe(layout: JobLayout) -> dict[str, Any]:
 
 
 class RequeueProbe(Checkpointable):
-    """First run: rank 0 writes STATE_DIR/state.json and READY, then every rank waits (interruptible
+    """First run: rank 0 writes STATE_DIR/state.json, each rank READY.<rank>, then every rank waits (interruptible
     sleeps, so Python's USR2 handler runs) for the preemption signal. After the requeue it returns what
     it found. Rank 0 only: submitit checkpoints and requeues from world rank 0."""
 
@@ -72,7 +72,9 @@ class RequeueProbe(Checkpointable):
         if restart == 0:
             if rank == 0:
                 _write_json(state / "state.json", {"written_at_restart": 0, "step": 41})
-                (state / "READY").touch()
+            # each rank says it runs (submitit's signal handlers are set by now): a USR2 sent before a rank
+            # got here would kill it with the default action, not preempt it
+            (state / f"READY.{rank}").touch()
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline:
                 time.sleep(0.2)
