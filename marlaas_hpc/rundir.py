@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from marlaas_hpc.config_loader import SpecError, load_config
+from marlaas_hpc.config_loader import bounded, check_bounds, load_config
 
 
 def task_dir(run_dir: str | Path, spec) -> Path:
@@ -63,25 +63,19 @@ class RetentionConfig:
     """Which adapter versions each task's `adapters/` directory keeps (job config `adapters:`). The final
     version, the versions a task pins (`keep_versions`) and versions still in flight are always kept."""
 
-    keep_last: int = 2
+    keep_last: int = bounded(2, ge=0)
     """The newest this many versions of each task (0: only the newest, which is always kept)."""
-    keep_every: int = 10
+    keep_every: int = bounded(10, ge=0)
     """Every version that is a multiple of this (v0, v10, v20, ...): a sparse history of the run.
     0: none; 1: every version (nothing is ever deleted)."""
 
-    keep_final_checkpoint: bool = False
+    keep_final_checkpoint: bool = bounded(False)
     """Keep an ended task's newest checkpoint shards (adapter and optimizer state, tasks/<tenant>/<task>/
     checkpoint/) to train it further elsewhere. False: every trainer rank deletes them when the task ends (a
     resume never restarts an ended task; its final adapter stays in adapters/)."""
 
     def validate(self, prefix: str = "adapters") -> "RetentionConfig":
-        for name in ("keep_last", "keep_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise SpecError(f"{prefix}.{name}", f"must be an integer >= 0, got {value!r}")
-        if not isinstance(self.keep_final_checkpoint, bool):
-            raise SpecError(f"{prefix}.keep_final_checkpoint", f"must be true or false, got "
-                                                               f"{self.keep_final_checkpoint!r}")
+        check_bounds(self, prefix)
         return self
 
     @classmethod
@@ -100,21 +94,15 @@ class CheckpointConfig:
     restarts. Either trigger saves a task after its step; 0 turns a trigger off (both 0: only preemption
     checkpoints, and a crash restarts tasks from their start)."""
 
-    every_steps: int = 10
+    every_steps: int = bounded(10, ge=0)
     """Save a task after every this many of its optimizer steps: a crash loses at most this many steps."""
-    every_minutes: float = 10.0
+    every_minutes: float = bounded(10.0, ge=0, unit="minutes")
     """... or after its first step once its last save is this old (slow tasks: bounds the lost wall time)."""
-    max_crash_requeues: int = 3
+    max_crash_requeues: int = bounded(3, ge=0)
     """Under Slurm a job whose rank died or failed requeues itself and resumes, at most this many times."""
 
     def validate(self, prefix: str = "checkpoint") -> "CheckpointConfig":
-        for name in ("every_steps", "max_crash_requeues"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise SpecError(f"{prefix}.{name}", f"must be an integer >= 0, got {value!r}")
-        value = self.every_minutes
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
-            raise SpecError(f"{prefix}.every_minutes", f"must be a number of minutes >= 0, got {value!r}")
+        check_bounds(self, prefix)
         return self
 
     @classmethod

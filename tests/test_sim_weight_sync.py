@@ -109,11 +109,11 @@ def test_decode_time_with_few_sequences_is_measured():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("plane", "gossip", "delta_plane.plane: unknown plane"),
+    ("plane", "gossip", "delta_plane.plane: must be one of ['broadcast', 'relay']"),
     ("max_in_flight", -1, "delta_plane.max_in_flight: must be an integer >= 0"),
     ("relay_fanout", 0, "delta_plane.relay_fanout: must be an integer >= 1"),
-    ("pull_bandwidth", 0.0, "delta_plane.pull_bandwidth: must be a number > 0"),
-    ("relay_latency", -1e-6, "delta_plane.relay_latency: must be a number >= 0"),
+    ("pull_bandwidth", 0.0, "delta_plane.pull_bandwidth: must be a number of bytes/s > 0"),
+    ("relay_latency", -1e-6, "delta_plane.relay_latency: must be a number of seconds >= 0"),
 ])
 def test_a_bad_delta_plane_is_refused_naming_the_field(field, value, message):
     with pytest.raises(SpecError) as error:

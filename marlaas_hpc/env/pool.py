@@ -43,7 +43,7 @@ from collections import Counter, defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from marlaas_hpc.config_loader import SpecError
+from marlaas_hpc.config_loader import bounded, check_bounds
 from marlaas_hpc.env.protocol import Environment, StepResult
 from marlaas_hpc.tasks.base import RewardError, TaskData
 
@@ -54,29 +54,20 @@ MAX_TOOL_CONCURRENCY = 4096  # one thread per call in flight: beyond this, raise
 
 @dataclass(kw_only=True, frozen=True)
 class EnvPoolConfig:
-    mode: str = "thread"
+    mode: str = bounded("thread", choices=MODES)
     """'thread', 'process' or 'inline' (see module docstring)."""
-    workers: int = 4
+    workers: int = bounded(4, ge=1)
     """Concurrent env steps."""
-    step_timeout_s: float = 30.0
+    step_timeout_s: float = bounded(30.0, gt=0, unit="seconds")
     """Per env.step wall-clock limit (a tool's own limits, e.g. the python sandbox's, are shorter)."""
-    max_samples_per_stage: int = 100_000
+    max_samples_per_stage: int = bounded(100_000, ge=1)
     """Timing samples kept per stage for the stats (oldest dropped)."""
-    tool_concurrency: int = 256
+    tool_concurrency: int = bounded(256, ge=1, le=MAX_TOOL_CONCURRENCY)
     """Most env steps waiting on one service tool (by tool name, e.g. 'lookup') in flight at once on this rank;
     they run on threads of their own, not on the workers, and a step past the bound waits for a slot."""
 
     def validate(self, prefix: str = "env_pool") -> "EnvPoolConfig":
-        if self.mode not in MODES:
-            raise SpecError(f"{prefix}.mode", f"must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise SpecError(f"{prefix}.workers", f"must be an integer >= 1, got {self.workers!r}")
-        if not self.step_timeout_s > 0:
-            raise SpecError(f"{prefix}.step_timeout_s", f"must be > 0, got {self.step_timeout_s!r}")
-        if not isinstance(self.tool_concurrency, int) or isinstance(self.tool_concurrency, bool) \
-                or not 1 <= self.tool_concurrency <= MAX_TOOL_CONCURRENCY:
-            raise SpecError(f"{prefix}.tool_concurrency",
-                            f"must be an integer in [1, {MAX_TOOL_CONCURRENCY}], got {self.tool_concurrency!r}")
+        check_bounds(self, prefix)
         return self
 
 

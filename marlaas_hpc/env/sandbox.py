@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from marlaas_hpc.config_loader import SpecError, bounded, check_bounds
 from marlaas_hpc.env import confine
 
 LEVELS = ("bwrap", "landlock", "rlimits")
@@ -61,45 +62,38 @@ DEVICE_FILES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 
 @dataclass(kw_only=True, frozen=True)
 class SandboxLimits:
-    cpu_seconds: int | None = 2
+    cpu_seconds: int | None = bounded(2, ge=1, unit="seconds")
     """RLIMIT_CPU of the child (SIGXCPU at this many CPU seconds); None: no CPU limit (long-lived workers,
     whose calls the wall-clock limit bounds)."""
-    wall_seconds: float = 5.0
+    wall_seconds: float = bounded(5.0, gt=0, unit="seconds")
     """Wall-clock limit of a run (of each call, for a function worker); then the child is SIGKILLed."""
-    memory_bytes: int = 512 * 2**20
+    memory_bytes: int = bounded(512 * 2**20, ge=1, unit="bytes")
     """RLIMIT_AS (address space) of the child."""
-    max_processes: int = 8
+    max_processes: int = bounded(8, ge=1)
     """RLIMIT_NPROC, set only for a dedicated sandbox uid (it counts every process of the uid)."""
-    file_bytes: int = 1 * 2**20
+    file_bytes: int = bounded(1 * 2**20, ge=1, unit="bytes")
     """RLIMIT_FSIZE: largest file the child may write, stdout/stderr included."""
-    max_output_chars: int = 1000
+    max_output_chars: int = bounded(1000, ge=1)
     """stdout (and the error tail) returned to the model is cut to this many characters."""
-    network: bool = False
+    network: bool = bounded(False)
     """Allow network access (no namespace, sockets allowed). Off by default."""
-    isolation: str = "auto"
+    isolation: str = bounded("auto", choices=ISOLATION_CHOICES)
     """'auto' (strongest available), 'bwrap', 'landlock' or 'rlimits' (see the module docstring)."""
-    allow_unisolated: bool = False
+    allow_unisolated: bool = bounded(False)
     """Run even where only the 'rlimits' level is available (no file isolation)."""
     uid_range: tuple[int, int] | None = DEFAULT_UID_RANGE
     """Only as root: run each call / worker as its own uid from [lo, hi) (RLIMIT_NPROC then applies and
     leftovers are killed by uid). None: stay uid 0, without capabilities."""
-    audit_hook: bool = True
+    audit_hook: bool = bounded(True)
     """The in-child Python audit hook (clearer messages; not a boundary). Tests turn it off."""
 
     def validate(self) -> "SandboxLimits":
-        for name in ("memory_bytes", "max_processes", "file_bytes", "max_output_chars"):
-            if not _positive_int(getattr(self, name)):
-                raise ValueError(f"sandbox.{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.cpu_seconds is not None and not _positive_int(self.cpu_seconds):
-            raise ValueError(f"sandbox.cpu_seconds must be a positive integer or None, got {self.cpu_seconds!r}")
-        if not (isinstance(self.wall_seconds, (int, float)) and 0 < self.wall_seconds < float("inf")):
-            raise ValueError(f"sandbox.wall_seconds must be > 0 and finite, got {self.wall_seconds!r}")
-        if self.isolation not in ISOLATION_CHOICES:
-            raise ValueError(f"sandbox.isolation must be one of {ISOLATION_CHOICES}, got {self.isolation!r}")
+        """Refuses a bad limit with a SpecError (a ValueError) naming it, `sandbox.<field>`."""
+        check_bounds(self, "sandbox")
         if self.uid_range is not None and not (len(self.uid_range) == 2 and all(map(_positive_int, self.uid_range))
                                                and self.uid_range[0] < self.uid_range[1] < 2**32 - 1):
-            raise ValueError(f"sandbox.uid_range must be (lo, hi) with 0 < lo < hi < 2**32 - 1, got "
-                             f"{self.uid_range!r}")
+            raise SpecError("sandbox.uid_range", f"must be (lo, hi) with 0 < lo < hi < 2**32 - 1, got "
+                                                 f"{self.uid_range!r}")
         return self
 
 

@@ -23,9 +23,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from marlaas_hpc.env.sandbox import (FunctionWorker, SandboxLimits, SandboxUnavailable, WorkerDied, WorkerTimeout)
+from marlaas_hpc.env.sandbox import (ISOLATION_CHOICES, FunctionWorker, SandboxLimits, SandboxUnavailable, WorkerDied,
+                                     WorkerTimeout)
 from marlaas_hpc.tasks.base import RewardError, Sample
-from marlaas_hpc.config_loader import SpecError, load_config
+from marlaas_hpc.config_loader import SpecError, bounded, check_bounds, load_config
 
 PACKAGE_PREFIX = "marlaas_hpc."
 FIELD = "dataset.reward_fn"
@@ -73,35 +74,25 @@ def with_path(value: str, path: str) -> str:
 class SandboxConfig:
     """The job's `sandbox:` section: how tenant code (reward functions) runs on env ranks and at intake."""
 
-    isolation: str = "auto"
+    isolation: str = bounded("auto", choices=ISOLATION_CHOICES)
     """'auto' (the strongest this node offers), 'bwrap', 'landlock' or 'rlimits' (env/sandbox.py)."""
-    allow_unisolated: bool = False
+    allow_unisolated: bool = bounded(False)
     """Run tenant code even where only 'rlimits' is available (no file isolation: other tenants' files and
     the run dir are then readable to it). Off: such tasks fail with a message saying what is missing."""
     uid_range: tuple[int, int] | None = SandboxLimits().uid_range
     """When the job runs as root: each worker runs as its own uid from [lo, hi). null: uid 0 without
     capabilities."""
-    reward_timeout_s: float = 10.0
+    reward_timeout_s: float = bounded(10.0, gt=0, le=3600, unit="seconds")
     """Wall-clock limit of one reward call (and at least 60 s for a worker to load its file)."""
-    reward_memory_mb: int = 2048
+    reward_memory_mb: int = bounded(2048, ge=64, le=2**20, unit="MiB")
     """Address-space limit of a reward worker, in MiB."""
 
     def validate(self, prefix: str = "sandbox") -> "SandboxConfig":
-        if not isinstance(self.reward_memory_mb, int) or isinstance(self.reward_memory_mb, bool) \
-                or not 64 <= self.reward_memory_mb <= 2**20:
-            raise SpecError(f"{prefix}.reward_memory_mb", f"must be an integer in [64, 1048576], got "
-                                                          f"{self.reward_memory_mb!r}")
-        if not isinstance(self.reward_timeout_s, (int, float)) or isinstance(self.reward_timeout_s, bool) \
-                or not 0 < self.reward_timeout_s <= 3600:
-            raise SpecError(f"{prefix}.reward_timeout_s", f"must be seconds in (0, 3600], got "
-                                                          f"{self.reward_timeout_s!r}")
-        if not isinstance(self.allow_unisolated, bool):
-            raise SpecError(f"{prefix}.allow_unisolated", f"must be true or false, got {self.allow_unisolated!r}")
-        try:
+        check_bounds(self, prefix)
+        try:  # what the bounds above do not say, the uid range
             self.reward_limits().validate()
-        except ValueError as exc:
-            name, _, message = str(exc).partition(" ")
-            raise SpecError(f"{prefix}.{name.split('.')[-1]}", message) from None
+        except SpecError as exc:
+            raise SpecError(f"{prefix}.{exc.field.split('.')[-1]}", exc.reason) from None
         return self
 
     def reward_limits(self) -> SandboxLimits:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from marlaas_hpc.config_loader import SpecError
+from marlaas_hpc.config_loader import bounded, check_bounds
 from marlaas_hpc.scheduler.modes import MODES
 
 ORDERS = ("fair", "priority", "fifo")
@@ -18,31 +18,24 @@ ORDERS = ("fair", "priority", "fifo")
 
 @dataclass(kw_only=True)
 class SchedulerSettings:
-    mode: str = "async"
+    mode: str = bounded("async", choices=MODES)
     """Scheduling: 'async' (MARLaaS), 'sync' (all tasks in lockstep rounds) or 'sequential' (one task at a time);
     one policy each (scheduler/modes.py)."""
-    order: str = "fair"
+    order: str = bounded("fair", choices=ORDERS)
     """Which ready task goes first: 'fair' (least recently served), 'priority' (TaskSpec.priority), 'fifo'."""
-    rollout_slots: int = 4
+    rollout_slots: int = bounded(4, ge=1)
     """Prompt groups one rollout rank generates concurrently (its continuous batch, in groups). A slot counts a
     group's turn in the engine (Generated frees it, Resumed takes it again): a multi-turn group holds a slot for
     each turn while it is in the engine, none while its tool calls wait."""
-    max_adapters: int = 8
+    max_adapters: int = bounded(8, ge=1)
     """Adapter slots: tasks running at once (each rollout engine serves that many LoRAs); more wait queued."""
-    trainer_slots: int = 4
+    trainer_slots: int = bounded(4, ge=1)
     """Train orders (of different tasks) in flight at once per trainer group; a group fuses those whose data is
     present into one step that shares the base model's forward and backward. 1 = one task per step."""
 
     def check_settings(self) -> None:
-        """SpecError naming the first setting out of its range."""
-        if self.mode not in MODES:
-            raise SpecError("mode", f"unknown mode {self.mode!r}; known: {list(MODES)}")
-        if self.order not in ORDERS:
-            raise SpecError("order", f"unknown order {self.order!r}; known: {list(ORDERS)}")
-        for name in ("max_adapters", "rollout_slots", "trainer_slots"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(name, f"must be an integer >= 1, got {value!r}")
+        """SpecError naming the first field out of its bounds (these settings, and those a subclass declares)."""
+        check_bounds(self)
 
     def scheduler_settings(self) -> dict:
         """These settings by name (of a JobConfig or SimSetup: only the scheduler's), for a SchedulerConfig."""

@@ -13,6 +13,7 @@ from marlaas_hpc.config import JobConfig
 from marlaas_hpc.scheduler import SchedulerConfig
 from marlaas_hpc.scheduler.settings import SchedulerSettings
 from marlaas_hpc.tasks.spec import SpecError, TaskSpec
+from marlaas_hpc.config_loader import bounded, check_bounds
 
 
 @dataclass(frozen=True)
@@ -40,15 +41,15 @@ class SimSetup(SchedulerSettings):
     """A simulated job: the scheduler's settings (SchedulerSettings, as a job config sets them), its ranks and
     its tasks."""
 
-    env_ranks: int = 1
+    env_ranks: int = bounded(1, ge=1)
     """Env (CPU) ranks."""
-    rollout_ranks: int = 1
+    rollout_ranks: int = bounded(1, ge=1)
     """Rollout ranks (one inference engine each, one GPU each in the GPU count)."""
-    trainer_tp: int = 1
+    trainer_tp: int = bounded(1, ge=1)
     """Tensor-parallel size of a trainer group."""
-    trainer_dp: int = 1
+    trainer_dp: int = bounded(1, ge=1)
     """Data-parallel replicas inside a trainer group (a step's tokens are split over them)."""
-    trainer_groups: int = 1
+    trainer_groups: int = bounded(1, ge=1)
     """Independent trainer groups (DP x TP GPUs each); the scheduler places each task on one."""
     tasks: list[TaskSpec] = field(default_factory=list)
     """The tasks submitted at time 0."""
@@ -73,11 +74,7 @@ class SimSetup(SchedulerSettings):
                                trainer_groups=self.trainer_groups)
 
     def validate(self) -> "SimSetup":
-        for name in ("env_ranks", "rollout_ranks", "trainer_tp", "trainer_dp", "trainer_groups"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(name, f"must be an integer >= 1, got {value!r}")
-        self.check_settings()
+        check_bounds(self)  # the ranks' and the scheduler settings' bounds
         if not self.tasks:
             raise SpecError("tasks", "nothing to simulate: the config has no tasks")
         for i, loss in enumerate(self.losses):

@@ -30,7 +30,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from marlaas_hpc.config_loader import SpecError
+from marlaas_hpc.config_loader import SpecError, bounded, check_bounds
 
 PLANES = ("broadcast", "relay")
 PULLS = ("eager", "on_demand")
@@ -40,45 +40,32 @@ PULLS = ("eager", "on_demand")
 class DeltaPlaneModel:
     """Which delta plane the simulator models, and its parameters (SI units: seconds, bytes, bytes/s)."""
 
-    plane: str = "broadcast"
+    plane: str = bounded("broadcast", choices=PLANES)
     """'broadcast' (today's lockstep: every rollout rank in every broadcast) or 'relay' (push once, pull)."""
-    max_in_flight: int = 16
+    max_in_flight: int = bounded(16, ge=0)
     """Broadcast: broadcasts a leader may have outstanding before it waits for its oldest (the runtime's
     DeltaChannel.MAX_IN_FLIGHT); 0: the leader waits for each of its broadcasts to end."""
-    push_bandwidth: float = 25e9
+    push_bandwidth: float = bounded(25e9, gt=0, unit="bytes/s")
     """Relay: leader -> root relay (one sender, the leader's NIC)."""
-    relay_bandwidth: float = 25e9
+    relay_bandwidth: float = bounded(25e9, gt=0, unit="bytes/s")
     """Relay: one relay's egress to the relays it forwards to (shared by its children)."""
-    relay_latency: float = 50e-6
+    relay_latency: float = bounded(50e-6, ge=0, unit="seconds")
     """Relay: per hop (the leader's push included)."""
-    relay_fanout: int = 2
+    relay_fanout: int = bounded(2, ge=1)
     """Relay: children per relay (1: a chain)."""
-    relay_chunks: int = 8
+    relay_chunks: int = bounded(8, ge=1)
     """Relay: chunks a version is pipelined in (a relay forwards a chunk as soon as it holds it)."""
-    relay_pull: str = "eager"
+    relay_pull: str = bounded("eager", choices=PULLS)
     """Relay: 'eager' (a rank pulls every new version at its next step boundary: it holds every task's newest, as
     every rank does today) or 'on_demand' (a rank pulls a task's version only when work for it asks for a newer
     one than it holds)."""
-    pull_bandwidth: float = 25e9
+    pull_bandwidth: float = bounded(25e9, gt=0, unit="bytes/s")
     """Relay: node relay (host memory) -> a rollout rank on the same node."""
-    ranks_per_node: int = 8
+    ranks_per_node: int = bounded(8, ge=1)
     """Relay: rollout ranks per node, one relay each node."""
 
     def validate(self, prefix: str = "delta_plane") -> "DeltaPlaneModel":
-        if self.plane not in PLANES:
-            raise SpecError(f"{prefix}.plane", f"unknown plane {self.plane!r}; known {PLANES}")
-        if self.relay_pull not in PULLS:
-            raise SpecError(f"{prefix}.relay_pull", f"unknown pull {self.relay_pull!r}; known {PULLS}")
-        for name, least in (("max_in_flight", 0), ("relay_fanout", 1), ("relay_chunks", 1), ("ranks_per_node", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise SpecError(f"{prefix}.{name}", f"must be an integer >= {least}, got {value!r}")
-        for name in ("push_bandwidth", "relay_bandwidth", "relay_latency", "pull_bandwidth"):
-            value = getattr(self, name)
-            positive = name != "relay_latency"
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                    or value < 0 or (positive and value == 0)):
-                raise SpecError(f"{prefix}.{name}", f"must be a number {'> 0' if positive else '>= 0'}, got {value!r}")
+        check_bounds(self, prefix)
         return self
 
 
