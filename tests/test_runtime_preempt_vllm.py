@@ -75,6 +75,14 @@ class _Job:
         root = psutil.Process(self.proc.pid)
         return [root, *root.children(recursive=True)]
 
+    def process_names(self) -> list[tuple[int, str, list[str]]]:
+        """(pid, name, command line) of every process of the job: what a failed search for a process saw."""
+        names = []
+        for process in self.processes():
+            with contextlib.suppress(psutil.Error):
+                names.append((process.pid, process.name(), process.cmdline()[:3]))
+        return names
+
     def engine_cores(self, wait_s: float = 60) -> list[psutil.Process]:
         """The job's vLLM engine cores, waited for while the job runs (a core names itself once it is up)."""
         deadline = time.monotonic() + wait_s
@@ -149,7 +157,8 @@ def test_usr2_checkpoints_a_job_with_own_process_engines_and_resume_trains_every
     job = _Job(config, tmp_path)
     job.wait_steps(2)
     cores = job.engine_cores()
-    assert len(cores) == 1, "the rollout rank's engine core runs in a process of its own"
+    assert len(cores) == 1, ("the rollout rank's engine core runs in a process of its own; the job's processes: "
+                             f"{job.process_names()}, ended: {job.proc.poll()}")
     signalled = len(job.processes())
     send(job)
     assert _outlives_its_rank(cores[0], psutil.Process(cores[0].ppid())), "USR2 killed the engine core"
