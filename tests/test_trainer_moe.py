@@ -201,6 +201,14 @@ def test_moe_replay_routes_through_the_given_experts(runs, hf_base, checkpoint, 
     assert moved > 100 * LOGIT_TOL and worst <= LOGIT_TOL
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_route_mismatch_counts_the_trained_tokens_the_trainer_routes_otherwise(runs, tp):
+    """`route_mismatch` of a replaying task's step: 0 on the experts transformers chose (the trainer's own top k
+    agrees), 1 on the 2nd..k+1-th (its own top k of the first MoE layer differs for every token)."""
+    steps = runs[tp][0]["replay_steps"]
+    assert steps["own"]["route_mismatch"] == 0.0 and steps["next"]["route_mismatch"] == 1.0, steps
+
+
 def test_moe_tp2_equals_tp1_losses_and_grads(runs):
     one, two = runs[1][0], runs[2][0]
     assert len(one["steps"]) == STEPS

@@ -85,8 +85,19 @@ def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], ba
         record["refusal"] = None
     except ValueError as exc:
         record["refusal"] = str(exc)
+    record["replay_steps"] = _replay_steps(trainer, batch, shifted)
     trainer.close()
     return record
+
+
+def _replay_steps(trainer, batch: list[Trajectory], shifted: list[Trajectory]) -> dict[str, dict]:
+    """One fused step of two replaying tasks: "own" on the experts transformers chose, "next" on the 2nd..k+1-th."""
+    algo = replace(ALGO, routing_replay=True)
+    batches = {"own": batch, "next": shifted}
+    for task_id in batches:
+        trainer.add_task(task_id, EXPERT_LORA, algo)
+    return trainer.train_steps({task_id: [replace(traj, task_id=task_id) for traj in trajs]
+                                for task_id, trajs in batches.items()})
 
 
 def write_hf_moe_checkpoint(out: Path, vocab_size: int) -> Path:
