@@ -461,6 +461,7 @@ class MultiLoraTrainer:
 
     def _accumulate_packed(self, batch: PackedBatch, chunk: list[tuple[str, Trajectory]], mask, counts: "_StepCounts",
                            stats: dict[str, dict[str, float]]) -> None:
+        """`_accumulate_gradients` of the packed micro-batch, its routes (if any) in place."""
         extra = _MicroBatchInputs(base=self._base_logprobs(batch, mask), lagged=self._lagged_logprobs(batch, chunk, mask),
                                   items=_item_ranges(chunk), units=counts.units_of(chunk))
         with training_mode(self.model), self.lora.ctx.use(batch.tasks), self.attention.use(mask) as argument:
@@ -493,10 +494,11 @@ class MultiLoraTrainer:
             with torch.no_grad():  # distance to the behaviour policy: ~0 on-policy at equal version
                 diff = float(((tokens.logp - tokens.behaviour).abs() * tokens.mask).sum()) / counts.ran_tokens[task_id]
             acc["logp_diff_abs"] = acc.get("logp_diff_abs", 0.0) + diff
-            if algo.routing_replay and changed is not None:  # share of trained tokens routed otherwise by the trainer
-                flags = changed[batch.token_source[first:end], batch.token_row[first:end]].float()
-                share = float((flags * tokens.mask).sum()) / counts.ran_tokens[task_id]
-                acc["route_mismatch"] = acc.get("route_mismatch", 0.0) + share
+            rows, sources = batch.token_row[first:end], batch.token_source[first:end]
+            if changed is not None and batch.route_mask[rows, sources].any():  # the task's tokens replay here
+                flags = changed[sources, rows].float()  # trained tokens the trainer routes otherwise
+                mismatched = float((flags * tokens.mask).sum()) / counts.ran_tokens[task_id]
+                acc["route_mismatch"] = acc.get("route_mismatch", 0.0) + mismatched
         return total_loss
 
     def _task_tokens(self, task_id: str, batch: PackedBatch, span: slice, hidden: torch.Tensor,
