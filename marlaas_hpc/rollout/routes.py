@@ -4,7 +4,8 @@
 transformers' Qwen3MoeSparseMoeBlock routes through its `mlp.gate` (Qwen3MoeTopKRouter), which returns (router
 logits, top-k weights, top-k expert indices) for the block's tokens flattened batch-major ([batch * seq]). A
 forward hook on every routed layer's gate keeps the indices of each forward (prefill, then one per decode step),
-as int16 on the host: k x MoE layers x 2 bytes per position (Qwen3-30B-A3B: 8 x 48 x 2 = 768 bytes).
+as int16, copied to the host after the generate call: k x MoE layers x 2 bytes per position (Qwen3-30B-A3B:
+8 x 48 x 2 = 768 bytes).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class RouteRecorder:
         if not self.gates:
             raise ValueError("routing replay needs a mixture-of-experts model: this one routes no layer")
         self.forwards: list[list[torch.Tensor]] = []
-        """Per forward, per MoE layer: the top-k indices [tokens (batch-major), k] (int16, host)."""
+        """Per forward, per MoE layer: the top-k indices [tokens (batch-major), k] (int16, on the model's device)."""
 
     @contextmanager
     def recording(self) -> Iterator["RouteRecorder"]:
@@ -45,17 +46,17 @@ class RouteRecorder:
 
     def _hook(self, index: int):
         def hook(module, inputs, output):
-            indices = output[2].detach().to("cpu", ROUTE_DTYPE)
+            indices = output[2].detach().to(ROUTE_DTYPE)  # kept on the device: no sync per layer and step
             if index == 0:
                 self.forwards.append([])
             self.forwards[-1].append(indices)
         return hook
 
     def by_position(self, batch: int) -> list[torch.Tensor]:
-        """Each forward's routes as [batch, seq, MoE layers, k] (seq: the positions that forward fed)."""
+        """Each forward's routes as [batch, seq, MoE layers, k] on the host (seq: the positions that forward fed)."""
         out = []
         for layers in self.forwards:
-            stacked = torch.stack(layers, dim=1)  # [batch * seq, layers, k]
+            stacked = torch.stack(layers, dim=1).cpu()  # [batch * seq, layers, k]
             out.append(stacked.view(batch, -1, *stacked.shape[1:]))
         return out
 

@@ -36,10 +36,11 @@ def moe_per_checkpoint(rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
 
 def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], batch: list[Trajectory],
                  out_dir: str, shifted: list[Trajectory]) -> dict:
-    """Base logits and logprobs, also routed through `batch`'s recorded routes and `shifted`'s; STEPS fused GRPO steps of two tasks in one batch (an attention LoRA "a" and a
-    default-target one "e", experts included) with megatron's aux-loss hook watched; the trained adapters' logits
-    (one adapter per row too), "e"'s logprobs, both PEFT exports, "e" loaded back from its export; a target the
-    model lacks refused."""
+    """Base logits and logprobs, also routed through `batch`'s recorded routes and `shifted`'s; STEPS fused GRPO
+    steps of two tasks in one batch (an attention LoRA "a" and a default-target one "e", experts included) with
+    megatron's aux-loss hook watched; the trained adapters' logits (one adapter per row too), "e"'s logprobs, both
+    PEFT exports, "e" loaded back from its export; a target the model lacks refused; one step of two replaying
+    tasks (`_replay_steps`)."""
     from megatron.core.transformer.moe import moe_utils
 
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
