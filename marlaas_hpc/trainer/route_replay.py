@@ -52,7 +52,8 @@ class RouteReplay:
                 raise ValueError(f"routes of shape {tuple(routes.shape)} (mask {tuple(mask.shape)}) for a model of "
                                  f"{self.moe_layers} MoE layers")
             # megatron's activations are [s, rows]: a router sees token s * rows + row
-            routes, mask = routes.transpose(0, 1).long(), mask.t().contiguous()
+            # int16 until a router takes its layer's slice: int64 [s, rows, layers, k] is 4x the bytes
+            routes, mask = routes.transpose(0, 1), mask.t().contiguous()
             if not mask.any():
                 routes = mask = None
         self._routes, self._mask, self._mismatch = routes, mask, {}
@@ -66,7 +67,7 @@ class RouteReplay:
         they replay, or None (no replay in this forward: megatron's own routing)."""
         if self._routes is None:
             return None
-        routes = self._routes[:, :, router.moe_index].reshape(-1, router.topk)
+        routes = self._routes[:, :, router.moe_index].reshape(-1, router.topk).long()
         mask = self._mask.reshape(-1)
         logits = logits.view(-1, router.config.num_moe_experts)
         probs, routing_map, own = replayed_routing(logits, routes, mask, router.topk,
