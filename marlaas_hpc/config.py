@@ -370,6 +370,9 @@ class JobConfig(SchedulerSettings):
             if outside:
                 raise SpecError(f"tasks[{i}].lora.target_modules", f"{family.name} models have no module(s) {outside}"
                                                                    f"; LoRA targets: {list(family.lora_targets)}")
+            if task.algo.routing_replay and not family.experts:
+                raise SpecError(f"tasks[{i}].algo.routing_replay", f"replays a mixture-of-experts model's routing; "
+                                                                   f"{path} is a dense {family.name} model")
             if task.prompt.format == "chat" and not info.has_chat_template:
                 raise SpecError(f"tasks[{i}].prompt.format", f"chat prompts need a chat template, and the tokenizer "
                                                             f"of {path} has none")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -22,6 +23,12 @@ class Trajectory:
     advantage: float = 0.0
     loss_mask: list[int] | None = None
     """1 for model tokens that are trained, 0 for tool output; None = all ones."""
+    routes: Any = None
+    """Routing replay (`algo.routing_replay`, mixture-of-experts models): the experts the rollout engine chose for
+    each position it fed, an int16 array [positions, MoE layers, top k] (numpy: this module imports no torch).
+    Positions are the prompt's and the completion's, the last completion token's optional (the engine samples it
+    but feeds it to no forward): len(prompt_ids) + len(completion_ids) - 1 or + 0 rows. None: not recorded
+    (every task without replay, which pays nothing for it)."""
 
     def mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * len(self.completion_ids)
@@ -31,6 +38,11 @@ class Trajectory:
         if len(self.behaviour_logprobs) != n or len(self.mask()) != n:
             raise ValueError(f"trajectory of {self.task_id}: {n} completion tokens but "
                              f"{len(self.behaviour_logprobs)} logprobs and {len(self.mask())} mask entries")
+        if self.routes is not None:
+            fed = len(self.prompt_ids) + n
+            if len(getattr(self.routes, "shape", ())) != 3 or not fed - 1 <= self.routes.shape[0] <= fed:
+                raise ValueError(f"trajectory of {self.task_id}: routes of shape {getattr(self.routes, 'shape', None)}"
+                                 f" for {fed} positions (want [{fed - 1} or {fed}, MoE layers, top k])")
 
 
 def group_advantages(rewards: list[float], normalize_std: bool = False, eps: float = 1e-6) -> list[float]:

@@ -2,8 +2,11 @@
 form (none of the project's builders), through `marlaas run` with a TP=2 trainer and `hf` rollouts (vLLM on CPU
 does not run MoE: its fused-MoE kernels need Triton, and the job is refused up front, tests/test_real_models_mpi.py).
 Two tenants: one with the MoE default targets (every expert's gate/up/down with attention), one attention-only,
-in one rollout engine and one fused trainer step. Every task finishes every step inside its staleness bound, and
-each task's last adapter loads with plain transformers + PEFT, its LoRA on the experts for the first."""
+in one rollout engine and one fused trainer step, the first replaying its rollouts' routing (`algo.routing_replay`:
+the engine records every position's experts, the trainer routes through them). Every task finishes every step
+inside its staleness bound, the replaying task's steps report how many trained tokens the trainer would have routed
+otherwise (`route_mismatch`), and each task's last adapter loads with plain transformers + PEFT, its LoRA on the
+experts for the first."""
 import json
 import shutil
 
@@ -39,6 +42,8 @@ def _job(tmp_path, model) -> dict:
         task["dataset"]["eval_size"] = 4
         task["algo"].update(group_size=4, batch_prompts=2)
     config["tasks"][1]["lora"]["target_modules"] = ATTENTION
+    # a KL term makes every row run (the random model earns no reward: zero advantages alone would skip them all)
+    config["tasks"][0]["algo"].update(routing_replay=True, kl_beta=0.01)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     return config
 
@@ -61,6 +66,13 @@ def test_a_transformers_written_qwen3_moe_runs_end_to_end_with_lora_on_its_exper
     audit = [json.loads(line) for line in (tmp_path / "run" / "audit.jsonl").read_text().splitlines()]
     assert len(audit) == 2 * 2 * 2 * 4  # tasks x steps x B x G
     assert all(r["trained_into"] - 1 - r["bound"] <= r["behaviour_version"] < r["trained_into"] for r in audit)
+    for spec, replays in zip(config["tasks"], (True, False)):
+        metrics = [json.loads(line) for line in (tmp_path / "run" / "tasks" / spec["tenant"] / spec["task_id"] /
+                                                 "metrics.jsonl").read_text().splitlines()]
+        assert len(metrics) == 2 and all(("route_mismatch" in m) == replays for m in metrics), spec["task_id"]
+        if replays:  # fp32 engine and trainer: routes and logprobs agree at the behaviour version
+            assert all(0.0 <= m["route_mismatch"] <= 1.0 for m in metrics), metrics
+            assert metrics[0]["logp_diff_abs"] < 1e-3, metrics[0]
     base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
     for spec, on_experts in zip(config["tasks"], (True, False)):
         last = sorted((tmp_path / "run" / "tasks" / spec["tenant"] / spec["task_id"] / "adapters").iterdir())[-1]

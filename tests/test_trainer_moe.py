@@ -11,17 +11,20 @@ Three checkpoints, each run at TP=1 and TP=2 in spawned processes (tests/support
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from support.checks import max_diff
-from support.moe_scenarios import ALGO, EXPERT_LORA, LORA, STEPS, moe_per_checkpoint, write_hf_moe_checkpoint
+from support.moe_scenarios import (ALGO, EXPERT_LORA, LORA, STEPS, forced_gates, moe_per_checkpoint, ranked_routes,
+                                   write_hf_moe_checkpoint)
 from support.trainer_scenarios import make_trajectories, probe_ids
 
 LOGIT_TOL = 1e-4
@@ -53,8 +56,9 @@ def _hf_model(path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def _batch(hf_base) -> list:
-    """Trajectories with behaviour logprobs = HF's + noise, and group-relative advantages."""
+def _batch(hf_base) -> tuple[list, list]:
+    """Trajectories with behaviour logprobs = HF's + noise, group-relative advantages and the routes HF chose (a
+    task without replay ignores them); the same with each token's next k experts as routes (`ranked_routes`)."""
     from marlaas_hpc.trainer.objectives import token_logprobs
     from marlaas_hpc.trajectory import assign_advantages
 
@@ -65,8 +69,11 @@ def _batch(hf_base) -> list:
             logits = hf_base(input_ids=torch.tensor([traj.prompt_ids + traj.completion_ids])).logits[0]
         logp = token_logprobs(logits[len(traj.prompt_ids) - 1:-1], torch.tensor(traj.completion_ids), 1.0)
         traj.behaviour_logprobs = [v + noise.gauss(0.0, 0.1) if m else 0.0 for v, m in zip(logp.tolist(), traj.mask())]
+        traj.routes = ranked_routes(hf_base, traj.prompt_ids + traj.completion_ids, 0)
     assign_advantages(trajs)
-    return trajs
+    shifted = [replace(traj, routes=ranked_routes(hf_base, traj.prompt_ids + traj.completion_ids, 1))
+               for traj in trajs]
+    return trajs, shifted
 
 
 def _probe(vocab: int) -> list[list[int]]:
@@ -78,7 +85,7 @@ def _probe(vocab: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict[str, tuple]:
-    """Per checkpoint: (path, probe rows, batch)."""
+    """Per checkpoint: (path, probe rows, batch, batch with shifted routes)."""
     from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
 
     root = tmp_path_factory.mktemp("moe_checkpoints")
@@ -88,7 +95,7 @@ def inputs(tmp_path_factory) -> dict[str, tuple]:
     out = {}
     for checkpoint, path in paths.items():
         hf_base = _hf_model(path)
-        out[checkpoint] = (path, _probe(hf_base.config.vocab_size), _batch(hf_base))
+        out[checkpoint] = (path, _probe(hf_base.config.vocab_size), *_batch(hf_base))
     return out
 
 
@@ -98,8 +105,8 @@ def all_runs(inputs, tmp_path_factory) -> dict[str, dict[int, list[dict]]]:
     from support.local_group import run_local
 
     out_dir = tmp_path_factory.mktemp("moe_exports")
-    runs = {tp: {c: (str(path), tp, probe, batch, str(out_dir / c.replace(":", "_")))
-                 for c, (path, probe, batch) in inputs.items()} for tp in (1, 2)}
+    runs = {tp: {c: (str(path), tp, probe, batch, str(out_dir / c.replace(":", "_")), shifted)
+                 for c, (path, probe, batch, shifted) in inputs.items()} for tp in (1, 2)}
     with ThreadPoolExecutor(2) as pool:
         futures = {tp: pool.submit(run_local, moe_per_checkpoint, tp, runs[tp], timeout=300 * len(CHECKPOINTS))
                    for tp in (1, 2)}
@@ -154,6 +161,52 @@ def test_moe_logprobs_equal_transformers(runs, hf_base, checkpoint, inputs, tp):
             worst = max(worst, max(abs(x - y) for x, y in zip(logprobs, reference)))
     print(f"{checkpoint} TP={tp}: max |logprob diff| {worst:.2e}")
     assert worst <= LOGIT_TOL
+
+
+def _hf_logprobs(hf_base, traj, routes=None) -> list[float]:
+    """transformers' logprobs of the completion, its routers forced to `routes` when given."""
+    from marlaas_hpc.trainer.objectives import token_logprobs
+
+    ids = traj.prompt_ids + traj.completion_ids
+    with torch.no_grad(), (forced_gates(hf_base, routes) if routes is not None else contextlib.nullcontext()):
+        logits = hf_base(input_ids=torch.tensor([ids])).logits[0]
+    return token_logprobs(logits[len(traj.prompt_ids) - 1:-1], torch.tensor(traj.completion_ids), 1.0).tolist()
+
+
+def _worst(got: list[list[float]], want: list[list[float]]) -> float:
+    assert [len(row) for row in got] == [len(row) for row in want]
+    return max(abs(x - y) for g, w in zip(got, want) for x, y in zip(g, w))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_replaying_transformers_routes_gives_its_logprobs(runs, hf_base, checkpoint, inputs, tp):
+    """Routing replay (trainer/route_replay.py) given the experts transformers' own routers chose, prompt and
+    completion positions: the trainer's logprobs are transformers'."""
+    batch = inputs[checkpoint][2]
+    worst = _worst(runs[tp][0]["replay_logprobs"], [_hf_logprobs(hf_base, traj) for traj in batch])
+    print(f"{checkpoint} TP={tp} replay of HF's routes: max |logprob diff| {worst:.2e}")
+    assert worst <= LOGIT_TOL
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_replay_routes_through_the_given_experts(runs, hf_base, checkpoint, inputs, tp):
+    """Replay is not a no-op: routed through every token's 2nd..k+1-th experts, the trainer's logprobs move away
+    from transformers' own and equal transformers' with its routers forced to those experts (weights: its
+    softmax at them, renormalised when norm_topk_prob)."""
+    batch, shifted = inputs[checkpoint][2], inputs[checkpoint][3]
+    got = runs[tp][0]["shifted_logprobs"]
+    forced = [_hf_logprobs(hf_base, traj, traj.routes) for traj in shifted]
+    moved, worst = _worst(got, [_hf_logprobs(hf_base, traj) for traj in batch]), _worst(got, forced)
+    print(f"{checkpoint} TP={tp} replay of the next experts: {moved:.2e} from HF's own, {worst:.2e} from HF forced")
+    assert moved > 100 * LOGIT_TOL and worst <= LOGIT_TOL
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_route_mismatch_counts_the_trained_tokens_the_trainer_routes_otherwise(runs, tp):
+    """`route_mismatch` of a replaying task's step: 0 on the experts transformers chose (the trainer's own top k
+    agrees), 1 on the 2nd..k+1-th (its own top k of the first MoE layer differs for every token)."""
+    steps = runs[tp][0]["replay_steps"]
+    assert steps["own"]["route_mismatch"] == 0.0 and steps["next"]["route_mismatch"] == 1.0, steps
 
 
 def test_moe_tp2_equals_tp1_losses_and_grads(runs):
@@ -254,7 +307,7 @@ def test_moe_expert_adapter_loads_in_plain_peft(runs, checkpoint, inputs, tp, tm
     from marlaas_hpc.trainer.objectives import token_logprobs
 
     record = runs[tp][0]
-    export, (path, probe, batch) = Path(record["export"]["e"]), inputs[checkpoint]
+    export, (path, probe, batch, _) = Path(record["export"]["e"]), inputs[checkpoint]
     tensors = load_file(str(export / "adapter_model.safetensors"))
     assert set(tensors) == _expert_adapter_keys(json.loads((Path(path) / "config.json").read_text()))
     assert max(float(v.abs().max()) for k, v in tensors.items() if ".mlp.experts." in k and "lora_B" in k) > 0

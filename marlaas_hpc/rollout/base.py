@@ -63,6 +63,9 @@ class GenerationRequest:
     max_new_tokens in all; the Generation's completion starts with them."""
     partial_logprobs: list[float] = field(default_factory=list)
     """The behaviour logprobs of `partial_ids`, as sampled: returned as they are, first in the Generation's."""
+    return_routes: bool = False
+    """Routing replay (`algo.routing_replay`): return the experts chosen for every position fed (Generation
+    `routes`). A continuation's come from the step that finishes it (its prefill routes prompt + partial again)."""
 
     @property
     def remaining_tokens(self) -> int:
@@ -83,6 +86,9 @@ class Generation:
     finish_reason: str = "stop"
     """'stop' (eos) or 'length'."""
     meta: dict = field(default_factory=dict)
+    routes: Any = None
+    """With `return_routes`: the chosen experts of every position fed (prompt, partial, sampled tokens but the
+    last), an int16 numpy array [positions, MoE layers, top k] (rollout/routes.py); else None."""
 
 
 @dataclass

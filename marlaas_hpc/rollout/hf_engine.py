@@ -26,6 +26,7 @@ import torch
 from marlaas_hpc.model.checkpoint import stop_token_ids
 from marlaas_hpc.rollout.base import (AdapterRef, AdapterVersions, DecodeOccupancy, Generation, GenerationRequest,
                                       RolloutEngine)
+from marlaas_hpc.rollout.routes import RouteRecorder, generation_routes
 
 BASE_ADAPTER = "__base__"
 
@@ -121,6 +122,8 @@ class HfEngine(RolloutEngine):
             raise ValueError(f"step_tokens must be at least 1, not {step_tokens}")
         self.step_tokens = step_tokens
         self.decode = DecodeOccupancy()
+        self._recorder: RouteRecorder | None = None
+        """Routing replay's hooks on the routers, made when a request first asks for routes."""
 
     # ----------------------------------------------------------------- adapters
     def add_adapter(self, adapter: AdapterRef) -> None:
@@ -275,6 +278,12 @@ class HfEngine(RolloutEngine):
             keys.setdefault(key, []).append((req, generator))
         return [keys[key] for key in sorted(keys, key=str)]
 
+    def _route_recorder(self) -> RouteRecorder:
+        """Hooks on the base model's routers (PEFT wraps the base in place: the same modules)."""
+        if self._recorder is None:
+            self._recorder = RouteRecorder(self.base)
+        return self._recorder
+
     def has_unfinished(self) -> bool:
         return bool(self._queue)
 
@@ -309,7 +318,13 @@ class HfEngine(RolloutEngine):
         kwargs = dict(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                       generation_config=config, logits_processor=LogitsProcessorList([sampler]),
                       stopping_criteria=StoppingCriteriaList([_RowMaxNewTokens(width, limits, self.device)]))
-        out = self._generate(reqs, kwargs)
+        recorder = self._route_recorder() if any(r.return_routes for r in reqs) else None
+        if recorder is None:
+            out = self._generate(reqs, kwargs)
+        else:
+            with recorder.recording():
+                out = self._generate(reqs, kwargs)
+            forwards = recorder.by_position(len(reqs))
         new_tokens = out.sequences[:, width:].cpu()
         logprobs = torch.stack(sampler.logprobs, dim=1).cpu()  # [batch, steps]: one copy to the host per batch
         gens, unfinished, lengths = [], [], []
@@ -326,10 +341,13 @@ class HfEngine(RolloutEngine):
                 unfinished.append((dataclasses.replace(req, partial_ids=list(req.partial_ids) + toks,
                                                        partial_logprobs=list(req.partial_logprobs) + lps), generator))
                 continue
+            routes = generation_routes(forwards, row, len(contexts[row]), width, len(toks)) \
+                if req.return_routes else None
             gens.append(Generation(request_id=req.request_id, task_id=req.task_id,
                                    adapter_version=req.adapter_version, prompt_ids=list(req.prompt_ids),
                                    completion_ids=list(req.partial_ids) + toks,
-                                   logprobs=list(req.partial_logprobs) + lps, finish_reason=finish))
+                                   logprobs=list(req.partial_logprobs) + lps, finish_reason=finish,
+                                   routes=routes))
         self.decode.add_batch(lengths)
         return gens, unfinished
 

@@ -239,6 +239,10 @@ class VllmEngine(RolloutEngine):
         seeded_sampling: give each sampled request its own seed (reproducible sampling; vLLM then samples the
             seeded rows one by one, off its FlashInfer sampler); False: requests sample from the engine's seed
             (`vllm.seeded_sampling`, rollout/vllm_settings.py).
+        return_routes: routing replay (`algo.routing_replay` of a task of the job): vLLM records every position's
+            experts (its `enable_return_routed_experts`, CompletionOutput.routed_experts), returned as Generation
+            `routes` of the requests that ask (`return_routes`). Prefix caching is then off: a cached prefix is not
+            run again, and what vLLM returns for its positions was not read here (GPU only; docs/models.md).
         llm_kwargs: passed to `vllm.LLM` as-is.
     """
 
@@ -248,7 +252,8 @@ class VllmEngine(RolloutEngine):
                  max_model_len: int | None = None, enforce_eager: bool = True,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int | None = None,
                  enable_prefix_caching: bool | None = None, kv_cache_gib: float = 1, warmup: bool = True,
-                 own_process: bool = False, seeded_sampling: bool = True, **llm_kwargs):
+                 own_process: bool = False, seeded_sampling: bool = True, return_routes: bool = False,
+                 **llm_kwargs):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         LLM = import_vllm(Path(cache_dir) if cache_dir else self.work_dir)
@@ -276,6 +281,9 @@ class VllmEngine(RolloutEngine):
         # unset: vLLM's own defaults (which differ by platform and version)
         kwargs.update({k: v for k, v in (("max_num_seqs", max_num_seqs),
                                          ("enable_prefix_caching", enable_prefix_caching)) if v is not None})
+        self._moe_layers = _routed_layers(model_path) if return_routes else None
+        if return_routes:
+            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=False)
         kwargs.update(llm_kwargs)
         if not torch.cuda.is_available():
             from marlaas_hpc.rollout import vllm_cpu_lora
@@ -462,7 +470,18 @@ class VllmEngine(RolloutEngine):
             prompt_ids=list(req.prompt_ids), completion_ids=list(req.partial_ids) + token_ids,
             logprobs=list(req.partial_logprobs) + logprobs,
             finish_reason="length" if comp.finish_reason == "length" else "stop",
-            meta={} if comp.finish_reason in ("stop", "length") else {"vllm_finish_reason": comp.finish_reason})
+            meta={} if comp.finish_reason in ("stop", "length") else {"vllm_finish_reason": comp.finish_reason},
+            routes=self._routes(req, comp) if req.return_routes else None)
+
+    def _routes(self, req: GenerationRequest, comp):
+        """vLLM's routed experts of a sample ([positions, every decoder layer, k]: `routed_experts` of its
+        CompletionOutput), the MoE layers' as int16 (the trainer's layout, rollout/routes.py)."""
+        if self._moe_layers is None or comp.routed_experts is None:
+            raise RuntimeError(f"request {req.request_id!r} asks for routes, and vLLM returned none "
+                               "(VllmEngine(return_routes=True) sets enable_return_routed_experts)")
+        import numpy
+
+        return numpy.asarray(comp.routed_experts)[:, self._moe_layers].astype(numpy.int16)
 
     def has_unfinished(self) -> bool:
         return bool(self._pending)
@@ -518,3 +537,13 @@ def _next_sample_of(run: list[GenerationRequest], req: GenerationRequest) -> boo
     if req.temperature == 0:
         return True
     return req.seed is not None and last.seed is not None and req.seed == last.seed + 1
+
+
+def _routed_layers(model_path: str | Path) -> list[int]:
+    """The decoder layers with experts (a dense one, `mlp_only_layers`, has no routes to replay)."""
+    import json
+
+    from marlaas_hpc.model.families import experts_of
+
+    spec = experts_of(json.loads((Path(model_path) / "config.json").read_text()))
+    return [layer for layer, routed in enumerate(spec.expert_layers) if routed]

@@ -38,6 +38,15 @@ def repack_roles(job: JobConfig, rank: int, rollout_ranks: list[int]) -> dict:
     return {"repacker": Repacker(job.repack, job.rollout_slots * group, tails)}
 
 
+def _replays(job: JobConfig, model: str | None) -> bool:
+    """Whether a task sampled on this model replays its routing (`algo.routing_replay`): its engine records routes."""
+    from marlaas_hpc.tasks.spec import check_base_model
+
+    names = job.model_names()
+    return any(task.algo.routing_replay and (model is None or check_base_model(task.base_model, names) == model)
+               for task in job.tasks)
+
+
 def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, device: str, run_dir: Path,
                    model: str | None = None, turns: GpuTurns | None = None):
     """A rollout rank's engine, rebuilt in place if it fails (rollout/restart.py). `model`: its name, in a job
@@ -54,7 +63,8 @@ def rollout_engine(job: JobConfig, model_path: Path, rank: int, seed: int, devic
         on_gpu, models = device.startswith("cuda"), len(job.model_names())
         kwargs = {"work_dir": work_dir, "cache_dir": compile_cache_dir(os.environ, default_cache_dir() / "vllm"),
                   **job.vllm.engine_kwargs(job.max_adapters, job.max_lora_rank, job.largest_staleness()),
-                  "own_process": job.vllm.own_process(models, on_gpu), "seeded_sampling": job.vllm.seeded(on_gpu)}
+                  "own_process": job.vllm.own_process(models, on_gpu), "seeded_sampling": job.vllm.seeded(on_gpu),
+                  "return_routes": _replays(job, model)}
         if models > 1 and on_gpu:  # an EngineSet's engines sleep and wake (vLLM's sleep mode, cumem allocator)
             from marlaas_hpc.rollout.engine_set import SLEEP_MODE_KWARGS
 

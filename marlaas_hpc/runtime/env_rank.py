@@ -38,6 +38,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from marlaas_hpc.env.kinds import build_task_data
 from marlaas_hpc.env.pool import EnvPool, EnvPoolConfig, StepOutcome
@@ -66,10 +67,25 @@ class _Episode:
     newest_versions: list[int | None] = field(default_factory=list)
     last_turn_tokens: int = 0
     """Tokens of the latest model turn (the end of completion_ids)."""
+    routes: Any = None
+    """Routing replay: the recorded experts of every position fed so far (`add_routes`); None: not recorded."""
     tool_calls: int = 0
     tool_errors: int = 0
     final: Final | None = None
     goes_on: bool = False
+
+    def add_routes(self, turn_routes) -> None:
+        """A turn's recorded routes: its engine fed the whole context again (prompt, earlier turns, tool output),
+        and the positions an earlier turn already recorded keep that turn's, under which its tokens were sampled;
+        only the new positions are added (numpy: this rank imports no torch)."""
+        if turn_routes is None:
+            return
+        if self.routes is None:
+            self.routes = turn_routes
+        else:
+            import numpy
+
+            self.routes = numpy.concatenate([self.routes, turn_routes[len(self.routes):]])
 
 
 @dataclass
@@ -190,7 +206,10 @@ class EnvRank:
             group.turn_t0 = time.time()
             episodes = data.episodes if data.episodes is not None else range(len(data.completions))
             sampled = data.sampled_versions or [data.version] * len(data.completions)
-            for j, ids, logprobs, version in zip(episodes, data.completions, data.logprobs, sampled):
+            routes = data.routes or [None] * len(data.completions)
+            for j, ids, logprobs, version, turn_routes in zip(episodes, data.completions, data.logprobs, sampled,
+                                                              routes):
+                group.episodes[j].add_routes(turn_routes)
                 self._add_model_turn(group, j, ids, logprobs, version, data.newest_version)
 
     def _open(self, data: GroupTurn, rollout_rank: int) -> _ScoringGroup | None:
@@ -297,7 +316,7 @@ class EnvRank:
             return
         trajectories = [Trajectory(first.task_id, first.group_id, first.prompt_ids, e.completion_ids, e.logprobs,
                                    first.version if first.version is not None else 0, reward=e.final.reward,
-                                   loss_mask=e.mask) for e in group.episodes]
+                                   loss_mask=e.mask, routes=e.routes) for e in group.episodes]
         for trajectory in trajectories:
             trajectory.check()
         informative = score_group(trajectories, self.specs[first.task_id].algo, group.multi_turn)

@@ -63,6 +63,8 @@ class GenerateWork:
     model: str | None = None
     """The task's base model (its name in the job's `models`): which engine of a rollout rank that serves
     several samples it (rollout/model_engines.py). None: the rank's one engine."""
+    routes: bool = False
+    """Routing replay (`algo.routing_replay`): the engine records each position's experts (GroupTurn `routes`)."""
 
     @property
     def adapter_key(self) -> str:
@@ -89,6 +91,9 @@ class GroupTurn:
     newest_version: int | None = None
     """Newest version of the task this rollout rank held when the turn was submitted (newer than `version`
     when a delta arrived mid-episode)."""
+    routes: list | None = None
+    """Routing replay: each completion's Generation `routes` (int16 [positions fed, MoE layers, k]); None: not
+    recorded."""
 
 
 @dataclass

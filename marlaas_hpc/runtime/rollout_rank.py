@@ -313,7 +313,7 @@ class RolloutRank:
                 max_new_tokens=self._turn_cap(work, len(context)) if entry.group.completion_tokens is None
                 else entry.group.completion_tokens[j],
                 ignore_stop=entry.group.completion_tokens is not None,
-                seed=seed + j))
+                seed=seed + j, return_routes=work.routes))
         return requests
 
     @staticmethod
@@ -383,7 +383,7 @@ class RolloutRank:
         data = GroupTurn(work.task_id, group.group_id, group.prompt_index, entry.version, group.prompt_ids,
                          [g.completion_ids for g in gens], [g.logprobs for g in gens], eval=work.eval,
                          turn=entry.turn, episodes=episodes, sampled_versions=[g.adapter_version for g in gens],
-                         newest_version=entry.newest)
+                         newest_version=entry.newest, routes=[g.routes for g in gens] if work.routes else None)
         self.outbox.send(data, work.env_rank, TAG_DATA)
         if not work.eval and entry.repacked_from is None:  # the turn left the engine: its slot is free
             self.outbox.send(Generated(self.rank, (group.group_id,), (entry.version,)), 0, TAG_EVENT)
@@ -419,7 +419,8 @@ class RolloutRank:
         tail = self.repacker.next_tail()
         work = entry.work
         single = GenerateWork(work.task_id, work.version, work.env_rank, [entry.group], work.group_size,
-                              work.temperature, work.max_new_tokens, adapter=work.adapter, model=work.model)
+                              work.temperature, work.max_new_tokens, adapter=work.adapter, model=work.model,
+                              routes=work.routes)
         self.outbox.send(RepackGroup(self.rank, single, entry.group, entry.version, dict(entry.done), continuations,
                                      entry.newest, entry.t0), tail, TAG_DATA)
         self.outbox.send(Generated(self.rank, (group_id,), (entry.version,)), 0, TAG_EVENT)

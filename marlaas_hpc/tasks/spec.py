@@ -113,6 +113,14 @@ class AlgoSpec:
     lies outside [low, high] gets no gradient (its term, KL included, is 0; it still counts in the normaliser);
     one inside is weighted by k; the ratio is clipped against pi_trainer, as with TIS (gspo: k of the sequence,
     as its ratio). 0 < low < 1 < high, e.g. [0.5, 5.0]; None: off. Not with tis_cap: both weigh the token."""
+    routing_replay: bool = bounded(False)
+    """Routing replay (mixture-of-experts base models only): the rollout engine records the experts it chose for
+    every token it fed (prompt and completion, every MoE layer), and the trainer's forwards of this task's rows
+    route those tokens to the recorded experts instead of recomputing its own top k; the gate weights still come
+    from the trainer's router at those experts. Removes the share of the rollout / trainer mismatch that comes
+    from the two engines picking different experts (the trainer reports `route_mismatch`: the share of trained
+    tokens whose own top k differs somewhere). Costs top_k x MoE layers int16 per token on the wire. Refused on a
+    dense model (docs/architecture.md: Routing replay)."""
     temperature: float = bounded(1.0, gt=0.0, le=100.0)
     """Sampling temperature of rollouts; behaviour and trainer logprobs are taken at this temperature."""
     max_new_tokens: int = bounded(16, ge=1, le=2**20)

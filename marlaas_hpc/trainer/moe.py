@@ -123,11 +123,20 @@ def fused_expert_slice(name: str, read) -> torch.Tensor | None:
 
 
 class FrozenRouter(TopKRouter):
-    """megatron's TopKRouter, frozen: float32 logits where the weight lives, no aux loss, no token dropping."""
+    """megatron's TopKRouter, frozen: float32 logits where the weight lives, no aux loss, no token dropping; the
+    recorded experts of the tokens that replay their rollout's routing (trainer/route_replay.py)."""
 
     def __init__(self, config, pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
         check_frozen_routing(self)
+        self.replay = None
+        """The trainer's RouteReplay (set by it on every router); None: always its own top k."""
+        self.moe_index = -1
+        """This router's MoE layer among the model's (the index into recorded routes)."""
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        replayed = self.replay.route(self, logits) if self.replay is not None else None
+        return replayed if replayed is not None else super().routing(logits, padding_mask=padding_mask)
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         """float32 router logits [tokens, experts]. megatron's own moves a CPU weight to the current CUDA device

@@ -55,6 +55,11 @@ class PackedBatch:
     """Per trained token: the index of its item (sequence-level objectives group tokens by it)."""
     versions: torch.Tensor | None = None
     """Per trained token: its behaviour version (TIS looks up the trainer's logprobs at it)."""
+    routes: torch.Tensor | None = None
+    """Routing replay: [rows, width, MoE layers, k] int16, the experts the rollout chose at each position (a
+    prompt's from the trajectory that placed it in the row); None when no item replays."""
+    route_mask: torch.Tensor | None = None
+    """[rows, width] bool: the positions whose `routes` are recorded and replayed."""
 
     def to(self, device) -> "PackedBatch":
         moved = {name: value.to(device) if isinstance(value, torch.Tensor) else value
@@ -73,12 +78,16 @@ class _Row:
     """Per position: -1 for a prompt token, else the item whose completion it is."""
     prompts: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)
     """Prompt ids -> (occurrence id, position of its last token) of the prompts this row holds."""
+    route_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(first position in the row, item, first position in the item's sequence, length) of every run of positions
+    (a prompt, a completion): where their recorded routes are."""
 
     def room(self, width: int) -> int:
         return width - len(self.tokens)
 
-    def add_prompt(self, prompt: tuple[int, ...]) -> None:
+    def add_prompt(self, prompt: tuple[int, ...], item: int) -> None:
         occurrence = len(self.prompts)
+        self.route_spans.append((len(self.tokens), item, 0, len(prompt)))
         self.tokens += prompt
         self.positions += range(len(prompt))
         self.prompt_of += [occurrence] * len(prompt)
@@ -89,6 +98,7 @@ class _Row:
         """Appends a completion after its prompt's occurrence in this row; returns its first position."""
         occurrence, _ = self.prompts[prompt]
         start = len(self.tokens)
+        self.route_spans.append((start, item, len(prompt), len(completion)))
         self.tokens += completion
         self.positions += range(len(prompt), len(prompt) + len(completion))
         self.prompt_of += [occurrence] * len(completion)
@@ -97,11 +107,12 @@ class _Row:
 
 
 def pack(items: Sequence[tuple[str | None, Trajectory]], min_width: int, pad_id: int,
-         width_multiple: int = 1, min_rows: int = 1) -> PackedBatch:
+         width_multiple: int = 1, min_rows: int = 1, replay: Sequence[str | None] = ()) -> PackedBatch:
     """Lays out `items` ((task, trajectory), grouped by task) in rows of one task each (first fit, a prompt's
     completions longest first, each next to an occurrence of its prompt when one has room); rows are as wide as
     the longest item (at least `min_width`), rounded up to a multiple of `width_multiple`, and rows of padding
-    (the last row's adapter) make up `min_rows`."""
+    (the last row's adapter) make up `min_rows`. The recorded routes of the items of the tasks in `replay` go into
+    `routes` (trajectory.py `routes`)."""
     for _, traj in items:
         traj.check()
         if not traj.prompt_ids:
@@ -118,13 +129,16 @@ def pack(items: Sequence[tuple[str | None, Trajectory]], min_width: int, pad_id:
                 by_prompt.setdefault(tuple(traj.prompt_ids), []).append(i)
         for prompt, members in by_prompt.items():
             for i in sorted(members, key=lambda i: -len(items[i][1].completion_ids)):
-                row = _row_for(rows, first, task, prompt, len(items[i][1].completion_ids), width)
+                row = _row_for(rows, first, task, prompt, len(items[i][1].completion_ids), width, i)
                 placed[i] = (row, rows[row].add_completion(prompt, i, list(items[i][1].completion_ids)))
     rows += [_Row(rows[-1].task if rows else None) for _ in range(min_rows - len(rows))]
-    return _tensors(items, rows, placed, width, pad_id)
+    batch = _tensors(items, rows, placed, width, pad_id)
+    batch.routes, batch.route_mask = _routes(items, rows, width, set(replay))
+    return batch
 
 
-def _row_for(rows: list[_Row], first: int, task, prompt: tuple[int, ...], length: int, width: int) -> int:
+def _row_for(rows: list[_Row], first: int, task, prompt: tuple[int, ...], length: int, width: int,
+             item: int) -> int:
     """The row (of this task's, from `first`) a completion goes in: one that holds its prompt (anywhere before:
     the mask, not adjacency, ties a completion to its prompt), else one with room for both, else a new one."""
     for r in range(first, len(rows)):
@@ -132,10 +146,10 @@ def _row_for(rows: list[_Row], first: int, task, prompt: tuple[int, ...], length
             return r
     for r in range(first, len(rows)):
         if rows[r].room(width) >= len(prompt) + length:
-            rows[r].add_prompt(prompt)
+            rows[r].add_prompt(prompt, item)
             return r
     rows.append(_Row(task))
-    rows[-1].add_prompt(prompt)
+    rows[-1].add_prompt(prompt, item)
     return len(rows) - 1
 
 
@@ -182,3 +196,26 @@ def _tensors(items, rows: list[_Row], placed: dict[int, tuple[int, int]], width:
         task_spans=task_spans, item_spans=item_spans, sequence=torch.tensor(sequence, dtype=torch.long),
         versions=torch.tensor(versions, dtype=torch.long))
 
+
+
+def _routes(items, rows: list[_Row], width: int, replay: set) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rows' recorded routes and where they are (PackedBatch `routes`, `route_mask`); (None, None) when no item
+    of a replaying task carries routes."""
+    recorded = {i: torch.as_tensor(traj.routes) for i, (task, traj) in enumerate(items)
+                if task in replay and traj.routes is not None}
+    if not recorded:
+        return None, None
+    shapes = {tuple(r.shape[1:]) for r in recorded.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"recorded routes of different shapes [MoE layers, k] in one batch: {sorted(shapes)}")
+    routes = torch.zeros(len(rows), width, *shapes.pop(), dtype=torch.int16)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        for start, item, source, length in row.route_spans:
+            if item not in recorded:
+                continue
+            # the last completion token has a record only if the engine fed it
+            n = max(0, min(length, recorded[item].shape[0] - source))
+            routes[r, start: start + n] = recorded[item][source: source + n].to(torch.int16)
+            mask[r, start: start + n] = True
+    return routes, mask

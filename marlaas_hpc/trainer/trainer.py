@@ -10,6 +10,7 @@ is its own objective over its own batch.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import re
@@ -237,6 +238,12 @@ class MultiLoraTrainer:
         pad = getattr(self.hf_config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
         self.lora = MultiLora(self.model, tp_group=self.tp_group)
+        self.routes = None
+        """Routing replay on a mixture-of-experts model (trainer/route_replay.py); None on a dense one."""
+        if getattr(self.hf_config, "num_experts", None):
+            from marlaas_hpc.trainer.route_replay import RouteReplay  # imports megatron: after the shims
+
+            self.routes = RouteReplay(self.model)
         self.tasks: dict[str, _Task] = {}
 
     # -- tasks --------------------------------------------------------------------------------------------
@@ -248,6 +255,9 @@ class MultiLoraTrainer:
             raise KeyError(f"task {task_id!r} already exists")
         lora.validate()
         algo.validate()
+        if algo.routing_replay and self.routes is None:
+            raise SpecError("algo.routing_replay", "replays a mixture-of-experts model's routing; the base model is "
+                                                   "dense")
         params = self.lora.add_adapter(task_id, lora, seed=self.config.seed)
         self.tasks[task_id] = _Task(lora=lora, algo=algo, optimizer=self._make_optimizer(params, algo),
                                     bound=max_staleness)
@@ -339,22 +349,32 @@ class MultiLoraTrainer:
         """What the trajectory takes in the micro-batch budget (trainer/attention.py `row_width`)."""
         return row_width(self.attention.kind, len(traj.prompt_ids) + len(traj.completion_ids))
 
-    def _pack(self, items: Sequence[tuple[str | None, Trajectory]]) -> PackedBatch:
+    def _pack(self, items: Sequence[tuple[str | None, Trajectory]], replay: Sequence[str | None] = ()) -> PackedBatch:
         """A micro-batch packed into rows of one task each (trainer/packing.py), on this trainer's device, in as many
-        rows as wide as the attention kernel wants (trainer/attention.py `min_row_tokens`, `flex_shape`)."""
+        rows as wide as the attention kernel wants (trainer/attention.py `min_row_tokens`, `flex_shape`), with the
+        recorded routes of the tasks that replay them (`algo.routing_replay`, and `replay`)."""
         kind = self.attention.kind
+        replay = [*replay, *(t for t, task in self.tasks.items() if task.algo.routing_replay)]
         return pack(items, min_row_tokens(kind), self.pad_id, width_multiple=row_multiple(kind),
-                    min_rows=min_rows(kind)).to(self.device)
+                    min_rows=min_rows(kind), replay=replay if self.routes is not None else ()).to(self.device)
+
+    def _replaying(self, batch: PackedBatch):
+        """The batch's recorded routes in every MoE router for the forwards inside the block (and their
+        recomputation in backward)."""
+        if self.routes is None or batch.routes is None:
+            return contextlib.nullcontext()
+        return self.routes.use(batch.routes, batch.route_mask)
 
     @torch.no_grad()
     def logprobs(self, task_id: str | None, trajectories: Sequence[Trajectory],
-                 temperature: float = 1.0) -> list[list[float]]:
-        """Per-trajectory logprobs of the completion tokens at `temperature` (no grad); task None = base."""
+                 temperature: float = 1.0, replay: bool = False) -> list[list[float]]:
+        """Per-trajectory logprobs of the completion tokens at `temperature` (no grad); task None = base. `replay`:
+        route through the trajectories' recorded experts (as a task with `algo.routing_replay` always does)."""
         trajectories = list(trajectories)
         out: list[list[float]] = [[] for _ in trajectories]
         for indices in self._micro_batches(trajectories, [self._length(t) for t in trajectories]):
-            batch = self._pack([(task_id, trajectories[i]) for i in indices])
-            with self.lora.ctx.use(self._rows(task_id, len(batch.tasks))), \
+            batch = self._pack([(task_id, trajectories[i]) for i in indices], [task_id] if replay else [])
+            with self.lora.ctx.use(self._rows(task_id, len(batch.tasks))), self._replaying(batch), \
                     self.attention.use(self.attention.mask(batch.prompt_of, batch.own)) as mask:
                 logp = self._token_logprobs(self._trained_hidden(batch, mask), batch.targets, temperature).cpu()
             for index, (start, n) in zip(indices, batch.item_spans):
@@ -436,6 +456,12 @@ class MultiLoraTrainer:
         each layer's forward (its LoRA hooks and attention) inside backward."""
         batch = self._pack(chunk)
         mask = self.attention.mask(batch.prompt_of, batch.own)
+        with self._replaying(batch):  # every forward of the rows: base (KL), lagged (TIS, IcePop), trained
+            self._accumulate_packed(batch, chunk, mask, counts, stats)
+
+    def _accumulate_packed(self, batch: PackedBatch, chunk: list[tuple[str, Trajectory]], mask, counts: "_StepCounts",
+                           stats: dict[str, dict[str, float]]) -> None:
+        """`_accumulate_gradients` of the packed micro-batch, its routes (if any) in place."""
         extra = _MicroBatchInputs(base=self._base_logprobs(batch, mask), lagged=self._lagged_logprobs(batch, chunk, mask),
                                   items=_item_ranges(chunk), units=counts.units_of(chunk))
         with training_mode(self.model), self.lora.ctx.use(batch.tasks), self.attention.use(mask) as argument:
@@ -448,6 +474,7 @@ class MultiLoraTrainer:
         """Sum over the micro-batch's tasks of (task loss x its share of the task's units); the statistics are
         weighted by the micro-batch's share of the units that run (`counts.ran_units`)."""
         hidden = self._trained_hidden(batch, attention_mask)
+        changed = self.routes.mismatch() if self.routes is not None else None  # of this forward
         total_loss = None
         for task_id, first, end in batch.task_spans:
             units = extra.units[task_id]
@@ -467,6 +494,11 @@ class MultiLoraTrainer:
             with torch.no_grad():  # distance to the behaviour policy: ~0 on-policy at equal version
                 diff = float(((tokens.logp - tokens.behaviour).abs() * tokens.mask).sum()) / counts.ran_tokens[task_id]
             acc["logp_diff_abs"] = acc.get("logp_diff_abs", 0.0) + diff
+            rows, sources = batch.token_row[first:end], batch.token_source[first:end]
+            if changed is not None and batch.route_mask[rows, sources].any():  # the task's tokens replay here
+                flags = changed[sources, rows].float()  # trained tokens the trainer routes otherwise
+                mismatched = float((flags * tokens.mask).sum()) / counts.ran_tokens[task_id]
+                acc["route_mismatch"] = acc.get("route_mismatch", 0.0) + mismatched
         return total_loss
 
     def _task_tokens(self, task_id: str, batch: PackedBatch, span: slice, hidden: torch.Tensor,

@@ -3,6 +3,7 @@ tests in tests/test_trainer_moe.py compare its records with transformers / PEFT 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,11 +35,12 @@ def moe_per_checkpoint(rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
 
 
 def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], batch: list[Trajectory],
-                 out_dir: str) -> dict:
-    """Base logits and logprobs; STEPS fused GRPO steps of two tasks in one batch (an attention LoRA "a" and a
-    default-target one "e", experts included) with megatron's aux-loss hook watched; the trained adapters' logits
-    (one adapter per row too), "e"'s logprobs, both PEFT exports, "e" loaded back from its export; a target the
-    model lacks refused."""
+                 out_dir: str, shifted: list[Trajectory]) -> dict:
+    """Base logits and logprobs, also routed through `batch`'s recorded routes and `shifted`'s; STEPS fused GRPO
+    steps of two tasks in one batch (an attention LoRA "a" and a default-target one "e", experts included) with
+    megatron's aux-loss hook watched; the trained adapters' logits (one adapter per row too), "e"'s logprobs, both
+    PEFT exports, "e" loaded back from its export; a target the model lacks refused; one step of two replaying
+    tasks (`_replay_steps`)."""
     from megatron.core.transformer.moe import moe_utils
 
     from marlaas_hpc.trainer.trainer import MultiLoraTrainer, TrainerConfig
@@ -46,7 +48,9 @@ def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], ba
     trainer = MultiLoraTrainer(TrainerConfig(model_path=model_path, tensor_parallel=tp, seed=7, dtype="float32"))
     base_before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
     record: dict = {"base_logits": trainer.logits(None, probe), "base_logprobs": trainer.logprobs(None, batch),
-                    "base_logprobs_t07": trainer.logprobs(None, batch, 0.7)}
+                    "base_logprobs_t07": trainer.logprobs(None, batch, 0.7),
+                    "replay_logprobs": trainer.logprobs(None, batch, replay=True),
+                    "shifted_logprobs": trainer.logprobs(None, shifted, replay=True)}
     trainer.add_task("a", LORA, ALGO)
     trainer.add_task("e", EXPERT_LORA, ALGO)
     batches = {"a": batch, "e": [replace(traj, task_id="e", group_id="e" + traj.group_id) for traj in batch]}
@@ -82,8 +86,19 @@ def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], ba
         record["refusal"] = None
     except ValueError as exc:
         record["refusal"] = str(exc)
+    record["replay_steps"] = _replay_steps(trainer, batch, shifted)
     trainer.close()
     return record
+
+
+def _replay_steps(trainer, batch: list[Trajectory], shifted: list[Trajectory]) -> dict[str, dict]:
+    """One fused step of two replaying tasks: "own" on the experts transformers chose, "next" on the 2nd..k+1-th."""
+    algo = replace(ALGO, routing_replay=True)
+    batches = {"own": batch, "next": shifted}
+    for task_id in batches:
+        trainer.add_task(task_id, EXPERT_LORA, algo)
+    return trainer.train_steps({task_id: [replace(traj, task_id=task_id) for traj in trajs]
+                                for task_id, trajs in batches.items()})
 
 
 def write_hf_moe_checkpoint(out: Path, vocab_size: int) -> Path:
@@ -111,3 +126,54 @@ def write_hf_moe_checkpoint(out: Path, vocab_size: int) -> Path:
     published["rope_theta"] = published.pop("rope_parameters")["rope_theta"]
     (out / "config.json").write_text(json.dumps(published, indent=2))
     return out
+
+
+def ranked_routes(model, ids: list[int], skip: int):
+    """transformers' experts for each position of `ids` but the last (what an engine records), taking the choices
+    ranked skip + 1 .. skip + k of every MoE layer's router (skip 0: its own top k): int16 [len - 1, layers, k]."""
+    from marlaas_hpc.rollout.routes import moe_gates
+
+    gates = moe_gates(model)
+    logits: list[torch.Tensor] = []
+    handles = [gate.register_forward_hook(lambda m, i, out: logits.append(out[0].detach())) for gate in gates]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    k = gates[0].top_k
+    chosen = [torch.topk(layer, skip + k, dim=-1).indices[:, skip:] for layer in logits]
+    return torch.stack(chosen, dim=1)[:-1].to(torch.int16).numpy()
+
+
+@contextmanager
+def forced_gates(model, routes):
+    """transformers' MoE layers routed to `routes` [positions, layers, k] for the first positions of a one-row
+    forward (the rest: their own top k), the weights the router's softmax at those experts, renormalised over
+    them when norm_topk_prob (what Qwen3MoeTopKRouter computes for its own choice): the reference of replay."""
+    from marlaas_hpc.rollout.routes import moe_gates
+
+    gates = moe_gates(model)
+    originals = [gate.forward for gate in gates]
+
+    def forced(gate, layer):
+        def forward(hidden_states):
+            logits, _, own = originals[layer](hidden_states)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            indices = own.clone()
+            given = torch.as_tensor(routes[:, layer]).long()
+            indices[: len(given)] = given
+            weights = probs.gather(1, indices)
+            if gate.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(logits.dtype), indices
+        return forward
+
+    for layer, gate in enumerate(gates):
+        gate.forward = forced(gate, layer)
+    try:
+        yield model
+    finally:
+        for gate, original in zip(gates, originals):
+            gate.forward = original

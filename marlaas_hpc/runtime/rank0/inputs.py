@@ -41,7 +41,8 @@ class TaskInputs:
                                       None if lengths is None else [min(n, algo.max_new_tokens) for n in lengths]))
         return GenerateWork(command.task_id, command.version, command.env_rank, groups, algo.group_size,
                             algo.temperature, algo.max_new_tokens, **self.episodes(command.task_id),
-                            adapter=task.adapter_key if task.rollbacks else None, model=task.spec.base_model)
+                            adapter=task.adapter_key if task.rollbacks else None, model=task.spec.base_model,
+                            routes=algo.routing_replay)
 
     def episodes(self, task_id: str) -> dict:
         """GenerateWork fields of a multi-turn (tool) task: its rollout rank keeps its groups open."""
