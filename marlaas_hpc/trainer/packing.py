@@ -197,7 +197,6 @@ def _tensors(items, rows: list[_Row], placed: dict[int, tuple[int, int]], width:
         versions=torch.tensor(versions, dtype=torch.long))
 
 
-
 def _routes(items, rows: list[_Row], width: int, replay: set) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The rows' recorded routes and where they are (PackedBatch `routes`, `route_mask`); (None, None) when no item
     of a replaying task carries routes."""
