@@ -15,7 +15,6 @@ import contextlib
 import json
 import random
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from support.checks import max_diff
+from support.local_group import checkpoint_records, run_at_tp1_and_tp2
 from support.moe_scenarios import (ALGO, EXPERT_LORA, LORA, STEPS, forced_gates, moe_per_checkpoint, ranked_routes,
                                    write_hf_moe_checkpoint)
 from support.trainer_scenarios import make_trajectories, probe_ids
@@ -102,16 +102,10 @@ def inputs(tmp_path_factory) -> dict[str, tuple]:
 @pytest.fixture(scope="module")
 def all_runs(inputs, tmp_path_factory) -> dict[str, dict[int, list[dict]]]:
     """{checkpoint: {tp: [record of each rank]}}: one process for TP=1 and a pair for TP=2, concurrently."""
-    from support.local_group import run_local
-
     out_dir = tmp_path_factory.mktemp("moe_exports")
     runs = {tp: {c: (str(path), tp, probe, batch, str(out_dir / c.replace(":", "_")), shifted)
                  for c, (path, probe, batch, shifted) in inputs.items()} for tp in (1, 2)}
-    with ThreadPoolExecutor(2) as pool:
-        futures = {tp: pool.submit(run_local, moe_per_checkpoint, tp, runs[tp], timeout=300 * len(CHECKPOINTS))
-                   for tp in (1, 2)}
-        by_rank = {tp: f.result() for tp, f in futures.items()}
-    return {c: {tp: [records[c] for records in by_rank[tp]] for tp in (1, 2)} for c in CHECKPOINTS}
+    return run_at_tp1_and_tp2(moe_per_checkpoint, runs, timeout=300 * len(CHECKPOINTS))
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
@@ -121,11 +115,7 @@ def checkpoint(request) -> str:
 
 @pytest.fixture(scope="module")
 def runs(checkpoint, all_runs):
-    failed = [f"TP={tp} rank {rank}:\n{record['error']}" for tp, records in all_runs[checkpoint].items()
-              for rank, record in enumerate(records) if "error" in record]
-    if failed:
-        pytest.fail(f"{checkpoint}: the MoE scenario failed\n" + "\n".join(failed))
-    return all_runs[checkpoint]
+    return checkpoint_records(all_runs, checkpoint, "MoE scenario")
 
 
 @pytest.fixture(scope="module")

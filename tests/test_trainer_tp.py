@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import random
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from support.checks import max_diff
+from support.local_group import checkpoint_records, run_at_tp1_and_tp2
 from support.trainer_scenarios import (FUSED_STEPS, TASKS, base_logits_per_checkpoint, make_trajectories, probe_ids,
                                        scenario_per_checkpoint)
 
@@ -80,18 +80,11 @@ def all_runs(scenario_inputs, tmp_path_factory) -> dict[str, dict[int, list[dict
     """{checkpoint: {tp: [record of rank 0, ...]}} for TP=1 (whole batch) and TP=2 (micro-batches by token
     budget): ONE process for TP=1 and one pair for TP=2, run concurrently, each running every checkpoint's
     scenario in turn (one megatron import per process, not one per checkpoint)."""
-    from support.local_group import run_local
-
     out_dir = tmp_path_factory.mktemp("trainer_exports")
     runs = {tp: {checkpoint: (str(path), tp, batches, str(out_dir / checkpoint.replace(":", "_")),
                               0 if tp == 1 else MICRO_BATCH_TOKENS, probe)
                  for checkpoint, (path, probe, batches) in scenario_inputs.items()} for tp in (1, 2)}
-    with ThreadPoolExecutor(2) as pool:
-        futures = {tp: pool.submit(run_local, scenario_per_checkpoint, tp, runs[tp], timeout=300 * len(CHECKPOINTS))
-                   for tp in (1, 2)}
-        by_rank = {tp: f.result() for tp, f in futures.items()}
-    return {checkpoint: {tp: [records[checkpoint] for records in by_rank[tp]] for tp in (1, 2)}
-            for checkpoint in CHECKPOINTS}
+    return run_at_tp1_and_tp2(scenario_per_checkpoint, runs, timeout=300 * len(CHECKPOINTS))
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
@@ -122,11 +115,7 @@ def batches(checkpoint, scenario_inputs):
 @pytest.fixture(scope="module")
 def runs(checkpoint, all_runs):
     """{tp: [record of rank 0, ...]} of this checkpoint's scenario (its failure fails its tests only)."""
-    failed = [f"TP={tp} rank {rank}:\n{record['error']}" for tp, records in all_runs[checkpoint].items()
-              for rank, record in enumerate(records) if "error" in record]
-    if failed:
-        pytest.fail(f"{checkpoint}: the trainer scenario failed\n" + "\n".join(failed))
-    return all_runs[checkpoint]
+    return checkpoint_records(all_runs, checkpoint, "trainer scenario")
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,10 @@
 the torchrun-style env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), initialises the default group
 (gloo, or nccl with rank i on cuda:i) and calls `fn(rank, *args)`; returns the list of per-rank results
 (picklable via torch.save) or raises with the failing rank's traceback. `fn` must be importable by module path.
+
+The trainer tests' checkpoints-at-TP=1-and-TP=2 pattern: `per_checkpoint` runs a scenario for each checkpoint in one
+process, `run_at_tp1_and_tp2` runs that on a TP=1 process and a TP=2 pair at once, and `checkpoint_records` gives one
+checkpoint's records to its tests (failing them alone if its scenario failed).
 """
 from __future__ import annotations
 
@@ -89,3 +93,41 @@ def run_local(fn, world_size: int, *args, timeout: float = 300.0, backend: str =
         if errors:
             raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
         return results
+
+
+# ---------------------------------------------------------------------------------- trainer scenarios per checkpoint
+def per_checkpoint(scenario, rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
+    """{checkpoint: scenario(rank, *args)} for each (checkpoint, args) in turn, in this process (one megatron import
+    for every checkpoint). A checkpoint whose scenario raises gets {"error": its traceback} and the next one runs
+    (every TP rank raises alike: a shape or a value error, not a rank that stops in a collective alone)."""
+    out = {}
+    for checkpoint, args in runs.items():
+        try:
+            out[checkpoint] = scenario(rank, *args)
+        except Exception:  # noqa: BLE001 (reported to the checkpoint's tests, which fail with it)
+            out[checkpoint] = {"error": traceback.format_exc()}
+    return out
+
+
+def run_at_tp1_and_tp2(runner, runs: dict[int, dict[str, tuple]], timeout: float) -> dict[str, dict[int, list]]:
+    """{checkpoint: {tp: [record of each rank]}}: `runner(rank, runs[tp])` (a `per_checkpoint` of a scenario) on one
+    process for TP=1 and a pair for TP=2, the two groups at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {tp: pool.submit(run_local, runner, tp, runs[tp], timeout=timeout) for tp in (1, 2)}
+        by_rank = {tp: future.result() for tp, future in futures.items()}
+    return {checkpoint: {tp: [records[checkpoint] for records in by_rank[tp]] for tp in (1, 2)}
+            for checkpoint in runs[1]}
+
+
+def checkpoint_records(all_runs: dict[str, dict[int, list]], checkpoint: str, what: str) -> dict[int, list]:
+    """{tp: [record of each rank]} of one checkpoint; the calling test fails with the ranks' tracebacks if its
+    scenario failed (only that checkpoint's tests fail)."""
+    import pytest
+
+    failed = [f"TP={tp} rank {rank}:\n{record['error']}" for tp, records in all_runs[checkpoint].items()
+              for rank, record in enumerate(records) if "error" in record]
+    if failed:
+        pytest.fail(f"{checkpoint}: the {what} failed\n" + "\n".join(failed))
+    return all_runs[checkpoint]

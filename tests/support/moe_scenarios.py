@@ -12,6 +12,7 @@ import torch
 from marlaas_hpc.model.families import ATTENTION_PROJECTIONS
 from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
 from marlaas_hpc.trajectory import Trajectory
+from support.local_group import per_checkpoint
 
 LORA = LoraSpec(rank=4, alpha=8.0, target_modules=ATTENTION_PROJECTIONS)
 """Task "a": attention only (a task's explicit choice on an MoE model)."""
@@ -22,16 +23,8 @@ STEPS = 2
 
 
 def moe_per_checkpoint(rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
-    """`moe_scenario` of each checkpoint (args: model_path, tp, probe, batch, out_dir) in this process."""
-    import traceback
-
-    out = {}
-    for checkpoint, args in runs.items():
-        try:
-            out[checkpoint] = moe_scenario(rank, *args)
-        except Exception:  # noqa: BLE001 (reported to the checkpoint's tests, which fail with it)
-            out[checkpoint] = {"error": traceback.format_exc()}
-    return out
+    """`moe_scenario` of each checkpoint (args: model_path, tp, probe, batch, out_dir, shifted) in this process."""
+    return per_checkpoint(moe_scenario, rank, runs)
 
 
 def moe_scenario(rank: int, model_path: str, tp: int, probe: list[list[int]], batch: list[Trajectory],

@@ -13,6 +13,7 @@ import torch
 
 from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
 from marlaas_hpc.trajectory import Trajectory
+from support.local_group import per_checkpoint
 
 # task id -> (LoRA shape, GRPO settings). b and c target strict subsets of the fused q/k/v and gate/up sites.
 TASKS = {
@@ -89,29 +90,14 @@ def base_logits(rank: int, model_path: str, tp: int, probe: list[list[int]]) -> 
     return {"base_logits": trainer.logits(None, probe)}
 
 
-def _per_checkpoint(scenario, rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
-    """{checkpoint: scenario(rank, *args)} for each (checkpoint, args) in turn, in this process. A checkpoint whose
-    scenario raises gets {"error": its traceback} and the next one runs (every TP rank raises alike: a shape or
-    a value error, not a rank that stops in a collective alone)."""
-    import traceback
-
-    out = {}
-    for checkpoint, args in runs.items():
-        try:
-            out[checkpoint] = scenario(rank, *args)
-        except Exception:  # noqa: BLE001 (reported to the checkpoint's tests, which fail with it)
-            out[checkpoint] = {"error": traceback.format_exc()}
-    return out
-
-
 def base_logits_per_checkpoint(rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
     """`base_logits` of each checkpoint (args: model_path, tp, probe) in this process."""
-    return _per_checkpoint(base_logits, rank, runs)
+    return per_checkpoint(base_logits, rank, runs)
 
 
 def scenario_per_checkpoint(rank: int, runs: dict[str, tuple]) -> dict[str, dict]:
     """`run_scenario` of each checkpoint (args as run_scenario's after the rank) in this process."""
-    return _per_checkpoint(run_scenario, rank, runs)
+    return per_checkpoint(run_scenario, rank, runs)
 
 
 def run_scenario(rank: int, model_path: str, tp: int, batches: dict[str, list[Trajectory]], out_dir: str,
