@@ -22,7 +22,7 @@ from support.jobs import ROOT, marlaas
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 TWIN = ROOT / "configs" / "qwen3-gsm8k-cpu.yaml"
 SEED = int(os.environ.get("MARLAAS_MOE_SEED", "0"))
-STEPS, GROUP, PROMPTS, EVAL_SIZE, LR = 8, 8, 4, 32, 0.003
+STEPS, GROUP, PROMPTS, EVAL_SIZE, LR = 8, 8, 8, 32, 0.003
 """The smallest job that learns reliably here (docs/models.md gives the figures of several seeds)."""
 
 
