@@ -167,3 +167,32 @@ def test_a_killed_engine_core_is_seen_at_once_and_rebuilt(tiny_model_path, tmp_p
         print(f"\ncore SIGKILLed: seen after {built[1] - killed:.2f} s, engine rebuilt after {rebuilt - killed:.1f} s")
     finally:
         engine.close()
+
+
+def test_a_version_retired_after_its_core_died_is_not_lost(tiny_model_path, tmp_path, adapters):
+    """A version retires inside a step (a finished request released it) or an unpin; if the core died just before,
+    unloading it is a call to a dead core. The engine's book-keeping still moves on (the version is retired, its
+    ref handed back) and the dead core is seen at the next call. Before, the unload raised out of the step, whose
+    finished requests then stayed in flight in RestartingEngine; its restart re-submitted them under the retired
+    version (KeyError) and the rank died (seen once in tests/test_runtime_preempt_vllm.py)."""
+    pytest.importorskip("vllm")
+    from marlaas_hpc.rollout import AdapterRef
+    from marlaas_hpc.rollout.vllm_liveness import EngineCoreDied
+
+    engine = _own_process_engine(tiny_model_path, tmp_path, [])
+    try:
+        vllm = engine.engine
+        vllm.add_adapter(AdapterRef("t", 0, str(adapters["t1"])))
+        vllm.pin("t", 0)  # held, as by a request in flight, while v1 supersedes it
+        vllm.add_adapter(AdapterRef("t", 1, str(adapters["t2"])))
+        (core,) = _engine_cores(os.getpid())
+        core.kill()
+        with _Deadline(30):
+            while vllm._core_watch.cause is None:
+                time.sleep(0.05)
+        vllm.unpin("t", 0)  # retires v0: its unload would go to the dead core
+        assert [a.version for a in vllm.pop_retired()] == [0] and vllm.versions.live("t") == [1]
+        with pytest.raises(EngineCoreDied):
+            vllm.step()
+    finally:
+        engine.close()

@@ -369,13 +369,22 @@ class VllmEngine(RolloutEngine):
         return f"{task_id}@v{version}"
 
     def _retire(self, keys: list[tuple[str, int]]) -> None:
+        """Unloads retired versions. The book-keeping goes first: a retire happens inside a step (a finished
+        request released its version) or an unpin, after `versions` dropped the key, so a failed unload must not
+        leave the engine half way (before: the step raised, its finished requests stayed in flight in
+        RestartingEngine, and its restart re-submitted them under a version no engine had: KeyError)."""
         for key in keys:
             request = self._lora_requests.pop(key)
-            self.engine.remove_lora(request.lora_int_id)
             del self._key_of_id[request.lora_int_id]
-            if request.lora_path.startswith(MEMORY_SCHEME):
-                self.llm.collective_rpc(_release_from_memory, args=(request.lora_int_id,))
             self._retired.append(self._refs.pop(key))
+            try:
+                self.engine.remove_lora(request.lora_int_id)
+                if request.lora_path.startswith(MEMORY_SCHEME):
+                    self.llm.collective_rpc(_release_from_memory, args=(request.lora_int_id,))
+            except Exception:
+                if self._core_watch is None or self._core_watch.cause is None:
+                    raise
+                # the core died: its LoRA state died with it; the next call raises EngineCoreDied (a rebuild)
 
     # ----------------------------------------------------------------- requests
     def submit(self, requests: list[GenerationRequest]) -> None:
