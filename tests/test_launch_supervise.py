@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from marlaas_hpc.launch.mpi import LocalMpi, ulfm_prefix
 from marlaas_hpc.launch.supervise import Supervisor, supervise
 from support.jobs import ROOT, job_env
 
@@ -162,3 +163,24 @@ def test_a_stopped_rank_sends_no_heartbeat_and_is_found_hung():
         proc.kill()
         proc.wait()
         monitor.close()
+
+
+@pytest.mark.skipif(ulfm_prefix() is None, reason="needs the ULFM Open MPI (tools/setup_env.sh)")
+def test_under_ulfm_the_step_guard_does_not_take_a_0_for_a_finish_when_rank_0_died(tmp_path):
+    """ULFM's mpiexec exits 0 whatever its ranks died of. A CI run had PRRTE lose a node's daemon and take every rank
+    down, rank 0 included: mpiexec said 0 and the step guard with it, so Slurm recorded the job COMPLETED with its
+    tasks half done and no requeue. Now a 0 stands only when rank 0 said the job ended."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "job.yaml").write_text("{}\n")
+    mpi = LocalMpi(kind="ulfm", mpiexec=str(ulfm_prefix() / "bin" / "mpiexec"), prefix=ulfm_prefix())
+    mpiexec = [mpi.mpiexec, "--with-ft", "ulfm", "-n", "3", "--oversubscribe", sys.executable, RANKS, "kill0",
+               str(run_dir)]
+    assert subprocess.run(mpiexec, env=mpi.environ(job_env(ROOT)), timeout=120).returncode == 0, "what ULFM says"
+    env = dict(mpi.environ(job_env(ROOT)), SLURM_JOB_ID="999999")
+    guard = [sys.executable, "-m", "marlaas_hpc.launch.step_guard", "--poll", "0.5", "--"]
+    out = subprocess.run(guard + mpiexec, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("marlaas: job stopped")]
+    assert len(lines) == 1 and "rank 0 (scheduler" in lines[0], out.stderr[-3000:]
+    assert "Requeueing job 999999 (crash requeue 1 of 1)" in lines[0]
+    assert out.returncode not in (0, 75)

@@ -225,6 +225,16 @@ class RankMonitor:
 
         threading.Thread(target=loop, name="hang-watch", daemon=True).start()
 
+    def wait_ended(self, timeout_s: float) -> bool:
+        """Waits until every rank that said hello has ended its connection (or `timeout_s`); True if all have."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                open_ = any(peer.hello is not None for peer in self._peers.values())
+            if not open_ or time.monotonic() >= deadline:
+                return not open_
+            time.sleep(0.05)
+
     def close(self) -> None:
         self._closed = True
         self._server.close()

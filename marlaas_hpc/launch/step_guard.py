@@ -184,11 +184,10 @@ def _watch(proc: subprocess.Popen, job_id: str, poll_s: float, grace_s: float) -
 def after_step(supervisor: Supervisor, code: int, job_id: str) -> int:
     """A step ended by a rank's failure: one message, and a requeue while the run dir is resumable and the
     job's max_crash_requeues is not used up. Otherwise the step's own status."""
-    ended = supervisor.monitor.job_status()
-    if ended is not None and supervisor.interrupted is None:
-        # a job that went on without a lost rank (layout.mpi: ulfm) ends with rank 0's status: ULFM's mpiexec
-        # still reports the rank's death (a het job of 6 ranks, one SIGKILLed, ended with status 9)
-        code = ended
+    # layout.mpi: ulfm: a job that went on without a lost rank ends with rank 0's status (ULFM's mpiexec still
+    # reports the death: a het job of 6 ranks, one SIGKILLed, ended with status 9), and a 0 stands only if rank 0
+    # said so (launch/supervise.py)
+    code = supervisor.settle(code)
     failure = supervisor.failure(code)
     if failure is None:
         supervisor.report(code)

@@ -36,6 +36,8 @@ STOP_WAIT_S = 10.0
 CRASH_FILE = "crash.json"
 LOST_RANK_EXIT = 1
 """The job's status when a rank's loss stopped it but the launcher said 0 (the ULFM mpiexec does)."""
+ENDED_WAIT_S = 3.0
+"""After the launcher exited, how long the monitor gets to see the connections of its killed ranks end."""
 LOSS_DIR = "faults"
 """RUN_DIR/faults/rank<N>.json: the cause of a rank's loss that the job went on without (rank 0 names it)."""
 FORWARDED = (signal.SIGUSR2, signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -189,15 +191,23 @@ class Supervisor:
     # ---- after ----
     def wait(self) -> int:
         code = self.proc.wait()
-        code = code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+        return self.settle(code if code >= 0 else 128 - code)  # killed by a signal: the shell's convention
+
+    def settle(self, code: int) -> int:
+        """The job's status once the launcher exited with `code`. A job that went on without a lost rank ends with
+        rank 0's status (the ULFM launcher still reports a rank that joined the live job, another MPI job to it, and
+        was then lost, as exit 137). The ULFM launcher exits 0 whatever its ranks died of, so a 0 stands only when
+        rank 0 said the job ended: once PRRTE lost a node's daemon it took every rank down and still exited 0, and
+        the Slurm job was COMPLETED with its tasks half done."""
+        self.monitor.wait_ended(ENDED_WAIT_S)  # the killed ranks' connections end a moment after the launcher
         ended = self.monitor.job_status()
-        # a job that went on without a lost rank ends with rank 0's status: the ULFM launcher still reports a rank
-        # that joined the live job (another MPI job to it) and was then lost, as exit 137
         if ended is not None and self.interrupted is None:
             return ended
         failure = self.monitor.first_failure()
         if code == 0 and failure is not None and not failure.peer_lost and not tolerated(failure):
-            return LOST_RANK_EXIT  # the ULFM launcher exits 0 whatever its ranks died of (rank 0's SIGKILL too)
+            return LOST_RANK_EXIT
+        if code == 0 and self.interrupted is None and self.monitor.hello(0) and 0 not in self.monitor.statuses:
+            return LOST_RANK_EXIT
         return code
 
     def failure(self, code: int) -> RankFailure | None:

@@ -5,7 +5,8 @@ job's monitor like marlaas ranks do, then one of them fails in the way asked for
     WHAT: ok | kill (rank 2 SIGKILLs itself while rank 1 waits on it in a gloo broadcast) | raise (rank 1 raises
           an OSError ENOSPC) | hang (rank 2 SIGKILLs itself, no MPI: run as plain processes by a launcher that
           never stops them) | stuck (every rank beats; rank 2's loop stops turning inside a 'generate' span, as
-          a deadlocked engine's would: its hang_timeout_s is 2 s)
+          a deadlocked engine's would: its hang_timeout_s is 2 s) | kill0 (under the ULFM mpiexec: rank 0 SIGKILLs
+          itself, the others end as if the job went on; that mpiexec then exits 0)
 """
 import errno
 import os
@@ -46,6 +47,8 @@ def main(what: str, run_dir: str) -> None:
     comm.Barrier()
     if what == "stuck":
         stuck(reporter, rank)
+    if what == "kill0":
+        kill0(reporter, rank)
     try:
         if what == "kill" and rank == 2:
             time.sleep(0.5)
@@ -62,7 +65,17 @@ def main(what: str, run_dir: str) -> None:
         report_crash(exc, Path(run_dir), rank, reporter)
         comm.Abort(1)
     comm.Barrier()
+    reporter.bye(0 if rank == 0 else None)  # rank 0 says the job's status, as runtime/main.py does
+
+
+def kill0(reporter, rank: int) -> None:
+    """Rank 0 dies outright; the others outlive it and end without MPI_Finalize (its agreement would wait for the
+    dead rank), as the ranks of a ULFM job whose daemons were taken down do."""
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(2.0)
     reporter.bye()
+    os._exit(0)
 
 
 def stuck(reporter, rank: int) -> None:
