@@ -573,7 +573,8 @@ class MultiLora:
             if name in site.adapters:
                 (experts if getattr(site, "ep_size", 1) > 1 else out).update(site.to_hf(name, spec, grads=grads))
         if self.ep_group is not None:  # every EP rank's experts (collective over the EP group)
-            out.update(gather_expert_tensors(experts, self.ep_group))
+            experts = gather_expert_tensors(experts, self.ep_group)
+        out.update(experts)
         return out
 
     def load_hf_state_dict(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
