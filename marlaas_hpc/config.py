@@ -25,7 +25,8 @@ _SAFE_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def _check_model_name(model: Any, field: str) -> None:
-    """A base model as `model` takes it: a checkpoint dir's path, 'tiny', 'chat-mini' or a known random shape."""
+    """A base model as `model` takes it: a checkpoint dir's path, 'tiny', 'chat-mini', 'chat-mini-moe' or a known
+    random shape."""
     from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, SHAPES
 
     if not isinstance(model, str) or not model.strip():
@@ -155,7 +156,8 @@ class JobConfig(SchedulerSettings):
     """Base model: a local HF checkpoint dir of a served family (Qwen3 dense, Qwen2 / Qwen2.5, Llama 3.x:
     model/families.py), 'tiny' (the project's own 0.8M-param char model, built and cached on first use),
     'chat-mini' (the project's small Qwen3 chat model with the 151,936-row BPE vocabulary, pre-trained on
-    chat-format GSM8K-style problems: model/chat_mini.py), or 'random:<shape>' (a random-weight checkpoint with
+    chat-format GSM8K-style problems: model/chat_mini.py), 'chat-mini-moe' (its Qwen3-MoE sibling: 8 experts
+    top-2 in every layer, the same pre-training), or 'random:<shape>' (a random-weight checkpoint with
     a family's real traits, built and cached on first use, e.g. random:qwen3-0.6b-mini, random:qwen2.5-0.5b-mini,
     random:llama3.2-1b-mini; model/random_checkpoints.py).
     A path that does not exist yet still loads and renders (`marlaas sbatch`); `marlaas run` / `submit` refuse it."""
@@ -422,7 +424,7 @@ class JobConfig(SchedulerSettings):
     def model_path(self, name: str | None = None) -> Path:
         """The base model dir (`name`: of that model of `model_names`; None: the first), building the tiny model
         or a random checkpoint on first use (SpecError if a checkpoint path holds none)."""
-        from marlaas_hpc.model.chat_mini import CHAT_MINI, ensure_chat_mini
+        from marlaas_hpc.model.chat_mini import RECIPES, ensure_chat_mini
         from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, ensure_random_checkpoint
 
         model = self.model if name is None else self.model_names()[name]
@@ -431,13 +433,13 @@ class JobConfig(SchedulerSettings):
             from marlaas_hpc.tiny_model import ensure_tiny_model
 
             return ensure_tiny_model()
-        if model == CHAT_MINI:
-            return ensure_chat_mini()
+        if model in RECIPES:
+            return ensure_chat_mini(RECIPES[model])
         if model.startswith(RANDOM_PREFIX):
             return ensure_random_checkpoint(model[len(RANDOM_PREFIX):])
         if not Path(model, "config.json").is_file():  # a placeholder renders (`marlaas sbatch`), never runs
             raise SpecError(field_name, f"{model!r} is not an HF checkpoint dir with config.json (nor 'tiny', "
-                                        "'chat-mini' or 'random:<shape>'): download the checkpoint there or fill in "
-                                        "its path")
+                                        "'chat-mini', 'chat-mini-moe' or 'random:<shape>'): download the checkpoint "
+                                        "there or fill in its path")
         return Path(model)
 

@@ -78,24 +78,24 @@ def model_dims(job, model: str | None = None) -> tuple[ModelShape, str]:
 
 
 def model_config_dir(name: str) -> Path:
-    """A directory holding the model's config.json: the tiny model's shipped one, chat-mini's, a random shape's
-    (written once into the cache), or the named checkpoint dir."""
-    from marlaas_hpc.model.chat_mini import CHAT_MINI, ensure_chat_mini
+    """A directory holding the model's config.json: the tiny model's shipped one, chat-mini's or chat-mini-moe's, a
+    random shape's (written once into the cache), or the named checkpoint dir."""
+    from marlaas_hpc.model.chat_mini import RECIPES, ensure_chat_mini
     from marlaas_hpc.model.random_checkpoints import RANDOM_PREFIX, SHAPES, write_config
 
     if name == "tiny":
         return Path(__file__).resolve().parents[1] / "tiny_weights"
-    if name == CHAT_MINI:  # shipped compact, expanded once into the cache (seconds)
-        return ensure_chat_mini()
+    if name in RECIPES:  # shipped compact, expanded once into the cache (seconds)
+        return ensure_chat_mini(RECIPES[name])
     if name.startswith(RANDOM_PREFIX):
         if name[len(RANDOM_PREFIX):] not in SHAPES:
             raise SpecError("model", f"unknown shape {name!r}; known: {[RANDOM_PREFIX + s for s in SHAPES]}")
         return write_config(name[len(RANDOM_PREFIX):])
     if not Path(name, "config.json").is_file():
-        raise SpecError("model", f"{name!r} holds no config.json (nor is it 'tiny', 'chat-mini' or 'random:<shape>'): download "
-                                 "the checkpoint there or fill in its path; `marlaas plan --model DIR` estimates "
-                                 "from any directory holding the model's config.json (no weights), `--model "
-                                 "random:qwen3-0.6b` / `random:qwen3-8b` from a shape")
+        raise SpecError("model", f"{name!r} holds no config.json (nor is it 'tiny', 'chat-mini', 'chat-mini-moe' or "
+                                 "'random:<shape>'): download the checkpoint there or fill in its path; `marlaas "
+                                 "plan --model DIR` estimates from any directory holding the model's config.json "
+                                 "(no weights), `--model random:qwen3-0.6b` / `random:qwen3-8b` from a shape")
     return Path(name)
 
 
