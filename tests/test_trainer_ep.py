@@ -13,8 +13,7 @@ import torch
 from support.checks import max_diff
 from support.ep_scenarios import ep_per_checkpoint
 from support.local_group import checkpoint_records, run_local
-from support.moe_scenarios import STEPS, write_hf_moe_checkpoint
-from test_trainer_moe import HF_VOCAB, _batch, _hf_model, _probe
+from support.moe_scenarios import HF_VOCAB, STEPS, hf_model, moe_batch, moe_probe, write_hf_moe_checkpoint
 
 EP_TOL = 1e-5
 """EP=2 vs EP=1 (fp32): logprobs, losses, gradients."""
@@ -34,8 +33,8 @@ def inputs(tmp_path_factory) -> dict[str, tuple]:
              "hf": write_hf_moe_checkpoint(root / "hf", HF_VOCAB)}
     out = {}
     for checkpoint, path in paths.items():
-        hf_base = _hf_model(path)
-        out[checkpoint] = (path, _probe(hf_base.config.vocab_size), _batch(hf_base)[0])
+        hf_base = hf_model(path)
+        out[checkpoint] = (path, moe_probe(hf_base.config.vocab_size), moe_batch(hf_base)[0])
     return out
 
 
@@ -60,7 +59,7 @@ def ranks(checkpoint, all_runs) -> list[dict]:
 
 
 def test_ep2_holds_half_of_the_experts_on_each_rank(ranks, inputs, checkpoint):
-    experts = _hf_model(inputs[checkpoint][0]).config.num_experts
+    experts = hf_model(inputs[checkpoint][0]).config.num_experts
     for record in ranks:
         assert set(record[1]["local_experts"]) == {experts}
         assert set(record[2]["local_experts"]) == {experts // 2}
@@ -69,7 +68,7 @@ def test_ep2_holds_half_of_the_experts_on_each_rank(ranks, inputs, checkpoint):
 def test_ep2_logprobs_equal_ep1_and_transformers(ranks, inputs, checkpoint):
     from marlaas_hpc.trainer.objectives import token_logprobs
 
-    hf_base = _hf_model(inputs[checkpoint][0])
+    hf_base = hf_model(inputs[checkpoint][0])
     _, probe, batch = inputs[checkpoint]
     with torch.no_grad():
         reference = hf_base(input_ids=torch.tensor(probe)).logits
