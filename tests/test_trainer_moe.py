@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,15 +21,13 @@ import torch
 
 from support.checks import max_diff
 from support.local_group import checkpoint_records, run_at_tp1_and_tp2
-from support.moe_scenarios import (ALGO, EXPERT_LORA, LORA, STEPS, forced_gates, moe_per_checkpoint, ranked_routes,
-                                   write_hf_moe_checkpoint)
-from support.trainer_scenarios import make_trajectories, probe_ids
+from support.moe_scenarios import (ALGO, EXPERT_LORA, HF_VOCAB, LORA, STEPS, forced_gates, hf_model, moe_batch,
+                                   moe_per_checkpoint, moe_probe, write_hf_moe_checkpoint)
 
 LOGIT_TOL = 1e-4
 """Trainer vs transformers, fp32 (logits and logprobs)."""
 TP_TOL = 1e-5
 """TP=2 vs TP=1 losses and gradients."""
-HF_VOCAB = 1024
 CHECKPOINTS = ["random:qwen3-30b-a3b-mini", "hf", "hf-fused"]
 pytestmark = pytest.mark.slow
 
@@ -50,39 +46,6 @@ def _write_fused(source: Path, out: Path) -> Path:
     return out
 
 
-def _hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def _batch(hf_base) -> tuple[list, list]:
-    """Trajectories with behaviour logprobs = HF's + noise, group-relative advantages and the routes HF chose (a
-    task without replay ignores them); the same with each token's next k experts as routes (`ranked_routes`)."""
-    from marlaas_hpc.trainer.objectives import token_logprobs
-    from marlaas_hpc.trajectory import assign_advantages
-
-    noise = random.Random(0)
-    trajs = make_trajectories("a", seed=5, vocab=hf_base.config.vocab_size)
-    for traj in trajs:
-        with torch.no_grad():
-            logits = hf_base(input_ids=torch.tensor([traj.prompt_ids + traj.completion_ids])).logits[0]
-        logp = token_logprobs(logits[len(traj.prompt_ids) - 1:-1], torch.tensor(traj.completion_ids), 1.0)
-        traj.behaviour_logprobs = [v + noise.gauss(0.0, 0.1) if m else 0.0 for v, m in zip(logp.tolist(), traj.mask())]
-        traj.routes = ranked_routes(hf_base, traj.prompt_ids + traj.completion_ids, 0)
-    assign_advantages(trajs)
-    shifted = [replace(traj, routes=ranked_routes(hf_base, traj.prompt_ids + traj.completion_ids, 1))
-               for traj in trajs]
-    return trajs, shifted
-
-
-def _probe(vocab: int) -> list[list[int]]:
-    if vocab != HF_VOCAB:
-        return probe_ids(vocab)
-    rng = random.Random(3)
-    return [[rng.randrange(vocab) for _ in range(48)] for _ in range(2)]
-
-
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict[str, tuple]:
     """Per checkpoint: (path, probe rows, batch, batch with shifted routes)."""
@@ -94,8 +57,8 @@ def inputs(tmp_path_factory) -> dict[str, tuple]:
              "hf-fused": _write_fused(hf, root / "hf-fused")}
     out = {}
     for checkpoint, path in paths.items():
-        hf_base = _hf_model(path)
-        out[checkpoint] = (path, _probe(hf_base.config.vocab_size), *_batch(hf_base))
+        hf_base = hf_model(path)
+        out[checkpoint] = (path, moe_probe(hf_base.config.vocab_size), *moe_batch(hf_base))
     return out
 
 
@@ -120,7 +83,7 @@ def runs(checkpoint, all_runs):
 
 @pytest.fixture(scope="module")
 def hf_base(checkpoint, inputs):
-    return _hf_model(inputs[checkpoint][0])
+    return hf_model(inputs[checkpoint][0])
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -285,7 +248,7 @@ def _expert_adapter_keys(config: dict) -> set[str]:
 def _peft_model(base_path, adapter):
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(_hf_model(base_path), str(adapter)).eval()
+    return PeftModel.from_pretrained(hf_model(base_path), str(adapter)).eval()
 
 
 @pytest.mark.parametrize("tp", [1, 2])

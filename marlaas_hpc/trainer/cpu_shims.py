@@ -1,4 +1,4 @@
-"""CPU redirections of the four CUDA-only call sites megatron-core 0.16.1 hits on a GPTModel forward/backward.
+"""CPU redirections of the CUDA-only call sites megatron-core 0.16.1 hits on a GPTModel forward/backward.
 
 On a machine with CUDA every function here is left untouched (`apply_cpu_shims` is a no-op). On CPU:
 
@@ -7,7 +7,13 @@ On a machine with CUDA every function here is left untouched (`apply_cpu_shims` 
 2. `RotaryEmbedding.get_emb` no longer moves `inv_freq` to `torch.cuda.current_device()`;
 3. `utils.GlobalMemoryBuffer.get_tensor` allocates on the CPU;
 4. `transformer.utils.get_default_causal_mask` (also imported into `fusions.fused_softmax`) builds the mask on
-   the CPU (the trainer passes an explicit mask anyway).
+   the CPU (the trainer passes an explicit mask anyway);
+5. expert parallelism (trainer/experts_parallel.py), megatron's all-to-all token dispatcher: its constructor makes a
+   `torch.cuda.Stream()` for its device-to-host copies of the split sizes (class attribute `cuda_dtoh_stream`;
+   set to a placeholder), and `_maybe_dtoh_and_synchronize` enters that stream (on CPU the counts are host
+   tensors already: it only turns the split sizes into lists, which `all_to_all_single` takes); and
+   `tensor_parallel.mappings._gather_along_first_dim`, with which the dispatcher gathers the EP ranks' token
+   counts, allocates its output on `torch.cuda.current_device()` (here: on the input's device).
 """
 from __future__ import annotations
 
@@ -110,5 +116,37 @@ def apply_cpu_shims() -> bool:
     transformer_utils.get_default_causal_mask = _get_default_causal_mask
     fused_softmax.get_default_causal_mask = _get_default_causal_mask
 
+    _all_to_all_dispatcher_on_cpu()
+
     _APPLIED = True
     return True
+
+
+def _all_to_all_dispatcher_on_cpu() -> None:
+    """Shim 5 (module doc): megatron's all-to-all token dispatcher and the gather it counts tokens with, on CPU."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu"  # not None: its constructor then makes no CUDA stream
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.tolist())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        world_size = group.size()
+        if world_size == 1:
+            return input_
+        sizes = output_split_sizes or [input_.shape[0]] * world_size
+        pieces = [input_.new_empty((size, *input_.shape[1:])) for size in sizes]
+        dist.all_gather(pieces, input_.contiguous(), group=group)
+        return torch.cat(pieces, dim=0)
+
+    mappings._gather_along_first_dim = _gather_along_first_dim

@@ -382,14 +382,31 @@ class ExpertLoraSite(LoraSite):
     Tokens reach an expert in routing order, not by batch row: the dispatcher records each expert's token
     indices (seq-major, as megatron flattens [seq, batch, hidden]), so a token's row is its index mod batch."""
 
-    def __init__(self, module: torch.nn.Module, layer: int, site: str, ctx: LoraContext, tp_group, expert: int,
+    def __init__(self, module: torch.nn.Module, layer: int, site: str, ctx: LoraContext, tp_group, local: int,
                  dispatcher):
         super().__init__(module, layer, site, ctx, tp_group)
-        self.expert, self.dispatcher = expert, dispatcher
-        self.label = f"experts.{expert}.{site}"
+        self.local, self.dispatcher = local, dispatcher
+        self.expert = dispatcher.local_expert_indices[local]
+        """The expert's index in the checkpoint (with expert parallelism: EP rank x local experts + `local`)."""
+        self.ep_size = dispatcher.ep_size
+        self.label = f"experts.{self.expert}.{site}"  # the global index: A's seed is the EP=1 one
 
     def peft_key(self, part: str, which: str) -> str:
         return expert_peft_key(self.layer, self.expert, part, which)
+
+    def peer_keys(self, spec: LoraSpec) -> set[str]:
+        """The PEFT keys of the experts the other EP ranks hold at this site's place (an adapter file has them)."""
+        local = len(self.dispatcher.local_expert_indices)
+        return {expert_peft_key(self.layer, rank * local + self.local, part, which)
+                for rank in range(self.ep_size) for part in self.parts if part in spec.target_modules
+                for which in "AB"} - {self.peft_key(part, which) for part in self.parts for which in "AB"}
+
+    def add(self, name: str, spec: LoraSpec, seed: int) -> LoraAdapter | None:
+        adapter = super().add(name, spec, seed)
+        if adapter is not None and self.ep_size > 1:
+            # this EP rank's experts only: summed over the expert-data-parallel group, and their norm over EP
+            adapter.lora_A.expert_parallel = adapter.lora_B.expert_parallel = True
+        return adapter
 
     def _delta(self, adapter: LoraAdapter, x: torch.Tensor) -> torch.Tensor:
         from marlaas_hpc.trainer.moe import SumGradOverTP
@@ -404,10 +421,13 @@ class ExpertLoraSite(LoraSite):
         return F.linear(hidden, b)
 
     def _hook(self, module, args, kwargs, output):
-        if not self.adapters or not self.ctx.rows:
+        if not self.adapters or (not self.ctx.rows and self.ep_size == 1):
             return output
         x = args[0] if args else kwargs["input_"]
         out, bias = output
+        if self.ep_size > 1:  # tokens of every EP rank's rows: their adapter codes came with them
+            names, token_codes = self.dispatcher.code_names, self.dispatcher.expert_codes[self.local]
+            return self._add_by_code(out, x, names, token_codes), bias
         groups = self.ctx.groups(module.weight.device)
         if len(groups) == 1 and groups[0][1] is None:  # one adapter on every row: all of this expert's tokens
             adapter = self.adapters.get(groups[0][0])
@@ -417,16 +437,20 @@ class ExpertLoraSite(LoraSite):
         if batch != len(self.ctx.rows):
             raise ValueError(f"layer {self.layer}: the MoE layer's batch is {batch} rows, the LoRA context names "
                              f"{len(self.ctx.rows)}")
-        token_codes = codes[self.dispatcher.expert_token_ids[self.expert] % batch]
+        token_codes = codes[self.dispatcher.expert_token_ids[self.local] % batch]
+        return self._add_by_code(out, x, names, token_codes), bias
+
+    def _add_by_code(self, out: torch.Tensor, x: torch.Tensor, names: list[str], token_codes: torch.Tensor):
+        """out plus each adapter's delta on the tokens whose code names it."""
         for code, name in enumerate(names):
             adapter = self.adapters.get(name)
             if adapter is None:
                 continue
-            # every rank routes the same tokens (replicated hidden states), so every rank runs the same deltas
+            # every TP rank routes the same tokens (replicated hidden states), so every rank runs the same deltas
             # and their gradient sums over TP match
             positions = (token_codes == code).nonzero().squeeze(1)
             out = out.index_add(0, positions, self._delta(adapter, x.index_select(0, positions)).to(out.dtype))
-        return out, bias
+        return out
 
 
 @dataclass
@@ -438,11 +462,13 @@ class _AdapterInfo:
 class MultiLora:
     """N named LoRA adapters over one (frozen) megatron GPTModel; forwards pick adapters per row via `ctx`."""
 
-    def __init__(self, model: torch.nn.Module, ctx: LoraContext | None = None, tp_group=None):
+    def __init__(self, model: torch.nn.Module, ctx: LoraContext | None = None, tp_group=None, ep_group=None):
         from megatron.core import parallel_state
 
         self.ctx = ctx or LoraContext()
         self.tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
+        self.ep_group = ep_group
+        """The expert-parallel group (None: EP = 1): expert adapters are gathered and their norm summed over it."""
         self.sites: list[LoraSite] = []
         self.adapters: dict[str, _AdapterInfo] = {}
         layers = list(model.decoder.layers)
@@ -464,9 +490,21 @@ class MultiLora:
         if experts is None:
             return []
         dispatcher = layer_module.mlp.token_dispatcher
+        if dispatcher.ep_size > 1:
+            dispatcher.row_codes = self._row_codes
         return [ExpertLoraSite(expert.get_submodule(f"linear_{site}"), layer, site, self.ctx, self.tp_group,
                                index, dispatcher)
                 for index, expert in enumerate(experts.local_experts) for site in ("fc1", "fc2")]
+
+    def _row_codes(self) -> tuple[list[str], torch.Tensor | None]:
+        """(every adapter's name, in the order every rank added them; each batch row's index into them or -1): the
+        codes an expert-parallel dispatcher sends with the tokens (trainer/experts_parallel.py)."""
+        names = list(self.adapters)
+        if not self.ctx.rows:
+            return names, None
+        device = self.sites[0].module.weight.device
+        return names, torch.tensor([names.index(row) if row is not None else -1 for row in self.ctx.rows],
+                                   dtype=torch.long, device=device)
 
     def add_adapter(self, name: str, spec: LoraSpec, seed: int = 0) -> list[torch.nn.Parameter]:
         """Creates adapter `name` (A: seeded kaiming-uniform, identical on every TP rank; B: zeros)."""
@@ -526,11 +564,17 @@ class MultiLora:
 
     def hf_state_dict(self, name: str, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full (TP-gathered) PEFT-layout tensors of adapter `name` (or of its grads). Collective over TP."""
+        from marlaas_hpc.trainer.experts_parallel import gather_expert_tensors
+
         spec = self.adapters[name].spec
         out: dict[str, torch.Tensor] = {}
+        experts: dict[str, torch.Tensor] = {}
         for site in self.sites:
             if name in site.adapters:
-                out.update(site.to_hf(name, spec, grads=grads))
+                (experts if getattr(site, "ep_size", 1) > 1 else out).update(site.to_hf(name, spec, grads=grads))
+        if self.ep_group is not None:  # every EP rank's experts (collective over the EP group)
+            experts = gather_expert_tensors(experts, self.ep_group)
+        out.update(experts)
         return out
 
     def load_hf_state_dict(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -538,7 +582,9 @@ class MultiLora:
         spec = self.adapters[name].spec
         expected = {s.peft_key(p, w) for s in self.sites if name in s.adapters
                     for p in s.parts if p in spec.target_modules for w in "AB"}
-        missing, extra = expected - set(tensors), set(tensors) - expected
+        peers = {key for s in self.sites if name in s.adapters and isinstance(s, ExpertLoraSite)
+                 for key in s.peer_keys(spec)}  # the experts of the other EP ranks (each loads its own)
+        missing, extra = (expected | peers) - set(tensors), set(tensors) - expected - peers
         if missing or extra:
             raise KeyError(f"adapter {name!r}: missing {sorted(missing)[:4]} unexpected {sorted(extra)[:4]}")
         for site in self.sites:
@@ -546,27 +592,26 @@ class MultiLora:
                 site.from_hf(name, spec, tensors)
 
     def grad_norm(self, name: str) -> torch.Tensor:
-        """Global L2 norm of adapter `name`'s gradients over all TP shards (collective over TP)."""
-        sharded = replicated = None
+        """Global L2 norm of adapter `name`'s gradients over all TP shards and EP ranks' experts (collective over TP,
+        and over EP with expert parallelism)."""
+        device = self.sites[0].module.weight.device
+        # squares summed: [TP-sharded, TP-replicated] x [dense or local to the EP group, this EP rank's experts]
+        sums = torch.zeros(2, 2, dtype=torch.float64, device=device)
         for site in self.sites:
             adapter = site.adapters.get(name)
             if adapter is None:
                 continue
             for p in (adapter.lora_A, adapter.lora_B):
-                if p.grad is None:
-                    continue
-                sq = p.grad.detach().double().pow(2).sum()
-                if p.tp_sharded:
-                    sharded = sq if sharded is None else sharded + sq
-                else:
-                    replicated = sq if replicated is None else replicated + sq
-        device = self.sites[0].module.weight.device
-        sharded = sharded if sharded is not None else torch.zeros((), dtype=torch.float64, device=device)
-        replicated = replicated if replicated is not None else torch.zeros((), dtype=torch.float64,
-                                                                            device=device)
+                if p.grad is not None:
+                    sums[0 if p.tp_sharded else 1, int(getattr(p, "expert_parallel", False))] += \
+                        p.grad.detach().double().pow(2).sum()
         if dist.get_world_size(self.tp_group) > 1:
-            dist.all_reduce(sharded, group=self.tp_group)
-        return (sharded + replicated).sqrt()
+            dist.all_reduce(sums[0], group=self.tp_group)
+        if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+            experts = sums[:, 1].contiguous()
+            dist.all_reduce(experts, group=self.ep_group)
+            sums[:, 1] = experts
+        return sums.sum().sqrt()
 
     def close(self) -> None:
         for site in self.sites:

@@ -16,6 +16,7 @@ TP and DP groups. `init_distributed` creates it from the torchrun environment, o
 """
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,9 +44,10 @@ def init_single_process_group(backend: str | None = None) -> None:
 
 
 def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = None,
-                     data_parallel: int = 1, store=None) -> None:
+                     data_parallel: int = 1, store=None, expert_parallel: int = 1) -> None:
     """Default process group (from `store` with env RANK / WORLD_SIZE, else torchrun env vars, else
-    single-process) + megatron's TP and DP groups + RNG.
+    single-process) + megatron's TP, DP and expert groups (`expert_parallel` ranks of the DP ones share one MoE
+    layer's experts: trainer/experts_parallel.py) + RNG.
 
     The default group must span exactly the trainer group's ranks: `tensor_parallel * data_parallel` of them.
     Idempotent when already initialised with the same sizes. On CUDA the caller selects this rank's device first
@@ -70,13 +72,15 @@ def init_distributed(tensor_parallel: int, seed: int = 0, backend: str | None = 
         raise ValueError(f"the default process group has {world} ranks but tensor_parallel={tensor_parallel} x "
                          f"data_parallel={data_parallel}; the trainer's world must be exactly its TP x DP ranks")
     if parallel_state.model_parallel_is_initialized():
-        have = parallel_state.get_tensor_model_parallel_world_size()
-        if have != tensor_parallel:
-            raise ValueError(f"megatron parallel state already initialised with TP={have}")
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tensor_parallel, expert_parallel):
+            raise ValueError(f"megatron parallel state already initialised with TP, EP={have}")
     else:
         # megatron's extra gloo groups serve its distributed optimizer and checkpointing, which the trainer does
         # not use: on GPU they were TCP meshes for nothing, and a fake process group (the GPU dry run) has no gloo
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                                 expert_model_parallel_size=expert_parallel,
                                                  create_gloo_process_groups=False)
     tracker = mcore_tp.get_cuda_rng_tracker()
     if "model-parallel-rng" not in tracker.get_states():
@@ -128,6 +132,26 @@ def local_spec_bridge(family: ModelFamily, hf_config, dtype: torch.dtype, expert
         def _get_safetensor_io(self, weights_path: str):
             return _safetensor_io(self._get_actual_hf_path(weights_path)) if experts else \
                 super()._get_safetensor_io(weights_path)
+
+        def _build_base_config(self, **kwargs):
+            if experts and self.mpu.ep_size > 1:
+                # megatron's config refuses EP without experts: the first config (in mbridge's constructor, before
+                # `set_extra_args` gives the trainer's) has the experts' fields already
+                from marlaas_hpc.trainer.moe import moe_config_args
+
+                kwargs.update(moe_config_args(experts, self.mpu.ep_size), variable_seq_lengths=False)
+            return super()._build_base_config(**kwargs)
+
+        def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True) -> dict:
+            # mbridge maps local to global experts for grouped-GEMM names only (`mlp.experts.linear_fc1.weightN`);
+            # SequentialMLP's `local_experts.i` is expert ep_rank x local + i of the checkpoint
+            from marlaas_hpc.trainer.moe import global_expert_name
+
+            names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep)
+            if not experts or self.mpu.ep_size == 1:
+                return names
+            local = experts.num_experts // self.mpu.ep_size
+            return {key: global_expert_name(value, self.mpu.ep_rank * local) for key, value in names.items()}
 
         def _weight_name_mapping_mlp(self, name: str) -> list[str]:
             from marlaas_hpc.trainer.moe import moe_hf_names
@@ -217,6 +241,31 @@ def check_tensor_parallel(hf_config, tensor_parallel: int, experts: ExpertsSpec 
             raise ValueError(f"tensor_parallel={tensor_parallel} must divide {name}={value}")
 
 
+def check_expert_parallel(expert_parallel: int, tensor_parallel: int, data_parallel: int, model_path) -> None:
+    """Refuses an EP size megatron-core cannot lay out or the trainer does not build, naming `expert_parallel`
+    (trainer/experts_parallel.py)."""
+    from marlaas_hpc.tasks.spec import SpecError
+
+    if expert_parallel == 1:
+        return
+    config = json.loads(Path(model_path, "config.json").read_text())
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if not num_experts:
+        raise SpecError("expert_parallel", f"is {expert_parallel}, but the model has no experts")
+    if num_experts % expert_parallel:
+        raise SpecError("expert_parallel", f"must divide the model's {num_experts} experts, got {expert_parallel}")
+    if tensor_parallel != 1:
+        # the replicated-token dispatcher (trainer/moe.py) runs TP without sequence parallelism: every TP rank holds
+        # every token; combined with EP's all-to-all that needs expert-TP groups this trainer does not build
+        raise SpecError("expert_parallel", f"> 1 runs at tensor_parallel 1 only, got tensor_parallel "
+                                           f"{tensor_parallel}")
+    if data_parallel % expert_parallel:
+        # megatron-core carves EP out of the DP x TP ranks: world % (expert TP x EP) == 0
+        raise SpecError("expert_parallel", f"must divide data_parallel={data_parallel} (megatron-core carves the "
+                                           f"expert-parallel ranks out of the data-parallel ones), got "
+                                           f"{expert_parallel}")
+
+
 def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, recompute: bool = False,
                     load_weights: bool = True) -> LoadedModel:
@@ -232,6 +281,7 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     the GPU dry run (marlaas_hpc/plan) builds the model from config.json alone.
     Needs `init_distributed` first (all TP ranks call this together).
     """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
     from transformers import AutoConfig
 
@@ -245,7 +295,8 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     hf_config = AutoConfig.from_pretrained(str(model_path))
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     bridge = local_spec_bridge(family, hf_config, dtype, experts)
-    bridge.set_extra_args(**_config_args(device, dtype, recompute, experts))
+    expert_parallel = parallel_state.get_expert_model_parallel_world_size()
+    bridge.set_extra_args(**_config_args(device, dtype, recompute, experts, expert_parallel))
     tp = bridge.mpu.tp_size
     check_tensor_parallel(hf_config, tp, experts)
     vocab = int(hf_config.vocab_size)
@@ -271,7 +322,8 @@ def build_gpt_model(model_path: str | Path, device: torch.device | str = "cpu",
     return LoadedModel(model=model, hf_config=hf_config, bridge=bridge, vocab_size=vocab, padded_vocab_size=padded)
 
 
-def _config_args(device: torch.device, dtype: torch.dtype, recompute: bool, experts: ExpertsSpec | None) -> dict:
+def _config_args(device: torch.device, dtype: torch.dtype, recompute: bool, experts: ExpertsSpec | None,
+                 expert_parallel: int = 1) -> dict:
     """The TransformerConfig fields the trainer sets over mbridge's (CPU-safe: no fusion, no dropout)."""
     args = dict(
         sequence_parallel=False, use_cpu_initialization=device.type == "cpu", perform_initialization=False,
@@ -287,7 +339,8 @@ def _config_args(device: torch.device, dtype: torch.dtype, recompute: bool, expe
 
         # variable_seq_lengths only sizes pipeline-parallel sends (the trainer has no pipeline stages), and
         # megatron's config refuses it with the all-gather dispatcher, whose gather trainer/moe.py skips
-        args.update(moe_config_args(experts), variable_seq_lengths=False)
+        # (mbridge sets expert_model_parallel_size from megatron's parallel state)
+        args.update(moe_config_args(experts, expert_parallel), variable_seq_lengths=False)
     return args
 
 

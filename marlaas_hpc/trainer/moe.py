@@ -22,6 +22,8 @@ GPU: the same SequentialMLP for now (a loop over experts). megatron-core's group
 `grouped_gemm` package (GroupedMLP) or Transformer Engine (TEGroupedMLP), neither installed; torch's own
 `torch._grouped_mm` (CPU and CUDA in torch 2.13) is the candidate for a grouped module of this project's.
 
+Expert parallelism (`TrainerConfig.expert_parallel`, TP=1): trainer/experts_parallel.py.
+
 LoRA on the experts (trainer/lora.py `ExpertLoraSite`): one site per expert's fc1 / fc2, hooked like the dense
 sites; the router stays frozen in float32 and takes no adapter.
 
@@ -62,8 +64,9 @@ class _KnownMoELayer(logging.Filter):
 logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_KnownMoELayer())
 
 
-def moe_config_args(experts: ExpertsSpec) -> dict:
-    """TransformerConfig fields of the experts (the dense layers' MLP keeps `ffn_hidden_size`)."""
+def moe_config_args(experts: ExpertsSpec, expert_parallel: int = 1) -> dict:
+    """TransformerConfig fields of the experts (the dense layers' MLP keeps `ffn_hidden_size`); `expert_parallel`
+    > 1: megatron's all-to-all dispatcher (trainer/experts_parallel.py)."""
     return dict(
         num_moe_experts=experts.num_experts, moe_ffn_hidden_size=experts.intermediate_size,
         moe_router_topk=experts.experts_per_token, moe_router_score_function="softmax",
@@ -73,8 +76,8 @@ def moe_config_args(experts: ExpertsSpec) -> dict:
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
         moe_input_jitter_eps=None, moe_router_enable_expert_bias=False, moe_router_topk_scaling_factor=None,
         moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
-        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
-        moe_router_fusion=False, moe_shared_expert_intermediate_size=None)
+        moe_token_dispatcher_type="allgather" if expert_parallel == 1 else "alltoall", moe_grouped_gemm=False,
+        moe_permute_fusion=False, moe_router_fusion=False, moe_shared_expert_intermediate_size=None)
 
 
 def decoder_block_spec(dense_layer_spec, experts: ExpertsSpec, qk_norm: bool):
@@ -105,6 +108,12 @@ def moe_hf_names(mcore_name: str) -> list[str] | None:
     if match:
         return [f"model.layers.{match.group(1)}.mlp.gate.weight"]
     return None
+
+
+def global_expert_name(mcore_name: str, offset: int) -> str:
+    """A local expert's megatron name with its index in the checkpoint (`offset` = EP rank x local experts)."""
+    return re.sub(r"(\.mlp\.experts\.local_experts\.)(\d+)\.",
+                  lambda match: f"{match.group(1)}{int(match.group(2)) + offset}.", mcore_name)
 
 
 def fused_expert_slice(name: str, read) -> torch.Tensor | None:
@@ -190,7 +199,8 @@ class ReplicatedTokenDispatcher(MoEAllGatherTokenDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.ep_size > 1:
-            raise ValueError("expert parallelism is not built (expert_model_parallel_size must be 1)")
+            raise ValueError("the replicated-token dispatcher runs without expert parallelism (expert_parallel > 1 "
+                             "takes trainer/experts_parallel.py's)")
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """megatron's permutation to expert order, and each local expert's token indices in it
@@ -212,14 +222,21 @@ class ReplicatedTokenDispatcher(MoEAllGatherTokenDispatcher):
 
 
 class TensorParallelMoELayer(MoELayer):
-    """megatron's MoELayer with `ReplicatedTokenDispatcher` (the trainer's TP runs without sequence parallelism)."""
+    """megatron's MoELayer with `ReplicatedTokenDispatcher` (the trainer's TP runs without sequence parallelism), or
+    with expert parallelism trainer/experts_parallel.py's all-to-all `ExpertParallelDispatcher`."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
         pg_collection = pg_collection or get_default_pg_collection()
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          pg_collection=pg_collection)
-        self.token_dispatcher = ReplicatedTokenDispatcher(self.num_local_experts, self.local_expert_indices,
-                                                          config=self.config, pg_collection=pg_collection)
+        if config.moe_token_dispatcher_type == "alltoall":
+            from marlaas_hpc.trainer.experts_parallel import ExpertParallelDispatcher
+
+            dispatcher = ExpertParallelDispatcher
+        else:
+            dispatcher = ReplicatedTokenDispatcher
+        self.token_dispatcher = dispatcher(self.num_local_experts, self.local_expert_indices, config=self.config,
+                                           pg_collection=pg_collection)
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         # megatron raises in train mode at TP > 1 without sequence parallelism ("performance may degrade"): its

@@ -159,7 +159,7 @@ def _swap_defaults(replace) -> None:
 
 
 def remake(roots, store, backend: str, rank: int, size: int, tensor_parallel: int,
-           timeout: timedelta | None = None) -> None:
+           timeout: timedelta | None = None, expert_parallel: int = 1) -> None:
     """The default group again from `store` under a fresh prefix, megatron's groups split from it, and each
     TakenDown marker in `roots` replaced by the new group of its name (collective over the trainer group's ranks)."""
     from megatron.core import parallel_state
@@ -168,6 +168,7 @@ def remake(roots, store, backend: str, rank: int, size: int, tensor_parallel: in
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=size,
                             **({"timeout": timeout} if timeout is not None else {}))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                             expert_model_parallel_size=expert_parallel,
                                              create_gloo_process_groups=False)
     groups = named_groups()
     _swap_defaults(lambda value: groups.get(value.name, value) if isinstance(value, TakenDown) else value)

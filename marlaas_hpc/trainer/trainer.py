@@ -24,12 +24,15 @@ import torch.distributed as dist
 from marlaas_hpc.config_loader import load_config
 from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec, SpecError
 from marlaas_hpc.trainer.cpu_shims import eager_on_cpu
+from marlaas_hpc.trainer.lockstep import (EpForwards, filler_micro_batch, lockstep_forwards, max_over,
+                                          split_expert_params, sum_grads)
 from marlaas_hpc.trainer.objectives import OBJECTIVES, Objective, Tokens
 from marlaas_hpc.trainer.lora import MultiLora
 from marlaas_hpc.trainer.attention import (ATTENTION_KINDS, RowAttention, causal_segments, min_row_tokens,
                                            min_rows, resolve_attention, row_multiple, row_width)
 from marlaas_hpc.trainer.lm_head import LmHead
-from marlaas_hpc.trainer.model import build_gpt_model, final_hidden_states, init_distributed, training_mode
+from marlaas_hpc.trainer.model import (build_gpt_model, check_expert_parallel, final_hidden_states, init_distributed,
+                                       training_mode)
 from marlaas_hpc.trainer.packing import PackedBatch, pack
 from marlaas_hpc.trainer import process_groups
 from marlaas_hpc.trainer.peft_io import read_peft_adapter, write_peft_adapter
@@ -47,6 +50,11 @@ class TrainerConfig:
     """TP size; TP x DP must equal the size of the default torch.distributed group (the trainer group's ranks)."""
     data_parallel: int = 1
     """DP replicas: a step's rows are split over them and the LoRA gradients all-reduced over the DP group."""
+    expert_parallel: int = 1
+    """EP size of a mixture-of-experts model (trainer/experts_parallel.py): each MoE layer's experts are split over
+    this many DP replicas (megatron-core carves EP out of the DP ranks), which send each token to its experts'
+    rank with an all-to-all; their expert LoRA gradients are summed over the expert-data-parallel group (DP / EP
+    replicas). Must divide the experts and `data_parallel`; > 1 runs at tensor_parallel 1 only."""
     seed: int = 0
     """Seeds megatron's RNG tracker and (with the task id) every adapter's lora_A init."""
     micro_batch_tokens: int = 0
@@ -73,7 +81,8 @@ class TrainerConfig:
     def validate(self) -> "TrainerConfig":
         if not isinstance(self.model_path, (str, Path)) or not Path(self.model_path, "config.json").is_file():
             raise SpecError("model_path", f"{self.model_path!r} is not an HF checkpoint directory")
-        for name, low in (("tensor_parallel", 1), ("data_parallel", 1), ("micro_batch_tokens", 0)):
+        for name, low in (("tensor_parallel", 1), ("data_parallel", 1), ("expert_parallel", 1),
+                          ("micro_batch_tokens", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise SpecError(name, f"must be an integer >= {low}, got {value!r}")
@@ -91,6 +100,7 @@ class TrainerConfig:
                 raise SpecError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.attention not in ATTENTION_KINDS:
             raise SpecError("attention", f"must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
+        check_expert_parallel(self.expert_parallel, self.tensor_parallel, self.data_parallel, self.model_path)
         return self
 
     def torch_device(self) -> torch.device:
@@ -211,7 +221,8 @@ class MultiLoraTrainer:
         self.device = config.torch_device()
         if self.device.type == "cuda":  # before NCCL starts: the process group binds to the current device
             torch.cuda.set_device(self.device)
-        init_distributed(config.tensor_parallel, seed=config.seed, data_parallel=config.data_parallel, store=store)
+        init_distributed(config.tensor_parallel, seed=config.seed, data_parallel=config.data_parallel, store=store,
+                         expert_parallel=config.expert_parallel)
         self.group_store = dist.distributed_c10d._get_default_store()
         """The trainer group's rendezvous: its groups are made again from it (`remake_groups`)."""
         self.group_rank, self.group_size, self.backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
@@ -232,12 +243,15 @@ class MultiLoraTrainer:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.ep_size = config.expert_parallel
+        self.ep_group, self.expert_dp_group = (parallel_state.get_expert_model_parallel_group(),
+                                               parallel_state.get_expert_data_parallel_group())
         self.vocab_size = loaded.vocab_size
         self.head = LmHead(self.model, self.tp_group, self.vocab_size)
         self.attention = RowAttention(self.model, resolve_attention(config.attention, self.device))
         pad = getattr(self.hf_config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
-        self.lora = MultiLora(self.model, tp_group=self.tp_group)
+        self.lora = MultiLora(self.model, tp_group=self.tp_group, ep_group=self.ep_group if self.ep_size > 1 else None)
         self.routes = None
         """Routing replay on a mixture-of-experts model (trainer/route_replay.py); None on a dense one."""
         if getattr(self.hf_config, "num_experts", None):
@@ -410,8 +424,14 @@ class MultiLoraTrainer:
         for task_id in batches:
             self.tasks[task_id].optimizer.zero_grad(set_to_none=True)
         mine = items[self.dp_rank::self.dp_size]  # this DP replica's rows (still grouped by task)
-        for indices in self._micro_batches(mine, [self._length(traj) for _, traj in mine]):
-            self._accumulate_gradients([mine[i] for i in indices], counts, stats)
+        plan = self._micro_batches(mine, [self._length(traj) for _, traj in mine])
+        forced = lockstep_forwards(self, items) if self.ep_size > 1 else None
+        # EP: the group's replicas run as many forwards and backwards (trainer/lockstep.py)
+        fillers = max_over(len(plan), self.ep_group) - len(plan) if forced is not None else 0
+        for indices in plan:
+            self._accumulate_gradients([mine[i] for i in indices], counts, stats, forced)
+        for _ in range(fillers):
+            filler_micro_batch(self, items[0][1], forced)
         totals = counts.tokens
         self._zero_missing_grads(list(batches), totals)
         if self.dp_size > 1:
@@ -439,30 +459,31 @@ class MultiLoraTrainer:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
 
-    def _base_logprobs(self, batch: PackedBatch, mask) -> dict[float, torch.Tensor]:
+    def _base_logprobs(self, batch: PackedBatch, mask, forced: EpForwards | None = None) -> dict[float, torch.Tensor]:
         """Base-model (adapter off) logprobs of the trained tokens at each temperature a KL-regularised task of the
-        batch uses."""
+        batch uses (`forced.base`: the forward runs anyway, as on the other EP ranks)."""
         temperatures = {self.tasks[t].algo.temperature for t in set(batch.tasks) if self.tasks[t].algo.kl_beta > 0}
-        if not temperatures:
+        if not temperatures and not (forced and forced.base):
             return {}
         with torch.no_grad(), self.lora.ctx.use([None] * len(batch.tasks)), self.attention.use(mask) as argument:
             hidden = self._trained_hidden(batch, argument)
             return {temp: self._token_logprobs(hidden, batch.targets, temp) for temp in temperatures}
 
     def _accumulate_gradients(self, chunk: list[tuple[str, Trajectory]], counts: "_StepCounts",
-                              stats: dict[str, dict[str, float]]) -> None:
+                              stats: dict[str, dict[str, float]], forced: EpForwards | None = None) -> None:
         """Forward and backward of one micro-batch, in train mode (megatron recomputes activations only then).
         The rows' adapters and the attention mask stay in place through backward: activation recompute re-runs
         each layer's forward (its LoRA hooks and attention) inside backward."""
         batch = self._pack(chunk)
         mask = self.attention.mask(batch.prompt_of, batch.own)
         with self._replaying(batch):  # every forward of the rows: base (KL), lagged (TIS, IcePop), trained
-            self._accumulate_packed(batch, chunk, mask, counts, stats)
+            self._accumulate_packed(batch, chunk, mask, counts, stats, forced)
 
     def _accumulate_packed(self, batch: PackedBatch, chunk: list[tuple[str, Trajectory]], mask, counts: "_StepCounts",
-                           stats: dict[str, dict[str, float]]) -> None:
+                           stats: dict[str, dict[str, float]], forced: EpForwards | None) -> None:
         """`_accumulate_gradients` of the packed micro-batch, its routes (if any) in place."""
-        extra = _MicroBatchInputs(base=self._base_logprobs(batch, mask), lagged=self._lagged_logprobs(batch, chunk, mask),
+        extra = _MicroBatchInputs(base=self._base_logprobs(batch, mask, forced),
+                                  lagged=self._lagged_logprobs(batch, chunk, mask, forced),
                                   items=_item_ranges(chunk), units=counts.units_of(chunk))
         with training_mode(self.model), self.lora.ctx.use(batch.tasks), self.attention.use(mask) as argument:
             total_loss = self._micro_batch_loss(batch, argument, extra, counts, stats)
@@ -475,7 +496,8 @@ class MultiLoraTrainer:
         weighted by the micro-batch's share of the units that run (`counts.ran_units`)."""
         hidden = self._trained_hidden(batch, attention_mask)
         changed = self.routes.mismatch() if self.routes is not None else None  # of this forward
-        total_loss = None
+        # EP: a backward on every rank even with no trained token here (the EP group's all-to-alls wait on it)
+        total_loss = hidden.sum() * 0.0 if self.ep_size > 1 else None
         for task_id, first, end in batch.task_spans:
             units = extra.units[task_id]
             if units == 0:  # no trained token of this task here
@@ -519,11 +541,12 @@ class MultiLoraTrainer:
                       base=extra.base[algo.temperature][span] if algo.kl_beta > 0 else None)
 
     @torch.no_grad()
-    def _lagged_logprobs(self, batch: PackedBatch, chunk: list[tuple[str, Trajectory]], mask) -> dict[int, torch.Tensor]:
+    def _lagged_logprobs(self, batch: PackedBatch, chunk: list[tuple[str, Trajectory]], mask,
+                         forced: EpForwards | None = None) -> dict[int, torch.Tensor]:
         """TIS, IcePop: the trainer's logprobs of the trained tokens `lag` versions before their task's train
         version, for each lag > 0 that a TIS or IcePop task's sample in the micro-batch has: one forward per lag
         (no gradient), each row on its task's kept adapter of that version (`_keep_snapshot`). Lag 0 is the
-        step's own forward."""
+        step's own forward. `forced.lags`: forwards the other EP ranks run too."""
         lags = set()
         for task_id, traj in chunk:
             task = self.tasks[task_id]
@@ -535,7 +558,7 @@ class MultiLoraTrainer:
                                        f"(staleness bound {task.bound})")
                 lags.add(lag)
         out = {}
-        for lag in sorted(lags):
+        for lag in sorted(lags | (forced.lags if forced else set())):
             rows = [self._snapshot_at(task_id, lag) for task_id in batch.tasks]
             with self.lora.ctx.use(rows), self.attention.use(mask) as argument:
                 hidden = self._trained_hidden(batch, argument)
@@ -580,13 +603,9 @@ class MultiLoraTrainer:
         task's tokens over the whole batch, so the sums are the whole batch's gradient and statistics. Every task
         with trained tokens has gradients on every replica (`_zero_missing_grads`)."""
         params = [param for task_id in task_ids if totals[task_id] for param in self.lora.parameters(task_id)]
-        if params:
-            flat = torch.cat([param.grad.reshape(-1) for param in params])
-            dist.all_reduce(flat, group=self.dp_group)
-            offset = 0
-            for param in params:
-                param.grad.copy_(flat[offset: offset + param.numel()].view_as(param))
-                offset += param.numel()
+        experts, params = split_expert_params(params)  # [] at EP = 1
+        sum_grads(params, self.dp_group)
+        sum_grads(experts, self.expert_dp_group)  # the replicas of this rank's experts (trainer/experts_parallel.py)
         replicas: list = [None] * self.dp_size
         dist.all_gather_object(replicas, stats, group=self.dp_group)
         for task_id in stats:
@@ -612,13 +631,15 @@ class MultiLoraTrainer:
         return metrics
 
     def adapter_tensors(self, task_id: str, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Full PEFT-layout tensors of the task's adapter (or of its latest gradients). Collective over TP."""
+        """Full PEFT-layout tensors of the task's adapter (or of its latest gradients). Collective over TP (and over
+        EP: every rank's experts)."""
         self._task(task_id)
         return self.lora.hf_state_dict(task_id, grads=grads)
 
     # -- adapter files ------------------------------------------------------------------------------------
     def export_adapter(self, task_id: str, out_dir: str | Path) -> Path:
-        """Writes the task's adapter as a PEFT directory (TP rank 0 writes; every TP rank must call this)."""
+        """Writes the task's adapter as a PEFT directory (TP rank 0 writes; every TP rank, and with expert parallelism
+        every rank of the EP group, must call this: the experts are gathered)."""
         task = self._task(task_id)
         tensors = self.lora.hf_state_dict(task_id)
         if self.tp_rank == 0:
@@ -671,6 +692,7 @@ class MultiLoraTrainer:
         return {"lora": dataclasses.asdict(task.lora), "algo": dataclasses.asdict(task.algo),
                 "adapter": adapter(task_id), "optimizer": task.optimizer.state_dict(),
                 "version": task.version, "tensor_parallel": self.tp_size, "tp_rank": self.tp_rank,
+                "expert_parallel": self.ep_size, "ep_rank": dist.get_rank(self.ep_group) if self.ep_size > 1 else 0,
                 "bound": task.bound, "snapshots": {v: adapter(_snapshot_name(task_id, v)) for v in task.snapshots}}
 
     def load_state_dict(self, task_id: str, state: dict[str, Any]) -> None:
@@ -678,6 +700,10 @@ class MultiLoraTrainer:
         if state["tensor_parallel"] != self.tp_size or state["tp_rank"] != self.tp_rank:
             raise ValueError(f"state saved at TP rank {state['tp_rank']}/{state['tensor_parallel']}, "
                              f"this is rank {self.tp_rank}/{self.tp_size}; use export/load_adapter to reshard")
+        ep_rank = dist.get_rank(self.ep_group) if self.ep_size > 1 else 0
+        if (state.get("expert_parallel", 1), state.get("ep_rank", 0)) != (self.ep_size, ep_rank):
+            raise ValueError(f"state saved at EP rank {state.get('ep_rank', 0)}/{state.get('expert_parallel', 1)}, "
+                             f"this is rank {ep_rank}/{self.ep_size}; use export/load_adapter to reshard")
         lora = dict(state["lora"])
         lora["target_modules"] = tuple(lora["target_modules"])
         spec, algo = LoraSpec(**lora), load_config(AlgoSpec, state["algo"], "algo")
@@ -722,7 +748,7 @@ class MultiLoraTrainer:
         """Makes the groups again in place (collective over the trainer group's ranks, after `take_down_groups`)."""
         self.group_epoch += 1
         process_groups.remake(self._group_roots(), self.group_store, self.backend, self.group_rank, self.group_size,
-                              self.tp_size)
+                              self.tp_size, expert_parallel=self.ep_size)
 
     def close(self) -> None:
         """Removes the LoRA hooks (the process groups stay up: they belong to the process)."""

@@ -3,6 +3,7 @@ tests in tests/test_trainer_moe.py compare its records with transformers / PEFT 
 from __future__ import annotations
 
 import json
+import random
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +14,7 @@ from marlaas_hpc.model.families import ATTENTION_PROJECTIONS
 from marlaas_hpc.tasks.spec import AlgoSpec, LoraSpec
 from marlaas_hpc.trajectory import Trajectory
 from support.local_group import per_checkpoint
+from support.trainer_scenarios import make_trajectories, probe_ids
 
 LORA = LoraSpec(rank=4, alpha=8.0, target_modules=ATTENTION_PROJECTIONS)
 """Task "a": attention only (a task's explicit choice on an MoE model)."""
@@ -170,3 +172,43 @@ def forced_gates(model, routes):
     finally:
         for gate, original in zip(gates, originals):
             gate.forward = original
+
+
+# ------------------------------------------------------------------ inputs of the MoE trainer tests
+HF_VOCAB = 1024
+"""The vocabulary of the checkpoint `write_hf_moe_checkpoint` writes in the trainer tests."""
+
+
+def hf_model(path):
+    """The checkpoint in plain transformers, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def moe_batch(hf_base) -> tuple[list, list]:
+    """Trajectories with behaviour logprobs = HF's + noise, group-relative advantages and the routes HF chose (a
+    task without replay ignores them); the same with each token's next k experts as routes (`ranked_routes`)."""
+    from marlaas_hpc.trainer.objectives import token_logprobs
+    from marlaas_hpc.trajectory import assign_advantages
+
+    noise = random.Random(0)
+    trajs = make_trajectories("a", seed=5, vocab=hf_base.config.vocab_size)
+    for traj in trajs:
+        with torch.no_grad():
+            logits = hf_base(input_ids=torch.tensor([traj.prompt_ids + traj.completion_ids])).logits[0]
+        logp = token_logprobs(logits[len(traj.prompt_ids) - 1:-1], torch.tensor(traj.completion_ids), 1.0)
+        traj.behaviour_logprobs = [v + noise.gauss(0.0, 0.1) if m else 0.0 for v, m in zip(logp.tolist(), traj.mask())]
+        traj.routes = ranked_routes(hf_base, traj.prompt_ids + traj.completion_ids, 0)
+    assign_advantages(trajs)
+    shifted = [replace(traj, routes=ranked_routes(hf_base, traj.prompt_ids + traj.completion_ids, 1))
+               for traj in trajs]
+    return trajs, shifted
+
+
+def moe_probe(vocab: int) -> list[list[int]]:
+    """Probe rows: the trainer tests' own, or two random rows of the small vocabulary of `write_hf_moe_checkpoint`."""
+    if vocab != HF_VOCAB:
+        return probe_ids(vocab)
+    rng = random.Random(3)
+    return [[rng.randrange(vocab) for _ in range(48)] for _ in range(2)]
