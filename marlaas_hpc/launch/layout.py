@@ -163,6 +163,11 @@ class JobLayout:
     trainer_dp: int = bounded(1, ge=1)
     """Data-parallel replicas inside each trainer group: a task's batch is split over them and its LoRA
     gradients are all-reduced over the DP group."""
+    trainer_ep: int = bounded(1, ge=1)
+    """Expert parallelism of a mixture-of-experts model (trainer/experts_parallel.py): each MoE layer's experts, their
+    LoRA and its optimizer state are split over `trainer_ep` of a group's DP ranks, and tokens travel to their
+    experts' rank (all-to-all). Must divide trainer_dp and the model's experts; trainer_tp 1 only (EP with TP is not
+    built). 1: every rank holds every expert."""
     trainer_groups: int = bounded(1, ge=1)
     """Independent trainer groups (each trainer_dp x trainer_tp ranks, its own megatron world). Every task is
     owned by one group (its adapter shards and optimizer live there); the scheduler places each new task on
@@ -293,6 +298,12 @@ class JobLayout:
         if self.mpi not in MPI_PLUGINS:
             raise LayoutError("mpi", f"unknown MPI start {self.mpi!r}; use one of {list(MPI_PLUGINS)}")
         _int_at_least(self.signal_lead_s, 0, "signal_lead_s")
+        if self.trainer_ep > 1 and self.trainer_tp > 1:
+            raise LayoutError("trainer_ep", f"> 1 runs at trainer_tp 1 only (expert parallelism with tensor "
+                                            f"parallelism is not built), got trainer_tp={self.trainer_tp}")
+        if self.trainer_dp % self.trainer_ep:
+            raise LayoutError("trainer_ep", f"must divide trainer_dp={self.trainer_dp} (the EP ranks are a group's DP "
+                                            f"ranks), got {self.trainer_ep}")
         _int_at_least(self.srun_grace_s, 1, "srun_grace_s")
         if self.emulated_nodes and self.network_interface not in (None, "lo"):
             raise LayoutError("network_interface", "emulated nodes talk over 'lo'; leave network_interface unset")
