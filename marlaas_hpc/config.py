@@ -361,7 +361,7 @@ class JobConfig(SchedulerSettings):
         from marlaas_hpc.model.checkpoint import check_checkpoint, checkpoint_family, read_checkpoint
 
         info = read_checkpoint(path)
-        check_checkpoint(info, trainer_tp=self.layout.trainer_tp,
+        check_checkpoint(info, trainer_tp=self.layout.trainer_tp, trainer_ep=self.layout.trainer_ep,
                          rollout_tp=self.vllm.tensor_parallel_size if self.engine == "vllm" else 1,
                          vllm_on_cpu=vllm_on_cpu and self.engine == "vllm")
         family = checkpoint_family(info)

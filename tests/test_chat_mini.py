@@ -49,6 +49,10 @@ def test_the_checkpoint_is_a_served_qwen3_with_real_traits(chat_mini):
     config = json.loads((path / "config.json").read_text())
     assert (config["model_type"], config["vocab_size"], config["tie_word_embeddings"]) == ("qwen3", 151936, True)
     check_checkpoint(read_checkpoint(path), trainer_tp=2, vllm_on_cpu=True)
+    from marlaas_hpc.tasks.spec import SpecError
+
+    with pytest.raises(SpecError, match="layout.trainer_ep: is 2, but .* is a dense model"):
+        check_checkpoint(read_checkpoint(path), trainer_tp=1, trainer_ep=2)
     codec = TextCodec.from_pretrained(path)
     assert codec.stop_ids == [IM_END_ID, ENDOFTEXT_ID] and codec.tokenizer.chat_template
     with safe_open(str(path / "model.safetensors"), "pt") as weights:

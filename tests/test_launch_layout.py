@@ -99,6 +99,8 @@ def test_roles_partition_the_world(env, rollout, tp, dp, groups):
     ({"emulated_nodes": True, "network_interface": "ib0"}, "network_interface", "lo"),
     ({"exports": {"1BAD": "x"}}, "exports.1BAD", "environment variable"),
     ({"setup": ["a\nb"]}, "setup[0]", "one shell line"),
+    ({"trainer_ep": 2}, "trainer_ep", "must divide trainer_dp=1"),
+    ({"trainer_ep": 2, "trainer_dp": 2, "trainer_tp": 2}, "trainer_ep", "trainer_tp 1 only"),
 ])
 def test_validate_names_the_bad_field(changes, field, words):
     with pytest.raises(LayoutError, match=words) as info:

@@ -8,29 +8,16 @@ inside its staleness bound, the replaying task's steps report how many trained t
 otherwise (`route_mismatch`), and each task's last adapter loads with plain transformers + PEFT, its LoRA on the
 experts for the first."""
 import json
-import shutil
 
 import pytest
 import yaml
 
 from support.jobs import ROOT, marlaas
-from support.moe_scenarios import write_hf_moe_checkpoint
+from support.moe_scenarios import write_served_moe_checkpoint
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 TWIN = ROOT / "configs" / "qwen3-gsm8k-cpu.yaml"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-
-def _checkpoint(tmp_path):
-    """transformers' own Qwen3-MoE at Qwen3's vocabulary, with the random Qwen3-MoE's BPE tokenizer and eos list."""
-    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
-
-    tokenizer = ensure_random_checkpoint("qwen3-30b-a3b-mini")
-    vocab = json.loads((tokenizer / "config.json").read_text())["vocab_size"]
-    path = write_hf_moe_checkpoint(tmp_path / "qwen3-moe", vocab)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(tokenizer / name, path / name)
-    return path
 
 
 def _job(tmp_path, model) -> dict:
@@ -54,7 +41,7 @@ def test_a_transformers_written_qwen3_moe_runs_end_to_end_with_lora_on_its_exper
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = _checkpoint(tmp_path)
+    model = write_served_moe_checkpoint(tmp_path / "qwen3-moe")
     config = _job(tmp_path, model)
     proc = marlaas("run", tmp_path / "job.yaml", "--run-dir", tmp_path / "run", timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -80,14 +80,18 @@ def test_shard_with_damaged_bytes_or_no_digest_is_refused_naming_the_file(tmp_pa
 
 
 def test_prune_keeps_the_newest_shards_of_this_tp_rank_only(tmp_path):
-    for tp in (0, 1):
+    for shard in ("tp0", "tp1", "tp0-ep1"):  # tp0-ep1: EP rank 1's experts (layout.trainer_ep)
         for version in (2, 4, 6, 8, 30):  # v30: left by an earlier job in the same run dir
-            save_torch({"v": version}, tmp_path / f"tp{tp}-v{version:06d}.pt")
-    prune_shards(tmp_path, 0, newest=8)
-    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("tp0") and p.suffix == ".pt")
+            save_torch({"v": version}, tmp_path / f"{shard}-v{version:06d}.pt")
+    prune_shards(tmp_path, "tp0", newest=8)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("tp0-v") and p.suffix == ".pt")
     assert names == [f"tp0-v{v:06d}.pt" for v in (4, 6, 8)] and KEEP_SHARDS == 3
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("tp0-ep1")]) == 10, "another EP rank's stay"
+    prune_shards(tmp_path, "tp0-ep1", newest=6)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("tp0-ep1") and p.suffix == ".pt") == \
+        [f"tp0-ep1-v{v:06d}.pt" for v in (2, 4, 6)]
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("tp1")]) == 10, "other TP ranks' files stay"
-    prune_shards(tmp_path, 1, newest=None)
+    prune_shards(tmp_path, "tp1", newest=None)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tp1")]
 
 
@@ -264,14 +268,14 @@ def test_resume_point_falls_back_past_a_corrupt_shard_and_fails_a_task_with_none
     for task_id, versions in (("add", (3, 6)), ("sort", (2, 4))):
         spec = TaskSpec.from_dict(state["tasks"][task_id]["spec"])
         for version in versions:
-            save_torch({"version": version}, trainer_shard_path(tmp_path, spec, 0, version))
-    add_v6 = trainer_shard_path(tmp_path, TaskSpec.from_dict(state["tasks"]["add"]["spec"]), 0, 6)
+            save_torch({"version": version}, trainer_shard_path(tmp_path, spec, "tp0", version))
+    add_v6 = trainer_shard_path(tmp_path, TaskSpec.from_dict(state["tasks"]["add"]["spec"]), "tp0", 6)
     add_v6.write_bytes(add_v6.read_bytes()[:-7])  # cut short
     sort_spec = TaskSpec.from_dict(state["tasks"]["sort"]["spec"])
     for version in (2, 4):
-        trainer_shard_path(tmp_path, sort_spec, 0, version).unlink()
+        trainer_shard_path(tmp_path, sort_spec, "tp0", version).unlink()
     logged = []
-    chosen = choose_resume_points(MPI.COMM_SELF, tmp_path, state, [0], 0, log=logged.append)
+    chosen = choose_resume_points(MPI.COMM_SELF, tmp_path, state, [0], "tp0", log=logged.append)
     assert chosen["tasks"]["add"]["saved"]["version"] == 3 and chosen["tasks"]["add"]["saved"]["status"] == "running"
     assert chosen["tasks"]["sort"]["saved"]["status"] == "failed"
     assert "tp0-v000004.pt is missing" in chosen["tasks"]["sort"]["saved"]["error"]

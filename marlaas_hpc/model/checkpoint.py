@@ -63,7 +63,7 @@ def _has_chat_template(path: Path) -> bool:
 
 
 def check_checkpoint(info: CheckpointInfo, *, trainer_tp: int, rollout_tp: int = 1, vllm_on_cpu: bool = False,
-                     field_name: str = "model") -> None:
+                     field_name: str = "model", trainer_ep: int = 1) -> None:
     """Raises SpecError naming the field when this job cannot serve the checkpoint."""
     checkpoint_family(info, field_name)
     try:
@@ -74,6 +74,11 @@ def check_checkpoint(info: CheckpointInfo, *, trainer_tp: int, rollout_tp: int =
         for name, value in (("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads)):
             if tp > 1 and value % tp:
                 raise SpecError(where, f"{tp} does not divide {name}={value} of {info.path}")
+    if trainer_ep > 1 and not shape.num_experts:
+        raise SpecError("layout.trainer_ep", f"is {trainer_ep}, but {info.path} is a dense model (no experts)")
+    if trainer_ep > 1 and shape.num_experts % trainer_ep:
+        raise SpecError("layout.trainer_ep", f"{trainer_ep} does not divide num_experts={shape.num_experts} of "
+                                             f"{info.path}")
     if vllm_on_cpu and shape.num_experts:  # its fused-MoE path reaches Triton, absent on CPU (AttributeError)
         raise SpecError(field_name, f"{info.path}: a mixture-of-experts model ({shape.num_experts} experts) is not "
                                     "served by vLLM on CPU (its fused-MoE kernels need a GPU); use engine: hf or GPUs")

@@ -94,10 +94,22 @@ def requeue_marker(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoint" / "REQUEUE"
 
 
-def trainer_shard_path(run_dir: Path, spec, tp_rank: int, version: int) -> Path:
+def shard_name(tp_rank: int, ep_rank: int = 0) -> str:
+    """A trainer rank's share of a task's state: its TP rank's slices, and under expert parallelism (layout.trainer_ep)
+    its EP rank's experts ('tp0', 'tp0-ep1'). DP replicas of one share write one file."""
+    return f"tp{tp_rank}" if ep_rank == 0 else f"tp{tp_rank}-ep{ep_rank}"
+
+
+def role_shard(role, trainer_ep: int) -> str:
+    """The share of a trainer rank from its place in the layout (before its trainer exists): the EP groups are
+    consecutive DP ranks (megatron-core's order at TP 1), so its EP rank is its DP rank modulo trainer_ep."""
+    return shard_name(role.tp_rank, role.dp_rank % trainer_ep)
+
+
+def trainer_shard_path(run_dir: Path, spec, shard: str, version: int) -> Path:
     from marlaas_hpc.rundir import task_dir
 
-    return task_dir(Path(run_dir), spec) / "checkpoint" / f"tp{tp_rank}-v{version:06d}.pt"
+    return task_dir(Path(run_dir), spec) / "checkpoint" / f"{shard}-v{version:06d}.pt"
 
 
 def rng_state() -> dict:
@@ -202,18 +214,18 @@ def load_torch(path: Path):
     return torch.load(io.BytesIO(read_verified(path)), weights_only=False, map_location="cpu")
 
 
-_SHARD = re.compile(r"tp(\d+)-v(\d+)\.pt$")
+_SHARD = re.compile(r"(tp\d+(?:-ep\d+)?)-v(\d+)\.pt$")
 
 
-def prune_shards(folder: Path, tp_rank: int, newest: int | None) -> None:
-    """Keeps this TP rank's KEEP_SHARDS newest shards up to version `newest` and deletes the rest, newer ones
-    included (left by an earlier job in the run dir, or by a run that was rolled back). None: deletes all."""
+def prune_shards(folder: Path, shard: str, newest: int | None) -> None:
+    """Keeps this share's (`shard_name`) KEEP_SHARDS newest shards up to version `newest` and deletes the rest, newer
+    ones included (left by an earlier job in the run dir, or by a run that was rolled back). None: deletes all."""
     if not folder.is_dir():
         return
     mine = {}
     for path in folder.iterdir():
         match = _SHARD.match(path.name)
-        if match and int(match.group(1)) == tp_rank:
+        if match and match.group(1) == shard:
             mine[int(match.group(2))] = path
     keep = set() if newest is None else set(sorted(v for v in mine if v <= newest)[-KEEP_SHARDS:])
     for version, path in mine.items():

@@ -36,7 +36,7 @@ def shard_candidates(state: dict) -> dict[str, tuple[dict, list[int]]]:
     return out
 
 
-def check_my_shards(run_dir: Path, candidates: dict, tp_rank: int) -> dict[str, dict[int, str | None]]:
+def check_my_shards(run_dir: Path, candidates: dict, shard: str) -> dict[str, dict[int, str | None]]:
     """On a trainer rank: task -> version -> None (its shard verifies) or why not."""
     from marlaas_hpc.tasks import TaskSpec
 
@@ -46,21 +46,21 @@ def check_my_shards(run_dir: Path, candidates: dict, tp_rank: int) -> dict[str, 
         out[task_id] = {}
         for version in versions:
             try:
-                read_verified(trainer_shard_path(run_dir, spec, tp_rank, version))
+                read_verified(trainer_shard_path(run_dir, spec, shard, version))
                 out[task_id][version] = None
             except CorruptCheckpoint as exc:
                 out[task_id][version] = str(exc)
     return out
 
 
-def choose_resume_points(comm, run_dir: Path, state: dict | None, trainer_ranks: list[int], tp_rank: int | None,
+def choose_resume_points(comm, run_dir: Path, state: dict | None, trainer_ranks: list[int], shard: str | None,
                          log=print) -> dict | None:
     """Collective over the world (a resume only). Rank 0 returns `state` with each unfinished task's `saved`
     record replaced by the newest one whose shards verify on every trainer rank; a task with none fails alone
     (no other task is held back)."""
     rank = comm.Get_rank()
     candidates = comm.bcast(shard_candidates(state) if rank == 0 else None, root=0)
-    mine = check_my_shards(run_dir, candidates, tp_rank) if rank in trainer_ranks else None
+    mine = check_my_shards(run_dir, candidates, shard) if rank in trainer_ranks else None
     reports = comm.gather(mine, root=0)
     if rank != 0:
         return None

@@ -69,7 +69,10 @@ class RankSetup:
         if restarts:  # every trainer rank checks the shards the resume would load (a corrupt one: fall back)
             from marlaas_hpc.runtime.recovery import choose_resume_points
 
-            resume = choose_resume_points(comm, run_dir, resume, roles["trainer"], role.tp_rank, log=log)
+            from marlaas_hpc.runtime.checkpoint import role_shard
+
+            shard = role_shard(role, job.layout.trainer_ep) if role.kind == "trainer" else None
+            resume = choose_resume_points(comm, run_dir, resume, roles["trainer"], shard, log=log)
         return cls(comm, job, role, roles, run_dir, model_paths, codec, model_codecs, groups,
                    [ranks[0] for ranks in groups], job.seed + 100_003 * restarts, resume, start, log)
 
@@ -211,12 +214,18 @@ def build_trainer(comm, job, trainers: list[int], model_path: Path, device: str)
     # LOCAL_RANK is the rank's CUDA device index, not its index among trainers: each rank sees only its own GPU
     os.environ.update(RANK=str(trainers.index(me)), WORLD_SIZE=str(len(trainers)), LOCAL_RANK="0")
     trainer = MultiLoraTrainer(TrainerConfig(model_path=str(model_path), tensor_parallel=job.layout.trainer_tp,
-                                             data_parallel=job.layout.trainer_dp, seed=job.seed, device=device,
+                                             data_parallel=job.layout.trainer_dp,
+                                             expert_parallel=job.layout.trainer_ep, seed=job.seed, device=device,
                                              dtype=job.trainer.dtype, recompute=job.trainer.recompute,
                                              attention=job.trainer.attention,
                                              micro_batch_tokens=job.trainer.micro_batch_tokens), store=store)
-    _restore_rng(Path(job.run_dir), trainer.tp_rank, assign_role(comm.Get_rank(), job.layout).group,
-                 trainer.dp_rank)
+    role = assign_role(comm.Get_rank(), job.layout)
+    from marlaas_hpc.runtime.checkpoint import role_shard, shard_name
+
+    if shard_name(trainer.tp_rank, trainer.ep_rank) != role_shard(role, job.layout.trainer_ep):  # resume checks those
+        raise RuntimeError(f"megatron-core placed trainer rank {comm.Get_rank()} at TP {trainer.tp_rank} / EP "
+                           f"{trainer.ep_rank}, the layout at {role_shard(role, job.layout.trainer_ep)}")
+    _restore_rng(Path(job.run_dir), trainer.tp_rank, role.group, trainer.dp_rank)
     return trainer
 
 

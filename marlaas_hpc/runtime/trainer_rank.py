@@ -30,7 +30,7 @@ from marlaas_hpc.rundir import adapter_dir, task_dir
 from marlaas_hpc.report.tensorboard import TensorBoardSink
 from marlaas_hpc.runtime.comm import BusyClock, Outbox, drain, recv_wait, write_timeline
 from marlaas_hpc.runtime.checkpoint import (CheckpointPolicy, load_torch, prune_shards, rng_state, save_torch,
-                                            trainer_rng_path, trainer_shard_path)
+                                            shard_name, trainer_rng_path, trainer_shard_path)
 from marlaas_hpc.runtime.faults import RankLostError, is_job_fault, is_storage_error, storage_error
 from marlaas_hpc.runtime.group_guard import RANK, GroupGuard, TaskFault
 from marlaas_hpc.runtime.messages import (TAG_CMD, TAG_DATA, TAG_EVENT, TAG_HANDOVER, TAG_STATE, TAG_TRAINER, Admit,
@@ -77,6 +77,8 @@ class TrainerRank:
         self.group = group
         self.position = self.groups[group].index(self.rank)
         """Place in the group: a moving task's shard goes to the same position of the other group."""
+        self.shard = shard_name(trainer.tp_rank, trainer.ep_rank)
+        """This rank's share of each task's state (runtime/checkpoint.py): its TP slices, its EP rank's experts."""
         self.moved_to: dict[str, int] = {}
         """Leader only: tasks that moved away -> their new leader (data that still reaches this one is forwarded)."""
         self.ended: set[str] = set()
@@ -139,8 +141,8 @@ class TrainerRank:
             self._prune(op.task_id, self.trainer.version(op.task_id), set(), ended=True)
             if self.retention is not None and not self.retention.keep_final_checkpoint:
                 # an ended task is never resumed (rank 0 recorded its end before telling this group)
-                prune_shards(trainer_shard_path(self.run_dir, self.specs[op.task_id], self.trainer.tp_rank,
-                                                0).parent, self.trainer.tp_rank, None)
+                prune_shards(trainer_shard_path(self.run_dir, self.specs[op.task_id], self.shard, 0).parent,
+                             self.shard, None)
             self.trainer.remove_task(op.task_id)
         if self.policy is not None:
             self.policy.forget(op.task_id)
@@ -181,11 +183,10 @@ class TrainerRank:
         spec = admit.spec
         if admit.resume_version is None:
             # shards left by an earlier job in this run dir must not pass for this task's
-            prune_shards(trainer_shard_path(self.run_dir, spec, self.trainer.tp_rank, 0).parent,
-                         self.trainer.tp_rank, None)
+            prune_shards(trainer_shard_path(self.run_dir, spec, self.shard, 0).parent, self.shard, None)
             self.trainer.add_task(spec.task_id, spec.lora, spec.algo, spec.max_staleness)
         else:
-            path = trainer_shard_path(self.run_dir, spec, self.trainer.tp_rank, admit.resume_version)
+            path = trainer_shard_path(self.run_dir, spec, self.shard, admit.resume_version)
             self.trainer.load_state_dict(spec.task_id, load_torch(path))
             if self.trainer.version(spec.task_id) != admit.resume_version:
                 raise RuntimeError(f"{path} holds v{self.trainer.version(spec.task_id)}, the scheduler "
@@ -197,15 +198,16 @@ class TrainerRank:
         return version
 
     def _save(self, task_ids: list[str]) -> dict[str, int]:
-        """This TP rank's shard of each task (adapter, optimizer state, version), keeping the newest few. DP
-        replica 0 writes it: the replicas hold the same shards."""
+        """This rank's shard of each task (adapter, optimizer state, version), keeping the newest few. The first DP
+        replica of each share writes it (DP ranks below trainer_ep: one per EP rank's experts); the other replicas
+        hold the same."""
         versions = {}
         for task_id in task_ids:
             version = versions[task_id] = self.trainer.version(task_id)
-            if self.trainer.dp_rank == 0:
-                path = trainer_shard_path(self.run_dir, self.specs[task_id], self.trainer.tp_rank, version)
+            if self.trainer.dp_rank < self.trainer.ep_size:
+                path = trainer_shard_path(self.run_dir, self.specs[task_id], self.shard, version)
                 save_torch(self.trainer.state_dict(task_id), path)
-                prune_shards(path.parent, self.trainer.tp_rank, version)
+                prune_shards(path.parent, self.shard, version)
             if self.policy is not None:
                 self.policy.saved(task_id, version)
         return versions

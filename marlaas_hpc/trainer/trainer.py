@@ -246,6 +246,8 @@ class MultiLoraTrainer:
         self.ep_size = config.expert_parallel
         self.ep_group, self.expert_dp_group = (parallel_state.get_expert_model_parallel_group(),
                                                parallel_state.get_expert_data_parallel_group())
+        self.ep_rank = dist.get_rank(self.ep_group) if self.ep_size > 1 else 0
+        """Which share of the experts this rank holds (its task state is that share's: runtime checkpoint shards)."""
         self.vocab_size = loaded.vocab_size
         self.head = LmHead(self.model, self.tp_group, self.vocab_size)
         self.attention = RowAttention(self.model, resolve_attention(config.attention, self.device))
@@ -692,7 +694,7 @@ class MultiLoraTrainer:
         return {"lora": dataclasses.asdict(task.lora), "algo": dataclasses.asdict(task.algo),
                 "adapter": adapter(task_id), "optimizer": task.optimizer.state_dict(),
                 "version": task.version, "tensor_parallel": self.tp_size, "tp_rank": self.tp_rank,
-                "expert_parallel": self.ep_size, "ep_rank": dist.get_rank(self.ep_group) if self.ep_size > 1 else 0,
+                "expert_parallel": self.ep_size, "ep_rank": self.ep_rank,
                 "bound": task.bound, "snapshots": {v: adapter(_snapshot_name(task_id, v)) for v in task.snapshots}}
 
     def load_state_dict(self, task_id: str, state: dict[str, Any]) -> None:
@@ -700,7 +702,7 @@ class MultiLoraTrainer:
         if state["tensor_parallel"] != self.tp_size or state["tp_rank"] != self.tp_rank:
             raise ValueError(f"state saved at TP rank {state['tp_rank']}/{state['tensor_parallel']}, "
                              f"this is rank {self.tp_rank}/{self.tp_size}; use export/load_adapter to reshard")
-        ep_rank = dist.get_rank(self.ep_group) if self.ep_size > 1 else 0
+        ep_rank = self.ep_rank
         if (state.get("expert_parallel", 1), state.get("ep_rank", 0)) != (self.ep_size, ep_rank):
             raise ValueError(f"state saved at EP rank {state.get('ep_rank', 0)}/{state.get('expert_parallel', 1)}, "
                              f"this is rank {ep_rank}/{self.ep_size}; use export/load_adapter to reshard")

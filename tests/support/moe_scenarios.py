@@ -123,6 +123,21 @@ def write_hf_moe_checkpoint(out: Path, vocab_size: int) -> Path:
     return out
 
 
+def write_served_moe_checkpoint(out: Path) -> Path:
+    """transformers' own Qwen3-MoE at Qwen3's vocabulary, with the random Qwen3-MoE's BPE tokenizer and eos list: a
+    checkpoint a job can serve that none of the project's builders wrote."""
+    import shutil
+
+    from marlaas_hpc.model.random_checkpoints import ensure_random_checkpoint
+
+    tokenizer = ensure_random_checkpoint("qwen3-30b-a3b-mini")
+    vocab = json.loads((tokenizer / "config.json").read_text())["vocab_size"]
+    path = write_hf_moe_checkpoint(out, vocab)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(tokenizer / name, path / name)
+    return path
+
+
 def ranked_routes(model, ids: list[int], skip: int):
     """transformers' experts for each position of `ids` but the last (what an engine records), taking the choices
     ranked skip + 1 .. skip + k of every MoE layer's router (skip 0: its own top k): int16 [len - 1, layers, k]."""
