@@ -113,7 +113,23 @@ def job_model_dims(job) -> dict[str, ModelShape]:
             dims[name] = model_dims(job, path)[0]
         except SpecError as exc:
             raise SpecError(model_field(job, name), exc.reason) from None
+    for name in dict.fromkeys(job.group_models()):
+        check_expert_layout(job, dims[name], name)
     return dims
+
+
+def check_expert_layout(job, dims: ModelShape, name: str) -> None:
+    """layout.trainer_ep against a model a trainer group loads: the layout checks that EP divides trainer_dp and
+    that TP is 1; only the model tells whether it has experts for EP to split, and whether EP divides them
+    (trainer/model.py `check_expert_parallel` refuses the same at the trainer's start)."""
+    ep = job.layout.trainer_ep
+    if ep == 1:
+        return
+    what = f"model {name}" if job.models else "the model"
+    if not dims.num_experts:
+        raise SpecError("layout.trainer_ep", f"is {ep}, but {what} has no experts (a dense model: use 1)")
+    if dims.num_experts % ep:
+        raise SpecError("layout.trainer_ep", f"must divide the {dims.num_experts} experts of {what}, got {ep}")
 
 
 def model_overrides(job, values: list[str]) -> dict[str, str]:
@@ -166,9 +182,20 @@ def trainer_inputs(job, dims: ModelShape, row_tokens: int | None = None,
                          lora_rank=job.max_lora_rank, max_adapters=job.max_adapters, fused_tasks=job.trainer_slots,
                          recompute=job.trainer.recompute,
                          attention="dense" if job.trainer.attention == "dense" else "flex",
+                         data_parallel=layout.trainer_dp, expert_parallel=layout.trainer_ep,
                          delta_buffers=DELTA_IN_FLIGHT if nccl_delta else 0,
-                         communicators=(layout.trainer_tp > 1) + (layout.trainer_dp > 1) + nccl_delta,
+                         communicators=len(communicators(layout.trainer_tp, layout.trainer_dp, layout.trainer_ep,
+                                                         nccl_delta)),
                          allocator_reserve=job.trainer.allocator_reserve)
+
+
+def communicators(tp: int, dp: int, ep: int, nccl_delta: bool) -> list[str]:
+    """The NCCL communicators a trainer rank is a member of, by name: its TP group, its DP group (the LoRA
+    gradients' all-reduce), with expert parallelism its EP group (the tokens' all-to-all) and, when DP / EP > 1,
+    its expert-data-parallel group (the expert LoRA gradients' sum: trainer/lockstep.py), and the leader's delta
+    channel when the broadcast runs on NCCL."""
+    return [name for name, member in (("TP", tp > 1), ("DP", dp > 1), ("EP", ep > 1), ("expert DP", 1 < ep < dp),
+                                      ("delta channel", nccl_delta)) if member]
 
 
 def delta_on_nccl(job) -> bool:
@@ -190,7 +217,10 @@ def trainer_lines(memory: TrainerMemory) -> list[tuple[str, int]]:
     dtype = "bfloat16" if inputs.dtype_bytes == 2 else "float32"
     shard_vocab = padded_vocab(dims, inputs.tensor_parallel) // inputs.tensor_parallel
     weights = f"base weights ({dtype})"
-    if dims.num_experts:  # expert parallelism is not built: TP splits every expert
+    ep = inputs.expert_parallel
+    if dims.num_experts and ep > 1:  # (EP runs at TP 1: each local expert is whole)
+        weights += f": {dims.num_experts}/{ep} experts per rank (expert parallelism {ep}), router whole"
+    elif dims.num_experts:  # TP splits every expert
         weights += (f": all {dims.num_experts} experts, 1/{inputs.tensor_parallel} of each (no expert "
                     "parallelism), router whole")
     lines = [(weights, memory.base_weights),
@@ -202,6 +232,9 @@ def trainer_lines(memory: TrainerMemory) -> list[tuple[str, int]]:
               f"attention, {'recompute' if inputs.recompute else 'no recompute'}", memory.activations),
              (f"LM head: {inputs.trained_tokens} trained tokens' hidden states + 2 float32 logit chunks of "
               f"{logits_chunk_tokens(inputs)} x {shard_vocab} (vocab/TP)", memory.logits)]
+    if memory.dispatch:
+        lines.append((f"expert dispatch buffers (all-to-all in + out): {inputs.tokens} tokens x top "
+                      f"{dims.experts_per_token} x hidden {dims.hidden_size}, spread evenly", memory.dispatch))
     if memory.score_buffer:
         lines.append(("megatron's kept attention score buffer (dense)", memory.score_buffer))
     if inputs.attention == "flex":
@@ -219,10 +252,8 @@ def trainer_lines(memory: TrainerMemory) -> list[tuple[str, int]]:
 
 def communicator_names(inputs: TrainerInputs) -> str:
     """The NCCL communicators `trainer_inputs` counted, in words."""
-    names = [name for name, member in (("TP", inputs.tensor_parallel > 1), ("DP", inputs.communicators > (
-        inputs.tensor_parallel > 1) + (inputs.delta_buffers > 0)), ("delta channel", inputs.delta_buffers > 0))
-        if member]
-    return ", ".join(names) or "none"
+    return ", ".join(communicators(inputs.tensor_parallel, inputs.data_parallel, inputs.expert_parallel,
+                                   inputs.delta_buffers > 0)) or "none"
 
 
 def trainer_total(inputs: TrainerInputs) -> int:
@@ -242,8 +273,9 @@ def trainer_plan(job, dims: ModelShape, row_tokens: int | None = None,
     total = memory.total + CUDA_CONTEXT_BYTES
     layout = job.layout
     groups = layout.trainer_groups if model is None else job.group_models().count(model)
+    ep = f", layout.trainer_ep {layout.trainer_ep}" if layout.trainer_ep > 1 else ""
     title = (f"{'' if model is None else f'model {model}: '}trainer rank x{groups * layout.trainer_group_size} "
-             f"(layout.trainer_tp {layout.trainer_tp}, {groups} group(s) x {layout.trainer_dp} DP)")
+             f"(layout.trainer_tp {layout.trainer_tp}, {groups} group(s) x {layout.trainer_dp} DP{ep})")
     advice = None if total <= limit else trainer_advice(job, inputs, total, limit)
     return RankPlan(kind="trainer", title=title, lines=trainer_lines(memory), total=total, limit=limit,
                     limit_label=label, advice=advice, model=model)
@@ -263,26 +295,58 @@ def trainer_advice(job, inputs: TrainerInputs, total: int, limit: int) -> tuple[
         first = first or "trainer.attention"
         options.append(f"set trainer.attention: flex ({_gib(alt)})")
     tp = 2 * inputs.tensor_parallel
-    if _splits(inputs.dims, tp) and (alt := trainer_total(replace(inputs, tensor_parallel=tp))) <= limit:
+    if inputs.expert_parallel == 1 and _splits(inputs.dims, tp) and \
+            (alt := trainer_total(replace(inputs, tensor_parallel=tp))) <= limit:  # EP runs at TP 1 only
         first = first or "layout.trainer_tp"
         options.append(f"raise layout.trainer_tp to {tp} ({_gib(alt)})")
+    if option := expert_parallel_option(inputs, limit):
+        first = first or option[0]
+        options.append(option[1])
     if not options:
-        return "layout.trainer_tp", (f"a trainer rank needs {_gib(total)} of {_gib(limit)} and no single change fits "
-                                     "it: raise layout.trainer_tp, lower trainer.micro_batch_tokens and set "
-                                     "trainer.recompute: true together, or use larger GPUs "
-                                     "(layout.trainer.gpu_memory_gib)" + expert_adapter_hint(inputs))
+        parallel = ("raise layout.trainer_ep (layout.trainer_dp with it)" if inputs.expert_parallel > 1 else
+                    "raise layout.trainer_tp")
+        return ("layout.trainer_ep" if inputs.expert_parallel > 1 else "layout.trainer_tp",
+                f"a trainer rank needs {_gib(total)} of {_gib(limit)} and no single change fits it: {parallel}, "
+                "lower trainer.micro_batch_tokens and set trainer.recompute: true together, or use larger GPUs "
+                "(layout.trainer.gpu_memory_gib)" + expert_adapter_hint(inputs))
     return first, f"a trainer rank needs {_gib(total)} of {_gib(limit)}: " + ", or ".join(options)
 
 
+def expert_parallel_option(inputs: TrainerInputs, limit: int) -> tuple[str, str] | None:
+    """(field, change) of the smallest expert parallelism above the current one at which an MoE's trainer rank
+    fits, or None (a dense model, or none fits). EP must divide the experts and trainer_dp (its ranks are a
+    group's DP ranks: trainer_dp is raised to its next multiple) and runs at TP 1: from TP > 1 the change trades
+    TP for EP and names layout.trainer_tp, where it starts (the layout refuses EP > 1 beside TP > 1)."""
+    dims = inputs.dims
+    for ep in range(inputs.expert_parallel + 1, dims.num_experts + 1):
+        if dims.num_experts % ep:
+            continue
+        dp = -(-inputs.data_parallel // ep) * ep
+        alt = trainer_total(replace(inputs, tensor_parallel=1, expert_parallel=ep, data_parallel=dp,
+                                    communicators=len(communicators(1, dp, ep, inputs.delta_buffers > 0))))
+        if alt > limit:
+            continue
+        changes = f"layout.trainer_ep to {ep}" + (
+            f" and layout.trainer_dp to {dp}, a multiple of it" if dp != inputs.data_parallel else "")
+        if inputs.tensor_parallel > 1:
+            return "layout.trainer_tp", (f"trade TP for expert parallelism: set layout.trainer_tp to 1, {changes} "
+                                         f"({_gib(alt)})")
+        return "layout.trainer_ep", f"raise {changes} ({_gib(alt)})"
+    return None
+
+
 def expert_adapter_hint(inputs: TrainerInputs) -> str:
-    """An MoE's adapters: TP shrinks them little (each expert's fc1 A and fc2 B are whole on every rank), fewer or
-    smaller ones do ('' for a dense model)."""
+    """An MoE's adapters: TP shrinks them little (each expert's fc1 A and fc2 B are whole on every rank), EP splits
+    the experts' part, fewer or smaller ones do ('' for a dense model)."""
     if not inputs.dims.num_experts:
         return ""
     memory = trainer_memory(inputs)
-    return (f"; each task's adapter on every expert takes {_gib(memory.lora_per_task + memory.optimizer_per_task)} "
+    ep = inputs.expert_parallel
+    experts = "every expert" if ep == 1 else f"its rank's {inputs.dims.num_experts // ep} experts"
+    split = "little of it split by TP" if ep == 1 else f"its experts' part split by EP {ep}"
+    return (f"; each task's adapter on {experts} takes {_gib(memory.lora_per_task + memory.optimizer_per_task)} "
             f"a rank with its gradients and AdamW moments, {inputs.max_adapters} tasks (max_adapters) "
-            f"{_gib(memory.adapters)}, little of it split by TP: fewer tasks or a lower max_lora_rank shrink it")
+            f"{_gib(memory.adapters)}, {split}: fewer tasks or a lower max_lora_rank shrink it")
 
 
 def largest_micro_batch(inputs: TrainerInputs, limit: int, step: int = 256) -> int:

@@ -1,6 +1,7 @@
 """Device memory of each rank, from the model's config.json and the job config alone (no torch, no weights).
 
-Trainer rank (one TP rank of a trainer group; every rank of the group holds the same):
+Trainer rank (one TP rank of a trainer group; every rank of the group holds the same; with expert parallelism,
+layout.trainer_ep, each holds its EP rank's experts: as many as every other rank):
 
     base weights     every megatron parameter of this TP shard in the base dtype: embedding (and the untied output
                      layer) split by vocabulary rows (padded to 128 x TP), attention and MLP split by heads and
@@ -19,7 +20,8 @@ Trainer rank (one TP rank of a trainer group; every rank of the group holds the 
                      booleans its build evaluates at once (transient, before the first layer: not at the peak)
     delta buffers    the leader only, broadcast on NCCL: up to DELTA_IN_FLIGHT flat float32 copies of a whole
                      adapter posted and not yet completed (runtime/delta/broadcast.py MAX_IN_FLIGHT)
-    NCCL             per communicator (TP group, DP group, the leader's delta channel): NCCL's buffers, an
+    dispatch         expert parallelism only: one MoE layer's all-to-all buffers (experts.py)
+    NCCL             per communicator (TP, DP, EP and expert-DP groups, the leader's delta channel): NCCL's buffers, an
                      estimate from its defaults (`NCCL_BYTES_PER_COMMUNICATOR`)
     reserve          the caching allocator's memory over live tensors (fragmentation): trainer.allocator_reserve
                      of the rest
@@ -34,17 +36,18 @@ projections of every layer, A and B as vLLM stacks them), an activation reserve 
 (`rollout_activation_bytes`: an estimate), and the KV cache that vllm.gpu_memory_utilization leaves.
 
 Mixture-of-experts models (Qwen3-MoE): the experts' terms are experts.py's, layer by layer where
-`ModelShape.is_expert_layer`; every expert on every rank (TP over the experts, no expert parallelism).
+`ModelShape.is_expert_layer`; every expert on every rank (TP over the experts), or on a trainer with expert
+parallelism (layout.trainer_ep, TP 1) num_experts / EP of them a rank, with their adapters and optimizer state.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from marlaas_hpc.model.shape import ModelShape
-from marlaas_hpc.plan.experts import (expert_backward_bytes_per_token, expert_layer_bytes_per_token,
-                                      expert_layer_fixed_bytes, expert_lora_elements, expert_peft_elements,
-                                      moe_layers, rollout_expert_bytes_per_token, router_elements,
-                                      vllm_expert_slot_elements)
+from marlaas_hpc.plan.experts import (expert_backward_bytes_per_token, expert_dispatch_bytes,
+                                      expert_layer_bytes_per_token, expert_layer_fixed_bytes, expert_lora_elements,
+                                      expert_peft_elements, expert_weight_elements, moe_layers,
+                                      rollout_expert_bytes_per_token, router_elements, vllm_expert_slot_elements)
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -92,6 +95,10 @@ class TrainerInputs:
     recompute: bool
     attention: str
     """'flex' or 'dense' (trainer.attention resolved for a GPU: 'auto' is 'flex')."""
+    data_parallel: int = 1
+    """The group's DP ranks (layout.trainer_dp): which communicators a rank joins."""
+    expert_parallel: int = 1
+    """layout.trainer_ep: the ranks of an EP group split each MoE layer's experts (1: every rank holds every one)."""
     delta_buffers: int = 0
     """Flat adapter copies this rank holds in flight on the GPU (a leader broadcasting on NCCL: DELTA_IN_FLIGHT)."""
     communicators: int = 0
@@ -138,6 +145,8 @@ class TrainerMemory:
     """The block mask's build, transient: before the first layer, so never at the step's peak."""
     delta_in_flight: int = 0
     nccl: int = 0
+    dispatch: int = 0
+    """Expert parallelism's all-to-all buffers of one MoE layer (experts.py `expert_dispatch_bytes`)."""
 
     @property
     def adapters(self) -> int:
@@ -152,8 +161,9 @@ class TrainerMemory:
     @property
     def step_peak(self) -> int:
         """What the trainer's tensors take at a step's peak (the mask's build comes before it, on less): what the
-        GPU dry run measures."""
-        peak = self.steady + self.activations + self.logits + self.flex_mask
+        GPU dry run measures. The dispatch buffers are added whole: they live in an MoE layer's forward or backward,
+        not in the LM head's, so this is an upper bound when the LM head's backward is the peak."""
+        peak = self.steady + self.activations + self.logits + self.flex_mask + self.dispatch
         return max(peak, self.steady + self.flex_mask_build)
 
     @property
@@ -171,13 +181,15 @@ class TrainerMemory:
 
 
 def trainer_memory(inputs: TrainerInputs) -> TrainerMemory:
-    lora = 4 * lora_elements(inputs.dims, inputs.tensor_parallel, inputs.lora_rank)
+    lora = 4 * lora_elements(inputs.dims, inputs.tensor_parallel, inputs.lora_rank, inputs.expert_parallel)
     kept, build = flex_mask_bytes(inputs)
     return TrainerMemory(inputs=inputs, base_weights=base_weight_bytes(inputs), lora_per_task=lora,
                          optimizer_per_task=3 * lora, activations=activation_bytes(inputs),
                          logits=logits_bytes(inputs), score_buffer=score_buffer_bytes(inputs), flex_mask=kept,
                          flex_mask_build=build, delta_in_flight=inputs.delta_buffers * adapter_bytes(inputs),
-                         nccl=inputs.communicators * NCCL_BYTES_PER_COMMUNICATOR)
+                         nccl=inputs.communicators * NCCL_BYTES_PER_COMMUNICATOR,
+                         dispatch=expert_dispatch_bytes(inputs.dims, inputs.tokens, inputs.dtype_bytes,
+                                                        inputs.expert_parallel))
 
 
 def adapter_bytes(inputs: TrainerInputs) -> int:
@@ -201,26 +213,27 @@ def flex_mask_bytes(inputs: TrainerInputs) -> tuple[int, int]:
 
 def base_weight_bytes(inputs: TrainerInputs) -> int:
     """The TP shard's parameters and buffers (RoPE frequencies; the LM head's padding mask on the rank with
-    megatron's padding rows)."""
-    dims, tp, b = inputs.dims, inputs.tensor_parallel, inputs.dtype_bytes
+    megatron's padding rows); with expert parallelism, the EP rank's experts only."""
+    dims, tp, b, ep = inputs.dims, inputs.tensor_parallel, inputs.dtype_bytes, inputs.expert_parallel
     shard_vocab = padded_vocab(dims, tp) // tp
     embeddings = shard_vocab * dims.hidden_size * (1 if dims.tied else 2)
     padding_mask = shard_vocab if padded_vocab(dims, tp) > dims.vocab_size else 0
     router = router_elements(dims)  # whole on every rank (0 in a dense model)
     linears = sum(dims.layer_weights(layer) for layer in range(dims.num_layers)) - router
+    linears -= expert_weight_elements(dims) - expert_weight_elements(dims) // ep  # the other EP ranks' experts
     layers = (linears + dims.num_layers * dims.qkv_biases()) // tp + router
     return b * (embeddings + layers + dims.norm_weights()) + padding_mask + 4 * dims.head_dim // 2
 
 
-def lora_elements(dims: ModelShape, tp: int, rank: int) -> int:
+def lora_elements(dims: ModelShape, tp: int, rank: int, ep: int = 1) -> int:
     """One task's A and B on this TP rank, every layer, all seven projections (trainer/lora.py's layout: column
     sites qkv and fc1 keep A whole and split B; row sites proj and fc2 split A and keep B whole). In an MoE model
-    the MLP sites are every expert's (experts.py), and its dense layers take none."""
+    the MLP sites are every local expert's (experts.py: all, or 1/EP), and its dense layers take none."""
     h, d, f = dims.hidden_size, dims.head_dim, dims.intermediate_size // tp
     qkv_out = (dims.num_heads + 2 * dims.num_kv_heads) * d // tp
     attention = rank * (h + qkv_out) + rank * (dims.num_heads * d // tp + h)
     if dims.num_experts:
-        return dims.num_layers * attention + expert_lora_elements(dims, tp, rank)
+        return dims.num_layers * attention + expert_lora_elements(dims, tp, rank, ep)
     return dims.num_layers * (attention + rank * (h + 2 * f) + rank * (f + h))
 
 
@@ -241,6 +254,8 @@ def layer_bytes_per_token(inputs: TrainerInputs, layer: int = 0) -> int:
     rope = 4 * d * b
     attention = norms + attention_lora + rope + attention_bytes_per_token(inputs)
     if dims.is_expert_layer(layer):
+        # with EP a rank's experts compute the slots the whole EP group routed to them: as many as its own tokens'
+        # k slots when the routing spreads tokens evenly over the EP ranks (the assumption: experts.py)
         return attention + expert_layer_bytes_per_token(dims, inputs.tensor_parallel, b, r)
     mlp_lora = 0 if dims.num_experts else b * (h + f) + 2 * 4 * r  # an MoE's dense layers: no MLP adapter
     mlp = 4 * f * b  # fc1's output [2f] (SwiGLU's input), the SiLU output and the product
@@ -295,13 +310,13 @@ def layer_kinds(dims: ModelShape, layer: int | None = None):
 
 def scaled_b_bytes(inputs: TrainerInputs, layer: int = 0) -> int:
     """Per layer, each fused task's B x alpha / r of the four sites (float32 [out, r], kept for backward); an MoE
-    layer's MLP sites are every expert's, and it keeps its router weight's float32 copy (experts.py)."""
+    layer's MLP sites are every local expert's, and it keeps its router weight's float32 copy (experts.py)."""
     dims, tp = inputs.dims, inputs.tensor_parallel
     attention = (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim // tp + dims.hidden_size
     tasks = inputs.tasks_per_step
     if dims.is_expert_layer(layer):
         return tasks * 4 * inputs.lora_rank * attention \
-            + expert_layer_fixed_bytes(dims, tp, inputs.lora_rank, tasks)
+            + expert_layer_fixed_bytes(dims, tp, inputs.lora_rank, tasks, inputs.expert_parallel)
     mlp = 0 if dims.num_experts else 2 * dims.intermediate_size // tp + dims.hidden_size
     return tasks * 4 * inputs.lora_rank * (attention + mlp)
 

@@ -3,15 +3,17 @@ trainer/lora.py `ExpertLoraSite`) and vLLM hold them. No torch here: estimate.py
 `ModelShape.is_expert_layer` names; a dense model has none and its figures do not move.
 
 Layout planned: tensor parallelism over every expert (each TP rank holds 1/TP of every expert's gate/up/down, as
-a dense MLP is split), the router replicated. Expert parallelism is not built (the trainer's dispatcher refuses
-it): no layout field spreads the experts over ranks, so the plan counts every expert on every rank.
+a dense MLP is split), the router replicated; or, on a trainer at TP 1, expert parallelism (layout.trainer_ep:
+trainer/experts_parallel.py): each rank of an EP group holds num_experts / EP whole experts of every MoE layer,
+their LoRA and its optimizer state, and the router whole. With EP 1 every rank holds every expert.
 
 Trainer rank, per MoE layer:
 
-    base weights   every expert's fc1 [2 x expert_intermediate / TP, h] and fc2 [h, expert_intermediate / TP] in the
-                   base dtype, and the router [experts, h] whole on every rank (megatron's TopKRouter casts its
-                   weight to params_dtype: the base dtype; `FrozenRouter` computes its logits in float32)
-    LoRA           one fc1 and one fc2 site per expert (ExpertLoraSite: fc1 column, A [r, h] whole, B
+    base weights   each local expert's (num_experts / EP of them) fc1 [2 x expert_intermediate / TP, h] and fc2
+                   [h, expert_intermediate / TP] in the base dtype, and the router [experts, h] whole on every rank
+                   (megatron's TopKRouter casts its weight to params_dtype: the base dtype; `FrozenRouter` computes
+                   its logits in float32)
+    LoRA           one fc1 and one fc2 site per local expert (ExpertLoraSite: fc1 column, A [r, h] whole, B
                    [2 x expert_intermediate / TP, r] split; fc2 row, A [r, expert_intermediate / TP] split, B [h, r]
                    whole), float32. A dense layer of an MoE model takes no MLP adapter (trainer/lora.py `MultiLora`)
     activations    per token, its top k experts' share: the dispatcher's permuted copy (k x h, the fc1 sites'
@@ -19,8 +21,14 @@ Trainer rank, per MoE layer:
                    (k x h, kept for the routing weights' gradient), the fc1/fc2 sites' float32 [r] hiddens, and the
                    router's float32 logits, softmax and routing map (tokens x experts); per layer the float32 copy
                    of the router's weight autograd keeps for the input's gradient, and each fused task's B x alpha / r
-                   of every expert site. An estimate after the code, unchecked: the GPU dry run cannot route
+                   of every local expert site. An estimate after the code, unchecked: the GPU dry run cannot route
                    tokens on fake tensors (megatron's permute uses masked_select, sized by the routing).
+                   With EP a rank computes the tokens that every rank of its EP group routed to its experts; the
+                   plan assumes tokens spread evenly over the EP ranks (the dispatcher uses no capacity factor, so
+                   an uneven routing can send a rank more), so a rank still computes k expert slots per local token.
+    dispatch       with EP only: the all-to-all's buffers of one MoE layer, its routed tokens' hidden states (k
+                   copies per token) sent and received, with their float32 routing weights and int64 adapter codes
+                   (`expert_dispatch_bytes`)
 
 Rollout rank: vLLM holds every expert at its TP (no `enable_expert_parallel`), the router replicated; its LoRA slots
 (vllm/lora/layers/fused_moe.py `FusedMoEWithLoRA`) are per expert w1/w3 A [r, h], B [expert_intermediate / TP, r]
@@ -46,12 +54,23 @@ def expert_shard(dims: ModelShape, tp: int) -> int:
     return dims.expert_intermediate_size // tp
 
 
-def expert_lora_elements(dims: ModelShape, tp: int, rank: int) -> int:
-    """One task's expert adapters on a trainer TP rank: per expert fc1 (A [r, h] whole, B [2 x shard, r]) and fc2
-    (A [r, shard], B [h, r] whole)."""
+def local_experts(dims: ModelShape, ep: int = 1) -> int:
+    """Experts of each MoE layer a trainer rank holds: all of them, or 1/EP under expert parallelism (EP divides
+    them: `check_expert_layout` in command.py)."""
+    return dims.num_experts // ep
+
+
+def expert_weight_elements(dims: ModelShape) -> int:
+    """Every expert's gate, up and down of every MoE layer, unsharded (the router apart)."""
+    return moe_layers(dims) * dims.num_experts * 3 * dims.expert_intermediate_size * dims.hidden_size
+
+
+def expert_lora_elements(dims: ModelShape, tp: int, rank: int, ep: int = 1) -> int:
+    """One task's expert adapters on a trainer rank: per local expert fc1 (A [r, h] whole, B [2 x shard, r]) and
+    fc2 (A [r, shard], B [h, r] whole)."""
     h, f = dims.hidden_size, expert_shard(dims, tp)
     per_expert = rank * (h + 2 * f) + rank * (f + h)
-    return moe_layers(dims) * dims.num_experts * per_expert
+    return moe_layers(dims) * local_experts(dims, ep) * per_expert
 
 
 def expert_peft_elements(dims: ModelShape, rank: int) -> int:
@@ -81,11 +100,21 @@ def expert_layer_bytes_per_token(dims: ModelShape, tp: int, b: int, rank: int) -
     return permuted + fc2_input + swiglu + joined + lora_hidden + router
 
 
-def expert_layer_fixed_bytes(dims: ModelShape, tp: int, rank: int, tasks: int) -> int:
-    """Per MoE layer, independent of tokens: the router weight's float32 copy autograd keeps, and each fused
-    task's B x alpha / r (float32 [out, r]) of every expert's fc1 and fc2 site."""
+def expert_layer_fixed_bytes(dims: ModelShape, tp: int, rank: int, tasks: int, ep: int = 1) -> int:
+    """Per MoE layer, independent of tokens: the router weight's float32 copy autograd keeps (the router is whole),
+    and each fused task's B x alpha / r (float32 [out, r]) of every local expert's fc1 and fc2 site."""
     h, f = dims.hidden_size, expert_shard(dims, tp)
-    return 4 * dims.num_experts * h + tasks * dims.num_experts * 4 * rank * (2 * f + h)
+    return 4 * dims.num_experts * h + tasks * local_experts(dims, ep) * 4 * rank * (2 * f + h)
+
+
+def expert_dispatch_bytes(dims: ModelShape, tokens: int, b: int, ep: int = 1) -> int:
+    """Expert parallelism's all-to-all buffers (trainer/experts_parallel.py), 0 without it: a rank sends its
+    tokens' k routed copies (hidden states, their float32 routing weights, int64 adapter codes) and receives as
+    many (tokens spread evenly over the EP ranks, no capacity factor: module doc); the combine and the backward's
+    all-to-alls move as much the other way. One MoE layer's at a time, send and receive buffers both live."""
+    if ep == 1 or not moe_layers(dims):
+        return 0
+    return 2 * tokens * dims.experts_per_token * (dims.hidden_size * b + 4 + 8)
 
 
 def expert_backward_bytes_per_token(dims: ModelShape, tp: int, b: int) -> int:
