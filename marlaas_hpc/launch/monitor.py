@@ -168,15 +168,17 @@ class RankMonitor:
 
     def first_failure(self) -> RankFailure | None:
         """The failure that took the job down: the earliest one that is not a consequence of another and that the
-        job did not go on without; else the last loss it went on without (rank 0 then gave up: no rank of that
-        kind left); else the earliest of all (every failure reported a lost peer: the dead peer never
-        connected)."""
+        job did not go on without; else the last loss it went on without before rank 0 gave up (no rank of that
+        kind left; the ranks the launcher killed after that are bystanders); else the earliest of all (every
+        failure reported a lost peer: the dead peer never connected)."""
         with self._lock:
             failures = sorted(self.failures, key=lambda f: f.time)
         causes = [f for f in failures if not f.peer_lost and not tolerated(f)]
         if causes:
             return causes[0]
-        survived = [f for f in failures if tolerated(f)]
+        gave_up = next((f.time for f in failures if f.rank == 0), None)
+        survived = [f for f in failures if tolerated(f) and (gave_up is None or f.time <= gave_up)]
+        survived = survived or [f for f in failures if tolerated(f)]
         return survived[-1] if survived else (failures or [None])[0]
 
     def job_status(self) -> int | None:
