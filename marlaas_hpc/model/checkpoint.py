@@ -74,17 +74,24 @@ def check_checkpoint(info: CheckpointInfo, *, trainer_tp: int, rollout_tp: int =
         for name, value in (("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads)):
             if tp > 1 and value % tp:
                 raise SpecError(where, f"{tp} does not divide {name}={value} of {info.path}")
-    if trainer_ep > 1 and not shape.num_experts:
-        raise SpecError("layout.trainer_ep", f"is {trainer_ep}, but {info.path} is a dense model (no experts)")
-    if trainer_ep > 1 and shape.num_experts % trainer_ep:
-        raise SpecError("layout.trainer_ep", f"{trainer_ep} does not divide num_experts={shape.num_experts} of "
-                                             f"{info.path}")
+    check_expert_split(trainer_ep, shape.num_experts, str(info.path), "layout.trainer_ep")
     if vllm_on_cpu and shape.num_experts:  # its fused-MoE path reaches Triton, absent on CPU (AttributeError)
         raise SpecError(field_name, f"{info.path}: a mixture-of-experts model ({shape.num_experts} experts) is not "
                                     "served by vLLM on CPU (its fused-MoE kernels need a GPU); use engine: hf or GPUs")
     if vllm_on_cpu and shape.head_dim not in VLLM_CPU_HEAD_DIMS:
         raise SpecError(field_name, f"{info.path}: head_dim {shape.head_dim} is not supported by vLLM's CPU attention "
                                     f"(supported: {list(VLLM_CPU_HEAD_DIMS)}); use engine: hf or GPUs")
+
+
+def check_expert_split(expert_parallel: int, num_experts: int, what: str, field_name: str) -> None:
+    """Refuses, naming the field, an expert-parallel size that cannot split `what`'s experts: a dense model has none,
+    and every EP rank holds as many as the others (the job's check, `marlaas plan`'s and the trainer's)."""
+    if expert_parallel == 1:
+        return
+    if not num_experts:
+        raise SpecError(field_name, f"is {expert_parallel}, but {what} has no experts (a dense model: use 1)")
+    if num_experts % expert_parallel:
+        raise SpecError(field_name, f"must divide the {num_experts} experts of {what}, got {expert_parallel}")
 
 
 def checkpoint_family(info: CheckpointInfo, field_name: str = "model") -> ModelFamily:

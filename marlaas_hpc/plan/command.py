@@ -122,14 +122,10 @@ def check_expert_layout(job, dims: ModelShape, name: str) -> None:
     """layout.trainer_ep against a model a trainer group loads: the layout checks that EP divides trainer_dp and
     that TP is 1; only the model tells whether it has experts for EP to split, and whether EP divides them
     (trainer/model.py `check_expert_parallel` refuses the same at the trainer's start)."""
-    ep = job.layout.trainer_ep
-    if ep == 1:
-        return
-    what = f"model {name}" if job.models else "the model"
-    if not dims.num_experts:
-        raise SpecError("layout.trainer_ep", f"is {ep}, but {what} has no experts (a dense model: use 1)")
-    if dims.num_experts % ep:
-        raise SpecError("layout.trainer_ep", f"must divide the {dims.num_experts} experts of {what}, got {ep}")
+    from marlaas_hpc.model.checkpoint import check_expert_split
+
+    check_expert_split(job.layout.trainer_ep, dims.num_experts, f"model {name}" if job.models else "the model",
+                       "layout.trainer_ep")
 
 
 def model_overrides(job, values: list[str]) -> dict[str, str]:
@@ -184,18 +180,7 @@ def trainer_inputs(job, dims: ModelShape, row_tokens: int | None = None,
                          attention="dense" if job.trainer.attention == "dense" else "flex",
                          data_parallel=layout.trainer_dp, expert_parallel=layout.trainer_ep,
                          delta_buffers=DELTA_IN_FLIGHT if nccl_delta else 0,
-                         communicators=len(communicators(layout.trainer_tp, layout.trainer_dp, layout.trainer_ep,
-                                                         nccl_delta)),
                          allocator_reserve=job.trainer.allocator_reserve)
-
-
-def communicators(tp: int, dp: int, ep: int, nccl_delta: bool) -> list[str]:
-    """The NCCL communicators a trainer rank is a member of, by name: its TP group, its DP group (the LoRA
-    gradients' all-reduce), with expert parallelism its EP group (the tokens' all-to-all) and, when DP / EP > 1,
-    its expert-data-parallel group (the expert LoRA gradients' sum: trainer/lockstep.py), and the leader's delta
-    channel when the broadcast runs on NCCL."""
-    return [name for name, member in (("TP", tp > 1), ("DP", dp > 1), ("EP", ep > 1), ("expert DP", 1 < ep < dp),
-                                      ("delta channel", nccl_delta)) if member]
 
 
 def delta_on_nccl(job) -> bool:
@@ -252,8 +237,7 @@ def trainer_lines(memory: TrainerMemory) -> list[tuple[str, int]]:
 
 def communicator_names(inputs: TrainerInputs) -> str:
     """The NCCL communicators `trainer_inputs` counted, in words."""
-    return ", ".join(communicators(inputs.tensor_parallel, inputs.data_parallel, inputs.expert_parallel,
-                                   inputs.delta_buffers > 0)) or "none"
+    return ", ".join(inputs.communicator_names) or "none"
 
 
 def trainer_total(inputs: TrainerInputs) -> int:
@@ -322,8 +306,7 @@ def expert_parallel_option(inputs: TrainerInputs, limit: int) -> tuple[str, str]
         if dims.num_experts % ep:
             continue
         dp = -(-inputs.data_parallel // ep) * ep
-        alt = trainer_total(replace(inputs, tensor_parallel=1, expert_parallel=ep, data_parallel=dp,
-                                    communicators=len(communicators(1, dp, ep, inputs.delta_buffers > 0))))
+        alt = trainer_total(replace(inputs, tensor_parallel=1, expert_parallel=ep, data_parallel=dp))
         if alt > limit:
             continue
         changes = f"layout.trainer_ep to {ep}" + (

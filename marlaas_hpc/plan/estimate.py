@@ -101,10 +101,22 @@ class TrainerInputs:
     """layout.trainer_ep: the ranks of an EP group split each MoE layer's experts (1: every rank holds every one)."""
     delta_buffers: int = 0
     """Flat adapter copies this rank holds in flight on the GPU (a leader broadcasting on NCCL: DELTA_IN_FLIGHT)."""
-    communicators: int = 0
-    """NCCL communicators this rank is a member of."""
     allocator_reserve: float = 0.0
     """The caching allocator's reserve, as a share of what the tensors take."""
+
+    @property
+    def communicator_names(self) -> list[str]:
+        """The NCCL communicators this rank is a member of: its TP group, its DP group (the LoRA gradients'
+        all-reduce), with expert parallelism its EP group (the tokens' all-to-all) and, when DP / EP > 1, its
+        expert-data-parallel group (the expert LoRA gradients' sum: trainer/lockstep.py), and the leader's delta
+        channel when the broadcast runs on NCCL (the delta buffers are then on the GPU)."""
+        tp, dp, ep = self.tensor_parallel, self.data_parallel, self.expert_parallel
+        return [name for name, member in (("TP", tp > 1), ("DP", dp > 1), ("EP", ep > 1), ("expert DP", 1 < ep < dp),
+                                          ("delta channel", self.delta_buffers > 0)) if member]
+
+    @property
+    def communicators(self) -> int:
+        return len(self.communicator_names)
 
     @property
     def width(self) -> int:

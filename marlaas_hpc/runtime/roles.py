@@ -67,9 +67,8 @@ class RankSetup:
         # a resumed run samples with fresh seeds: replaying an earlier run's seeds would repeat its samples
         restarts = comm.bcast(len(resume["runs"]) + bool(resume.get("current_run")) if resume else 0, root=0)
         if restarts:  # every trainer rank checks the shards the resume would load (a corrupt one: fall back)
-            from marlaas_hpc.runtime.recovery import choose_resume_points
-
             from marlaas_hpc.runtime.checkpoint import role_shard
+            from marlaas_hpc.runtime.recovery import choose_resume_points
 
             shard = role_shard(role, job.layout.trainer_ep) if role.kind == "trainer" else None
             resume = choose_resume_points(comm, run_dir, resume, roles["trainer"], shard, log=log)

@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from marlaas_hpc.model.checkpoint import checkpoint_family, read_checkpoint
+from marlaas_hpc.model.checkpoint import check_expert_split, checkpoint_family, read_checkpoint
 from marlaas_hpc.model.families import ExpertsSpec, ModelFamily, experts_of, rope_of
 from marlaas_hpc.trainer.cpu_shims import apply_cpu_shims
 from marlaas_hpc.trainer.frozen_base import skip_frozen_weight_grads
@@ -249,11 +249,8 @@ def check_expert_parallel(expert_parallel: int, tensor_parallel: int, data_paral
     if expert_parallel == 1:
         return
     config = json.loads(Path(model_path, "config.json").read_text())
-    num_experts = config.get("num_experts") or config.get("num_local_experts")
-    if not num_experts:
-        raise SpecError("expert_parallel", f"is {expert_parallel}, but the model has no experts")
-    if num_experts % expert_parallel:
-        raise SpecError("expert_parallel", f"must divide the model's {num_experts} experts, got {expert_parallel}")
+    check_expert_split(expert_parallel, config.get("num_experts") or config.get("num_local_experts") or 0,
+                       "the model", "expert_parallel")
     if tensor_parallel != 1:
         # the replicated-token dispatcher (trainer/moe.py) runs TP without sequence parallelism: every TP rank holds
         # every token; combined with EP's all-to-all that needs expert-TP groups this trainer does not build
