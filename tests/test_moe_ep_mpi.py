@@ -46,7 +46,10 @@ def test_expert_parallel_trainer_checkpoints_each_ranks_experts_and_resumes(tmp_
     assert code == 75, out[-3000:]
     tenants = {t["task_id"]: t["tenant"] for t in config["tasks"]}
     saved = {t: r["saved"]["version"] for t, r in load_job_checkpoint(run_dir)["tasks"].items()}
-    for task_id, version in saved.items():
+    # tasks go at their own pace: one may have run ahead and ended before the USR2 (an ended task keeps no shards)
+    unfinished = {task_id: version for task_id, version in saved.items() if version < STEPS}
+    assert unfinished, saved
+    for task_id, version in unfinished.items():
         folder = run_dir / "tasks" / tenants[task_id] / task_id / "checkpoint"
         shares = [torch.load(folder / f"{shard}-v{version:06d}.pt", weights_only=False) for shard in ("tp0", "tp0-ep1")]
         assert [(s["expert_parallel"], s["ep_rank"]) for s in shares] == [(2, 0), (2, 1)], task_id
