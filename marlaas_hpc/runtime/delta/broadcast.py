@@ -40,8 +40,8 @@ import torch
 
 from marlaas_hpc.runtime.comm import recv_wait, send_settled
 from marlaas_hpc.runtime.delta.groups import (SetupFailed, abort, complete, gpu_key, host_store, join_store,
-                                             nccl_setup_deadline, process_group, set_up)
-from marlaas_hpc.runtime.delta.plane import DeltaPlane, DeltaReceiver, DeltaSender, flat_buffer, unflatten
+                                             process_group, set_up)
+from marlaas_hpc.runtime.delta.plane import DeltaSender, flat_buffer, unflatten
 from marlaas_hpc.runtime.messages import TAG_DELTA, ChannelAddress, DeltaAnnounce
 
 
@@ -239,43 +239,3 @@ class DeltaChannel(DeltaSender):
         flat = torch.empty(total, dtype=torch.float32, device=self.device)
         complete(self.process_group.broadcast(flat, 0))
         return unflatten(announce, flat)
-
-
-class BroadcastPlane(DeltaPlane):
-    """`delta.transport: broadcast`: one DeltaChannel per trainer leader, every rollout rank a member of each
-    (DeltaFanIn); with several trainer groups rank 0 hosts the job's DeltaOrder."""
-
-    def for_scheduler(self, comm) -> DeltaOrder | None:
-        # the job's order of delta broadcasts: it outlives any trainer group
-        return DeltaOrder(comm, self.leaders) if len(self.leaders) > 1 else None
-
-    def for_bystander(self, comm) -> None:
-        return None
-
-    def for_leader(self, comm, device: str, model: str | None) -> DeltaChannel:
-        order = DeltaOrder(comm, self.leaders) if len(self.leaders) > 1 else None
-        return DeltaChannel(comm, comm.Get_rank(), self.rollout_ranks, device=device, order=order,
-                            tolerant=comm.members.tolerant, model=model, **self._timeouts())
-
-    def for_rollout(self, comm, device: str) -> DeltaReceiver:
-        from marlaas_hpc.runtime.delta.fanin import DeltaFanIn
-
-        # one channel per leader, made in the leaders' order on every rollout rank (each leader waits for its
-        # own): each channel's NCCL communicator is set up as it is made, in that one order
-        tolerant = comm.members.tolerant
-        return DeltaFanIn(comm, [DeltaChannel(comm, leader, self.rollout_ranks, device=device, tolerant=tolerant,
-                                              **self._timeouts()) for leader in self.leaders],
-                          device=device, tolerant=tolerant, **self._timeouts())
-
-    def for_joiner(self, comm, rank: int, leaders: list[int], device: str) -> DeltaReceiver:
-        from marlaas_hpc.runtime.delta.fanin import DeltaFanIn
-
-        for leader in leaders:  # as every rollout rank does at start: the leader picks the backend
-            comm.send(gpu_key(torch.device(device)), leader, TAG_DELTA)
-        return DeltaFanIn(comm, [], leaders=leaders, device=device, tolerant=True, **self._timeouts())
-
-    def _timeouts(self) -> dict:
-        """The channels' collective timeout and set-up deadline. Asked for by every member before it makes its
-        first channel, which is also when torch's bound on a non-blocking NCCL set-up must be in place."""
-        nccl_setup_deadline(self.settings.setup_timeout_s)
-        return {"timeout_s": self.settings.timeout_s, "setup_timeout_s": self.settings.setup_timeout_s}

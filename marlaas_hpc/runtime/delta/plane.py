@@ -12,17 +12,21 @@ every rollout rank. One transport per module, chosen by `delta.transport` (runti
 
 What a version is on the wire, whatever the transport: a `DeltaAnnounce` (names, shapes, LoraSpec) and one flat
 float32 buffer of its tensors in the announce's order (`flat_buffer` / `unflatten`).
+
+No torch at import (only in the two functions that move tensors): rank 0 and the env ranks hold the plane and
+start without torch (runtime/delta/broadcast_plane.py).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from marlaas_hpc.runtime.messages import DeltaAnnounce
 
-Received = Iterator[tuple[DeltaAnnounce, Callable[[], dict[str, torch.Tensor]]]]
+if TYPE_CHECKING:
+    import torch
+
+Received = Iterator[tuple[DeltaAnnounce, Callable[[], dict[str, "torch.Tensor"]]]]
 """(announce, receive) per version to install; `receive()` returns its tensors."""
 
 
@@ -133,11 +137,15 @@ class DeltaPlane(ABC):
 def flat_buffer(tensors: dict[str, torch.Tensor], names: list[str], device: torch.device) -> torch.Tensor:
     """One float32 buffer of `tensors` in `names` order, on the channel's device: what a delta broadcast sends
     (`unflatten` is its inverse). The GPU dry run (marlaas_hpc/plan/dry_run.py) counts it."""
+    import torch
+
     return torch.cat([tensors[n].detach().reshape(-1).float() for n in names]).to(device)
 
 
 def unflatten(announce: DeltaAnnounce, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """The named tensors of one broadcast buffer (the layout DeltaChannel.send flattens them in)."""
+    import torch
+
     flat = flat.cpu()
     out, offset = {}, 0
     for name, shape in zip(announce.names, announce.shapes):

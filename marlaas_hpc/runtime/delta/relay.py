@@ -22,7 +22,7 @@ Transport: torch.distributed point-to-point on one two-member process group per 
 relay→client), built from the tier's TCPStore (like the delta channels, not from the default group, which vLLM or
 megatron own); NCCL when both ends have a GPU of their own (`gpu_key`), gloo otherwise. Pairwise groups keep set-up
 and connections linear in the tier's size. The bytes are those of the delta broadcast: `flat_buffer` and
-`unflatten` of runtime/delta/broadcast.py. Requests and announces travel through the store (answered by its server thread).
+`unflatten` of runtime/delta/plane.py. Requests and announces travel through the store (answered by its server thread).
 """
 from __future__ import annotations
 
