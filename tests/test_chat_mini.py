@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from marlaas_hpc.model.chat_mini import (META, SHIPPED_DIR, ChatMiniConfig, CompactLM, checkpoint_accuracy,
-                                        conversation, drill, ensure_chat_mini, live_ids, shipped_fingerprint)
+                                        ensure_chat_mini, live_ids, shipped_fingerprint)
 from marlaas_hpc.model.codec import TextCodec
-from marlaas_hpc.model.vocabularies import ENDOFTEXT_ID, IM_END_ID, QWEN3, build_tokenizer
+from marlaas_hpc.model.vocabularies import ENDOFTEXT_ID, IM_END_ID, QWEN3
 from marlaas_hpc.tasks.gsm8k import one_step_gsm8k
+from support.chat_mini_losses import full_vocabulary_rows_and_loss
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +91,8 @@ def test_the_compact_softmax_equals_the_full_vocabularys():
     cfg = ChatMiniConfig(num_layers=1)
     torch.manual_seed(0)
     lm = CompactLM(cfg, QWEN3.rows)
-    codec, rng = TextCodec(build_tokenizer(QWEN3)), random.Random(1)
-    rows = [conversation(codec, rng, 0.5) for _ in range(3)] + [drill(codec, rng, 0.5)]
     full = Qwen3ForCausalLM(qwen3_config(cfg, QWEN3.rows)).float().eval()
-    state = {k: v for k, v in lm.model.state_dict().items() if k != "lm_head.weight"}
-    embed = torch.zeros(QWEN3.rows, cfg.hidden_size)
-    embed[live_ids()] = state["model.embed_tokens.weight"]
-    full.load_state_dict({**state, "model.embed_tokens.weight": embed}, strict=False)
-    full.tie_weights()
-    losses = []
+    rows, reference = full_vocabulary_rows_and_loss(lm, full)
     with torch.no_grad():
-        for prompt, completion in rows:
-            logits = full(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
-            losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(completion), reduction="sum"))
         compact = lm.loss(rows)
-    reference = sum(losses) / sum(len(c) for _, c in rows)
     assert abs(float(compact) - float(reference)) < 1e-4, (float(compact), float(reference))

@@ -6,17 +6,17 @@ routers' balance term; a recipe mixing the two architectures' fields is refused.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import replace
 
 import pytest
 import torch
 
 from marlaas_hpc.model.chat_mini import (CHAT_MINI_MOE_CONFIG, META, ChatMiniConfig, CompactMoeLM,
-                                        checkpoint_accuracy, conversation, drill, ensure_chat_mini, live_ids,
-                                        qwen3_moe_config, shipped_fingerprint)
+                                        checkpoint_accuracy, ensure_chat_mini, qwen3_moe_config,
+                                        shipped_fingerprint)
 from marlaas_hpc.model.codec import TextCodec
-from marlaas_hpc.model.vocabularies import ENDOFTEXT_ID, IM_END_ID, QWEN3, build_tokenizer
+from marlaas_hpc.model.vocabularies import ENDOFTEXT_ID, IM_END_ID, QWEN3
+from support.chat_mini_losses import full_vocabulary_rows_and_loss
 
 
 @pytest.fixture(scope="module")
@@ -92,24 +92,13 @@ def test_the_moe_pretraining_loss_is_the_full_cross_entropy_plus_the_balance_ter
     cfg = replace(CHAT_MINI_MOE_CONFIG, num_layers=1)
     torch.manual_seed(0)
     lm = CompactMoeLM(cfg, QWEN3.rows)
-    codec, rng = TextCodec(build_tokenizer(QWEN3)), random.Random(1)
-    rows = [conversation(codec, rng, 0.5) for _ in range(3)] + [drill(codec, rng, 0.5)]
     full = Qwen3MoeForCausalLM(qwen3_moe_config(cfg, QWEN3.rows)).float().eval()
-    state = {k: v for k, v in lm.model.state_dict().items() if k != "lm_head.weight"}
-    embed = torch.zeros(QWEN3.rows, cfg.hidden_size)
-    embed[live_ids()] = state["model.embed_tokens.weight"]
-    full.load_state_dict({**state, "model.embed_tokens.weight": embed}, strict=False)
-    full.tie_weights()
-    losses = []
+    rows, reference = full_vocabulary_rows_and_loss(lm, full)
     with torch.no_grad():
-        for prompt, completion in rows:
-            logits = full(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
-            losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(completion), reduction="sum"))
         lm.model.eval()  # eval: no balance term
         nll = float(lm.loss(rows))
         lm.model.train()  # no dropout in Qwen3-MoE: train mode only adds the routers' balance term
         balanced = float(lm.loss(rows))
-    reference = float(sum(losses) / sum(len(c) for _, c in rows))
     assert abs(nll - reference) < 1e-4, (nll, reference)
     assert balanced > nll, (balanced, nll)  # the routers' Switch balance loss (positive) is added in training
 

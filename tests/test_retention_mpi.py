@@ -7,39 +7,23 @@ import json
 
 import pytest
 
-from support.jobs import rank_timelines, run_marlaas
+from support.configs import tool_and_addition_job
+from support.jobs import finished_run
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 STEPS = 6
 
 
-def _config():
-    algo = {"group_size": 4, "batch_prompts": 2, "lr": 0.003, "max_new_tokens": 6}
-    return {
-        "model": "tiny", "engine": "hf", "mode": "async", "rollout_slots": 6,
-        "layout": {"env_ranks": 1, "rollout_ranks": 1, "trainer_tp": 1},
-        "env_pool": {"mode": "thread", "workers": 8, "step_timeout_s": 20},
-        "adapters": {"keep_last": 1, "keep_every": 4},
-        "tasks": [
-            {"task_id": "lookup", "tenant": "tools", "total_steps": STEPS, "max_staleness": 1, "keep_versions": [3],
-             "dataset": {"kind": "lookup", "eval_size": 8, "tool_latency_s": 0.5}, "lora": {"rank": 8, "alpha": 16},
-             "algo": {**algo, "max_turns": 3, "max_episode_tokens": 40}},
-            {"task_id": "add", "tenant": "plain", "total_steps": STEPS, "max_staleness": 0,
-             "dataset": {"kind": "addition", "eval_size": 8}, "lora": {"rank": 8, "alpha": 16}, "algo": algo},
-        ]}
-
-
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_model_path):
-    tmp_path = tmp_path_factory.mktemp("retention")
-    proc, run_dir = run_marlaas(_config(), tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return run_dir, rank_timelines(run_dir)
+def finished(tmp_path_factory, tiny_model_path):
+    config = tool_and_addition_job(STEPS, rollout_ranks=1, adapters={"keep_last": 1, "keep_every": 4})
+    config["tasks"][0]["keep_versions"] = [3]
+    return finished_run(tmp_path_factory, "retention", config)
 
 
-def test_run_dir_keeps_the_policy_the_pins_and_the_final_version(finished_run):
-    run_dir, _ = finished_run
+def test_run_dir_keeps_the_policy_the_pins_and_the_final_version(finished):
+    run_dir, _ = finished
     summary = json.loads((run_dir / "summary.json").read_text())
     assert {t: (s["status"], s["steps_done"]) for t, s in summary["tasks"].items()} == \
         {"lookup": ("done", STEPS), "add": ("done", STEPS)}
@@ -55,8 +39,8 @@ def _groups(timeline):
     return [r for records in timeline.values() for r in records if r["stage"] == "group"]
 
 
-def test_no_version_is_deleted_while_a_group_samples_with_it(finished_run):
-    _, timeline = finished_run
+def test_no_version_is_deleted_while_a_group_samples_with_it(finished):
+    _, timeline = finished
     groups = _groups(timeline)
     prunes = [r for records in timeline.values() for r in records if r["stage"] == "prune_adapters"]
     assert prunes, "the trainer deleted versions"

@@ -20,36 +20,19 @@ from collections import Counter
 
 import pytest
 
-from support.jobs import rank_timelines, run_marlaas
+from support.configs import tool_and_addition_job
+from support.jobs import finished_run, run_marlaas
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 STEPS = 6
 
 
-def _tool_job():
-    algo = {"group_size": 4, "batch_prompts": 2, "lr": 0.003, "max_new_tokens": 6}
-    return {
-        "model": "tiny", "engine": "hf", "mode": "async", "rollout_slots": 6,
-        "layout": {"env_ranks": 1, "rollout_ranks": 2, "trainer_tp": 1},
-        "env_pool": {"mode": "thread", "workers": 8, "step_timeout_s": 20},
-        "fault": {"on_rank_loss": "stop"},
-        "delta": {"transport": "relay"},
-        "tasks": [
-            {"task_id": "lookup", "tenant": "tools", "total_steps": STEPS, "max_staleness": 1,
-             "dataset": {"kind": "lookup", "eval_size": 8, "tool_latency_s": 0.5}, "lora": {"rank": 8, "alpha": 16},
-             "algo": {**algo, "max_turns": 3, "max_episode_tokens": 40}},
-            {"task_id": "add", "tenant": "plain", "total_steps": STEPS, "max_staleness": 0,
-             "dataset": {"kind": "addition", "eval_size": 8}, "lora": {"rank": 8, "alpha": 16}, "algo": algo},
-        ]}
-
-
 @pytest.fixture(scope="module")
 def relay_run(tmp_path_factory, tiny_model_path):
-    tmp_path = tmp_path_factory.mktemp("relay_job")
-    proc, run_dir = run_marlaas(_tool_job(), tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return run_dir, rank_timelines(run_dir)
+    config = tool_and_addition_job(STEPS, rollout_ranks=2, fault={"on_rank_loss": "stop"},
+                                   delta={"transport": "relay"})
+    return finished_run(tmp_path_factory, "relay_job", config)
 
 
 def test_a_relay_job_finishes_every_task_with_the_audit_exact(relay_run):

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from support.jobs import rank_timelines, run_marlaas
+from support.jobs import finished_run
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -30,10 +30,7 @@ def _repack_job():
 
 @pytest.fixture(scope="module")
 def repack_run(tmp_path_factory, tiny_model_path):
-    tmp_path = tmp_path_factory.mktemp("repack_job")
-    proc, run_dir = run_marlaas(_repack_job(), tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return run_dir, rank_timelines(run_dir)
+    return finished_run(tmp_path_factory, "repack_job", _repack_job())
 
 
 def test_a_repack_job_hands_tails_over_and_keeps_the_audit_exact(repack_run):

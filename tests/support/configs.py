@@ -30,6 +30,25 @@ def multi_model_demo(tiny_steps: int = 2, chat_steps: int | None = None) -> dict
     return config
 
 
+def tool_and_addition_job(steps: int, rollout_ranks: int, **fields) -> dict:
+    """A whole local job (tiny model, hf engine, 1 env and 1 trainer rank) of a multi-turn tool task whose episodes
+    wait on a slow tool while newer versions land ('lookup', k 1) beside a single-turn one ('add', k 0), each of
+    `steps` steps; top-level `fields` added."""
+    algo = {"group_size": 4, "batch_prompts": 2, "lr": 0.003, "max_new_tokens": 6}
+    return {
+        "model": "tiny", "engine": "hf", "mode": "async", "rollout_slots": 6,
+        "layout": {"env_ranks": 1, "rollout_ranks": rollout_ranks, "trainer_tp": 1},
+        "env_pool": {"mode": "thread", "workers": 8, "step_timeout_s": 20},
+        "tasks": [
+            {"task_id": "lookup", "tenant": "tools", "total_steps": steps, "max_staleness": 1,
+             "dataset": {"kind": "lookup", "eval_size": 8, "tool_latency_s": 0.5}, "lora": {"rank": 8, "alpha": 16},
+             "algo": {**algo, "max_turns": 3, "max_episode_tokens": 40}},
+            {"task_id": "add", "tenant": "plain", "total_steps": steps, "max_staleness": 0,
+             "dataset": {"kind": "addition", "eval_size": 8}, "lora": {"rank": 8, "alpha": 16}, "algo": algo},
+        ],
+        **fields}
+
+
 def one_task_job(**fields) -> JobConfig:
     """A JobConfig of one task, 't', with every default, and `fields` (which may replace the tasks)."""
     return JobConfig.from_dict({"tasks": [{"task_id": "t"}], **fields})

@@ -58,6 +58,14 @@ def run_marlaas(config: dict, tmp_path: Path, *args, extra_path=None, timeout=60
     return proc, run_dir
 
 
+def finished_run(tmp_path_factory, name: str, config: dict) -> tuple[Path, dict[str, list[dict]]]:
+    """A module's one job, run to its end (asserted) in a fresh folder `name`: its run dir and its rank timelines,
+    for every test of the module to read."""
+    proc, run_dir = run_marlaas(config, tmp_path_factory.mktemp(name), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir, rank_timelines(run_dir)
+
+
 def job_output(proc: subprocess.CompletedProcess) -> str:
     """The tails a failed job is judged by."""
     return proc.stdout[-3000:] + proc.stderr[-3000:]
