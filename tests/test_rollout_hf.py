@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from marlaas_hpc.rollout import AdapterRef, AdapterVersions, GenerationRequest, make_engine
-from support.rollout import PROMPTS, mixed_requests
+from support.rollout import (PROMPTS, check_mixed_batch_rows_equal_single_runs,
+                             check_sampled_logprobs_equal_teacher_forcing, mixed_requests)
 
 
 def test_hf_greedy_equals_unbatched_reference(hf_engine, codec, adapters, peft_reference):
@@ -23,22 +24,12 @@ def test_hf_greedy_equals_unbatched_reference(hf_engine, codec, adapters, peft_r
 
 
 def test_hf_sampled_logprobs_equal_teacher_forcing(hf_engine, codec, adapters, peft_reference):
-    gens = hf_engine.generate(mixed_requests(codec, 0.7, max_new_tokens=16))
-    deltas = []
-    for gen in gens:
-        path = adapters.get(gen.task_id) if gen.adapter_version is not None else None
-        ref = peft_reference.logprobs(path, gen.prompt_ids, gen.completion_ids, 0.7)
-        deltas += list(np.abs(np.array(gen.logprobs) - np.array(ref)))
-    assert np.mean(deltas) < 1e-4 and np.max(deltas) < 1e-3
+    check_sampled_logprobs_equal_teacher_forcing(hf_engine, codec, adapters, peft_reference)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_hf_mixed_batch_rows_equal_single_runs(hf_engine, codec, temperature):
-    batch = hf_engine.generate(mixed_requests(codec, temperature, tag="batch-"))
-    for gen, req in zip(batch, mixed_requests(codec, temperature, tag="single-")):
-        [single] = hf_engine.generate([req])
-        assert (gen.adapter_version, gen.completion_ids) == (single.adapter_version, single.completion_ids)
-        np.testing.assert_allclose(gen.logprobs, single.logprobs, atol=1e-4)  # fp32, other shapes
+    check_mixed_batch_rows_equal_single_runs(hf_engine, codec, temperature)
 
 
 def test_hf_base_only_engine_and_chunked_batches(tiny_model_path, adapters, hf_engine, codec, peft_reference):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from marlaas_hpc.rollout import AdapterRef, GenerationRequest, make_engine
-from support.rollout import PROMPTS, held_adapter_ids, mixed_requests
+from support.rollout import (PROMPTS, check_mixed_batch_rows_equal_single_runs,
+                             check_sampled_logprobs_equal_teacher_forcing, held_adapter_ids, mixed_requests)
 
 pytestmark = pytest.mark.vllm
 
@@ -40,23 +41,12 @@ def test_vllm_greedy_equals_hf_and_reference(vllm_engine, hf_engine, codec, adap
 
 
 def test_vllm_sampled_logprobs_equal_teacher_forcing(vllm_engine, codec, adapters, peft_reference):
-    gens = vllm_engine.generate(mixed_requests(codec, 0.7, max_new_tokens=16))
-    deltas = []
-    for gen in gens:
-        assert len(gen.logprobs) == len(gen.completion_ids) > 0
-        path = adapters.get(gen.task_id) if gen.adapter_version is not None else None
-        ref = peft_reference.logprobs(path, gen.prompt_ids, gen.completion_ids, 0.7)
-        deltas += list(np.abs(np.array(gen.logprobs) - np.array(ref)))
-    assert np.mean(deltas) < 1e-4 and np.max(deltas) < 1e-3
+    check_sampled_logprobs_equal_teacher_forcing(vllm_engine, codec, adapters, peft_reference)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_vllm_mixed_batch_rows_equal_single_runs(vllm_engine, codec, temperature):
-    batch = vllm_engine.generate(mixed_requests(codec, temperature, tag="batch-"))
-    for gen, req in zip(batch, mixed_requests(codec, temperature, tag="single-")):
-        [single] = vllm_engine.generate([req])
-        assert (gen.adapter_version, gen.completion_ids) == (single.adapter_version, single.completion_ids)
-        np.testing.assert_allclose(gen.logprobs, single.logprobs, atol=1e-4)
+    check_mixed_batch_rows_equal_single_runs(vllm_engine, codec, temperature)
 
 
 def test_vllm_samples_of_one_prompt_go_in_as_one_request_and_equal_separate_ones(vllm_engine, codec):
