@@ -28,7 +28,10 @@ from support.configs import small_config
 from support.jobs import ROOT, job_env, marlaas, min_steps
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.vllm]
-STEPS = 8
+STEPS = 30
+"""Steps of each task: enough that a signal or a kill sent once both tasks trained 2 lands mid-job. The job trains
+8 steps in ~3 s once its ranks are up, and a CI run with the other tests beside this one once took longer than that
+between seeing step 2 and signalling (the job ended with 0, not the requeue status)."""
 HANG_TIMEOUT_S = 150
 """The jobs' hang watchdog: shorter than the default 600 s so that a rank waiting on a dead engine core (the defect)
 fails the test in minutes; far longer than any engine rebuild here."""
