@@ -126,6 +126,21 @@ def test_gsm8k_answer_forms_by_math_verify(completion, answer_format, reward):
     assert math_verify_reward("7", completion, answer_format) == reward
 
 
+def test_a_reward_off_the_main_thread_writes_no_warning():
+    """Env pool threads call math-verify with its SIGALRM timeouts off (the pool bounds the call): its warning that
+    they are off, once per process, was the one stray line of a GSM8K job's output. A fresh process, since the
+    warning shows once."""
+    import subprocess
+    import sys
+
+    script = ("import threading\nfrom marlaas_hpc.tasks.gsm8k import math_verify_reward\nout = []\n"
+              "thread = threading.Thread(target=lambda: out.append(math_verify_reward('7', '#### 7', 'hash')))\n"
+              "thread.start(); thread.join(); print(out)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[1.0]", proc.stdout + proc.stderr
+    assert proc.stderr == "", proc.stderr
+
+
 def test_final_answer_takes_the_last_balanced_box():
     assert final_answer("\\boxed{1} then \\boxed{\\frac{1}{2}}", "boxed") == "\\frac{1}{2}"
     assert final_answer("\\boxed{unclosed", "boxed") is None

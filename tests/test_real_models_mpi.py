@@ -35,7 +35,7 @@ def test_the_cpu_twin_learns_through_chat_prompts_multi_eos_and_tp2(tmp_path):
     for spec in config["tasks"]:
         task = summary["tasks"][spec["task_id"]]
         assert task["status"] == "done" and task["steps_done"] == spec["total_steps"]
-        # measured 0.42 -> 0.97 ('####') and 0.34 -> 1.00 (\\boxed{}) in 16 steps
+        # measured 0.42 -> 1.00 ('####') and 0.34 -> 0.98 (\\boxed{}) in 8 steps (docs/benchmarks.md)
         assert 0.15 <= task["eval_accuracy_before"] <= 0.6, task
         assert task["eval_accuracy_after"] >= task["eval_accuracy_before"] + 0.25, task
         metrics = [json.loads(line) for line in (tmp_path / "run" / "tasks" / spec["tenant"] / spec["task_id"] /

@@ -20,6 +20,7 @@ whole completion (lenient, for base models in raw form).
 """
 from __future__ import annotations
 
+import logging
 import random
 import threading
 
@@ -77,9 +78,10 @@ def math_verify_reward(gold: str, completion: str, answer_format: str | None = N
     """1.0 if the completion's final answer equals `gold` by math-verify, else 0.0.
 
     math-verify's own timeouts use SIGALRM, which only works on the main thread; elsewhere they are off and
-    the env pool's per-call timeout bounds the call instead."""
+    the env pool's per-call timeout bounds the call instead (so its warning that they are off is dropped)."""
     from math_verify import parse, verify
 
+    _quiet_timeout_warnings()
     answer = final_answer(completion, answer_format)
     if answer is None:
         return 0.0
@@ -88,6 +90,24 @@ def math_verify_reward(gold: str, completion: str, answer_format: str | None = N
     if not gold_parsed:
         return 0.0
     return 1.0 if verify(gold_parsed, parse(answer, parsing_timeout=timeout), timeout_seconds=timeout) else 0.0
+
+
+class _DropTimeoutOff(logging.Filter):
+    """math-verify warns once per process that its timeouts are off (None off the main thread): they are off on
+    purpose there, bounded by the env pool instead, and the line was the one stray warning of a GSM8K job."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+_DROP_TIMEOUT_OFF = _DropTimeoutOff()
+
+
+def _quiet_timeout_warnings() -> None:
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if _DROP_TIMEOUT_OFF not in logger.filters:
+            logger.addFilter(_DROP_TIMEOUT_OFF)
 
 
 # ---------------------------------------------------------------------------------------------- synthetic
