@@ -17,20 +17,21 @@ import yaml
 
 from marlaas_hpc.launch.mpi import ulfm_prefix
 from marlaas_hpc.launch.monitor import RankReporter
-from support.checks import check_every_version_once
+from support.checks import check_ended_with_its_summary, check_every_version_once
 from support.configs import small_config
 from support.jobs import FAULT_STEPS as STEPS
+from support.jobs import KILL_STEPS
 from support.jobs import SEED, Job, marlaas_stdout, rank_record, scale
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow,
               pytest.mark.skipif(ulfm_prefix() is None, reason="needs the ULFM Open MPI (tools/setup_env.sh)")]
 
 
-def _config(tmp_path: Path, fault: dict | None = None, **layout) -> Path:
+def _config(tmp_path: Path, fault: dict | None = None, steps: int = STEPS, **layout) -> Path:
     config = small_config(layout={"env_ranks": 1, "rollout_ranks": 1, "trainer_tp": 1, **layout},
                           checkpoint={"every_steps": 5, "every_minutes": 0}, fault=fault or {})
     for task in config["tasks"]:
-        task["total_steps"] = STEPS
+        task["total_steps"] = steps
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -38,7 +39,7 @@ def _config(tmp_path: Path, fault: dict | None = None, **layout) -> Path:
 
 def _kill_one(tmp_path: Path, role: str, **layout) -> tuple[Job, dict, Path]:
     run_dir, rng = tmp_path / "run", random.Random(SEED)
-    job = Job([str(_config(tmp_path, **layout)), "--run-dir", str(run_dir)], tmp_path)
+    job = Job([str(_config(tmp_path, steps=KILL_STEPS, **layout)), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(3 + rng.randint(0, 3))
     time.sleep(rng.uniform(0.0, 0.5))
     victims = sorted((json.loads(p.read_text()) for p in (run_dir / "ranks").glob("rank*.json")),
@@ -51,6 +52,7 @@ def _kill_one(tmp_path: Path, role: str, **layout) -> tuple[Job, dict, Path]:
     os.kill(victim["pid"], signal.SIGKILL)
     code = job.finish()
     assert code == 0, f"seed {SEED}: the job did not finish by itself:\n{job.output()}"
+    check_ended_with_its_summary(run_dir, time.time())  # the rollout kill's did not, in ~1 run of 2, before
     return job, victim, run_dir
 
 
@@ -61,7 +63,7 @@ def test_sigkill_of_one_worker_rank_stops_no_task(tmp_path, role, layout):
     assert len(lines) == 1, job.output()
     assert lines[0].startswith(f"[fault] rank {victim['rank']} ({role}) lost: died") and "issued again" in lines[0]
     assert "job stopped" not in job.err and not (run_dir / "crash.json").exists()
-    summary = check_every_version_once(run_dir, STEPS)
+    summary = check_every_version_once(run_dir, KILL_STEPS)
     (loss,) = summary["ranks_lost"]
     assert loss["rank"] == victim["rank"] and loss["role"] == role and loss["cause"].startswith("died")
     reissued = sum(t["reissued_groups"] for t in summary["tasks"].values())
@@ -78,7 +80,7 @@ def test_losing_the_last_rollout_rank_stops_the_job_resumably_and_says_why(tmp_p
     from marlaas_hpc.runtime.checkpoint import load_job_checkpoint
 
     run_dir = tmp_path / "run"
-    job = Job([str(_config(tmp_path)), "--run-dir", str(run_dir)], tmp_path)
+    job = Job([str(_config(tmp_path, steps=KILL_STEPS)), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(3)
     victim = rank_record(run_dir, "rollout")
     os.kill(victim["pid"], signal.SIGKILL)
@@ -96,7 +98,7 @@ def test_sigkill_of_rank_0_stops_the_job_with_one_message_and_it_resumes(tmp_pat
     (the ULFM mpiexec itself exits 0 after it), and `marlaas run --resume` finishes every task, each version
     trained exactly once over both runs."""
     run_dir = tmp_path / "run"
-    job = Job([str(_config(tmp_path, rollout_ranks=2)), "--run-dir", str(run_dir)], tmp_path)
+    job = Job([str(_config(tmp_path, steps=KILL_STEPS, rollout_ranks=2)), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(8)
     os.kill(rank_record(run_dir, "scheduler")["pid"], signal.SIGKILL)
     code = job.finish()
@@ -106,7 +108,7 @@ def test_sigkill_of_rank_0_stops_the_job_with_one_message_and_it_resumes(tmp_pat
     assert f"marlaas run --resume {run_dir}" in stops[0] and (run_dir / "crash.json").exists()
     resumed = Job(["--resume", str(run_dir)], tmp_path)
     assert resumed.finish() == 0, resumed.output()
-    check_every_version_once(run_dir, STEPS)
+    check_every_version_once(run_dir, KILL_STEPS)
 
 
 def test_a_rollout_rank_stopped_with_sigstop_is_found_hung_killed_and_handled_as_lost(tmp_path):
@@ -147,7 +149,7 @@ def test_sigkill_of_one_rank_of_one_of_two_trainer_groups_rolls_back_that_groups
                           checkpoint={"every_steps": 5, "every_minutes": 0})
     config["tasks"].append({**config["tasks"][0], "task_id": "add2", "tenant": "carol"})
     for task in config["tasks"]:
-        task["total_steps"] = STEPS
+        task["total_steps"] = KILL_STEPS
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     job = Job([str(path), "--run-dir", str(run_dir)], tmp_path)
@@ -158,7 +160,7 @@ def test_sigkill_of_one_rank_of_one_of_two_trainer_groups_rolls_back_that_groups
     lines = [line for line in job.lines if line.startswith("[fault]")]
     assert len(lines) == 1 and "(trainer (group 1)) lost" in lines[0] and "back to their checkpoint" in lines[0], \
         job.output()
-    summary = check_every_version_once(run_dir, STEPS)
+    summary = check_every_version_once(run_dir, KILL_STEPS)
     (loss,) = summary["ranks_lost"]
     rolled = loss["tasks_rolled_back"]
     assert rolled, "group 1 owned a task"
@@ -168,7 +170,7 @@ def test_sigkill_of_one_rank_of_one_of_two_trainer_groups_rolls_back_that_groups
         assert info["trainer_group"] == 0 or task_id not in rolled
         metrics = [json.loads(line)["version"] for line in
                    (run_dir / "tasks" / info["tenant"] / task_id / "metrics.jsonl").read_text().splitlines()]
-        assert metrics == list(range(1, STEPS + 1)), f"{task_id}: each version once in metrics.jsonl"
+        assert metrics == list(range(1, KILL_STEPS + 1)), f"{task_id}: each version once in metrics.jsonl"
     audit = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
     others = [r for r in audit if r["task_id"] not in rolled]
     assert others and all(".r" not in r["group_id"] for r in others), "no other task went back"

@@ -23,21 +23,22 @@ import pytest
 import yaml
 
 from marlaas_hpc.launch.mpi import ulfm_prefix
-from support.checks import check_every_version_once
+from support.checks import check_ended_with_its_summary, check_every_version_once
 from support.configs import small_config
 from support.jobs import FAULT_STEPS as STEPS
+from support.jobs import KILL_STEPS
 from support.jobs import Job, rank_timelines, scale
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow,
               pytest.mark.skipif(ulfm_prefix() is None, reason="needs the ULFM Open MPI (tools/setup_env.sh)")]
 
 
-def _relay_config(tmp_path: Path, rollout_ranks: int, **layout) -> Path:
+def _relay_config(tmp_path: Path, rollout_ranks: int, steps: int = STEPS, **layout) -> Path:
     config = small_config(layout={"env_ranks": 1, "rollout_ranks": rollout_ranks, "trainer_tp": 1, **layout},
                           checkpoint={"every_steps": 5, "every_minutes": 0}, delta={"transport": "relay"})
     assert "fault" not in config or config["fault"].get("on_rank_loss", "continue") == "continue"
     for task in config["tasks"]:
-        task["total_steps"] = STEPS
+        task["total_steps"] = steps
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -53,23 +54,24 @@ def test_sigkill_of_a_relay_s_rank_re_forms_the_tier_and_stops_no_task(tmp_path,
     """`root`: every push goes through the victim (the leader's sends to it fail, the next relay loses its parent);
     `middle`: the root loses a child it forwards to, the last relay its parent."""
     run_dir = tmp_path / "run"
-    job = Job([str(_relay_config(tmp_path, 3)), "--run-dir", str(run_dir)], tmp_path)
+    job = Job([str(_relay_config(tmp_path, 3, steps=KILL_STEPS)), "--run-dir", str(run_dir)], tmp_path)
     job.wait_steps(4)
     victim = _rollout_ranks(run_dir)[place]
     os.kill(victim["pid"], signal.SIGSTOP)  # held a moment first, so that it holds groups when it dies
     time.sleep(1.0)
     os.kill(victim["pid"], signal.SIGKILL)
     assert job.finish() == 0, job.output()
+    check_ended_with_its_summary(run_dir, time.time())
     assert "job stopped" not in job.err and not (run_dir / "crash.json").exists()
     assert "Exception in thread" not in job.err and "Traceback" not in job.err, job.err[-3000:]
     lines = [line for line in job.lines if line.startswith("[fault]")]
     assert len(lines) == 1 and lines[0].startswith(f"[fault] rank {victim['rank']} (rollout) lost"), job.output()
-    summary = check_every_version_once(run_dir, STEPS)  # exact audit: each version trained once, from B groups
+    summary = check_every_version_once(run_dir, KILL_STEPS)  # exact audit: each version trained once, from B groups
     (loss,) = summary["ranks_lost"]
     assert loss["rank"] == victim["rank"] and loss["role"] == "rollout"
     assert sum(t["reissued_groups"] for t in summary["tasks"].values()) == len(loss["groups_reissued"]) > 0
     (group,) = summary["trainer_groups"].values()
-    assert group["delta"]["sent"] > 2 * (STEPS + 1), "every task's newest version was pushed again"
+    assert group["delta"]["sent"] > 2 * (KILL_STEPS + 1), "every task's newest version was pushed again"
     assert group["delta"]["relay_epoch"] == 1 and group["delta"]["tiers_retired"] == 1, group["delta"]
     timeline = rank_timelines(run_dir)
     survivors = [r["rank"] for r in _rollout_ranks(run_dir) if r["rank"] != victim["rank"]]

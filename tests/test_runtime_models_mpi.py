@@ -15,7 +15,7 @@ import sys
 import pytest
 import yaml
 
-from support.checks import assignment_followed
+from support.checks import assignment_followed, check_ended_with_its_summary
 from support.configs import MODEL_OF, multi_model_demo
 from support.jobs import ROOT, Job, rank_timelines, run_marlaas, scale
 
@@ -112,8 +112,9 @@ def test_a_rank_joined_by_marlaas_scale_serves_the_model_rank_0_assigns_then_dra
 
     if ulfm_prefix() is None:
         pytest.skip("needs the ULFM Open MPI (tools/setup_env.sh)")
-    # long enough that the job still runs once the joiner's engines are up
-    config, run_dir, job = _started_demo(tmp_path, tiny_steps=60, chat_steps=10)
+    # long enough that the job still runs once the joiner's engines are up, and chat-mini's tasks (10 steps, the
+    # longest) once it drained: rank 2 serves on
+    config, run_dir, job = _started_demo(tmp_path, tiny_steps=40, chat_steps=10)
     scale(run_dir, 2)
     job.wait_lines("[scale] rollout rank 5 joined")
     serving = {}
@@ -173,7 +174,9 @@ def test_a_replacement_for_a_lost_rank_enters_the_pool(tmp_path):
 
     if ulfm_prefix() is None:
         pytest.skip("needs the ULFM Open MPI (tools/setup_env.sh)")
-    config, run_dir, job = _started_demo(tmp_path, tiny_steps=40, chat_steps=8, rollout_ranks=2,
+    # long enough that the job still runs once the replacement is up (it joined 18 s into an 85 s job of 40 and 8
+    # steps in a CI run, 2026-11-29)
+    config, run_dir, job = _started_demo(tmp_path, tiny_steps=24, chat_steps=5, rollout_ranks=2,
                                          rollout_replace=True)
     victim = json.loads((run_dir / "ranks" / "rank2.json").read_text())
     os.kill(victim["pid"], signal.SIGSTOP)  # held a moment first, so that it holds groups when it dies
@@ -181,6 +184,7 @@ def test_a_replacement_for_a_lost_rank_enters_the_pool(tmp_path):
     os.kill(victim["pid"], signal.SIGKILL)
     job.wait_lines("[scale] rollout rank 6 joined")
     assert job.finish() == 0, job.output()
+    check_ended_with_its_summary(run_dir, time.time())  # it did not, ~28 s late, on every run before keep_till_exit
     assert "Traceback" not in job.err, job.err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [r["rank"] for r in summary["ranks_lost"]] == [2] and [r["rank"] for r in summary["ranks_joined"]] == [6]

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from marlaas_hpc.launch.mpi import ulfm_prefix
-from support.jobs import scale
+from support.jobs import KILL_STEPS, scale
 from support.slurm import cluster, preempt_at_step, sacct_states, slurm_small_config, submit, wait_final  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow,
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow,
 
 
 def test_a_killed_rollout_rank_stops_no_task_under_ulfm(cluster, tmp_path):  # noqa: F811
-    steps = 40
+    steps = KILL_STEPS
     config = slurm_small_config(steps)
     config["layout"].update(mpi="ulfm", rollout_ranks=2)
     job_id, run_dir, _ = submit(config, tmp_path)

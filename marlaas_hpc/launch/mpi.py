@@ -87,7 +87,7 @@ class LocalMpi:
         args = [self.mpiexec, "-np", str(world_size), "--oversubscribe", "--bind-to", "none",
                 "--mca", "mpi_yield_when_idle", "1"]
         if self.fault_tolerant:
-            args += ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "false"]
+            args += ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "false", *ASYNC_FINALIZE]
         return args
 
     def environ(self, base: dict) -> dict:
@@ -127,6 +127,14 @@ def find_local_mpi(choice: str = "auto", environ=os.environ, venv: str | Path = 
         raise SpecError("fault.local_mpi", "no mpirun on PATH and no ULFM Open MPI under the venv: run "
                                            "tools/setup_env.sh (Debian: apt-get install openmpi-bin libopenmpi-dev)")
     return LocalMpi(kind="system", mpiexec=mpirun)
+
+
+ASYNC_FINALIZE = ("--mca", "async_mpi_finalize", "1")
+"""Under ULFM, MPI_Finalize skips its PMIx fence over the whole world. After a rank's loss that fence did not end in
+about half the jobs (ULFM Open MPI 5.0.11, 2026-11-29): every survivor spun at 100% CPU in MPI_Finalize until its
+deadline killed it (runtime/process.py `_finalize_deadline`, 30 s). What the fence guards, a message a BTL still
+holds at exit, is not left here: every rank's last sends are completed first (the Outbox's `flush`), and a job
+that lost no rank ends with a barrier of its own (runtime/process.py `end_barrier`)."""
 
 
 def ft_enabled(environ=os.environ) -> bool:

@@ -323,10 +323,13 @@ FINALIZE_DEADLINE_S = 30
 
 def _finalize_deadline() -> None:
     """Under ULFM, MPI_Finalize runs an agreement among the survivors, which never ends if a peer left without
-    being reported failed (end_lost_rank says how that happened; seen once more, cause unknown, in ~1 run of 4
-    after a rollout rank's SIGKILL). Everything is written and said by now, so after FINALIZE_DEADLINE_S the
-    kernel ends the rank (SIGALRM's default action: no Python thread can run while MPI_Finalize holds the GIL);
-    its peers see it fail, and mpiexec still exits 0 (a lost rank does not change its status under ULFM)."""
+    being reported failed (end_lost_rank says how that happened), and spins (100% CPU) until a late survivor comes:
+    one that waited at its end on a retired delta channel's gloo threads did so after every lost or joined rollout
+    rank, until runtime/delta/groups.py `keep_till_exit` (2026-11-29); its PMIx fence, which after a loss did not end
+    in about half the jobs, is skipped (launch/mpi.py `ASYNC_FINALIZE`). Everything is written and said by now, so
+    after FINALIZE_DEADLINE_S the kernel ends the rank (SIGALRM's default action: no Python thread can run while
+    MPI_Finalize holds the GIL); its peers see it fail, and mpiexec still exits 0 (a lost rank does not change its
+    status under ULFM)."""
     import signal
 
     signal.signal(signal.SIGALRM, signal.SIG_DFL)

@@ -56,6 +56,18 @@ def check_every_version_once(run_dir: Path, steps: int) -> dict:
     return summary
 
 
+def check_ended_with_its_summary(run_dir: Path, ended: float) -> None:
+    """The job's processes ended (`ended`: when `marlaas run` exited) soon after its summary, not at ULFM's
+    MPI_Finalize deadline: a rank late to its end (one destroying a retired delta channel with a broadcast abandoned
+    on it) or MPI_Finalize's PMIx fence after a loss kept the survivors spinning in MPI_Finalize until the deadline
+    killed them, ~30 s after the summary (runtime/delta/groups.py keep_till_exit, launch/mpi.py ASYNC_FINALIZE)."""
+    from marlaas_hpc.runtime.process import FINALIZE_DEADLINE_S
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lag = ended - (summary["job_start"] + summary["wall_time_s"])
+    assert lag < FINALIZE_DEADLINE_S / 2, f"the job ended {lag:.1f} s after its summary"
+
+
 def assignment_followed(run_dir: Path) -> dict[int, list[str]]:
     """Checks that each rollout rank followed rank 0's model pool: its engine switches are the switches rank 0
     ordered (Serve, answered Served with the switch's cost), in order, and every group it started (training and

@@ -18,8 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("MARLAAS_FAULT_SEED", time.time_ns() % 100_000))
 """Seed of the random kill points of the fault tests (set MARLAAS_FAULT_SEED to replay; printed on failure)."""
 FAULT_STEPS = 60
-"""Steps of each task of a job that loses a rank: enough that the job still runs at the kill (steps of the tiny
-model take ~0.1-0.2 s here)."""
+"""Steps of each task of a job that gains a rank (a joiner or a replacement) or waits out a hang timeout: enough that
+the job still runs once the new rank is up or the hang is found (steps of the tiny model take ~0.1-0.2 s here, ~0.45 s
+in a CI run)."""
+KILL_STEPS = 30
+"""Steps of each task of a job that only loses a rank, killed at step 3-8: the job runs on for 20 steps or more
+after the kill (60 steps spent ~15 s of CI time per test after its last event, 2026-11-29)."""
 RUN_TIMEOUT_S = 600
 TRAINING_TASKS = ("add", "sort")
 """The training tasks of configs/test-small.yaml: a Job counts their steps."""

@@ -21,7 +21,8 @@ the old channel, then the leader's tasks broadcast again (the new members hold n
 missed broadcasts abandoned with the old group). Broadcasts in flight on the old group are abandoned, not waited
 for (one to a dead member never ends), and the old group is aborted first (runtime/delta/groups.py: on NCCL its
 pending broadcasts would otherwise keep the watchdog counting towards ending this process), then kept, never
-destroyed: destroying a gloo group joins its worker threads, which an abandoned broadcast holds until its timeout.
+destroyed: destroying a gloo group joins its worker threads, which an abandoned broadcast holds until its timeout
+(runtime/delta/groups.py `keep_till_exit`: not at the job's end either).
 Under a tolerant job a broadcast that fails (its group had a member die) is dropped, not raised: the remade channel
 sends that version again.
 
@@ -40,7 +41,7 @@ import torch
 
 from marlaas_hpc.runtime.comm import recv_wait, send_settled
 from marlaas_hpc.runtime.delta.groups import (SetupFailed, abort, complete, gpu_key, host_store, join_store,
-                                             process_group, set_up)
+                                             keep_till_exit, process_group, set_up)
 from marlaas_hpc.runtime.delta.plane import DeltaSender, flat_buffer, unflatten
 from marlaas_hpc.runtime.messages import TAG_DELTA, ChannelAddress, DeltaAnnounce
 
@@ -162,10 +163,12 @@ class DeltaChannel(DeltaSender):
         self.process_group = group
 
     def _retire(self) -> None:
-        """Leaves the current group: aborted (nothing pending on it can hold this rank), then kept (module doc)."""
+        """Leaves the current group: aborted (nothing pending on it can hold this rank), then kept till the process
+        ends (module doc)."""
         if self.process_group is not None:
             abort(self.process_group)
             self.retired.append((self.process_group, self.in_flight))
+            keep_till_exit(self.retired[-1])
         self.process_group, self.in_flight = None, deque()
 
     def remake(self, rollout_ranks: list[int], epoch: int) -> None:

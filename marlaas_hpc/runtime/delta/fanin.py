@@ -40,7 +40,7 @@ import torch
 
 from marlaas_hpc.runtime.comm import poll
 from marlaas_hpc.runtime.delta.broadcast import DeltaChannel
-from marlaas_hpc.runtime.delta.groups import SetupFailed, abort, complete
+from marlaas_hpc.runtime.delta.groups import SetupFailed, abort, complete, keep_till_exit
 from marlaas_hpc.runtime.delta.plane import DeltaReceiver, Received, unflatten
 from marlaas_hpc.runtime.messages import TAG_DELTA, ChannelAddress, DeltaAnnounce
 
@@ -159,12 +159,14 @@ class DeltaFanIn(DeltaReceiver):
             self.failed[leader] = address.epoch
 
     def _retire(self, leader: int) -> None:
-        """The leader's current channel is left: aborted, kept with what was posted on it, nothing held of it."""
+        """The leader's current channel is left: aborted, kept till the process ends with what was posted on it
+        (runtime/delta/groups.py `keep_till_exit`), nothing held of it."""
         old = self.channels.get(leader)
         if old is not None:
             if old.process_group is not None:
                 abort(old.process_group)
             self.retired.append((old, list(self.pending.get(leader, ()))))
+            keep_till_exit(self.retired[-1])
             self.channels[leader] = None
         self.pending[leader] = deque()
         for key in [key for key, (source, _) in self.held.items() if source == leader]:

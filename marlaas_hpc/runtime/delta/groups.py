@@ -1,7 +1,8 @@
 """torch.distributed groups of the job's own, made from a TCPStore rather than from the default group (on rollout
 ranks vLLM owns the default group, on trainer ranks megatron does): a trainer group's world, each delta channel,
 each relay link. Here: the store, the group of a backend, its set-up with a deadline, completion of a posted
-collective on the host, its abort, and which GPU a member has (NCCL needs a GPU of its own per member).
+collective on the host, its abort, what is kept of a group left behind, and which GPU a member has (NCCL needs a GPU
+of its own per member).
 
 NCCL and gloo differ where a member dies or never comes, and the delta plane must be safe on both:
 - gloo fails a collective whose peer's socket closed (a dead member) and times a missing member out after the
@@ -58,6 +59,21 @@ def process_group(backend: str, store, member: int, size: int, timeout: timedelt
     if setup_timeout is not None:
         group.set_timeout(timeout)
     return group
+
+
+_LEFT_BEHIND: list = []
+"""What `keep_till_exit` was given: referenced for the rest of the process's life."""
+
+
+def keep_till_exit(left_behind) -> None:
+    """Keeps a group left behind (or what holds one: a retired channel, relay, pusher) until the process ends. A
+    rank ends by os._exit (runtime/process.py `end_rank`), which destroys nothing; a gloo group destroyed earlier,
+    when its owner is let go at the end of the role's loop, joins its worker threads, and a broadcast abandoned on it
+    holds one of them until the group's timeout (delta.timeout_s, 30 min by default). Measured 2026-11-29: at the end
+    of every local job that had lost or gained a rollout rank, the surviving rollout ranks waited there while their
+    peers spun at 100% CPU in ULFM's MPI_Finalize (its agreement needs every survivor) until its 30-s deadline ended
+    them by SIGALRM (runtime/process.py `_finalize_deadline`)."""
+    _LEFT_BEHIND.append(left_behind)
 
 
 def nccl_setup_deadline(setup_timeout_s: float, environ=os.environ) -> None:

@@ -47,7 +47,7 @@ import time
 import torch
 
 from marlaas_hpc.runtime.comm import poll, recv_wait
-from marlaas_hpc.runtime.delta.groups import host_store, join_store
+from marlaas_hpc.runtime.delta.groups import host_store, join_store, keep_till_exit
 from marlaas_hpc.runtime.delta.plane import DeltaPlane, DeltaReceiver, DeltaSender, Received, unflatten
 from marlaas_hpc.runtime.delta.relay import Relay, RelayPusher, RelayStore, RelayTier, RelayTierLayout
 from marlaas_hpc.runtime.messages import TAG_DELTA, RelayAddress
@@ -124,6 +124,7 @@ class RelayPublisher(DeltaSender):
         task again. No rollout rank (the last one lost, a replacement on its way): no tier until the next epoch."""
         if self.pusher is not None:
             self.retired.append(self.pusher)
+            keep_till_exit(self.pusher)  # its gloo links may hold abandoned sends (runtime/delta/groups.py)
             self.pusher = None
         self.epoch, self.broken = epoch, None
         if not rollout_ranks:
@@ -217,6 +218,7 @@ class RelayFeed(DeltaReceiver):
         members = sorted(set(layout.leaders) | set(layout.relays))
         if self.relay is not None:
             self.retired.append(self.relay)
+            keep_till_exit(self.relay)  # its gloo links may hold abandoned receives (runtime/delta/groups.py)
             self.relay = None
         self.epoch = message.epoch
         failed = None
