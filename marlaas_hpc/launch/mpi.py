@@ -87,7 +87,7 @@ class LocalMpi:
         args = [self.mpiexec, "-np", str(world_size), "--oversubscribe", "--bind-to", "none",
                 "--mca", "mpi_yield_when_idle", "1"]
         if self.fault_tolerant:
-            args += ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "false", *ASYNC_FINALIZE]
+            args += ULFM_ARGS
         return args
 
     def environ(self, base: dict) -> dict:
@@ -135,6 +135,8 @@ about half the jobs (ULFM Open MPI 5.0.11, 2026-11-29): every survivor spun at 1
 deadline killed it (runtime/process.py `_finalize_deadline`, 30 s). What the fence guards, a message a BTL still
 holds at exit, is not left here: every rank's last sends are completed first (the Outbox's `flush`), and a job
 that lost no rank ends with a barrier of its own (runtime/process.py `end_barrier`)."""
+ULFM_ARGS = ("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "false", *ASYNC_FINALIZE)
+"""The ULFM mpiexec's fault-tolerance options, local mode's and under Slurm's (launch/ulfm_slurm.py)."""
 
 
 def ft_enabled(environ=os.environ) -> bool:

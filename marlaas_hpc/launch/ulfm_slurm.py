@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marlaas_hpc.launch.layout import EMULATED_NODES_ENV
-from marlaas_hpc.launch.mpi import ASYNC_FINALIZE, LocalMpi, ulfm_prefix
+from marlaas_hpc.launch.mpi import ULFM_ARGS, LocalMpi, ulfm_prefix
 from marlaas_hpc.launch.slurm_env import expand_hostlist
 
 PLAN_ENV = "MARLAAS_ULFM_PLAN"
@@ -165,9 +165,9 @@ def join_argv(slot: int, program: list[str]) -> list[str]:
 
 def mpiexec_argv(mpi: LocalMpi, plan: dict, hostfile: Path, agent: Path, command: str) -> list[str]:
     """ULFM's mpiexec over the plan's nodes, each rank running `command` (a shell line) through `rank`."""
-    return [mpi.mpiexec, "-n", str(len(rank_hosts(plan))), "--with-ft", "ulfm", "--mca", "mpi_ft_detector", "false",
-            *ASYNC_FINALIZE, "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1", "--prtemca", "ras", "^slurm",
-            "--prtemca", "plm", "ssh", "--prtemca", "plm_ssh_agent", str(agent), "--hostfile", str(hostfile),
+    return [mpi.mpiexec, "-n", str(len(rank_hosts(plan))), *ULFM_ARGS, "--bind-to", "none",
+            "--mca", "mpi_yield_when_idle", "1", "--prtemca", "ras", "^slurm", "--prtemca", "plm", "ssh",
+            "--prtemca", "plm_ssh_agent", str(agent), "--hostfile", str(hostfile),
             "--map-by", "seq", sys.executable, "-m", "marlaas_hpc.launch.ulfm_slurm", "rank", "--",
             "/bin/sh", "-c", command]
 

@@ -81,7 +81,6 @@ def math_verify_reward(gold: str, completion: str, answer_format: str | None = N
     the env pool's per-call timeout bounds the call instead (so its warning that they are off is dropped)."""
     from math_verify import parse, verify
 
-    _quiet_timeout_warnings()
     answer = final_answer(completion, answer_format)
     if answer is None:
         return 0.0
@@ -100,14 +99,8 @@ class _DropTimeoutOff(logging.Filter):
         return not record.getMessage().startswith("Timeout is disabled")
 
 
-_DROP_TIMEOUT_OFF = _DropTimeoutOff()
-
-
-def _quiet_timeout_warnings() -> None:
-    for name in ("math_verify.parser", "math_verify.grader"):
-        logger = logging.getLogger(name)
-        if _DROP_TIMEOUT_OFF not in logger.filters:
-            logger.addFilter(_DROP_TIMEOUT_OFF)
+for _name in ("math_verify.parser", "math_verify.grader"):  # once, at import (a logger exists before its module)
+    logging.getLogger(_name).addFilter(_DropTimeoutOff())
 
 
 # ---------------------------------------------------------------------------------------------- synthetic
